@@ -1,0 +1,2 @@
+//! gpufrac-arbiter (foundation stage).
+fn main() {}

@@ -1,0 +1,2 @@
+//! gpufrac CLI (foundation stage).
+fn main() {}

@@ -1,0 +1,2 @@
+//! Kubernetes device plugin (foundation stage).
+fn main() {}
