@@ -167,6 +167,9 @@ procs! {
     "cuStreamQuery": [2000 => "cuStreamQuery"] ptds "cuStreamQuery_ptsz";
     "cuStreamWaitEvent": [3020 => "cuStreamWaitEvent"] ptds "cuStreamWaitEvent_ptsz";
     "cuStreamGetCtx": [9020 => "cuStreamGetCtx"] ptds "cuStreamGetCtx_ptsz";
+    "cuStreamGetPriority": [5050 => "cuStreamGetPriority"] ptds "cuStreamGetPriority_ptsz";
+    "cuStreamGetFlags": [5050 => "cuStreamGetFlags"] ptds "cuStreamGetFlags_ptsz";
+    "cuCtxGetStreamPriorityRange": [5050 => "cuCtxGetStreamPriorityRange"];
     "cuEventCreate": [2000 => "cuEventCreate"];
     "cuEventDestroy": [4000 => "cuEventDestroy_v2"];
     "cuEventRecord": [2000 => "cuEventRecord"] ptds "cuEventRecord_ptsz";

@@ -1,1 +1,504 @@
-//! state
+//! The simulated machine that every process using simgpu shares: its devices, how much
+//! device memory each process holds on each, and events injected for health tests.
+//!
+//! The state lives in a small file (`SIMGPU_STATE`, by default one per user under
+//! `/dev/shm`) mapped into every process. Two kernel-managed kinds of lock keep it
+//! consistent without ever being left held by a killed process:
+//! - the table lock, an open-file-description (OFD) record lock on one byte, taken for
+//!   every change that must see a consistent total;
+//! - one OFD lock byte per process slot, held for the life of the process that owns the
+//!   slot. The kernel drops it when the process exits or is killed, so a slot whose byte
+//!   is free belongs to a dead process and its memory is released, as the real driver
+//!   releases a dead process's memory.
+#![deny(missing_docs)]
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use gpufrac_common::{parse_bytes, SizeError};
+
+/// Most simulated devices on one machine.
+pub const MAX_DEVICES: usize = 16;
+/// Most processes using the simulated machine at once.
+pub const MAX_PROCESSES: usize = 256;
+/// Device memory when `SIMGPU_DEVICES` is unset: one device of 16 GiB.
+pub const DEFAULT_DEVICES: &str = "16GiB";
+
+const MAGIC: u64 = 0x5349_4d47_5055_0000 | (std::mem::size_of::<Shared>() as u64 & 0xffff);
+// Lock bytes sit far past the end of the mapped data; record locks need no backing bytes.
+const TABLE_LOCK_BYTE: i64 = 1 << 40;
+const SLOT_LOCK_BASE: i64 = TABLE_LOCK_BYTE + 1;
+
+/// Why the simulated machine could not be opened or used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// A setting could not be read.
+    #[error("simgpu: {0}")]
+    Setting(#[from] SizeError),
+    /// `SIMGPU_DEVICES` named no device or too many.
+    #[error("simgpu: invalid SIMGPU_DEVICES={0:?}: expected 1 to {MAX_DEVICES} comma-separated sizes such as 16GiB,16GiB")]
+    DeviceList(String),
+    /// The state file could not be created, locked or mapped.
+    #[error("simgpu: shared state {path}: {source}")]
+    Io {
+        /// The state file.
+        path: String,
+        /// What the system said.
+        source: io::Error,
+    },
+    /// Every process slot is taken by a live process.
+    #[error("simgpu: more than {MAX_PROCESSES} processes use the simulated GPU at once")]
+    TooManyProcesses,
+}
+
+/// One simulated device as the state holds it.
+#[repr(C)]
+struct DeviceRecord {
+    total: AtomicU64,
+    /// Nanoseconds that kernels have run on this device, for utilization.
+    busy_ns: AtomicU64,
+    /// Number of XID events injected so far, and the code of the last one.
+    xid_count: AtomicU64,
+    last_xid: AtomicU64,
+}
+
+/// One process's share of the machine.
+#[repr(C)]
+struct ProcessRecord {
+    in_use: AtomicU32,
+    pid: AtomicU32,
+    used: [AtomicU64; MAX_DEVICES],
+}
+
+#[repr(C)]
+struct Shared {
+    magic: AtomicU64,
+    device_count: AtomicU32,
+    generation: AtomicU32,
+    devices: [DeviceRecord; MAX_DEVICES],
+    processes: [ProcessRecord; MAX_PROCESSES],
+}
+
+/// A process using a device and the memory it holds there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUsage {
+    /// The process ID in the namespace of the process that created its slot.
+    pub pid: u32,
+    /// Bytes of device memory it holds.
+    pub used: u64,
+}
+
+/// The simulated machine, mapped into this process.
+pub struct Machine {
+    file: File,
+    path: String,
+    shared: *const Shared,
+    /// Serialises this process's threads; the OFD table lock only excludes other processes.
+    local: std::sync::Mutex<()>,
+    /// Slots this Machine claimed, one bit each.
+    own: [AtomicU64; MAX_PROCESSES / 64],
+}
+
+// SAFETY: `shared` points to a mapping that lives as long as the Machine and is only
+// accessed through atomics; the file descriptor is usable from any thread.
+unsafe impl Send for Machine {}
+// SAFETY: as above; all shared mutation goes through atomics under the table lock.
+unsafe impl Sync for Machine {}
+
+/// The default state path for this user.
+pub fn default_state_path() -> String {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    format!("/dev/shm/simgpu-{uid}")
+}
+
+/// Reads `SIMGPU_DEVICES` (or its default) into device sizes in bytes.
+pub fn devices_from_env() -> Result<Vec<u64>, StateError> {
+    let text = std::env::var("SIMGPU_DEVICES").unwrap_or_else(|_| DEFAULT_DEVICES.to_owned());
+    parse_device_list(&text)
+}
+
+/// Parses a `SIMGPU_DEVICES` value.
+pub fn parse_device_list(text: &str) -> Result<Vec<u64>, StateError> {
+    let sizes = text
+        .split(',')
+        .map(|part| parse_bytes("SIMGPU_DEVICES", part))
+        .collect::<Result<Vec<_>, _>>()?;
+    if sizes.is_empty() || sizes.len() > MAX_DEVICES {
+        return Err(StateError::DeviceList(text.to_owned()));
+    }
+    Ok(sizes)
+}
+
+impl Machine {
+    /// Opens the machine named by `SIMGPU_STATE` with the devices of `SIMGPU_DEVICES`.
+    pub fn open_from_env() -> Result<Machine, StateError> {
+        let path = std::env::var("SIMGPU_STATE").unwrap_or_else(|_| default_state_path());
+        Machine::open(&path, &devices_from_env()?)
+    }
+
+    /// Opens (creating if needed) the machine at `path`. When no live process uses it,
+    /// its devices are set to `devices`; otherwise the running machine is joined as is.
+    pub fn open(path: &str, devices: &[u64]) -> Result<Machine, StateError> {
+        let io_err = |source| StateError::Io { path: path.to_owned(), source };
+        if devices.is_empty() || devices.len() > MAX_DEVICES {
+            return Err(StateError::DeviceList(format!("{} devices", devices.len())));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_err)?;
+        let size = std::mem::size_of::<Shared>();
+        ofd_lock(&file, TABLE_LOCK_BYTE, true).map_err(io_err)?;
+        let grown = (|| {
+            if file.metadata()?.len() < size as u64 {
+                file.set_len(size as u64)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = grown {
+            let _ = ofd_unlock(&file, TABLE_LOCK_BYTE);
+            return Err(io_err(e));
+        }
+        // SAFETY: mapping a regular file we hold open, of at least `size` bytes, shared
+        // and read-write; the result is checked against MAP_FAILED.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            let _ = ofd_unlock(&file, TABLE_LOCK_BYTE);
+            return Err(io_err(e));
+        }
+        let machine = Machine {
+            file,
+            path: path.to_owned(),
+            shared: addr as *const Shared,
+            local: std::sync::Mutex::new(()),
+            own: Default::default(),
+        };
+        let anyone_alive = machine.shared().magic.load(Ordering::Acquire) == MAGIC
+            && (0..MAX_PROCESSES).any(|i| machine.slot_alive(i));
+        if !anyone_alive {
+            machine.reset(devices);
+        }
+        ofd_unlock(&machine.file, TABLE_LOCK_BYTE).map_err(io_err)?;
+        Ok(machine)
+    }
+
+    fn reset(&self, devices: &[u64]) {
+        let s = self.shared();
+        for (i, dev) in s.devices.iter().enumerate() {
+            dev.total.store(devices.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+            dev.busy_ns.store(0, Ordering::Relaxed);
+            dev.xid_count.store(0, Ordering::Relaxed);
+            dev.last_xid.store(0, Ordering::Relaxed);
+        }
+        for p in &s.processes {
+            p.in_use.store(0, Ordering::Relaxed);
+            p.pid.store(0, Ordering::Relaxed);
+            p.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        }
+        s.device_count.store(devices.len() as u32, Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::Relaxed);
+        s.magic.store(MAGIC, Ordering::Release);
+    }
+
+    fn shared(&self) -> &Shared {
+        // SAFETY: the mapping is valid for the life of self and only holds atomics,
+        // for which any bit pattern is valid.
+        unsafe { &*self.shared }
+    }
+
+    /// Path of the state file.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Number of simulated devices.
+    pub fn device_count(&self) -> usize {
+        self.shared().device_count.load(Ordering::Acquire) as usize
+    }
+
+    /// Physical memory of `device`, in bytes (0 for a device that does not exist).
+    pub fn total(&self, device: usize) -> u64 {
+        self.shared().devices.get(device).map_or(0, |d| d.total.load(Ordering::Relaxed))
+    }
+
+    /// Claims a process slot for this process, held until the process ends.
+    pub fn attach(&self) -> Result<ProcessSlot<'_>, StateError> {
+        let _guard = self.lock_table();
+        let s = self.shared();
+        for (i, rec) in s.processes.iter().enumerate() {
+            // A slot is free when its lock byte is free, whatever its record says.
+            if ofd_try_lock(&self.file, SLOT_LOCK_BASE + i as i64).unwrap_or(false) {
+                rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+                rec.pid.store(std::process::id(), Ordering::Relaxed);
+                rec.in_use.store(1, Ordering::Release);
+                self.set_own(i, true);
+                return Ok(ProcessSlot { machine: self, index: i });
+            }
+        }
+        Err(StateError::TooManyProcesses)
+    }
+
+    /// Memory in use on `device` by live processes, releasing what dead ones held.
+    pub fn used(&self, device: usize) -> u64 {
+        let _guard = self.lock_table();
+        self.reap_dead();
+        self.sum_used(device)
+    }
+
+    /// Live processes holding memory on `device`.
+    pub fn processes(&self, device: usize) -> Vec<ProcessUsage> {
+        let _guard = self.lock_table();
+        self.reap_dead();
+        self.shared()
+            .processes
+            .iter()
+            .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
+            .filter_map(|p| {
+                let used = p.used.get(device)?.load(Ordering::Relaxed);
+                (used > 0).then(|| ProcessUsage { pid: p.pid.load(Ordering::Relaxed), used })
+            })
+            .collect()
+    }
+
+    /// Adds kernel run time on `device`, for utilization.
+    pub fn add_busy(&self, device: usize, nanos: u64) {
+        if let Some(d) = self.shared().devices.get(device) {
+            d.busy_ns.fetch_add(nanos, Ordering::Relaxed);
+        }
+    }
+
+    /// Total kernel run time on `device` so far, in nanoseconds.
+    pub fn busy_ns(&self, device: usize) -> u64 {
+        self.shared().devices.get(device).map_or(0, |d| d.busy_ns.load(Ordering::Relaxed))
+    }
+
+    /// Injects an XID error on `device` (health tests); NVML event sets deliver it.
+    pub fn inject_xid(&self, device: usize, xid: u64) -> bool {
+        let Some(d) = self.shared().devices.get(device).filter(|_| device < self.device_count()) else {
+            return false;
+        };
+        d.last_xid.store(xid, Ordering::Relaxed);
+        d.xid_count.fetch_add(1, Ordering::Release);
+        true
+    }
+
+    /// How many XIDs were injected on `device` so far, and the last one's code.
+    pub fn xids(&self, device: usize) -> (u64, u64) {
+        self.shared().devices.get(device).map_or((0, 0), |d| {
+            (d.xid_count.load(Ordering::Acquire), d.last_xid.load(Ordering::Relaxed))
+        })
+    }
+
+    fn sum_used(&self, device: usize) -> u64 {
+        self.shared()
+            .processes
+            .iter()
+            .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
+            .filter_map(|p| p.used.get(device).map(|u| u.load(Ordering::Relaxed)))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Forgets the records of processes that are gone. Caller holds the table lock.
+    fn reap_dead(&self) {
+        for (i, rec) in self.shared().processes.iter().enumerate() {
+            if rec.in_use.load(Ordering::Acquire) == 1 && !self.slot_alive(i) {
+                rec.in_use.store(0, Ordering::Release);
+                rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+            }
+        }
+    }
+
+    fn slot_alive(&self, index: usize) -> bool {
+        // A lock never conflicts with its own file description, so our own slots are
+        // known from `own`; anyone else's is alive while its lock byte is held.
+        self.is_own(index)
+            || ofd_is_locked_by_other(&self.file, SLOT_LOCK_BASE + index as i64).unwrap_or(true)
+    }
+
+    fn is_own(&self, index: usize) -> bool {
+        self.own[index / 64].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
+    }
+
+    fn set_own(&self, index: usize, own: bool) {
+        let bit = 1u64 << (index % 64);
+        if own {
+            self.own[index / 64].fetch_or(bit, Ordering::Relaxed);
+        } else {
+            self.own[index / 64].fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
+
+    fn lock_table(&self) -> TableGuard<'_> {
+        let local = self.local.lock().unwrap_or_else(|poison| poison.into_inner());
+        // A failing lock call (EINTR is retried inside) leaves us unlocked against other
+        // processes; the simulation then degrades to per-process consistency rather than
+        // hanging the host program.
+        let locked = ofd_lock(&self.file, TABLE_LOCK_BYTE, true).is_ok();
+        TableGuard { machine: self, locked, _local: local }
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `open`; nothing borrows it
+        // past self.
+        unsafe { libc::munmap(self.shared as *mut libc::c_void, std::mem::size_of::<Shared>()) };
+    }
+}
+
+struct TableGuard<'a> {
+    machine: &'a Machine,
+    locked: bool,
+    _local: std::sync::MutexGuard<'a, ()>,
+}
+
+impl Drop for TableGuard<'_> {
+    fn drop(&mut self) {
+        if self.locked {
+            let _ = ofd_unlock(&self.machine.file, TABLE_LOCK_BYTE);
+        }
+    }
+}
+
+/// This process's place on the simulated machine: device memory is charged to it.
+pub struct ProcessSlot<'a> {
+    machine: &'a Machine,
+    index: usize,
+}
+
+/// A charge that did not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Bytes free on the device when the charge was refused.
+    pub free: u64,
+}
+
+impl ProcessSlot<'_> {
+    fn record(&self) -> &ProcessRecord {
+        &self.machine.shared().processes[self.index]
+    }
+
+    /// Charges `bytes` on `device` to this process if the device has them free.
+    pub fn charge(&self, device: usize, bytes: u64) -> Result<(), OutOfMemory> {
+        let total = self.machine.total(device);
+        let _guard = self.machine.lock_table();
+        let mut used = self.machine.sum_used(device);
+        if used.saturating_add(bytes) > total {
+            // Only look for dead processes when it matters: their memory may be the room.
+            self.machine.reap_dead();
+            used = self.machine.sum_used(device);
+        }
+        if used.saturating_add(bytes) > total {
+            return Err(OutOfMemory { free: total.saturating_sub(used) });
+        }
+        self.record().used[device].fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Gives back `bytes` on `device`.
+    pub fn release(&self, device: usize, bytes: u64) {
+        let Some(u) = self.record().used.get(device) else { return };
+        let _ = u.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(bytes)));
+    }
+
+    /// Bytes this process holds on `device`.
+    pub fn held(&self, device: usize) -> u64 {
+        self.record().used.get(device).map_or(0, |u| u.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for ProcessSlot<'_> {
+    fn drop(&mut self) {
+        let _guard = self.machine.lock_table();
+        let rec = self.record();
+        rec.in_use.store(0, Ordering::Release);
+        rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        let _ = ofd_unlock(&self.machine.file, SLOT_LOCK_BASE + self.index as i64);
+        self.machine.set_own(self.index, false);
+    }
+}
+
+fn flock_struct(kind: libc::c_int, byte: i64) -> libc::flock {
+    // SAFETY: flock is a plain C struct for which all-zero is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = byte as libc::off_t;
+    fl.l_len = 1;
+    fl
+}
+
+fn fcntl_lock(file: &File, cmd: libc::c_int, fl: &mut libc::flock) -> io::Result<()> {
+    loop {
+        // SAFETY: `fl` is a valid flock struct and the descriptor is open for the
+        // duration of the call.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, fl as *mut libc::flock) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+fn ofd_lock(file: &File, byte: i64, wait: bool) -> io::Result<()> {
+    let mut fl = flock_struct(libc::F_WRLCK, byte);
+    fcntl_lock(file, if wait { libc::F_OFD_SETLKW } else { libc::F_OFD_SETLK }, &mut fl)
+}
+
+fn ofd_try_lock(file: &File, byte: i64) -> io::Result<bool> {
+    match ofd_lock(file, byte, false) {
+        Ok(()) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn ofd_unlock(file: &File, byte: i64) -> io::Result<()> {
+    let mut fl = flock_struct(libc::F_UNLCK, byte);
+    fcntl_lock(file, libc::F_OFD_SETLK, &mut fl)
+}
+
+fn ofd_is_locked_by_other(file: &File, byte: i64) -> io::Result<bool> {
+    let mut fl = flock_struct(libc::F_WRLCK, byte);
+    fcntl_lock(file, libc::F_OFD_GETLK, &mut fl)?;
+    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Nanoseconds since the Unix epoch, for timestamps shared between processes.
+pub fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Removes the state file at `path` (tests and the demo clean up after themselves).
+pub fn remove_state(path: &str) -> io::Result<()> {
+    let c = CString::new(path).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `c` is a valid NUL-terminated path.
+    if unsafe { libc::unlink(c.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

@@ -1,0 +1,156 @@
+//! CUDA arrays (`cuArrayCreate`, `cuArray3DCreate`, mipmapped arrays). simgpu keeps no
+//! texels — no texture path reads them — but charges their real size to the device:
+//! width × height × depth × element size × channels, over every mip level.
+
+use std::collections::HashMap;
+use std::mem::size_of;
+use std::sync::LazyLock;
+
+use cudarc::driver::sys::{self, CUarray, CUmipmappedArray};
+use parking_lot::Mutex;
+
+use crate::context;
+use crate::driver::driver;
+use crate::ffi::{read_in, write_out, CUresult, CuResult};
+use crate::memory::{round_up, ALLOC_ALIGN};
+
+/// `CUDA_ARRAY_DESCRIPTOR` with the format read as a raw integer.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct ArrayDescRaw {
+    width: usize,
+    height: usize,
+    format: u32,
+    channels: u32,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` with the format read as a raw integer.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Array3DDescRaw {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: u32,
+    flags: u32,
+}
+
+const _: () = assert!(size_of::<ArrayDescRaw>() == size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
+const _: () = assert!(size_of::<Array3DDescRaw>() == size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
+
+struct ArrayRecord {
+    device: usize,
+    ctx: usize,
+    charged: u64,
+    mipmapped: bool,
+}
+
+/// Live arrays by handle. Each handle is a distinct heap address owned by this table.
+static ARRAYS: LazyLock<Mutex<HashMap<usize, (Box<u8>, ArrayRecord)>>> = LazyLock::new(Default::default);
+
+fn element_size(format: u32) -> CuResult<u64> {
+    Ok(match format {
+        0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4, // UNSIGNED_INT32, SIGNED_INT32, FLOAT
+        _ => return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
+    })
+}
+
+/// Bytes of one level of `w × h × d` elements.
+fn level_bytes(w: u64, h: u64, d: u64, format: u32, channels: u32) -> CuResult<u64> {
+    if w == 0 || ![1, 2, 4].contains(&channels) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let texel = element_size(format)? * channels as u64;
+    w.checked_mul(h.max(1))
+        .and_then(|v| v.checked_mul(d.max(1)))
+        .and_then(|v| v.checked_mul(texel))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+}
+
+fn create(bytes: u64, mipmapped: bool) -> CuResult<usize> {
+    let ctx = context::current()?;
+    let d = driver()?;
+    let charged = round_up(bytes, ALLOC_ALIGN);
+    d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    let token = Box::new(0u8);
+    let handle = &*token as *const u8 as usize;
+    let record = ArrayRecord { device: ctx.device, ctx: ctx.handle(), charged, mipmapped };
+    ARRAYS.lock().insert(handle, (token, record));
+    Ok(handle)
+}
+
+fn destroy(handle: usize, mipmapped: bool) -> CuResult {
+    driver()?;
+    let mut arrays = ARRAYS.lock();
+    match arrays.get(&handle) {
+        Some((_, r)) if r.mipmapped == mipmapped => {}
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
+    }
+    if let Some((_, r)) = arrays.remove(&handle) {
+        if let Ok(d) = driver() {
+            d.slot.release(r.device, r.charged);
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn array_create(out: *mut CUarray, desc: *const sys::CUDA_ARRAY_DESCRIPTOR) -> CuResult {
+    let desc: ArrayDescRaw = read_in(desc.cast())?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let bytes = level_bytes(desc.width as u64, desc.height as u64, 1, desc.format, desc.channels)?;
+    write_out(out, create(bytes, false)? as CUarray)
+}
+
+pub(crate) fn array_3d_create(out: *mut CUarray, desc: *const sys::CUDA_ARRAY3D_DESCRIPTOR) -> CuResult {
+    let desc: Array3DDescRaw = read_in(desc.cast())?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let bytes = level_bytes(desc.width as u64, desc.height as u64, desc.depth as u64, desc.format, desc.channels)?;
+    write_out(out, create(bytes, false)? as CUarray)
+}
+
+pub(crate) fn array_destroy(handle: CUarray) -> CuResult {
+    destroy(handle as usize, false)
+}
+
+pub(crate) fn mipmapped_array_create(
+    out: *mut CUmipmappedArray,
+    desc: *const sys::CUDA_ARRAY3D_DESCRIPTOR,
+    levels: u32,
+) -> CuResult {
+    let desc: Array3DDescRaw = read_in(desc.cast())?;
+    if out.is_null() || levels == 0 || levels > 32 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let (w, h, d) = (desc.width as u64, desc.height as u64, desc.depth as u64);
+    let mut bytes = 0u64;
+    for level in 0..levels {
+        // Each level halves every dimension that exists, down to 1.
+        let shrink = |v: u64| if v == 0 { 0 } else { (v >> level).max(1) };
+        bytes += level_bytes(shrink(w), shrink(h), shrink(d), desc.format, desc.channels)?;
+    }
+    write_out(out, create(bytes, true)? as CUmipmappedArray)
+}
+
+pub(crate) fn mipmapped_array_destroy(handle: CUmipmappedArray) -> CuResult {
+    destroy(handle as usize, true)
+}
+
+/// Frees the arrays of a destroyed context.
+pub(crate) fn free_all_of_context(ctx: usize) {
+    let mut arrays = ARRAYS.lock();
+    let gone: Vec<usize> = arrays.iter().filter(|(_, (_, r))| r.ctx == ctx).map(|(&h, _)| h).collect();
+    for h in gone {
+        if let Some((_, r)) = arrays.remove(&h) {
+            if let Ok(d) = driver() {
+                d.slot.release(r.device, r.charged);
+            }
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! Contexts: primary and created ones, the per-thread current-context stack, and the
+//! device memory each context takes (`SIMGPU_CONTEXT_OVERHEAD`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, LazyLock};
+
+use cudarc::driver::sys::{CUcontext, CUdevice};
+use parking_lot::Mutex;
+
+use crate::driver::{device_index, driver};
+use crate::ffi::{write_out, CUresult, CuResult};
+use crate::stream::{self, sticky_to_result, Stream};
+
+/// One context on one device.
+pub(crate) struct Context {
+    pub device: usize,
+    pub flags: AtomicU32,
+    pub primary: bool,
+    pub null_stream: Arc<Stream>,
+    pub sticky: Arc<AtomicU32>,
+    handle: usize,
+    alive: AtomicBool,
+}
+
+impl Context {
+    /// The handle callers hold (`CUcontext`).
+    pub(crate) fn handle(&self) -> usize {
+        self.handle
+    }
+}
+
+static CONTEXTS: LazyLock<Mutex<HashMap<usize, Arc<Context>>>> = LazyLock::new(Default::default);
+
+/// Per device: the primary context (if active), its retain count and its flags.
+#[derive(Default)]
+struct Primary {
+    ctx: Option<Arc<Context>>,
+    retains: u32,
+    flags: c_uint,
+}
+
+static PRIMARY: LazyLock<Mutex<HashMap<usize, Primary>>> = LazyLock::new(Default::default);
+
+thread_local! {
+    static CURRENT: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Returns the live context behind a handle.
+pub(crate) fn lookup(handle: usize) -> CuResult<Arc<Context>> {
+    CONTEXTS.lock().get(&handle).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)
+}
+
+/// The calling thread's current context.
+pub(crate) fn current() -> CuResult<Arc<Context>> {
+    driver()?;
+    let top = CURRENT.with(|c| c.borrow().last().copied());
+    match top {
+        Some(handle) => lookup(handle),
+        None => Err(CUresult::CUDA_ERROR_INVALID_CONTEXT),
+    }
+}
+
+fn create(device: usize, flags: c_uint, primary: bool) -> CuResult<Arc<Context>> {
+    let d = driver()?;
+    d.slot
+        .charge(device, d.context_overhead)
+        .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    let ctx = Arc::new_cyclic(|weak: &std::sync::Weak<Context>| {
+        // The handle is the context's own address, known before it is built.
+        let handle = weak.as_ptr() as usize;
+        let sticky = Arc::new(AtomicU32::new(0));
+        Context {
+            device,
+            flags: AtomicU32::new(flags),
+            primary,
+            null_stream: Stream::new(handle, device, sticky.clone(), 0, 0),
+            sticky,
+            handle,
+            alive: AtomicBool::new(true),
+        }
+    });
+    CONTEXTS.lock().insert(ctx.handle, ctx.clone());
+    Ok(ctx)
+}
+
+fn destroy(ctx: &Arc<Context>) {
+    if !ctx.alive.swap(false, Ordering::AcqRel) {
+        return;
+    }
+    // Let queued work finish before its memory disappears, as the real driver does.
+    for s in stream::streams_of(ctx.handle) {
+        let _ = s.synchronize();
+    }
+    let _ = ctx.null_stream.synchronize();
+    CONTEXTS.lock().remove(&ctx.handle);
+    stream::forget_streams_of(ctx.handle);
+    crate::memory::free_all_of_context(ctx.handle);
+    CURRENT.with(|c| c.borrow_mut().retain(|&h| h != ctx.handle));
+    if let Ok(d) = driver() {
+        d.slot.release(ctx.device, d.context_overhead);
+    }
+}
+
+pub(crate) fn primary_retain(out: *mut CUcontext, device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    let mut table = PRIMARY.lock();
+    let entry = table.entry(index).or_default();
+    let ctx = match &entry.ctx {
+        Some(ctx) => ctx.clone(),
+        None => {
+            let ctx = create(index, entry.flags, true)?;
+            entry.ctx = Some(ctx.clone());
+            ctx
+        }
+    };
+    write_out(out, ctx.handle as CUcontext)?;
+    entry.retains += 1;
+    Ok(())
+}
+
+pub(crate) fn primary_release(device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    let mut table = PRIMARY.lock();
+    let entry = table.entry(index).or_default();
+    if entry.retains == 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
+    }
+    entry.retains -= 1;
+    if entry.retains == 0 {
+        if let Some(ctx) = entry.ctx.take() {
+            destroy(&ctx);
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn primary_reset(device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    let mut table = PRIMARY.lock();
+    let entry = table.entry(index).or_default();
+    if let Some(ctx) = entry.ctx.take() {
+        destroy(&ctx);
+    }
+    entry.retains = 0;
+    Ok(())
+}
+
+pub(crate) fn primary_set_flags(device: CUdevice, flags: c_uint) -> CuResult {
+    let index = device_index(device)?;
+    if flags & !0x1f != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut table = PRIMARY.lock();
+    let entry = table.entry(index).or_default();
+    entry.flags = flags;
+    if let Some(ctx) = &entry.ctx {
+        ctx.flags.store(flags, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+pub(crate) fn primary_get_state(device: CUdevice, flags: *mut c_uint, active: *mut c_int) -> CuResult {
+    let index = device_index(device)?;
+    let table = PRIMARY.lock();
+    let (f, a) = table.get(&index).map_or((0, 0), |e| (e.flags, e.ctx.is_some() as c_int));
+    write_out(flags, f)?;
+    write_out(active, a)
+}
+
+/// `cuCtxCreate` (all versions): creates a context and pushes it on this thread.
+pub(crate) fn ctx_create(out: *mut CUcontext, flags: c_uint, device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ctx = create(index, flags, false)?;
+    write_out(out, ctx.handle as CUcontext)?;
+    CURRENT.with(|c| c.borrow_mut().push(ctx.handle));
+    Ok(())
+}
+
+pub(crate) fn ctx_destroy(handle: CUcontext) -> CuResult {
+    let ctx = lookup(handle as usize)?;
+    if ctx.primary {
+        return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
+    }
+    destroy(&ctx);
+    Ok(())
+}
+
+pub(crate) fn ctx_get_current(out: *mut CUcontext) -> CuResult {
+    driver()?;
+    let top = CURRENT.with(|c| c.borrow().last().copied()).unwrap_or(0);
+    write_out(out, top as CUcontext)
+}
+
+pub(crate) fn ctx_set_current(handle: CUcontext) -> CuResult {
+    driver()?;
+    let raw = handle as usize;
+    if raw != 0 {
+        lookup(raw)?;
+    }
+    CURRENT.with(|c| {
+        let mut stack = c.borrow_mut();
+        stack.pop();
+        if raw != 0 {
+            stack.push(raw);
+        }
+    });
+    Ok(())
+}
+
+pub(crate) fn ctx_push(handle: CUcontext) -> CuResult {
+    let ctx = lookup(handle as usize)?;
+    CURRENT.with(|c| c.borrow_mut().push(ctx.handle));
+    Ok(())
+}
+
+pub(crate) fn ctx_pop(out: *mut CUcontext) -> CuResult {
+    driver()?;
+    let popped = CURRENT.with(|c| c.borrow_mut().pop()).ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+    if !out.is_null() {
+        write_out(out, popped as CUcontext)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn ctx_get_device(out: *mut CUdevice) -> CuResult {
+    write_out(out, current()?.device as CUdevice)
+}
+
+pub(crate) fn ctx_get_flags(out: *mut c_uint) -> CuResult {
+    write_out(out, current()?.flags.load(Ordering::Relaxed))
+}
+
+pub(crate) fn ctx_set_flags(flags: c_uint) -> CuResult {
+    current()?.flags.store(flags, Ordering::Relaxed);
+    Ok(())
+}
+
+pub(crate) fn ctx_get_api_version(handle: CUcontext, out: *mut c_uint) -> CuResult {
+    if !handle.is_null() {
+        lookup(handle as usize)?;
+    } else {
+        current()?;
+    }
+    write_out(out, 3020)
+}
+
+/// `cuCtxSynchronize`: waits for every stream of the current context.
+pub(crate) fn ctx_synchronize() -> CuResult {
+    let ctx = current()?;
+    ctx.null_stream.synchronize()?;
+    for s in stream::streams_of(ctx.handle) {
+        s.synchronize()?;
+    }
+    crate::pool::trim_after_sync(ctx.device);
+    sticky_to_result(ctx.sticky.load(Ordering::Acquire))
+}
+
+/// Opaque pointer form of a context handle, for pointer attributes.
+pub(crate) fn as_ptr(handle: usize) -> *mut c_void {
+    handle as *mut c_void
+}

@@ -1,0 +1,255 @@
+//! Every symbol libsimgpu_cuda.so exports, declared once: the list below generates the
+//! `extern "C"` functions (each panic-safe) and the name → address table that
+//! `dlsym`-style lookups and `cuGetProcAddress` answer from.
+
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
+
+use cudarc::driver::sys::{
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemGenericAllocationHandle, CUmemoryPool,
+    CUmipmappedArray, CUmodule, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
+};
+
+use crate::copy::{self, dtoh, htod, Op};
+use crate::ffi::{read_str, CUresult};
+use crate::stream::DefaultStream::{Legacy, PerThread};
+use crate::{array, context, driver, memory, module, pool, procaddr, stream, vmm};
+
+macro_rules! exports {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {
+        $(
+            #[no_mangle]
+            #[allow(non_snake_case, clippy::too_many_arguments)]
+            pub extern "C" fn $name($($arg: $ty),*) -> CUresult {
+                crate::ffi::guard(|| $body)
+            }
+        )*
+
+        /// The address of the exported function named `symbol`.
+        pub(crate) fn lookup(symbol: &str) -> Option<*mut c_void> {
+            match symbol {
+                $( stringify!($name) => Some($name as *mut c_void), )*
+                _ => unsupported_lookup(symbol),
+            }
+        }
+    };
+}
+
+macro_rules! unsupported {
+    ($($name:ident),* $(,)?) => {
+        $(
+            /// Not simulated: answers `CUDA_ERROR_NOT_SUPPORTED` whatever its arguments.
+            #[no_mangle]
+            #[allow(non_snake_case)]
+            pub extern "C" fn $name() -> CUresult {
+                CUresult::CUDA_ERROR_NOT_SUPPORTED
+            }
+        )*
+
+        fn unsupported_lookup(symbol: &str) -> Option<*mut c_void> {
+            match symbol {
+                $( stringify!($name) => Some($name as *mut c_void), )*
+                _ => None,
+            }
+        }
+    };
+}
+
+exports! {
+    // Initialisation, versions, entry points, errors.
+    cuInit(flags: c_uint) => driver::init(flags);
+    cuDriverGetVersion(version: *mut c_int) => driver::driver_get_version(version);
+    cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: c_ulonglong)
+        => procaddr::get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut());
+    cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: c_ulonglong, status: *mut c_int)
+        => procaddr::get_proc_address(symbol, pfn, version, flags, status);
+    cuGetErrorName(error: c_uint, out: *mut *const c_char) => procaddr::error_name(error, out);
+    cuGetErrorString(error: c_uint, out: *mut *const c_char) => procaddr::error_string(error, out);
+
+    // Devices.
+    cuDeviceGet(device: *mut CUdevice, ordinal: c_int) => driver::device_get(device, ordinal);
+    cuDeviceGetCount(count: *mut c_int) => driver::device_get_count(count);
+    cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) => driver::device_get_name(name, len, dev);
+    cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) => driver::device_get_uuid(uuid, dev);
+    cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) => driver::device_get_uuid(uuid, dev);
+    cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) => driver::device_total_mem(bytes, dev);
+    cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice) => driver::device_get_attribute(value, attrib, dev);
+    cuDeviceGetPCIBusId(id: *mut c_char, len: c_int, dev: CUdevice) => driver::device_get_pci_bus_id(id, len, dev);
+    cuDeviceGetByPCIBusId(dev: *mut CUdevice, id: *const c_char) => driver::device_get_by_pci_bus_id(dev, read_str(id)?);
+    cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: CUdevice) => driver::device_compute_capability(major, minor, dev);
+    cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pool::device_get_default_mem_pool(pool, dev);
+    cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pool::device_get_mem_pool(pool, dev);
+    cuDeviceSetMemPool(dev: CUdevice, pool: CUmemoryPool) => pool::device_set_mem_pool(dev, pool);
+
+    // Contexts.
+    cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, dev: CUdevice) => context::primary_retain(ctx, dev);
+    cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => context::primary_release(dev);
+    cuDevicePrimaryCtxReset_v2(dev: CUdevice) => context::primary_reset(dev);
+    cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) => context::primary_set_flags(dev, flags);
+    cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) => context::primary_get_state(dev, flags, active);
+    cuCtxCreate_v2(ctx: *mut CUcontext, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);
+    cuCtxCreate_v3(ctx: *mut CUcontext, _params: *mut c_void, _count: c_int, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);
+    cuCtxCreate_v4(ctx: *mut CUcontext, _params: *mut c_void, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);
+    cuCtxDestroy_v2(ctx: CUcontext) => context::ctx_destroy(ctx);
+    cuCtxGetCurrent(ctx: *mut CUcontext) => context::ctx_get_current(ctx);
+    cuCtxSetCurrent(ctx: CUcontext) => context::ctx_set_current(ctx);
+    cuCtxPushCurrent_v2(ctx: CUcontext) => context::ctx_push(ctx);
+    cuCtxPopCurrent_v2(ctx: *mut CUcontext) => context::ctx_pop(ctx);
+    cuCtxGetDevice(dev: *mut CUdevice) => context::ctx_get_device(dev);
+    cuCtxGetFlags(flags: *mut c_uint) => context::ctx_get_flags(flags);
+    cuCtxSetFlags(flags: c_uint) => context::ctx_set_flags(flags);
+    cuCtxGetApiVersion(ctx: CUcontext, version: *mut c_uint) => context::ctx_get_api_version(ctx, version);
+    cuCtxSynchronize() => context::ctx_synchronize();
+
+    // Linear memory.
+    cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => memory::mem_get_info(free, total);
+    cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => memory::mem_alloc(dptr, size);
+    cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)
+        => memory::mem_alloc_pitch(dptr, pitch, width, height, elem);
+    cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) => memory::mem_alloc_managed(dptr, size, flags);
+    cuMemFree_v2(dptr: CUdeviceptr) => memory::mem_free(dptr);
+    cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) => memory::mem_alloc_host(pp, size);
+    cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) => memory::mem_alloc_host(pp, size);
+    cuMemFreeHost(p: *mut c_void) => memory::mem_free_host(p);
+    cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, dptr: CUdeviceptr) => memory::mem_get_address_range(base, size, dptr);
+    cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => memory::pointer_get_attribute(data, attribute, ptr);
+
+    // Stream-ordered allocation and pools.
+    cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, s: CUstream) => pool::mem_alloc_async(dptr, size, s, Legacy);
+    cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, s: CUstream) => pool::mem_alloc_async(dptr, size, s, PerThread);
+    cuMemFreeAsync(dptr: CUdeviceptr, s: CUstream) => pool::mem_free_async(dptr, s, Legacy);
+    cuMemFreeAsync_ptsz(dptr: CUdeviceptr, s: CUstream) => pool::mem_free_async(dptr, s, PerThread);
+    cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, p: CUmemoryPool, s: CUstream)
+        => pool::mem_alloc_from_pool_async(dptr, size, p, s, Legacy);
+    cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, p: CUmemoryPool, s: CUstream)
+        => pool::mem_alloc_from_pool_async(dptr, size, p, s, PerThread);
+    cuMemPoolCreate(p: *mut CUmemoryPool, props: *const c_void) => pool::mem_pool_create(p, props);
+    cuMemPoolDestroy(p: CUmemoryPool) => pool::mem_pool_destroy(p);
+    cuMemPoolTrimTo(p: CUmemoryPool, keep: usize) => pool::mem_pool_trim_to(p, keep);
+    cuMemPoolSetAttribute(p: CUmemoryPool, attr: c_int, value: *mut c_void) => pool::mem_pool_set_attribute(p, attr, value);
+    cuMemPoolGetAttribute(p: CUmemoryPool, attr: c_int, value: *mut c_void) => pool::mem_pool_get_attribute(p, attr, value);
+
+    // Arrays.
+    cuArrayCreate_v2(a: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => array::array_create(a, desc);
+    cuArray3DCreate_v2(a: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => array::array_3d_create(a, desc);
+    cuArrayDestroy(a: CUarray) => array::array_destroy(a);
+    cuMipmappedArrayCreate(a: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint)
+        => array::mipmapped_array_create(a, desc, levels);
+    cuMipmappedArrayDestroy(a: CUmipmappedArray) => array::mipmapped_array_destroy(a);
+
+    // Virtual memory management.
+    cuMemGetAllocationGranularity(g: *mut usize, prop: *const c_void, option: c_uint) => vmm::get_granularity(g, prop, option);
+    cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, align: usize, addr: CUdeviceptr, flags: c_ulonglong)
+        => vmm::address_reserve(ptr, size, align, addr, flags);
+    cuMemAddressFree(ptr: CUdeviceptr, size: usize) => vmm::address_free(ptr, size);
+    cuMemCreate(h: *mut CUmemGenericAllocationHandle, size: usize, prop: *const c_void, flags: c_ulonglong)
+        => vmm::mem_create(h, size, prop, flags);
+    cuMemRelease(h: CUmemGenericAllocationHandle) => vmm::mem_release(h);
+    cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, h: CUmemGenericAllocationHandle, flags: c_ulonglong)
+        => vmm::mem_map(ptr, size, offset, h, flags);
+    cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::mem_unmap(ptr, size);
+    cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const c_void, count: usize) => vmm::mem_set_access(ptr, size, desc, count);
+    cuMemGetAllocationPropertiesFromHandle(prop: *mut c_void, h: CUmemGenericAllocationHandle)
+        => vmm::get_allocation_properties(prop, h);
+    cuMemRetainAllocationHandle(h: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain_allocation_handle(h, addr);
+
+    // Copies and sets.
+    cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::Unified { dst, src, n }, Legacy);
+    cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::Unified { dst, src, n }, PerThread);
+    cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(Op::Unified { dst, src, n }, s, Legacy);
+    cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(Op::Unified { dst, src, n }, s, PerThread);
+    cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) => copy::sync(htod(dst, src, n), Legacy);
+    cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) => copy::sync(htod(dst, src, n), PerThread);
+    cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) => copy::sync(dtoh(dst, src, n), Legacy);
+    cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) => copy::sync(dtoh(dst, src, n), PerThread);
+    cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::DtoD { dst, src, n }, Legacy);
+    cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::DtoD { dst, src, n }, PerThread);
+    cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, s: CUstream) => copy::queued(htod(dst, src, n), s, Legacy);
+    cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, s: CUstream) => copy::queued(htod(dst, src, n), s, PerThread);
+    cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(dtoh(dst, src, n), s, Legacy);
+    cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(dtoh(dst, src, n), s, PerThread);
+    cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(Op::DtoD { dst, src, n }, s, Legacy);
+    cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) => copy::queued(Op::DtoD { dst, src, n }, s, PerThread);
+    cuMemsetD8_v2(dst: CUdeviceptr, v: c_uchar, n: usize) => copy::sync(Op::Set { dst, value: v as u32, width: 1, count: n }, Legacy);
+    cuMemsetD8_v2_ptds(dst: CUdeviceptr, v: c_uchar, n: usize) => copy::sync(Op::Set { dst, value: v as u32, width: 1, count: n }, PerThread);
+    cuMemsetD16_v2(dst: CUdeviceptr, v: c_ushort, n: usize) => copy::sync(Op::Set { dst, value: v as u32, width: 2, count: n }, Legacy);
+    cuMemsetD16_v2_ptds(dst: CUdeviceptr, v: c_ushort, n: usize) => copy::sync(Op::Set { dst, value: v as u32, width: 2, count: n }, PerThread);
+    cuMemsetD32_v2(dst: CUdeviceptr, v: c_uint, n: usize) => copy::sync(Op::Set { dst, value: v, width: 4, count: n }, Legacy);
+    cuMemsetD32_v2_ptds(dst: CUdeviceptr, v: c_uint, n: usize) => copy::sync(Op::Set { dst, value: v, width: 4, count: n }, PerThread);
+    cuMemsetD8Async(dst: CUdeviceptr, v: c_uchar, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v as u32, width: 1, count: n }, s, Legacy);
+    cuMemsetD8Async_ptsz(dst: CUdeviceptr, v: c_uchar, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v as u32, width: 1, count: n }, s, PerThread);
+    cuMemsetD16Async(dst: CUdeviceptr, v: c_ushort, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v as u32, width: 2, count: n }, s, Legacy);
+    cuMemsetD16Async_ptsz(dst: CUdeviceptr, v: c_ushort, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v as u32, width: 2, count: n }, s, PerThread);
+    cuMemsetD32Async(dst: CUdeviceptr, v: c_uint, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v, width: 4, count: n }, s, Legacy);
+    cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: c_uint, n: usize, s: CUstream) => copy::queued(Op::Set { dst, value: v, width: 4, count: n }, s, PerThread);
+
+    // Streams and events.
+    cuStreamCreate(s: *mut CUstream, flags: c_uint) => stream::stream_create(s, flags, 0);
+    cuStreamCreateWithPriority(s: *mut CUstream, flags: c_uint, priority: c_int) => stream::stream_create(s, flags, priority);
+    cuStreamDestroy_v2(s: CUstream) => stream::stream_destroy(s);
+    cuStreamSynchronize(s: CUstream) => stream::stream_synchronize(s, Legacy);
+    cuStreamSynchronize_ptsz(s: CUstream) => stream::stream_synchronize(s, PerThread);
+    cuStreamQuery(s: CUstream) => stream::stream_query(s, Legacy);
+    cuStreamQuery_ptsz(s: CUstream) => stream::stream_query(s, PerThread);
+    cuStreamWaitEvent(s: CUstream, e: CUevent, flags: c_uint) => stream::stream_wait_event(s, e, flags, Legacy);
+    cuStreamWaitEvent_ptsz(s: CUstream, e: CUevent, flags: c_uint) => stream::stream_wait_event(s, e, flags, PerThread);
+    cuStreamGetCtx(s: CUstream, ctx: *mut CUcontext) => stream::stream_get_ctx(s, ctx, Legacy);
+    cuStreamGetCtx_ptsz(s: CUstream, ctx: *mut CUcontext) => stream::stream_get_ctx(s, ctx, PerThread);
+    cuStreamGetPriority(s: CUstream, p: *mut c_int) => stream::stream_get_priority(s, p, Legacy);
+    cuStreamGetPriority_ptsz(s: CUstream, p: *mut c_int) => stream::stream_get_priority(s, p, PerThread);
+    cuStreamGetFlags(s: CUstream, f: *mut c_uint) => stream::stream_get_flags(s, f, Legacy);
+    cuStreamGetFlags_ptsz(s: CUstream, f: *mut c_uint) => stream::stream_get_flags(s, f, PerThread);
+    cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) => stream::priority_range(least, greatest);
+    cuEventCreate(e: *mut CUevent, flags: c_uint) => stream::event_create(e, flags);
+    cuEventDestroy_v2(e: CUevent) => stream::event_destroy(e);
+    cuEventRecord(e: CUevent, s: CUstream) => stream::event_record(e, s, Legacy);
+    cuEventRecord_ptsz(e: CUevent, s: CUstream) => stream::event_record(e, s, PerThread);
+    cuEventSynchronize(e: CUevent) => stream::event_synchronize(e);
+    cuEventQuery(e: CUevent) => stream::event_query(e);
+    cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) => stream::event_elapsed_time(ms, start, end);
+    cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent) => stream::event_elapsed_time(ms, start, end);
+
+    // Modules and launches.
+    cuModuleLoadData(m: *mut CUmodule, image: *const c_void) => module::module_load_data(m, image);
+    cuModuleLoadDataEx(m: *mut CUmodule, image: *const c_void, _n: c_uint, _opts: *mut c_int, _vals: *mut *mut c_void)
+        => module::module_load_data(m, image);
+    cuModuleUnload(m: CUmodule) => module::module_unload(m);
+    cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) => module::module_get_function(f, m, name);
+    cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
+        s: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void)
+        => module::launch_kernel(f, [gx, gy, gz], [bx, by, bz], shared, s, params, extra, Legacy);
+    cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
+        s: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void)
+        => module::launch_kernel(f, [gx, gy, gz], [bx, by, bz], shared, s, params, extra, PerThread);
+}
+
+// Entry points that exist in the real driver but are not simulated: programs that probe
+// for them get a clean error rather than a missing symbol.
+unsupported! {
+    cuModuleLoad, cuModuleLoadFatBinary, cuModuleGetGlobal_v2, cuLaunchCooperativeKernel, cuLaunchKernelEx,
+    cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
+    cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
+    cuFuncGetAttribute, cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
+    cuGraphCreate, cuGraphLaunch, cuGraphInstantiateWithFlags, cuGraphDestroy, cuGraphExecDestroy,
+    cuStreamBeginCapture_v2, cuStreamEndCapture, cuStreamIsCapturing, cuStreamGetCaptureInfo_v2,
+    cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
+    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
+    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
+    cuLaunchHostFunc, cuStreamAddCallback,
+    cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy, cuLibraryLoadData, cuLibraryGetKernel,
+    cuLibraryUnload, cuKernelGetFunction, cuEventRecordWithFlags, cuMemsetD2D8_v2, cuDeviceGetLuid,
+    cuDeviceGetP2PAttribute, cuCtxResetPersistingL2Cache, cuProfilerStart, cuProfilerStop,
+}
+
+#[cfg(test)]
+mod tests {
+    use gpufrac_common::cuda_procs::PROCS;
+
+    #[test]
+    fn every_entry_point_in_the_table_is_exported() {
+        for proc in PROCS {
+            for (_, symbol) in proc.versions.iter().chain(proc.per_thread.as_ref().map(|s| (0, *s)).iter()) {
+                assert!(super::lookup(symbol).is_some(), "{} ({symbol}) is not exported", proc.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! Linear device memory (`cuMemAlloc*`, pitched, managed), page-locked host memory, and
+//! the registry of everything mapped, which copies and kernels check their pointers
+//! against so that a bad pointer is an error code rather than a crash.
+//!
+//! Device memory is host memory: each allocation is its own anonymous mapping, reserved
+//! lazily (`MAP_NORESERVE`), so a simulated 80 GiB device costs only what is touched.
+//! Charges against the device are the requested size rounded up to [`ALLOC_ALIGN`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_uint, c_void};
+use std::os::fd::OwnedFd;
+use std::sync::LazyLock;
+
+use cudarc::driver::sys::CUdeviceptr;
+use parking_lot::RwLock;
+
+use crate::context;
+use crate::driver::driver;
+use crate::ffi::{write_out, CUresult, CuResult};
+
+/// Alignment of every allocation's charge and of pitched rows.
+pub(crate) const ALLOC_ALIGN: u64 = 512;
+
+/// How an allocation was made, which decides how it is freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Device,
+    Pitched,
+    Managed,
+    Host,
+    /// Stream-ordered, from a memory pool (the pool's handle).
+    Pooled(usize),
+}
+
+/// One linear allocation: its own anonymous mapping.
+#[derive(Debug)]
+pub(crate) struct Allocation {
+    pub size: u64,
+    pub charged: u64,
+    pub device: usize,
+    pub ctx: usize,
+    pub kind: Kind,
+    /// A `cuMemFreeAsync` is queued for it; a second free is an error.
+    pub freeing: bool,
+}
+
+/// An address range reserved with `cuMemAddressReserve`.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    pub size: u64,
+    /// Mapped pieces by address.
+    pub maps: BTreeMap<u64, Mapping>,
+}
+
+/// A physical allocation mapped into a reservation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mapping {
+    pub size: u64,
+    pub handle: u64,
+    /// `CUmemAccess_flags` granted by `cuMemSetAccess` (0 until then).
+    pub access: c_uint,
+}
+
+/// A physical allocation made with `cuMemCreate`: a memory object (memfd) charged to the device.
+#[derive(Debug)]
+pub(crate) struct Physical {
+    pub fd: OwnedFd,
+    pub size: u64,
+    pub device: usize,
+    /// Handle references: 1 from `cuMemCreate`, +1 per `cuMemRetainAllocationHandle`.
+    pub refs: u32,
+    /// Live mappings; the memory is freed when both counts reach zero.
+    pub maps: u32,
+}
+
+/// Everything mapped in this process. Copies and kernels hold it for reading while they
+/// touch memory, so nothing can be unmapped under them.
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub allocs: BTreeMap<u64, Allocation>,
+    pub reservations: BTreeMap<u64, Reservation>,
+    pub physical: HashMap<u64, Physical>,
+    pub next_handle: u64,
+}
+
+pub(crate) static REGISTRY: LazyLock<RwLock<Registry>> = LazyLock::new(Default::default);
+
+pub(crate) fn round_up(value: u64, align: u64) -> u64 {
+    value.div_ceil(align) * align
+}
+
+/// Maps `len` bytes of fresh, zeroed, lazily reserved memory.
+pub(crate) fn map_anonymous(len: u64, prot: i32) -> CuResult<u64> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing has no
+    // preconditions; failure is checked.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    Ok(addr as u64)
+}
+
+pub(crate) fn unmap(addr: u64, len: u64) {
+    // SAFETY: callers pass a range they mapped and that the registry no longer lists,
+    // so nothing in this process uses it any more.
+    unsafe { libc::munmap(addr as *mut c_void, len as usize) };
+}
+
+impl Registry {
+    /// The device memory `[ptr, ptr + len)` lies in, if all of it is usable device memory.
+    pub(crate) fn device_range(&self, ptr: u64, len: u64) -> Option<usize> {
+        let end = ptr.checked_add(len)?;
+        if let Some((&base, a)) = self.allocs.range(..=ptr).next_back() {
+            if end <= base + a.size.max(1) && a.kind != Kind::Host {
+                return Some(a.device);
+            }
+        }
+        let (&base, r) = self.reservations.range(..=ptr).next_back()?;
+        if end > base + r.size {
+            return None;
+        }
+        // Every byte must be in a mapping that was granted read/write access.
+        let mut at = ptr;
+        let mut device = None;
+        while at < end.max(ptr + 1) {
+            let (&mbase, m) = r.maps.range(..=at).next_back()?;
+            if at >= mbase + m.size || m.access != 3 {
+                return None;
+            }
+            device = self.physical.get(&m.handle).map(|p| p.device);
+            at = mbase + m.size;
+        }
+        device
+    }
+
+    /// Whether `ptr` is anywhere in memory this driver manages (UVA classification).
+    pub(crate) fn owns(&self, ptr: u64) -> bool {
+        let in_alloc = self.allocs.range(..=ptr).next_back().is_some_and(|(&b, a)| ptr < b + a.size.max(1));
+        let in_reservation =
+            self.reservations.range(..=ptr).next_back().is_some_and(|(&b, r)| ptr < b + r.size);
+        in_alloc || in_reservation
+    }
+}
+
+/// Allocates linear memory charged to the current context's device.
+pub(crate) fn allocate(size: u64, charge: u64, kind: Kind) -> CuResult<u64> {
+    if size == 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ctx = context::current()?;
+    let d = driver()?;
+    let charged = if kind == Kind::Host { 0 } else { round_up(charge, ALLOC_ALIGN) };
+    if charged > 0 {
+        d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    }
+    let addr = match map_anonymous(size, libc::PROT_READ | libc::PROT_WRITE) {
+        Ok(addr) => addr,
+        Err(e) => {
+            d.slot.release(ctx.device, charged);
+            return Err(e);
+        }
+    };
+    let record = Allocation { size, charged, device: ctx.device, ctx: ctx.handle(), kind, freeing: false };
+    REGISTRY.write().allocs.insert(addr, record);
+    Ok(addr)
+}
+
+/// Removes an allocation, unmaps it and gives its charge back (pooled memory goes back
+/// to its pool). The caller holds the registry for writing.
+pub(crate) fn release_allocation(reg: &mut Registry, addr: u64) -> Option<Allocation> {
+    let a = reg.allocs.remove(&addr)?;
+    unmap(addr, a.size);
+    match a.kind {
+        Kind::Pooled(pool) => crate::pool::returned(pool, a.device, a.charged),
+        _ => {
+            if let Ok(d) = driver() {
+                d.slot.release(a.device, a.charged);
+            }
+        }
+    }
+    Some(a)
+}
+
+pub(crate) fn mem_alloc(out: *mut CUdeviceptr, size: usize) -> CuResult {
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let addr = allocate(size as u64, size as u64, Kind::Device)?;
+    write_out(out, addr)
+}
+
+/// `cuMemAllocPitch`: rows padded to [`ALLOC_ALIGN`]; the charge is pitch × height.
+pub(crate) fn mem_alloc_pitch(
+    out: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    element_size: c_uint,
+) -> CuResult {
+    if out.is_null() || pitch.is_null() || width == 0 || height == 0 || ![4, 8, 16].contains(&element_size) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let row = round_up(width as u64, ALLOC_ALIGN);
+    let size = row.checked_mul(height as u64).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let addr = allocate(size, size, Kind::Pitched)?;
+    write_out(pitch, row as usize)?;
+    write_out(out, addr)
+}
+
+pub(crate) fn mem_alloc_managed(out: *mut CUdeviceptr, size: usize, flags: c_uint) -> CuResult {
+    // CU_MEM_ATTACH_GLOBAL = 1, CU_MEM_ATTACH_HOST = 2.
+    if out.is_null() || !(flags == 1 || flags == 2) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let addr = allocate(size as u64, size as u64, Kind::Managed)?;
+    write_out(out, addr)
+}
+
+/// Waits for the work of the allocation's context: `cuMemFree` is a synchronizing call.
+fn drain_context(ctx: usize) {
+    if let Ok(c) = context::lookup(ctx) {
+        let _ = c.null_stream.synchronize();
+        for s in crate::stream::streams_of(ctx) {
+            let _ = s.synchronize();
+        }
+    }
+}
+
+pub(crate) fn mem_free(ptr: CUdeviceptr) -> CuResult {
+    driver()?;
+    if ptr == 0 {
+        return Ok(());
+    }
+    let ctx = {
+        let reg = REGISTRY.read();
+        match reg.allocs.get(&ptr) {
+            Some(a) if a.kind != Kind::Host && !a.freeing => a.ctx,
+            _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+        }
+    };
+    drain_context(ctx);
+    let mut reg = REGISTRY.write();
+    match reg.allocs.get(&ptr) {
+        Some(a) if a.kind != Kind::Host && !a.freeing => {
+            release_allocation(&mut reg, ptr);
+            Ok(())
+        }
+        _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+pub(crate) fn mem_get_info(free: *mut usize, total: *mut usize) -> CuResult {
+    let ctx = context::current()?;
+    let d = driver()?;
+    let t = d.machine.total(ctx.device);
+    let used = d.machine.used(ctx.device);
+    write_out(free, t.saturating_sub(used) as usize)?;
+    write_out(total, t as usize)
+}
+
+pub(crate) fn mem_alloc_host(out: *mut *mut c_void, size: usize) -> CuResult {
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let addr = allocate(size as u64, 0, Kind::Host)?;
+    write_out(out, addr as *mut c_void)
+}
+
+pub(crate) fn mem_free_host(ptr: *mut c_void) -> CuResult {
+    driver()?;
+    let mut reg = REGISTRY.write();
+    match reg.allocs.get(&(ptr as u64)) {
+        Some(a) if a.kind == Kind::Host => {
+            release_allocation(&mut reg, ptr as u64);
+            Ok(())
+        }
+        _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+/// The allocation or mapped range containing `ptr`: (base, size, device, ctx, kind).
+fn find(ptr: u64) -> CuResult<(u64, u64, usize, usize, Option<Kind>)> {
+    let reg = REGISTRY.read();
+    if let Some((&base, a)) = reg.allocs.range(..=ptr).next_back() {
+        if ptr < base + a.size {
+            return Ok((base, a.size, a.device, a.ctx, Some(a.kind)));
+        }
+    }
+    if let Some((_, r)) = reg.reservations.range(..=ptr).next_back() {
+        if let Some((&mbase, m)) = r.maps.range(..=ptr).next_back() {
+            if ptr < mbase + m.size {
+                let device = reg.physical.get(&m.handle).map_or(0, |p| p.device);
+                return Ok((mbase, m.size, device, 0, None));
+            }
+        }
+    }
+    Err(CUresult::CUDA_ERROR_NOT_FOUND)
+}
+
+pub(crate) fn mem_get_address_range(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) -> CuResult {
+    driver()?;
+    let (b, s, ..) = find(ptr)?;
+    if !base.is_null() {
+        write_out(base, b)?;
+    }
+    if !size.is_null() {
+        write_out(size, s as usize)?;
+    }
+    Ok(())
+}
+
+/// `cuPointerGetAttribute` for the attributes programs commonly ask.
+pub(crate) fn pointer_get_attribute(data: *mut c_void, attribute: i32, ptr: CUdeviceptr) -> CuResult {
+    driver()?;
+    let (base, size, device, ctx, kind) = find(ptr).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let host = kind == Some(Kind::Host);
+    let managed = kind == Some(Kind::Managed);
+    match attribute {
+        // CONTEXT
+        1 => write_out(data.cast(), context::as_ptr(ctx)),
+        // MEMORY_TYPE: HOST = 1, DEVICE = 2
+        2 => write_out(data.cast::<c_uint>(), if host { 1 } else { 2 }),
+        // DEVICE_POINTER, HOST_POINTER (host memory is device-accessible and vice versa here)
+        3 | 4 => write_out(data.cast::<u64>(), ptr),
+        // BUFFER_ID
+        7 => write_out(data.cast::<u64>(), base),
+        // IS_MANAGED, MAPPED (bool)
+        8 => write_out(data.cast::<bool>(), managed),
+        13 => write_out(data.cast::<bool>(), true),
+        // DEVICE_ORDINAL
+        9 => write_out(data.cast::<i32>(), device as i32),
+        // RANGE_START_ADDR, RANGE_SIZE
+        11 => write_out(data.cast::<u64>(), base),
+        12 => write_out(data.cast::<usize>(), size as usize),
+        // MEMPOOL_HANDLE
+        17 => write_out(
+            data.cast::<*mut c_void>(),
+            match kind {
+                Some(Kind::Pooled(pool)) => pool as *mut c_void,
+                _ => std::ptr::null_mut(),
+            },
+        ),
+        _ => Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
+    }
+}
+
+/// Frees everything a destroyed context still held.
+pub(crate) fn free_all_of_context(ctx: usize) {
+    let mut reg = REGISTRY.write();
+    let addrs: Vec<u64> = reg.allocs.iter().filter(|(_, a)| a.ctx == ctx).map(|(&b, _)| b).collect();
+    for addr in addrs {
+        release_allocation(&mut reg, addr);
+    }
+    drop(reg);
+    crate::array::free_all_of_context(ctx);
+}

@@ -1,0 +1,350 @@
+//! Streams and events. Each stream has its own worker thread that runs the stream's work
+//! in order, after the call that queued it has returned, as a GPU does: a program that
+//! forgets to synchronize can observe it.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_uint};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+use crossbeam_channel::{unbounded, Sender};
+use cudarc::driver::sys::{CUcontext, CUevent, CUstream};
+use parking_lot::{Condvar, Mutex};
+
+use crate::context::{self, Context};
+use crate::ffi::{write_out, CUresult, CuResult};
+
+/// Work queued on a stream.
+pub(crate) type Job = Box<dyn FnOnce() -> CuResult + Send>;
+
+/// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the special stream handles.
+const STREAM_LEGACY: usize = 0x1;
+const STREAM_PER_THREAD: usize = 0x2;
+const EVENT_DISABLE_TIMING: c_uint = 0x2;
+
+/// Which stream a null handle means: the legacy default stream or the per-thread one
+/// (the `_ptsz`/`_ptds` entry points).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DefaultStream {
+    Legacy,
+    PerThread,
+}
+
+struct Progress {
+    completed: Mutex<u64>,
+    done: Condvar,
+}
+
+/// One stream: a queue and the worker that drains it.
+pub(crate) struct Stream {
+    pub ctx: usize,
+    pub device: usize,
+    pub flags: c_uint,
+    pub priority: c_int,
+    sender: Mutex<Option<Sender<Job>>>,
+    submitted: AtomicU64,
+    progress: Arc<Progress>,
+    /// The context's sticky error cell: an illegal access poisons the whole context.
+    sticky: Arc<AtomicU32>,
+}
+
+impl Stream {
+    pub(crate) fn new(ctx: usize, device: usize, sticky: Arc<AtomicU32>, flags: c_uint, priority: c_int) -> Arc<Stream> {
+        Arc::new(Stream {
+            ctx,
+            device,
+            flags,
+            priority,
+            sender: Mutex::new(None),
+            submitted: AtomicU64::new(0),
+            progress: Arc::new(Progress { completed: Mutex::new(0), done: Condvar::new() }),
+            sticky,
+        })
+    }
+
+    fn for_context(ctx: &Context, flags: c_uint, priority: c_int) -> Arc<Stream> {
+        Stream::new(ctx.handle(), ctx.device, ctx.sticky.clone(), flags, priority)
+    }
+
+    /// Queues `job`; it runs after everything queued before it on this stream.
+    pub(crate) fn submit(&self, job: Job) -> CuResult {
+        let mut sender = self.sender.lock();
+        if sender.is_none() {
+            *sender = Some(self.spawn_worker()?);
+        }
+        self.submitted.fetch_add(1, Ordering::AcqRel);
+        let sent = sender.as_ref().map(|s| s.send(job).is_ok()).unwrap_or(false);
+        if sent {
+            Ok(())
+        } else {
+            Err(CUresult::CUDA_ERROR_UNKNOWN)
+        }
+    }
+
+    fn spawn_worker(&self) -> CuResult<Sender<Job>> {
+        let (tx, rx) = unbounded::<Job>();
+        let progress = self.progress.clone();
+        let sticky = self.sticky.clone();
+        std::thread::Builder::new()
+            .name("simgpu-stream".into())
+            .spawn(move || {
+                for job in rx {
+                    if let Err(code) = job() {
+                        // First error wins, as a context's sticky error does.
+                        let _ = sticky.compare_exchange(0, code as u32, Ordering::AcqRel, Ordering::Acquire);
+                    }
+                    let mut done = progress.completed.lock();
+                    *done += 1;
+                    progress.done.notify_all();
+                }
+            })
+            .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+        Ok(tx)
+    }
+
+    /// Waits for everything queued so far.
+    pub(crate) fn synchronize(&self) -> CuResult {
+        let target = self.submitted.load(Ordering::Acquire);
+        let mut done = self.progress.completed.lock();
+        while *done < target {
+            self.progress.done.wait(&mut done);
+        }
+        drop(done);
+        self.sticky_error()
+    }
+
+    /// Whether everything queued so far has run.
+    pub(crate) fn idle(&self) -> bool {
+        *self.progress.completed.lock() >= self.submitted.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn sticky_error(&self) -> CuResult {
+        sticky_to_result(self.sticky.load(Ordering::Acquire))
+    }
+}
+
+pub(crate) fn sticky_to_result(code: u32) -> CuResult {
+    match code {
+        0 => Ok(()),
+        700 => Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        _ => Err(CUresult::CUDA_ERROR_LAUNCH_FAILED),
+    }
+}
+
+static STREAMS: LazyLock<Mutex<HashMap<usize, Arc<Stream>>>> = LazyLock::new(Default::default);
+
+thread_local! {
+    /// This thread's per-thread default stream, one per context.
+    static PER_THREAD: std::cell::RefCell<Vec<(usize, Arc<Stream>)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The stream a caller's handle names; null means the current context's default stream.
+pub(crate) fn resolve(handle: CUstream, default: DefaultStream) -> CuResult<Arc<Stream>> {
+    let raw = handle as usize;
+    let per_thread = raw == STREAM_PER_THREAD || (raw == 0 && default == DefaultStream::PerThread);
+    if raw == 0 || raw == STREAM_LEGACY || raw == STREAM_PER_THREAD {
+        let ctx = context::current()?;
+        if !per_thread {
+            return Ok(ctx.null_stream.clone());
+        }
+        return Ok(PER_THREAD.with(|cell| {
+            let mut streams = cell.borrow_mut();
+            streams.retain(|(c, _)| context::lookup(*c).is_ok());
+            if let Some((_, s)) = streams.iter().find(|(c, _)| *c == ctx.handle()) {
+                return s.clone();
+            }
+            let s = Stream::for_context(&ctx, 0, 0);
+            streams.push((ctx.handle(), s.clone()));
+            s
+        }));
+    }
+    STREAMS.lock().get(&raw).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+pub(crate) fn stream_create(out: *mut CUstream, flags: c_uint, priority: c_int) -> CuResult {
+    if flags & !1 != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ctx = context::current()?;
+    let stream = Stream::for_context(&ctx, flags, priority.clamp(-5, 0));
+    let handle = Arc::as_ptr(&stream) as usize;
+    write_out(out, handle as CUstream)?;
+    STREAMS.lock().insert(handle, stream);
+    Ok(())
+}
+
+/// `cuStreamDestroy`: returns at once; queued work still completes, as on a GPU.
+pub(crate) fn stream_destroy(handle: CUstream) -> CuResult {
+    STREAMS.lock().remove(&(handle as usize)).map(|_| ()).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+pub(crate) fn stream_synchronize(handle: CUstream, default: DefaultStream) -> CuResult {
+    let stream = resolve(handle, default)?;
+    stream.synchronize()?;
+    crate::pool::trim_after_sync(stream.device);
+    Ok(())
+}
+
+pub(crate) fn stream_query(handle: CUstream, default: DefaultStream) -> CuResult {
+    let stream = resolve(handle, default)?;
+    stream.sticky_error()?;
+    if stream.idle() {
+        Ok(())
+    } else {
+        Err(CUresult::CUDA_ERROR_NOT_READY)
+    }
+}
+
+pub(crate) fn stream_get_ctx(handle: CUstream, out: *mut CUcontext, default: DefaultStream) -> CuResult {
+    let stream = resolve(handle, default)?;
+    write_out(out, stream.ctx as CUcontext)
+}
+
+pub(crate) fn stream_get_priority(handle: CUstream, out: *mut c_int, default: DefaultStream) -> CuResult {
+    write_out(out, resolve(handle, default)?.priority)
+}
+
+pub(crate) fn stream_get_flags(handle: CUstream, out: *mut c_uint, default: DefaultStream) -> CuResult {
+    write_out(out, resolve(handle, default)?.flags)
+}
+
+/// Priorities run from 0 (least) to -5 (greatest), as on current GPUs.
+pub(crate) fn priority_range(least: *mut c_int, greatest: *mut c_int) -> CuResult {
+    context::current()?;
+    if !least.is_null() {
+        write_out(least, 0)?;
+    }
+    if !greatest.is_null() {
+        write_out(greatest, -5)?;
+    }
+    Ok(())
+}
+
+/// Streams of a context, for `cuCtxSynchronize`.
+pub(crate) fn streams_of(ctx: usize) -> Vec<Arc<Stream>> {
+    let mut all: Vec<_> = STREAMS.lock().values().filter(|s| s.ctx == ctx).cloned().collect();
+    PER_THREAD.with(|cell| {
+        all.extend(cell.borrow().iter().filter(|(c, _)| *c == ctx).map(|(_, s)| s.clone()))
+    });
+    all
+}
+
+/// Forgets the streams of a destroyed context.
+pub(crate) fn forget_streams_of(ctx: usize) {
+    STREAMS.lock().retain(|_, s| s.ctx != ctx);
+}
+
+/// An event: a marker recorded into a stream, complete when the stream reaches it.
+pub(crate) struct Event {
+    flags: c_uint,
+    state: Mutex<EventState>,
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct EventState {
+    recorded: u64,
+    completed: u64,
+    at: Option<Instant>,
+}
+
+static EVENTS: LazyLock<Mutex<HashMap<usize, Arc<Event>>>> = LazyLock::new(Default::default);
+
+fn event(handle: CUevent) -> CuResult<Arc<Event>> {
+    EVENTS.lock().get(&(handle as usize)).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+pub(crate) fn event_create(out: *mut CUevent, flags: c_uint) -> CuResult {
+    context::current()?;
+    if flags & !0xf != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ev = Arc::new(Event { flags, state: Mutex::new(EventState::default()), done: Condvar::new() });
+    let handle = Arc::as_ptr(&ev) as usize;
+    write_out(out, handle as CUevent)?;
+    EVENTS.lock().insert(handle, ev);
+    Ok(())
+}
+
+pub(crate) fn event_destroy(handle: CUevent) -> CuResult {
+    EVENTS.lock().remove(&(handle as usize)).map(|_| ()).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultStream) -> CuResult {
+    let ev = event(handle)?;
+    let stream = resolve(stream, default)?;
+    let generation = {
+        let mut st = ev.state.lock();
+        st.recorded += 1;
+        st.recorded
+    };
+    let marker = ev.clone();
+    stream.submit(Box::new(move || {
+        let mut st = marker.state.lock();
+        if st.completed < generation {
+            st.completed = generation;
+            st.at = Some(Instant::now());
+        }
+        marker.done.notify_all();
+        Ok(())
+    }))
+}
+
+pub(crate) fn event_synchronize(handle: CUevent) -> CuResult {
+    let ev = event(handle)?;
+    let mut st = ev.state.lock();
+    let target = st.recorded;
+    while st.completed < target {
+        ev.done.wait(&mut st);
+    }
+    Ok(())
+}
+
+pub(crate) fn event_query(handle: CUevent) -> CuResult {
+    let ev = event(handle)?;
+    let st = ev.state.lock();
+    if st.completed >= st.recorded {
+        Ok(())
+    } else {
+        Err(CUresult::CUDA_ERROR_NOT_READY)
+    }
+}
+
+pub(crate) fn event_elapsed_time(ms: *mut f32, start: CUevent, end: CUevent) -> CuResult {
+    let (start, end) = (event(start)?, event(end)?);
+    if start.flags & EVENT_DISABLE_TIMING != 0 || end.flags & EVENT_DISABLE_TIMING != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    }
+    let time = |ev: &Event| {
+        let st = ev.state.lock();
+        match st.at {
+            _ if st.recorded == 0 => Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
+            Some(at) if st.completed >= st.recorded => Ok(at),
+            _ => Err(CUresult::CUDA_ERROR_NOT_READY),
+        }
+    };
+    let (a, b) = (time(&start)?, time(&end)?);
+    let millis = if b >= a {
+        b.duration_since(a).as_secs_f32() * 1000.0
+    } else {
+        -(a.duration_since(b).as_secs_f32() * 1000.0)
+    };
+    write_out(ms, millis)
+}
+
+pub(crate) fn stream_wait_event(stream: CUstream, handle: CUevent, flags: c_uint, default: DefaultStream) -> CuResult {
+    if flags & !1 != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ev = event(handle)?;
+    let stream = resolve(stream, default)?;
+    let target = ev.state.lock().recorded;
+    stream.submit(Box::new(move || {
+        let mut st = ev.state.lock();
+        while st.completed < target {
+            ev.done.wait(&mut st);
+        }
+        Ok(())
+    }))
+}
