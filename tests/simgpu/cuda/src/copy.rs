@@ -91,13 +91,51 @@ pub(crate) fn sync(op: Op, default: DefaultStream) -> CuResult {
 }
 
 /// A stream-ordered copy or set: checked now, performed by the stream's worker.
+///
+/// Host memory that is not page-locked (not from `cuMemAllocHost`/`cuMemHostAlloc`)
+/// behaves as the CUDA documentation says: a copy *from* it is staged at once, so the
+/// caller may reuse its buffer on return; a copy *to* it returns only once it is done.
 pub(crate) fn queued(op: Op, stream: CUstream, default: DefaultStream) -> CuResult {
     driver()?;
     let s = stream::resolve(stream, default)?;
-    if op.len() > 0 && op.check(&REGISTRY.read()).is_none() {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    if op.len() == 0 {
+        return Ok(());
     }
-    s.submit(Box::new(move || op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)))
+    let (pageable_src, pageable_dst) = {
+        let reg = REGISTRY.read();
+        if op.check(&reg).is_none() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        match op {
+            Op::HtoD { src, .. } => (!reg.owns(src as u64), false),
+            Op::DtoH { dst, .. } => (false, !reg.owns(dst as u64)),
+            Op::Unified { dst, src, .. } => (!reg.owns(src), !reg.owns(dst)),
+            _ => (false, false),
+        }
+    };
+    if pageable_src {
+        let (dst, src, n) = match op {
+            Op::HtoD { dst, src, n } => (dst, src, n),
+            Op::Unified { dst, src, n } => (dst, src as usize, n),
+            _ => unreachable!("only host-to-device copies have a host source"),
+        };
+        // SAFETY: the caller's source buffer holds n readable bytes for this call.
+        let staged = unsafe { std::slice::from_raw_parts(src as *const u8, n) }.to_vec();
+        let direct = pageable_dst && matches!(op, Op::Unified { .. });
+        return s.submit(Box::new(move || {
+            let op = if direct {
+                Op::Unified { dst, src: staged.as_ptr() as u64, n }
+            } else {
+                Op::HtoD { dst, src: staged.as_ptr() as usize, n }
+            };
+            op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)
+        }));
+    }
+    s.submit(Box::new(move || op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)))?;
+    if pageable_dst {
+        s.synchronize()?;
+    }
+    Ok(())
 }
 
 pub(crate) fn htod(dst: CUdeviceptr, src: *const std::ffi::c_void, n: usize) -> Op {
