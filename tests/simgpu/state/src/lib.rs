@@ -12,6 +12,8 @@
 //!   releases a dead process's memory.
 #![deny(missing_docs)]
 
+pub mod env;
+
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;

@@ -1,0 +1,5 @@
+//! The node side of gpufrac: the arbiter daemon (to come) and the `gpufrac` CLI's
+//! commands. Binaries in `src/bin/` are thin wrappers over this library.
+#![deny(missing_docs)]
+
+pub mod demo;

@@ -1,0 +1,281 @@
+/*
+ * cuda_min.h: the exact subset of cuda.h (CUDA 12.8) that the end-to-end C programs use.
+ *
+ * Types, enum values and struct layouts are those of cuda.h 12.8, as carried by the Rust
+ * bindings in cudarc 0.19 (src/driver/sys/mod.rs, items for feature "cuda-12080"); the
+ * static asserts at the end pin the layouts. A program written against this header runs
+ * unchanged against the real driver and against libsimgpu_cuda.so.
+ *
+ * Every driver function the programs call is listed once, in CUDA_DRIVER_FUNCTIONS, as
+ *     X(base name, exported symbol, parameter list)
+ * The base name is what cuGetProcAddress takes ("cuMemAlloc"), the exported symbol is the
+ * versioned name cuda.h's macros select ("cuMemAlloc_v2"). The same list declares the
+ * prototypes (for programs linked with -lcuda), the pointer types PFN_<base>, the names
+ * that dlsym looks up, and the stub libcuda.so the programs link against at build time.
+ */
+#ifndef GPUFRAC_CUDA_MIN_H
+#define GPUFRAC_CUDA_MIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUDA_VERSION 12080
+
+/* ---- scalar and handle types ---- */
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef uint64_t cuuint64_t;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+
+/* ---- results (the values used by the programs and the ones they may print) ---- */
+typedef enum cudaError_enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999
+} CUresult;
+
+/* ---- enums ---- */
+typedef enum CUarray_format_enum {
+    CU_AD_FORMAT_UNSIGNED_INT8 = 1,
+    CU_AD_FORMAT_UNSIGNED_INT16 = 2,
+    CU_AD_FORMAT_UNSIGNED_INT32 = 3,
+    CU_AD_FORMAT_SIGNED_INT8 = 8,
+    CU_AD_FORMAT_SIGNED_INT16 = 9,
+    CU_AD_FORMAT_SIGNED_INT32 = 10,
+    CU_AD_FORMAT_HALF = 16,
+    CU_AD_FORMAT_FLOAT = 32
+} CUarray_format;
+
+typedef enum CUmemAttach_flags_enum {
+    CU_MEM_ATTACH_GLOBAL = 1,
+    CU_MEM_ATTACH_HOST = 2,
+    CU_MEM_ATTACH_SINGLE = 4
+} CUmemAttach_flags;
+
+typedef enum CUstream_flags_enum {
+    CU_STREAM_DEFAULT = 0,
+    CU_STREAM_NON_BLOCKING = 1
+} CUstream_flags;
+
+typedef enum CUmemAllocationType_enum {
+    CU_MEM_ALLOCATION_TYPE_INVALID = 0,
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+    CU_MEM_ALLOCATION_TYPE_MAX = 0x7FFFFFFF
+} CUmemAllocationType;
+
+typedef enum CUmemAllocationHandleType_enum {
+    CU_MEM_HANDLE_TYPE_NONE = 0,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+    CU_MEM_HANDLE_TYPE_WIN32 = 2,
+    CU_MEM_HANDLE_TYPE_WIN32_KMT = 4,
+    CU_MEM_HANDLE_TYPE_FABRIC = 8,
+    CU_MEM_HANDLE_TYPE_MAX = 0x7FFFFFFF
+} CUmemAllocationHandleType;
+
+typedef enum CUmemLocationType_enum {
+    CU_MEM_LOCATION_TYPE_INVALID = 0,
+    CU_MEM_LOCATION_TYPE_DEVICE = 1,
+    CU_MEM_LOCATION_TYPE_HOST = 2,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
+    CU_MEM_LOCATION_TYPE_MAX = 0x7FFFFFFF
+} CUmemLocationType;
+
+typedef enum CUmemAccess_flags_enum {
+    CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
+    CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+    CU_MEM_ACCESS_FLAGS_PROT_MAX = 0x7FFFFFFF
+} CUmemAccess_flags;
+
+typedef enum CUmemAllocationGranularity_flags_enum {
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+} CUmemAllocationGranularity_flags;
+
+typedef enum CUmemAllocationCompType_enum {
+    CU_MEM_ALLOCATION_COMP_NONE = 0,
+    CU_MEM_ALLOCATION_COMP_GENERIC = 1
+} CUmemAllocationCompType;
+
+typedef enum CUdriverProcAddress_flags_enum {
+    CU_GET_PROC_ADDRESS_DEFAULT = 0,
+    CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1,
+    CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
+} CUdriverProcAddress_flags;
+
+typedef enum CUdriverProcAddressQueryResult_enum {
+    CU_GET_PROC_ADDRESS_SUCCESS = 0,
+    CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
+    CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2
+} CUdriverProcAddressQueryResult;
+
+/* ---- structs ---- */
+typedef struct CUDA_ARRAY_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    size_t Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+
+typedef struct CUmemLocation_st {
+    CUmemLocationType type;
+    int id;
+} CUmemLocation;
+
+typedef struct CUmemAllocationProp_st {
+    CUmemAllocationType type;
+    CUmemAllocationHandleType requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct CUmemAccessDesc_st {
+    CUmemLocation location;
+    CUmemAccess_flags flags;
+} CUmemAccessDesc;
+
+typedef struct CUmemPoolProps_st {
+    CUmemAllocationType allocType;
+    CUmemAllocationHandleType handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+/* ---- layouts, as in cuda.h 12.8 on LP64 ---- */
+#define CUDA_MIN_ASSERT(cond) _Static_assert(cond, #cond)
+CUDA_MIN_ASSERT(sizeof(CUresult) == 4);
+CUDA_MIN_ASSERT(sizeof(CUdeviceptr) == 8);
+CUDA_MIN_ASSERT(sizeof(CUDA_ARRAY_DESCRIPTOR) == 24);
+CUDA_MIN_ASSERT(offsetof(CUDA_ARRAY_DESCRIPTOR, Format) == 16);
+CUDA_MIN_ASSERT(sizeof(CUDA_ARRAY3D_DESCRIPTOR) == 40);
+CUDA_MIN_ASSERT(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Flags) == 32);
+CUDA_MIN_ASSERT(sizeof(CUmemLocation) == 8);
+CUDA_MIN_ASSERT(sizeof(CUmemAllocationProp) == 32);
+CUDA_MIN_ASSERT(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16);
+CUDA_MIN_ASSERT(offsetof(CUmemAllocationProp, allocFlags) == 24);
+CUDA_MIN_ASSERT(sizeof(CUmemAccessDesc) == 12);
+CUDA_MIN_ASSERT(sizeof(CUmemPoolProps) == 88);
+CUDA_MIN_ASSERT(offsetof(CUmemPoolProps, maxSize) == 24);
+CUDA_MIN_ASSERT(offsetof(CUmemPoolProps, usage) == 32);
+
+/* ---- functions ---- */
+#define CUDA_DRIVER_FUNCTIONS(X)                                                              \
+    X(cuInit, cuInit, (unsigned int Flags))                                                   \
+    X(cuGetErrorName, cuGetErrorName, (CUresult error, const char **pStr))                    \
+    X(cuDeviceGet, cuDeviceGet, (CUdevice *device, int ordinal))                              \
+    X(cuDeviceTotalMem, cuDeviceTotalMem_v2, (size_t *bytes, CUdevice dev))                   \
+    X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, (CUcontext *pctx, CUdevice dev))    \
+    X(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, (CUdevice dev))                \
+    X(cuCtxSetCurrent, cuCtxSetCurrent, (CUcontext ctx))                                      \
+    X(cuCtxSynchronize, cuCtxSynchronize, (void))                                             \
+    X(cuMemGetInfo, cuMemGetInfo_v2, (size_t *free, size_t *total))                           \
+    X(cuMemAlloc, cuMemAlloc_v2, (CUdeviceptr *dptr, size_t bytesize))                        \
+    X(cuMemAllocPitch, cuMemAllocPitch_v2,                                                    \
+      (CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,                 \
+       unsigned int ElementSizeBytes))                                                        \
+    X(cuMemAllocManaged, cuMemAllocManaged,                                                   \
+      (CUdeviceptr *dptr, size_t bytesize, unsigned int flags))                               \
+    X(cuMemFree, cuMemFree_v2, (CUdeviceptr dptr))                                            \
+    X(cuStreamCreate, cuStreamCreate, (CUstream *phStream, unsigned int Flags))               \
+    X(cuStreamDestroy, cuStreamDestroy_v2, (CUstream hStream))                                \
+    X(cuStreamSynchronize, cuStreamSynchronize, (CUstream hStream))                           \
+    X(cuMemAllocAsync, cuMemAllocAsync,                                                       \
+      (CUdeviceptr *dptr, size_t bytesize, CUstream hStream))                                 \
+    X(cuMemFreeAsync, cuMemFreeAsync, (CUdeviceptr dptr, CUstream hStream))                   \
+    X(cuMemPoolCreate, cuMemPoolCreate,                                                       \
+      (CUmemoryPool *pool, const CUmemPoolProps *poolProps))                                  \
+    X(cuMemPoolDestroy, cuMemPoolDestroy, (CUmemoryPool pool))                                \
+    X(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync,                                       \
+      (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream))              \
+    X(cuArrayCreate, cuArrayCreate_v2,                                                        \
+      (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray))                        \
+    X(cuArray3DCreate, cuArray3DCreate_v2,                                                    \
+      (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray))                      \
+    X(cuArrayDestroy, cuArrayDestroy, (CUarray hArray))                                       \
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity,                           \
+      (size_t *granularity, const CUmemAllocationProp *prop,                                  \
+       CUmemAllocationGranularity_flags option))                                              \
+    X(cuMemAddressReserve, cuMemAddressReserve,                                               \
+      (CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,                     \
+       unsigned long long flags))                                                             \
+    X(cuMemAddressFree, cuMemAddressFree, (CUdeviceptr ptr, size_t size))                     \
+    X(cuMemCreate, cuMemCreate,                                                               \
+      (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,    \
+       unsigned long long flags))                                                             \
+    X(cuMemRelease, cuMemRelease, (CUmemGenericAllocationHandle handle))                      \
+    X(cuMemMap, cuMemMap,                                                                     \
+      (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,      \
+       unsigned long long flags))                                                             \
+    X(cuMemUnmap, cuMemUnmap, (CUdeviceptr ptr, size_t size))                                 \
+    X(cuMemSetAccess, cuMemSetAccess,                                                         \
+      (CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count))              \
+    X(cuMemsetD8, cuMemsetD8_v2, (CUdeviceptr dstDevice, unsigned char uc, size_t N))         \
+    X(cuMemcpyHtoD, cuMemcpyHtoD_v2,                                                          \
+      (CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount))                         \
+    X(cuMemcpyDtoH, cuMemcpyDtoH_v2,                                                          \
+      (void *dstHost, CUdeviceptr srcDevice, size_t ByteCount))
+
+/* Prototypes of the exported symbols, as cuda.h declares them. */
+#define CUDA_MIN_PROTOTYPE(base, symbol, params) CUresult symbol params;
+CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PROTOTYPE)
+#undef CUDA_MIN_PROTOTYPE
+
+/* Pointer types by base name, as cudaTypedefs.h names them (PFN_cuMemAlloc). */
+#define CUDA_MIN_PFN(base, symbol, params) typedef CUresult (*PFN_##base) params;
+CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PFN)
+#undef CUDA_MIN_PFN
+
+/* The entry point through which everything else can be resolved (CUDA >= 12.5 ABI). */
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *symbolStatus);
+typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
+                                            cuuint64_t flags,
+                                            CUdriverProcAddressQueryResult *symbolStatus);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUFRAC_CUDA_MIN_H */

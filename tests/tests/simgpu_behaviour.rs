@@ -1,0 +1,84 @@
+//! simgpu's behaviour as CUDA programs see it, each checked in its own real process:
+//! async ordering, VMM data surviving unmap and remap, pool release, and a real
+//! `cudarc` client whose data survives copies and kernels.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use simgpu_state::env::SimGpuDir;
+
+fn bin_dir() -> PathBuf {
+    // target/<profile>/deps/<this test> → target/<profile>
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent().and_then(|deps| deps.parent()).expect("target folder").to_path_buf()
+}
+
+fn sim(devices: &str) -> SimGpuDir {
+    SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), devices).expect("simgpu folder").with_context_overhead("64MiB")
+}
+
+fn run(sim: &SimGpuDir, program: &str, args: &[&str]) -> Output {
+    let mut cmd = Command::new(program);
+    cmd.args(args).env_remove("LD_PRELOAD");
+    sim.apply(&mut cmd);
+    let out = cmd.output().expect("run program");
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn probe(sim: &SimGpuDir, what: &str) {
+    let out = run(sim, env!("CARGO_BIN_EXE_simgpu_probe"), &[what]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("OK {what}")));
+}
+
+#[test]
+fn queued_work_runs_later_in_order_and_events_order_streams() {
+    probe(&sim("1GiB"), "async-order");
+}
+
+#[test]
+fn vmm_data_survives_unmap_release_and_remap_at_the_same_address() {
+    probe(&sim("1GiB"), "vmm-remap");
+}
+
+#[test]
+fn pools_release_freed_memory_at_synchronize_above_their_threshold() {
+    probe(&sim("1GiB"), "pool-release");
+}
+
+#[test]
+fn a_cudarc_client_runs_and_its_data_survives_copies_and_kernels() {
+    let sim = sim("2GiB");
+    let server = bin_dir().join("sample-inference-server");
+    assert!(server.exists(), "build the workspace first: cargo build --workspace");
+    let out = run(
+        &sim,
+        server.to_str().expect("utf-8 path"),
+        &["--name", "t", "--model", "64MiB", "--batches", "16MiB,32MiB,4GiB", "--steps", "3"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The model and two batches fit; the 4 GiB batch is a clean out-of-memory error.
+    assert!(stdout.contains("t started device=0 total=2147483648"), "{stdout}");
+    assert!(stdout.contains("t model-loaded bytes=67108864"), "{stdout}");
+    assert!(stdout.contains("t out-of-memory batch=2 bytes=4294967296"), "{stdout}");
+    assert!(stdout.contains("t done served=2 out-of-memory=1"), "{stdout}");
+}
+
+#[test]
+fn a_bad_setting_fails_cuinit_naming_the_variable() {
+    let sim = SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), "lots").expect("simgpu folder");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_simgpu_probe"));
+    cmd.arg("async-order");
+    sim.apply(&mut cmd);
+    let out = cmd.output().expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("SIMGPU_DEVICES") && stderr.contains("lots"), "{stderr}");
+    assert!(stderr.contains("CUDA_ERROR_NOT_INITIALIZED") || stderr.contains("cuInit"), "{stderr}");
+}
