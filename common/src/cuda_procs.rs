@@ -39,14 +39,17 @@ pub fn resolve(name: &str, cuda_version: i32, flags: u64) -> ProcQuery {
     let Some(proc) = PROCS.iter().find(|p| p.name == name) else {
         return ProcQuery::SymbolNotFound;
     };
-    let Some(&(_, symbol)) = proc.versions.iter().rev().find(|(since, _)| *since <= cuda_version)
-    else {
+    let Some(&(_, symbol)) = proc.versions.iter().rev().find(|(since, _)| *since <= cuda_version) else {
         return ProcQuery::VersionNotSufficient;
     };
     let newest = proc.versions.last().map(|&(_, s)| s);
     match proc.per_thread {
         // Per-thread variants exist for the newest version only, from CUDA 7.0 on.
-        Some(pt) if flags & FLAG_PER_THREAD_DEFAULT_STREAM != 0 && newest == Some(symbol) && cuda_version >= 7000 => {
+        Some(pt)
+            if flags & FLAG_PER_THREAD_DEFAULT_STREAM != 0
+                && newest == Some(symbol)
+                && cuda_version >= 7000 =>
+        {
             ProcQuery::Found(pt)
         }
         _ => ProcQuery::Found(symbol),

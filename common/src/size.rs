@@ -101,9 +101,8 @@ pub fn parse_bytes(input: &str, value: &str) -> Result<u64, SizeError> {
 
 /// Reads a duration such as `30s`, `500ms`, `5m` or `1h 30m`.
 pub fn parse_duration(input: &str, value: &str) -> Result<Duration, SizeError> {
-    humantime::parse_duration(value.trim()).map_err(|e| {
-        refuse(input, value, format!("{e}; expected a duration such as 30s, 500ms or 5m"))
-    })
+    humantime::parse_duration(value.trim())
+        .map_err(|e| refuse(input, value, format!("{e}; expected a duration such as 30s, 500ms or 5m")))
 }
 
 fn parse_number(text: &str) -> Option<f64> {
@@ -163,7 +162,9 @@ mod tests {
 
     #[test]
     fn bad_values_are_refused_naming_the_input() {
-        for bad in ["", "0", "0%", "101%", "-1GiB", "1.5", "abc", "4XB", "1e9", "inf", "NaN", "0.0", "5.5.5G", "%"] {
+        for bad in
+            ["", "0", "0%", "101%", "-1GiB", "1.5", "abc", "4XB", "1e9", "inf", "NaN", "0.0", "5.5.5G", "%"]
+        {
             let err = parse_size("GPUFRAC_MEMORY_LIMIT", bad).unwrap_err();
             let text = err.to_string();
             assert!(text.contains("GPUFRAC_MEMORY_LIMIT"), "{text}");
@@ -183,6 +184,9 @@ mod tests {
         assert_eq!(parse_duration("T", "30s").unwrap(), Duration::from_secs(30));
         assert_eq!(parse_duration("T", "500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("T", "5m").unwrap(), Duration::from_secs(300));
-        assert!(parse_duration("GPUFRAC_WAIT_TIMEOUT", "soon").unwrap_err().to_string().contains("GPUFRAC_WAIT_TIMEOUT"));
+        assert!(parse_duration("GPUFRAC_WAIT_TIMEOUT", "soon")
+            .unwrap_err()
+            .to_string()
+            .contains("GPUFRAC_WAIT_TIMEOUT"));
     }
 }

@@ -14,7 +14,9 @@ use simgpu_state::env::SimGpuDir;
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
     /// A file the demo needs is not beside the `gpufrac` binary.
-    #[error("{0} not found beside the gpufrac binary; build everything first: cargo build --release --workspace")]
+    #[error(
+        "{0} not found beside the gpufrac binary; build everything first: cargo build --release --workspace"
+    )]
     Missing(PathBuf),
     /// Starting the simulated GPU or a server failed.
     #[error("{what}: {source}")]
@@ -100,10 +102,12 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
             .stderr(Stdio::piped());
         sim.apply(&mut cmd);
         let mut child = cmd.spawn().map_err(io_err(format!("starting {}", server_bin.display())))?;
-        for pipe in [child.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read + Send>),
-                     child.stderr.take().map(|e| Box::new(e) as Box<dyn std::io::Read + Send>)]
-            .into_iter()
-            .flatten()
+        for pipe in [
+            child.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read + Send>),
+            child.stderr.take().map(|e| Box::new(e) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
         {
             let tx = tx.clone();
             let name = name.clone();

@@ -14,7 +14,9 @@ fn bin_dir() -> PathBuf {
 }
 
 fn sim(devices: &str) -> SimGpuDir {
-    SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), devices).expect("simgpu folder").with_context_overhead("64MiB")
+    SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), devices)
+        .expect("simgpu folder")
+        .with_context_overhead("64MiB")
 }
 
 fn run(sim: &SimGpuDir, program: &str, args: &[&str]) -> Output {

@@ -15,8 +15,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use clap::Parser;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::driver::sys::CUresult;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 #[derive(Parser, Debug)]
@@ -59,7 +61,12 @@ fn is_oom(e: &DriverError) -> bool {
 }
 
 /// Fills `buf` with `value` on the GPU and checks the checksum the GPU computes.
-fn fill_and_verify(stream: &Arc<CudaStream>, k: &Kernels, buf: &mut CudaSlice<u32>, value: u32) -> Result<()> {
+fn fill_and_verify(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    buf: &mut CudaSlice<u32>,
+    value: u32,
+) -> Result<()> {
     let count = buf.len();
     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
     let mut sum = stream.alloc_zeros::<u64>(1)?;
@@ -79,11 +86,7 @@ fn fill_and_verify(stream: &Arc<CudaStream>, k: &Kernels, buf: &mut CudaSlice<u3
 
 fn run(args: &Args) -> Result<()> {
     let model_bytes = bytes("--model", &args.model)?;
-    let batches = args
-        .batches
-        .split(',')
-        .map(|b| bytes("--batches", b))
-        .collect::<Result<Vec<_>>>()?;
+    let batches = args.batches.split(',').map(|b| bytes("--batches", b)).collect::<Result<Vec<_>>>()?;
     let compute_us = gpufrac_common::parse_duration("--compute", &args.compute)?.as_micros() as u64;
     let name = &args.name;
 
@@ -121,10 +124,11 @@ fn run(args: &Args) -> Result<()> {
         if compute_us > 0 {
             // SAFETY: simgpu_sleep_us takes one u64.
             unsafe {
-                stream
-                    .launch_builder(&k.sleep)
-                    .arg(&compute_us)
-                    .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 })?;
+                stream.launch_builder(&k.sleep).arg(&compute_us).launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1, 1, 1),
+                    shared_mem_bytes: 0,
+                })?;
             }
         }
         stream.synchronize()?;
@@ -138,12 +142,11 @@ fn run(args: &Args) -> Result<()> {
     let count = model.len();
     // SAFETY: as in fill_and_verify.
     unsafe {
-        stream
-            .launch_builder(&k.checksum)
-            .arg(&model)
-            .arg(&count)
-            .arg(&mut sum)
-            .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 })?;
+        stream.launch_builder(&k.checksum).arg(&model).arg(&count).arg(&mut sum).launch(LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        })?;
     }
     let got = stream.clone_dtoh(&sum)?[0];
     if got != count as u64 * 0x600d {

@@ -48,7 +48,10 @@ fn setup() -> Kernels {
     ck!(sys::cuModuleGetFunction(&mut k.checksum, module, c"simgpu_checksum_u32".as_ptr()));
     ck!(sys::cuModuleGetFunction(&mut k.sleep, module, c"simgpu_sleep_us".as_ptr()));
     let mut missing = null_mut();
-    expect!(CUresult::CUDA_ERROR_NOT_FOUND, sys::cuModuleGetFunction(&mut missing, module, c"no_such_kernel".as_ptr()));
+    expect!(
+        CUresult::CUDA_ERROR_NOT_FOUND,
+        sys::cuModuleGetFunction(&mut missing, module, c"no_such_kernel".as_ptr())
+    );
     k
 }
 
@@ -58,12 +61,20 @@ fn launch(f: sys::CUfunction, stream: sys::CUstream, args: &mut [*mut c_void]) {
 
 fn fill(k: &Kernels, stream: sys::CUstream, ptr: u64, value: u32, count: usize) {
     let (mut p, mut v, mut c) = (ptr, value, count);
-    launch(k.fill, stream, &mut [(&mut p as *mut u64).cast(), (&mut v as *mut u32).cast(), (&mut c as *mut usize).cast()]);
+    launch(
+        k.fill,
+        stream,
+        &mut [(&mut p as *mut u64).cast(), (&mut v as *mut u32).cast(), (&mut c as *mut usize).cast()],
+    );
 }
 
 fn checksum(k: &Kernels, stream: sys::CUstream, ptr: u64, count: usize, out: u64) {
     let (mut p, mut c, mut o) = (ptr, count, out);
-    launch(k.checksum, stream, &mut [(&mut p as *mut u64).cast(), (&mut c as *mut usize).cast(), (&mut o as *mut u64).cast()]);
+    launch(
+        k.checksum,
+        stream,
+        &mut [(&mut p as *mut u64).cast(), (&mut c as *mut usize).cast(), (&mut o as *mut u64).cast()],
+    );
 }
 
 fn sleep_us(k: &Kernels, stream: sys::CUstream, us: u64) {
@@ -157,7 +168,11 @@ fn map_with_access(ptr: u64, size: usize, handle: u64) {
 fn vmm_remap(k: &Kernels) {
     let p = prop(0);
     let mut gran = 0usize;
-    ck!(sys::cuMemGetAllocationGranularity(&mut gran, &p, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    ck!(sys::cuMemGetAllocationGranularity(
+        &mut gran,
+        &p,
+        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    ));
     assert_eq!(gran, 2 * MIB);
     let size = 4 * MIB;
     let mut va = 0u64;
@@ -248,13 +263,21 @@ fn pool_release() {
     let mut pool = null_mut();
     ck!(sys::cuDeviceGetDefaultMemPool(&mut pool, 0));
     let mut threshold: u64 = u64::MAX;
-    ck!(sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()));
+    ck!(sys::cuMemPoolSetAttribute(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        (&mut threshold as *mut u64).cast()
+    ));
     ck!(sys::cuMemAllocAsync(&mut ptr, 64 * MIB, stream));
     ck!(sys::cuMemFreeAsync(ptr, stream));
     ck!(sys::cuStreamSynchronize(stream));
     assert_eq!(free_bytes(), base - 64 * MIB, "a high threshold keeps the memory reserved");
     let mut reserved = 0u64;
-    ck!(sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, (&mut reserved as *mut u64).cast()));
+    ck!(sys::cuMemPoolGetAttribute(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        (&mut reserved as *mut u64).cast()
+    ));
     assert_eq!(reserved, 64 * MIB as u64);
     // Reuse comes from the pool, not the device.
     ck!(sys::cuMemAllocAsync(&mut ptr, 32 * MIB, stream));

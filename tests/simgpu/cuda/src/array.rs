@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use crate::context;
 use crate::driver::driver;
-use crate::ffi::{read_in, write_out, CUresult, CuResult};
+use crate::ffi::{new_handle, read_in, write_out, CUresult, CuResult};
 use crate::memory::{round_up, ALLOC_ALIGN};
 
 /// `CUDA_ARRAY_DESCRIPTOR` with the format read as a raw integer.
@@ -46,8 +46,8 @@ struct ArrayRecord {
     mipmapped: bool,
 }
 
-/// Live arrays by handle. Each handle is a distinct heap address owned by this table.
-static ARRAYS: LazyLock<Mutex<HashMap<usize, (Box<u8>, ArrayRecord)>>> = LazyLock::new(Default::default);
+/// Live arrays by handle.
+static ARRAYS: LazyLock<Mutex<HashMap<usize, ArrayRecord>>> = LazyLock::new(Default::default);
 
 fn element_size(format: u32) -> CuResult<u64> {
     Ok(match format {
@@ -75,10 +75,9 @@ fn create(bytes: u64, mipmapped: bool) -> CuResult<usize> {
     let d = driver()?;
     let charged = round_up(bytes, ALLOC_ALIGN);
     d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
-    let token = Box::new(0u8);
-    let handle = &*token as *const u8 as usize;
+    let handle = new_handle();
     let record = ArrayRecord { device: ctx.device, ctx: ctx.handle(), charged, mipmapped };
-    ARRAYS.lock().insert(handle, (token, record));
+    ARRAYS.lock().insert(handle, record);
     Ok(handle)
 }
 
@@ -86,10 +85,10 @@ fn destroy(handle: usize, mipmapped: bool) -> CuResult {
     driver()?;
     let mut arrays = ARRAYS.lock();
     match arrays.get(&handle) {
-        Some((_, r)) if r.mipmapped == mipmapped => {}
+        Some(r) if r.mipmapped == mipmapped => {}
         _ => return Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
     }
-    if let Some((_, r)) = arrays.remove(&handle) {
+    if let Some(r) = arrays.remove(&handle) {
         if let Ok(d) = driver() {
             d.slot.release(r.device, r.charged);
         }
@@ -111,7 +110,8 @@ pub(crate) fn array_3d_create(out: *mut CUarray, desc: *const sys::CUDA_ARRAY3D_
     if out.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let bytes = level_bytes(desc.width as u64, desc.height as u64, desc.depth as u64, desc.format, desc.channels)?;
+    let bytes =
+        level_bytes(desc.width as u64, desc.height as u64, desc.depth as u64, desc.format, desc.channels)?;
     write_out(out, create(bytes, false)? as CUarray)
 }
 
@@ -145,9 +145,9 @@ pub(crate) fn mipmapped_array_destroy(handle: CUmipmappedArray) -> CuResult {
 /// Frees the arrays of a destroyed context.
 pub(crate) fn free_all_of_context(ctx: usize) {
     let mut arrays = ARRAYS.lock();
-    let gone: Vec<usize> = arrays.iter().filter(|(_, (_, r))| r.ctx == ctx).map(|(&h, _)| h).collect();
+    let gone: Vec<usize> = arrays.iter().filter(|(_, r)| r.ctx == ctx).map(|(&h, _)| h).collect();
     for h in gone {
-        if let Some((_, r)) = arrays.remove(&h) {
+        if let Some(r) = arrays.remove(&h) {
             if let Ok(d) = driver() {
                 d.slot.release(r.device, r.charged);
             }

@@ -65,9 +65,7 @@ pub(crate) fn current() -> CuResult<Arc<Context>> {
 
 fn create(device: usize, flags: c_uint, primary: bool) -> CuResult<Arc<Context>> {
     let d = driver()?;
-    d.slot
-        .charge(device, d.context_overhead)
-        .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    d.slot.charge(device, d.context_overhead).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     let ctx = Arc::new_cyclic(|weak: &std::sync::Weak<Context>| {
         // The handle is the context's own address, known before it is built.
         let handle = weak.as_ptr() as usize;

@@ -14,13 +14,34 @@ use crate::stream::{self, DefaultStream};
 /// a stream's worker; the caller keeps them valid until the work is done, as CUDA requires.
 #[derive(Clone, Copy)]
 pub(crate) enum Op {
-    HtoD { dst: u64, src: usize, n: usize },
-    DtoH { dst: usize, src: u64, n: usize },
-    DtoD { dst: u64, src: u64, n: usize },
+    HtoD {
+        dst: u64,
+        src: usize,
+        n: usize,
+    },
+    DtoH {
+        dst: usize,
+        src: u64,
+        n: usize,
+    },
+    DtoD {
+        dst: u64,
+        src: u64,
+        n: usize,
+    },
     /// `cuMemcpy`: either side may be host or device (unified addressing).
-    Unified { dst: u64, src: u64, n: usize },
+    Unified {
+        dst: u64,
+        src: u64,
+        n: usize,
+    },
     /// `cuMemsetD8/16/32`: `count` elements of `width` bytes.
-    Set { dst: u64, value: u32, width: usize, count: usize },
+    Set {
+        dst: u64,
+        value: u32,
+        width: usize,
+        count: usize,
+    },
 }
 
 impl Op {
@@ -31,18 +52,25 @@ impl Op {
     /// Checks every device range and returns (destination, source, bytes) to touch.
     fn check(&self, reg: &Registry) -> Option<(usize, usize, usize)> {
         match *self {
-            Op::HtoD { dst, src, n } => (src != 0 && Self::device_ok(reg, dst, n)).then_some((dst as usize, src, n)),
-            Op::DtoH { dst, src, n } => (dst != 0 && Self::device_ok(reg, src, n)).then_some((dst, src as usize, n)),
-            Op::DtoD { dst, src, n } => {
-                (Self::device_ok(reg, dst, n) && Self::device_ok(reg, src, n)).then_some((dst as usize, src as usize, n))
+            Op::HtoD { dst, src, n } => {
+                (src != 0 && Self::device_ok(reg, dst, n)).then_some((dst as usize, src, n))
             }
+            Op::DtoH { dst, src, n } => {
+                (dst != 0 && Self::device_ok(reg, src, n)).then_some((dst, src as usize, n))
+            }
+            Op::DtoD { dst, src, n } => (Self::device_ok(reg, dst, n) && Self::device_ok(reg, src, n))
+                .then_some((dst as usize, src as usize, n)),
             Op::Unified { dst, src, n } => {
                 let side_ok = |p: u64| p != 0 && (!reg.owns(p) || Self::device_ok(reg, p, n));
                 (side_ok(dst) && side_ok(src)).then_some((dst as usize, src as usize, n))
             }
             Op::Set { dst, width, count, .. } => {
                 let n = width.checked_mul(count)?;
-                (dst as usize % width == 0 && Self::device_ok(reg, dst, n)).then_some((dst as usize, 0, n))
+                ((dst as usize).is_multiple_of(width) && Self::device_ok(reg, dst, n)).then_some((
+                    dst as usize,
+                    0,
+                    n,
+                ))
             }
         }
     }

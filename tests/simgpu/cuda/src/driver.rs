@@ -27,8 +27,8 @@ static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
 
 fn start() -> Result<Driver, String> {
     let machine = Machine::open_from_env().map_err(|e| e.to_string())?;
-    let overhead_text = std::env::var("SIMGPU_CONTEXT_OVERHEAD")
-        .unwrap_or_else(|_| DEFAULT_CONTEXT_OVERHEAD.to_owned());
+    let overhead_text =
+        std::env::var("SIMGPU_CONTEXT_OVERHEAD").unwrap_or_else(|_| DEFAULT_CONTEXT_OVERHEAD.to_owned());
     let context_overhead = match overhead_text.trim() {
         "0" => 0,
         text => parse_bytes("SIMGPU_CONTEXT_OVERHEAD", text).map_err(|e| format!("simgpu: {e}"))?,

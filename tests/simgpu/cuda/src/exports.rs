@@ -5,8 +5,9 @@
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 
 use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemGenericAllocationHandle, CUmemoryPool,
-    CUmipmappedArray, CUmodule, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemGenericAllocationHandle,
+    CUmemoryPool, CUmipmappedArray, CUmodule, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR,
+    CUDA_ARRAY_DESCRIPTOR,
 };
 
 use crate::copy::{self, dtoh, htod, Op};

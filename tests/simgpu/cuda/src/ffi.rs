@@ -64,3 +64,11 @@ pub(crate) fn write_c_string(buf: *mut c_char, len: i32, text: &str) -> CuResult
     }
     Ok(())
 }
+
+/// A fresh opaque handle for an object callers never dereference (modules, arrays):
+/// distinct, non-null, aligned and never reused within the process.
+pub(crate) fn new_handle() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0x5000_0000);
+    NEXT.fetch_add(16, Ordering::Relaxed)
+}

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use crate::context;
 use crate::driver::driver;
-use crate::ffi::{read_in, read_str, write_out, CUresult, CuResult};
+use crate::ffi::{new_handle, read_in, read_str, write_out, CUresult, CuResult};
 use crate::memory::REGISTRY;
 use crate::stream::{self, DefaultStream};
 
@@ -37,17 +37,12 @@ static KERNELS: [Kernel; 4] = [
 
 static MODULES: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
 
-/// Live module handles are distinct heap addresses owned here.
-static MODULE_TOKENS: LazyLock<Mutex<Vec<Box<u8>>>> = LazyLock::new(Default::default);
-
 pub(crate) fn module_load_data(out: *mut CUmodule, image: *const c_void) -> CuResult {
     context::current()?;
     if out.is_null() || image.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let token = Box::new(0u8);
-    let handle = &*token as *const u8 as usize;
-    MODULE_TOKENS.lock().push(token);
+    let handle = new_handle();
     MODULES.lock().insert(handle);
     write_out(out, handle as CUmodule)
 }
@@ -58,7 +53,6 @@ pub(crate) fn module_unload(module: CUmodule) -> CuResult {
     if !MODULES.lock().remove(&handle) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
-    MODULE_TOKENS.lock().retain(|t| &**t as *const u8 as usize != handle);
     Ok(())
 }
 
@@ -167,8 +161,12 @@ pub(crate) fn launch_kernel(
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
     let work = match k.name {
-        "simgpu_fill_u32" => Work::Fill { ptr: param(params, 0)?, value: param(params, 1)?, count: param(params, 2)? },
-        "simgpu_checksum_u32" => Work::Checksum { ptr: param(params, 0)?, count: param(params, 1)?, out: param(params, 2)? },
+        "simgpu_fill_u32" => {
+            Work::Fill { ptr: param(params, 0)?, value: param(params, 1)?, count: param(params, 2)? }
+        }
+        "simgpu_checksum_u32" => {
+            Work::Checksum { ptr: param(params, 0)?, count: param(params, 1)?, out: param(params, 2)? }
+        }
         "simgpu_sleep_us" => Work::Sleep { us: param(params, 0)? },
         _ => Work::Noop,
     };

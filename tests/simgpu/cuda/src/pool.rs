@@ -201,7 +201,13 @@ pub(crate) fn mem_pool_get_attribute(handle: CUmemoryPool, attr: i32, value: *mu
     }
 }
 
-fn alloc_from(out: *mut CUdeviceptr, size: usize, handle: usize, stream: CUstream, default: DefaultStream) -> CuResult {
+fn alloc_from(
+    out: *mut CUdeviceptr,
+    size: usize,
+    handle: usize,
+    stream: CUstream,
+    default: DefaultStream,
+) -> CuResult {
     if out.is_null() || size == 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -215,9 +221,7 @@ fn alloc_from(out: *mut CUdeviceptr, size: usize, handle: usize, stream: CUstrea
     {
         let mut st = p.state.lock();
         let from_cache = st.cached.min(charge);
-        d.slot
-            .charge(p.device, charge - from_cache)
-            .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+        d.slot.charge(p.device, charge - from_cache).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
         st.cached -= from_cache;
         st.used += charge;
         st.used_high = st.used_high.max(st.used);
@@ -242,7 +246,12 @@ fn alloc_from(out: *mut CUdeviceptr, size: usize, handle: usize, stream: CUstrea
     write_out(out, addr)
 }
 
-pub(crate) fn mem_alloc_async(out: *mut CUdeviceptr, size: usize, stream: CUstream, default: DefaultStream) -> CuResult {
+pub(crate) fn mem_alloc_async(
+    out: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+    default: DefaultStream,
+) -> CuResult {
     let s = stream::resolve(stream, default)?;
     let handle = {
         let mut pools = POOLS.lock();

@@ -59,7 +59,9 @@ static ERRORS: &[(c_uint, &std::ffi::CStr, &std::ffi::CStr)] = &[
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
-fn lookup_error(code: c_uint) -> CuResult<&'static (c_uint, &'static std::ffi::CStr, &'static std::ffi::CStr)> {
+fn lookup_error(
+    code: c_uint,
+) -> CuResult<&'static (c_uint, &'static std::ffi::CStr, &'static std::ffi::CStr)> {
     ERRORS.iter().find(|(c, ..)| *c == code).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
 }
 

@@ -50,7 +50,13 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    pub(crate) fn new(ctx: usize, device: usize, sticky: Arc<AtomicU32>, flags: c_uint, priority: c_int) -> Arc<Stream> {
+    pub(crate) fn new(
+        ctx: usize,
+        device: usize,
+        sticky: Arc<AtomicU32>,
+        flags: c_uint,
+        priority: c_int,
+    ) -> Arc<Stream> {
         Arc::new(Stream {
             ctx,
             device,
@@ -224,9 +230,8 @@ pub(crate) fn priority_range(least: *mut c_int, greatest: *mut c_int) -> CuResul
 /// Streams of a context, for `cuCtxSynchronize`.
 pub(crate) fn streams_of(ctx: usize) -> Vec<Arc<Stream>> {
     let mut all: Vec<_> = STREAMS.lock().values().filter(|s| s.ctx == ctx).cloned().collect();
-    PER_THREAD.with(|cell| {
-        all.extend(cell.borrow().iter().filter(|(c, _)| *c == ctx).map(|(_, s)| s.clone()))
-    });
+    PER_THREAD
+        .with(|cell| all.extend(cell.borrow().iter().filter(|(c, _)| *c == ctx).map(|(_, s)| s.clone())));
     all
 }
 
@@ -333,7 +338,12 @@ pub(crate) fn event_elapsed_time(ms: *mut f32, start: CUevent, end: CUevent) -> 
     write_out(ms, millis)
 }
 
-pub(crate) fn stream_wait_event(stream: CUstream, handle: CUevent, flags: c_uint, default: DefaultStream) -> CuResult {
+pub(crate) fn stream_wait_event(
+    stream: CUstream,
+    handle: CUevent,
+    flags: c_uint,
+    default: DefaultStream,
+) -> CuResult {
     if flags & !1 != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }

@@ -71,7 +71,7 @@ fn device_of(prop: *const c_void) -> CuResult<usize> {
 }
 
 fn aligned(v: u64) -> bool {
-    v % GRANULARITY == 0
+    v.is_multiple_of(GRANULARITY)
 }
 
 pub(crate) fn get_granularity(out: *mut usize, prop: *const c_void, option: c_uint) -> CuResult {
@@ -83,7 +83,13 @@ pub(crate) fn get_granularity(out: *mut usize, prop: *const c_void, option: c_ui
     write_out(out, GRANULARITY as usize)
 }
 
-pub(crate) fn address_reserve(out: *mut CUdeviceptr, size: usize, alignment: usize, _hint: CUdeviceptr, flags: c_ulonglong) -> CuResult {
+pub(crate) fn address_reserve(
+    out: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    _hint: CUdeviceptr,
+    flags: c_ulonglong,
+) -> CuResult {
     driver()?;
     let size = size as u64;
     if out.is_null() || size == 0 || !aligned(size) || flags != 0 {
@@ -121,7 +127,12 @@ pub(crate) fn address_free(ptr: CUdeviceptr, size: usize) -> CuResult {
     Ok(())
 }
 
-pub(crate) fn mem_create(out: *mut CUmemGenericAllocationHandle, size: usize, prop: *const c_void, flags: c_ulonglong) -> CuResult {
+pub(crate) fn mem_create(
+    out: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const c_void,
+    flags: c_ulonglong,
+) -> CuResult {
     let device = device_of(prop)?;
     let d = driver()?;
     let size = size as u64;
@@ -178,7 +189,13 @@ pub(crate) fn mem_release(handle: CUmemGenericAllocationHandle) -> CuResult {
     Ok(())
 }
 
-pub(crate) fn mem_map(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: c_ulonglong) -> CuResult {
+pub(crate) fn mem_map(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: c_ulonglong,
+) -> CuResult {
     driver()?;
     let (size, offset) = (size as u64, offset as u64);
     if size == 0 || !aligned(ptr) || !aligned(size) || !aligned(offset) || flags != 0 {
@@ -235,7 +252,8 @@ pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CuResult {
         .map(|(_, r)| r)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     // The range must be exactly a run of whole mappings.
-    let pieces: Vec<(u64, Mapping)> = reservation.maps.range(ptr..ptr + size).map(|(&b, &m)| (b, m)).collect();
+    let pieces: Vec<(u64, Mapping)> =
+        reservation.maps.range(ptr..ptr + size).map(|(&b, &m)| (b, m)).collect();
     let mut at = ptr;
     for (b, m) in &pieces {
         if *b != at {
@@ -326,7 +344,10 @@ pub(crate) fn mem_set_access(ptr: CUdeviceptr, size: usize, desc: *const c_void,
     Ok(())
 }
 
-pub(crate) fn retain_allocation_handle(out: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CuResult {
+pub(crate) fn retain_allocation_handle(
+    out: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CuResult {
     driver()?;
     let addr = addr as u64;
     let mut reg = REGISTRY.write();
@@ -346,7 +367,8 @@ pub(crate) fn retain_allocation_handle(out: *mut CUmemGenericAllocationHandle, a
 
 pub(crate) fn get_allocation_properties(out: *mut c_void, handle: CUmemGenericAllocationHandle) -> CuResult {
     driver()?;
-    let device = REGISTRY.read().physical.get(&handle).map(|p| p.device).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let device =
+        REGISTRY.read().physical.get(&handle).map(|p| p.device).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     let prop = AllocPropRaw {
         alloc_type: 1,
         handle_types: 0,

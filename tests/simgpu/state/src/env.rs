@@ -35,7 +35,10 @@ impl SimGpuDir {
             if !lib.exists() {
                 return Err(io::Error::new(
                     io::ErrorKind::NotFound,
-                    format!("{} not found: build the workspace first (cargo build --workspace)", lib.display()),
+                    format!(
+                        "{} not found: build the workspace first (cargo build --workspace)",
+                        lib.display()
+                    ),
                 ));
             }
         }

@@ -127,10 +127,8 @@ pub fn devices_from_env() -> Result<Vec<u64>, StateError> {
 
 /// Parses a `SIMGPU_DEVICES` value.
 pub fn parse_device_list(text: &str) -> Result<Vec<u64>, StateError> {
-    let sizes = text
-        .split(',')
-        .map(|part| parse_bytes("SIMGPU_DEVICES", part))
-        .collect::<Result<Vec<_>, _>>()?;
+    let sizes =
+        text.split(',').map(|part| parse_bytes("SIMGPU_DEVICES", part)).collect::<Result<Vec<_>, _>>()?;
     if sizes.is_empty() || sizes.len() > MAX_DEVICES {
         return Err(StateError::DeviceList(text.to_owned()));
     }
@@ -306,9 +304,10 @@ impl Machine {
 
     /// How many XIDs were injected on `device` so far, and the last one's code.
     pub fn xids(&self, device: usize) -> (u64, u64) {
-        self.shared().devices.get(device).map_or((0, 0), |d| {
-            (d.xid_count.load(Ordering::Acquire), d.last_xid.load(Ordering::Relaxed))
-        })
+        self.shared()
+            .devices
+            .get(device)
+            .map_or((0, 0), |d| (d.xid_count.load(Ordering::Acquire), d.last_xid.load(Ordering::Relaxed)))
     }
 
     fn sum_used(&self, device: usize) -> u64 {

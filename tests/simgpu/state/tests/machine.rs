@@ -106,7 +106,13 @@ fn new_settings_apply_only_when_nobody_uses_the_machine() {
 
 #[test]
 fn bad_device_lists_are_refused_by_name() {
-    for bad in ["", "16GiB,", "0.5", "abc", "1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB"] {
+    for bad in [
+        "",
+        "16GiB,",
+        "0.5",
+        "abc",
+        "1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB,1GiB",
+    ] {
         let err = simgpu_state::parse_device_list(bad).expect_err(bad).to_string();
         assert!(err.contains("SIMGPU_DEVICES"), "{err}");
     }
