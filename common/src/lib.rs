@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 pub mod cuda_procs;
+pub mod shm;
 pub mod size;
 
 pub use size::{parse_bytes, parse_duration, parse_size, SizeError, SizeSpec};

@@ -15,13 +15,12 @@
 pub mod env;
 
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use gpufrac_common::shm::{SharedFile, SharedPlain};
 use gpufrac_common::{parse_bytes, SizeError};
 
 /// Most simulated devices on one machine.
@@ -32,9 +31,6 @@ pub const MAX_PROCESSES: usize = 256;
 pub const DEFAULT_DEVICES: &str = "16GiB";
 
 const MAGIC: u64 = 0x5349_4d47_5055_0000 | (std::mem::size_of::<Shared>() as u64 & 0xffff);
-// Lock bytes sit far past the end of the mapped data; record locks need no backing bytes.
-const TABLE_LOCK_BYTE: i64 = 1 << 40;
-const SLOT_LOCK_BASE: i64 = TABLE_LOCK_BYTE + 1;
 
 /// Why the simulated machine could not be opened or used.
 #[derive(Debug, thiserror::Error)]
@@ -97,20 +93,12 @@ pub struct ProcessUsage {
 
 /// The simulated machine, mapped into this process.
 pub struct Machine {
-    file: File,
+    shm: SharedFile<Shared>,
     path: String,
-    shared: *const Shared,
-    /// Serialises this process's threads; the OFD table lock only excludes other processes.
-    local: std::sync::Mutex<()>,
-    /// Slots this Machine claimed, one bit each.
-    own: [AtomicU64; MAX_PROCESSES / 64],
 }
 
-// SAFETY: `shared` points to a mapping that lives as long as the Machine and is only
-// accessed through atomics; the file descriptor is usable from any thread.
-unsafe impl Send for Machine {}
-// SAFETY: as above; all shared mutation goes through atomics under the table lock.
-unsafe impl Sync for Machine {}
+// SAFETY: Shared holds only integers and atomics, in a fixed C layout.
+unsafe impl SharedPlain for Shared {}
 
 /// The default state path for this user.
 pub fn default_state_path() -> String {
@@ -145,85 +133,22 @@ impl Machine {
     /// Opens (creating if needed) the machine at `path`. When no live process uses it,
     /// its devices are set to `devices`; otherwise the running machine is joined as is.
     pub fn open(path: &str, devices: &[u64]) -> Result<Machine, StateError> {
-        let io_err = |source| StateError::Io { path: path.to_owned(), source };
         if devices.is_empty() || devices.len() > MAX_DEVICES {
             return Err(StateError::DeviceList(format!("{} devices", devices.len())));
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(io_err)?;
-        let size = std::mem::size_of::<Shared>();
-        ofd_lock(&file, TABLE_LOCK_BYTE, true).map_err(io_err)?;
-        let grown = (|| {
-            if file.metadata()?.len() < size as u64 {
-                file.set_len(size as u64)?;
+        let shm = SharedFile::<Shared>::open(Path::new(path), |shm| {
+            let anyone_alive = shm.get().magic.load(Ordering::Acquire) == MAGIC
+                && (0..MAX_PROCESSES).any(|i| shm.slot_alive(i));
+            if !anyone_alive {
+                reset(shm.get(), devices);
             }
-            Ok(())
-        })();
-        if let Err(e) = grown {
-            let _ = ofd_unlock(&file, TABLE_LOCK_BYTE);
-            return Err(io_err(e));
-        }
-        // SAFETY: mapping a regular file we hold open, of at least `size` bytes, shared
-        // and read-write; the result is checked against MAP_FAILED.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            let e = io::Error::last_os_error();
-            let _ = ofd_unlock(&file, TABLE_LOCK_BYTE);
-            return Err(io_err(e));
-        }
-        let machine = Machine {
-            file,
-            path: path.to_owned(),
-            shared: addr as *const Shared,
-            local: std::sync::Mutex::new(()),
-            own: Default::default(),
-        };
-        let anyone_alive = machine.shared().magic.load(Ordering::Acquire) == MAGIC
-            && (0..MAX_PROCESSES).any(|i| machine.slot_alive(i));
-        if !anyone_alive {
-            machine.reset(devices);
-        }
-        ofd_unlock(&machine.file, TABLE_LOCK_BYTE).map_err(io_err)?;
-        Ok(machine)
-    }
-
-    fn reset(&self, devices: &[u64]) {
-        let s = self.shared();
-        for (i, dev) in s.devices.iter().enumerate() {
-            dev.total.store(devices.get(i).copied().unwrap_or(0), Ordering::Relaxed);
-            dev.busy_ns.store(0, Ordering::Relaxed);
-            dev.xid_count.store(0, Ordering::Relaxed);
-            dev.last_xid.store(0, Ordering::Relaxed);
-        }
-        for p in &s.processes {
-            p.in_use.store(0, Ordering::Relaxed);
-            p.pid.store(0, Ordering::Relaxed);
-            p.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        }
-        s.device_count.store(devices.len() as u32, Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::Relaxed);
-        s.magic.store(MAGIC, Ordering::Release);
+        })
+        .map_err(|source| StateError::Io { path: path.to_owned(), source })?;
+        Ok(Machine { shm, path: path.to_owned() })
     }
 
     fn shared(&self) -> &Shared {
-        // SAFETY: the mapping is valid for the life of self and only holds atomics,
-        // for which any bit pattern is valid.
-        unsafe { &*self.shared }
+        self.shm.get()
     }
 
     /// Path of the state file.
@@ -243,31 +168,25 @@ impl Machine {
 
     /// Claims a process slot for this process, held until the process ends.
     pub fn attach(&self) -> Result<ProcessSlot<'_>, StateError> {
-        let _guard = self.lock_table();
-        let s = self.shared();
-        for (i, rec) in s.processes.iter().enumerate() {
-            // A slot is free when its lock byte is free, whatever its record says.
-            if ofd_try_lock(&self.file, SLOT_LOCK_BASE + i as i64).unwrap_or(false) {
-                rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-                rec.pid.store(std::process::id(), Ordering::Relaxed);
-                rec.in_use.store(1, Ordering::Release);
-                self.set_own(i, true);
-                return Ok(ProcessSlot { machine: self, index: i });
-            }
-        }
-        Err(StateError::TooManyProcesses)
+        let table = self.shm.lock_table();
+        let i = self.shm.claim_slot(MAX_PROCESSES, &table).ok_or(StateError::TooManyProcesses)?;
+        let rec = &self.shared().processes[i];
+        rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        rec.pid.store(std::process::id(), Ordering::Relaxed);
+        rec.in_use.store(1, Ordering::Release);
+        Ok(ProcessSlot { machine: self, index: i })
     }
 
     /// Memory in use on `device` by live processes, releasing what dead ones held.
     pub fn used(&self, device: usize) -> u64 {
-        let _guard = self.lock_table();
+        let _guard = self.shm.lock_table();
         self.reap_dead();
         self.sum_used(device)
     }
 
     /// Live processes holding memory on `device`.
     pub fn processes(&self, device: usize) -> Vec<ProcessUsage> {
-        let _guard = self.lock_table();
+        let _guard = self.shm.lock_table();
         self.reap_dead();
         self.shared()
             .processes
@@ -330,54 +249,7 @@ impl Machine {
     }
 
     fn slot_alive(&self, index: usize) -> bool {
-        // A lock never conflicts with its own file description, so our own slots are
-        // known from `own`; anyone else's is alive while its lock byte is held.
-        self.is_own(index)
-            || ofd_is_locked_by_other(&self.file, SLOT_LOCK_BASE + index as i64).unwrap_or(true)
-    }
-
-    fn is_own(&self, index: usize) -> bool {
-        self.own[index / 64].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
-    }
-
-    fn set_own(&self, index: usize, own: bool) {
-        let bit = 1u64 << (index % 64);
-        if own {
-            self.own[index / 64].fetch_or(bit, Ordering::Relaxed);
-        } else {
-            self.own[index / 64].fetch_and(!bit, Ordering::Relaxed);
-        }
-    }
-
-    fn lock_table(&self) -> TableGuard<'_> {
-        let local = self.local.lock().unwrap_or_else(|poison| poison.into_inner());
-        // A failing lock call (EINTR is retried inside) leaves us unlocked against other
-        // processes; the simulation then degrades to per-process consistency rather than
-        // hanging the host program.
-        let locked = ofd_lock(&self.file, TABLE_LOCK_BYTE, true).is_ok();
-        TableGuard { machine: self, locked, _local: local }
-    }
-}
-
-impl Drop for Machine {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly the mapping created in `open`; nothing borrows it
-        // past self.
-        unsafe { libc::munmap(self.shared as *mut libc::c_void, std::mem::size_of::<Shared>()) };
-    }
-}
-
-struct TableGuard<'a> {
-    machine: &'a Machine,
-    locked: bool,
-    _local: std::sync::MutexGuard<'a, ()>,
-}
-
-impl Drop for TableGuard<'_> {
-    fn drop(&mut self) {
-        if self.locked {
-            let _ = ofd_unlock(&self.machine.file, TABLE_LOCK_BYTE);
-        }
+        self.shm.slot_alive(index)
     }
 }
 
@@ -402,7 +274,7 @@ impl ProcessSlot<'_> {
     /// Charges `bytes` on `device` to this process if the device has them free.
     pub fn charge(&self, device: usize, bytes: u64) -> Result<(), OutOfMemory> {
         let total = self.machine.total(device);
-        let _guard = self.machine.lock_table();
+        let _guard = self.machine.shm.lock_table();
         let mut used = self.machine.sum_used(device);
         if used.saturating_add(bytes) > total {
             // Only look for dead processes when it matters: their memory may be the room.
@@ -430,62 +302,29 @@ impl ProcessSlot<'_> {
 
 impl Drop for ProcessSlot<'_> {
     fn drop(&mut self) {
-        let _guard = self.machine.lock_table();
+        let _guard = self.machine.shm.lock_table();
         let rec = self.record();
         rec.in_use.store(0, Ordering::Release);
         rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        let _ = ofd_unlock(&self.machine.file, SLOT_LOCK_BASE + self.index as i64);
-        self.machine.set_own(self.index, false);
+        self.machine.shm.release_slot(self.index);
     }
 }
 
-fn flock_struct(kind: libc::c_int, byte: i64) -> libc::flock {
-    // SAFETY: flock is a plain C struct for which all-zero is a valid value.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = kind as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = byte as libc::off_t;
-    fl.l_len = 1;
-    fl
-}
-
-fn fcntl_lock(file: &File, cmd: libc::c_int, fl: &mut libc::flock) -> io::Result<()> {
-    loop {
-        // SAFETY: `fl` is a valid flock struct and the descriptor is open for the
-        // duration of the call.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, fl as *mut libc::flock) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
-        }
+fn reset(s: &Shared, devices: &[u64]) {
+    for (i, dev) in s.devices.iter().enumerate() {
+        dev.total.store(devices.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+        dev.busy_ns.store(0, Ordering::Relaxed);
+        dev.xid_count.store(0, Ordering::Relaxed);
+        dev.last_xid.store(0, Ordering::Relaxed);
     }
-}
-
-fn ofd_lock(file: &File, byte: i64, wait: bool) -> io::Result<()> {
-    let mut fl = flock_struct(libc::F_WRLCK, byte);
-    fcntl_lock(file, if wait { libc::F_OFD_SETLKW } else { libc::F_OFD_SETLK }, &mut fl)
-}
-
-fn ofd_try_lock(file: &File, byte: i64) -> io::Result<bool> {
-    match ofd_lock(file, byte, false) {
-        Ok(()) => Ok(true),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => Ok(false),
-        Err(e) => Err(e),
+    for p in &s.processes {
+        p.in_use.store(0, Ordering::Relaxed);
+        p.pid.store(0, Ordering::Relaxed);
+        p.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
     }
-}
-
-fn ofd_unlock(file: &File, byte: i64) -> io::Result<()> {
-    let mut fl = flock_struct(libc::F_UNLCK, byte);
-    fcntl_lock(file, libc::F_OFD_SETLK, &mut fl)
-}
-
-fn ofd_is_locked_by_other(file: &File, byte: i64) -> io::Result<bool> {
-    let mut fl = flock_struct(libc::F_WRLCK, byte);
-    fcntl_lock(file, libc::F_OFD_GETLK, &mut fl)?;
-    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+    s.device_count.store(devices.len() as u32, Ordering::Relaxed);
+    s.generation.fetch_add(1, Ordering::Relaxed);
+    s.magic.store(MAGIC, Ordering::Release);
 }
 
 /// Nanoseconds since the Unix epoch, for timestamps shared between processes.
