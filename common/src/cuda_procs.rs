@@ -136,6 +136,8 @@ procs! {
     "cuArrayDestroy": [2000 => "cuArrayDestroy"];
     "cuMipmappedArrayCreate": [5000 => "cuMipmappedArrayCreate"];
     "cuMipmappedArrayDestroy": [5000 => "cuMipmappedArrayDestroy"];
+    "cuArrayGetMemoryRequirements": [11060 => "cuArrayGetMemoryRequirements"];
+    "cuMipmappedArrayGetMemoryRequirements": [11060 => "cuMipmappedArrayGetMemoryRequirements"];
     // Virtual memory management.
     "cuMemGetAllocationGranularity": [10020 => "cuMemGetAllocationGranularity"];
     "cuMemAddressReserve": [10020 => "cuMemAddressReserve"];

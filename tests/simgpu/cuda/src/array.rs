@@ -142,6 +142,28 @@ pub(crate) fn mipmapped_array_destroy(handle: CUmipmappedArray) -> CuResult {
     destroy(handle as usize, true)
 }
 
+/// `cuArrayGetMemoryRequirements` and the mipmapped form: the bytes the array takes on
+/// the device, which is what simgpu charges for it.
+pub(crate) fn memory_requirements(
+    out: *mut sys::CUDA_ARRAY_MEMORY_REQUIREMENTS,
+    handle: usize,
+    device: sys::CUdevice,
+    mipmapped: bool,
+) -> CuResult {
+    let index = crate::driver::device_index(device)?;
+    let arrays = ARRAYS.lock();
+    let r = arrays
+        .get(&handle)
+        .filter(|r| r.mipmapped == mipmapped && r.device == index)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    let req = sys::CUDA_ARRAY_MEMORY_REQUIREMENTS {
+        size: r.charged as usize,
+        alignment: ALLOC_ALIGN as usize,
+        reserved: [0; 4],
+    };
+    write_out(out, req)
+}
+
 /// Frees the arrays of a destroyed context.
 pub(crate) fn free_all_of_context(ctx: usize) {
     let mut arrays = ARRAYS.lock();

@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 use cudarc::driver::sys::{
     CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemGenericAllocationHandle,
     CUmemoryPool, CUmipmappedArray, CUmodule, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR,
-    CUDA_ARRAY_DESCRIPTOR,
+    CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
 
 use crate::copy::{self, dtoh, htod, Op};
@@ -136,6 +136,10 @@ exports! {
     cuMipmappedArrayCreate(a: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint)
         => array::mipmapped_array_create(a, desc, levels);
     cuMipmappedArrayDestroy(a: CUmipmappedArray) => array::mipmapped_array_destroy(a);
+    cuArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, a: CUarray, dev: CUdevice)
+        => array::memory_requirements(req, a as usize, dev, false);
+    cuMipmappedArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, a: CUmipmappedArray, dev: CUdevice)
+        => array::memory_requirements(req, a as usize, dev, true);
 
     // Virtual memory management.
     cuMemGetAllocationGranularity(g: *mut usize, prop: *const c_void, option: c_uint) => vmm::get_granularity(g, prop, option);
