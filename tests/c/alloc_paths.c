@@ -29,6 +29,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,17 +59,20 @@ static struct {
 #undef CU_FIELD
 } cu;
 
-static void die(int status, const char *fmt, const char *a, const char *b) {
+__attribute__((format(printf, 2, 3), noreturn)) static void die(int status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
     fprintf(stderr, "alloc_paths (" MODE_NAME "): ");
-    fprintf(stderr, fmt, a, b);
+    vfprintf(stderr, fmt, args);
     fputc('\n', stderr);
+    va_end(args);
     exit(status);
 }
 
 #if defined(MODE_DLSYM) || defined(MODE_PROCADDR)
 static void *open_driver(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) die(EXIT_USAGE, "dlopen(libcuda.so.1): %s%s", dlerror(), "");
+    if (!lib) die(EXIT_USAGE, "dlopen(libcuda.so.1): %s", dlerror());
     return lib;
 }
 #endif
@@ -79,10 +83,8 @@ static void *resolve(PFN_cuGetProcAddress_v2 get_proc, const char *base) {
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     CUresult r = get_proc(base, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status);
     if (r != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS || !fn) {
-        char detail[96];
-        snprintf(detail, sizeof detail, "result %d, symbolStatus %d, pfn %s", (int)r, (int)status,
-                 fn ? "set" : "NULL");
-        die(EXIT_USAGE, "cuGetProcAddress_v2(\"%s\", 12080, DEFAULT): %s", base, detail);
+        die(EXIT_USAGE, "cuGetProcAddress_v2(\"%s\", 12080, DEFAULT): result %d, symbolStatus %d, pfn %s",
+            base, (int)r, (int)status, fn ? "set" : "NULL");
     }
     return fn;
 }
@@ -123,9 +125,7 @@ static const char *error_name(CUresult r) {
 /* Any failure is fatal: the call and cuGetErrorName's name go to stderr. */
 static void check(CUresult r, const char *call) {
     if (r == CUDA_SUCCESS) return;
-    char detail[96];
-    snprintf(detail, sizeof detail, "%s (%d)", error_name(r), (int)r);
-    die(EXIT_CUDA, "%s failed: %s", call, detail);
+    die(EXIT_CUDA, "%s failed: %s (%d)", call, error_name(r), (int)r);
 }
 #define CHECK(call) check((call), #call)
 
@@ -189,7 +189,7 @@ static void setup_path(void) {
         vmm_prop.location.id = device;
         CHECK(cu.cuMemGetAllocationGranularity(&vmm_granularity, &vmm_prop,
                                                CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-        if (vmm_granularity == 0) die(EXIT_MISMATCH, "granularity is %s%s", "0", "");
+        if (vmm_granularity == 0) die(EXIT_MISMATCH, "cuMemGetAllocationGranularity returned 0");
         CHECK(cu.cuDeviceTotalMem(&total, device));
         vmm_reserved = round_up(total, vmm_granularity);
         CHECK(cu.cuMemAddressReserve(&vmm_base, vmm_reserved, 0, 0, 0));
@@ -229,7 +229,7 @@ static int allocate_one(size_t chunk, struct block *b) {
         size_t width = chunk / 64 / 4 * 4, pitch = 0;
         if (width == 0) width = 4;
         if (!ALLOCATED(cu.cuMemAllocPitch(&b->ptr, &pitch, width, 64, 4))) return 0;
-        if (pitch < width) die(EXIT_MISMATCH, "cuMemAllocPitch returned a pitch below the width%s%s", "", "");
+        if (pitch < width) die(EXIT_MISMATCH, "cuMemAllocPitch returned pitch %zu below width %zu", pitch, width);
         b->bytes = pitch * 64;
         return 1;
     }
@@ -274,7 +274,7 @@ static int allocate_one(size_t chunk, struct block *b) {
         if (vmm_next + size > vmm_reserved) {
             /* The reservation spans the whole device: the driver let us create more
              * physical memory than the device has. */
-            die(EXIT_MISMATCH, "cuMemCreate kept succeeding past the device's total memory%s%s", "", "");
+            die(EXIT_MISMATCH, "cuMemCreate kept succeeding past the device's total memory (%zu bytes)", vmm_reserved);
         }
         if (!ALLOCATED(cu.cuMemCreate(&b->handle, size, &vmm_prop, 0))) return 0;
         b->ptr = vmm_base + vmm_next;
@@ -344,22 +344,22 @@ static void check_data(const struct block *b) {
     CHECK(cu.cuMemcpyDtoH(back, b->ptr, len));
     CHECK(cu.cuMemcpyDtoH(&last, b->ptr + b->bytes - 1, 1));
     for (size_t i = 0; i < len; i++)
-        if (back[i] != 0x5a) die(EXIT_MISMATCH, "cuMemsetD8 then cuMemcpyDtoH: %s%s", "wrong byte", "");
-    if (last != 0x5a) die(EXIT_MISMATCH, "cuMemsetD8 did not reach the %s%s", "last byte", "");
+        if (back[i] != 0x5a) die(EXIT_MISMATCH, "cuMemsetD8 then cuMemcpyDtoH: byte %zu is 0x%02x, not 0x5a", i, back[i]);
+    if (last != 0x5a) die(EXIT_MISMATCH, "cuMemsetD8 did not reach the last byte (0x%02x)", last);
 
     for (size_t i = 0; i < len; i++) pattern[i] = (unsigned char)(i * 7 + 1);
     CHECK(cu.cuMemcpyHtoD(b->ptr, pattern, len));
     memset(back, 0, sizeof back);
     CHECK(cu.cuMemcpyDtoH(back, b->ptr, len));
     if (memcmp(pattern, back, len) != 0)
-        die(EXIT_MISMATCH, "cuMemcpyHtoD then cuMemcpyDtoH: %s%s", "data differs", "");
+        die(EXIT_MISMATCH, "cuMemcpyHtoD then cuMemcpyDtoH: data differs");
 
     if (path == MANAGED) {
         /* Managed memory is also the host's to read once the device is idle. */
         CHECK(cu.cuCtxSynchronize());
         const volatile unsigned char *host = (const volatile unsigned char *)(uintptr_t)b->ptr;
         if (host[0] != pattern[0] || host[len - 1] != pattern[len - 1])
-            die(EXIT_MISMATCH, "managed memory read on the host: %s%s", "data differs", "");
+            die(EXIT_MISMATCH, "managed memory read on the host: data differs");
     }
 }
 
@@ -389,7 +389,7 @@ int main(int argc, char **argv) {
             found = 1;
         }
     }
-    if (!found) die(EXIT_USAGE, "unknown path %s%s", argv[1], "");
+    if (!found) die(EXIT_USAGE, "unknown path %s", argv[1]);
 
     load_driver();
 
@@ -417,7 +417,7 @@ int main(int argc, char **argv) {
         if (count == capacity) {
             capacity = capacity ? capacity * 2 : 64;
             blocks = realloc(blocks, capacity * sizeof *blocks);
-            if (!blocks) die(EXIT_USAGE, "out of host memory%s%s", "", "");
+            if (!blocks) die(EXIT_USAGE, "out of host memory");
         }
         if (!allocate_one(chunk, &blocks[count])) break;
         held += blocks[count].bytes;
@@ -443,10 +443,9 @@ int main(int argc, char **argv) {
     size_t free_at_end = 0;
     CHECK(cu.cuMemGetInfo(&free_at_end, &total));
     if (free_at_end != free_at_start) {
-        char detail[96];
-        snprintf(detail, sizeof detail, "%zu bytes free after context creation, %zu after freeing",
-                 free_at_start, free_at_end);
-        die(EXIT_MISMATCH, "memory not given back: %s%s", detail, "");
+        die(EXIT_MISMATCH,
+            "memory not given back: %zu bytes free after context creation, %zu after freeing",
+            free_at_start, free_at_end);
     }
     CHECK(cu.cuDevicePrimaryCtxRelease(device));
     printf("DONE\n");

@@ -1,1 +1,626 @@
-//! e2e helpers
+//! Helpers shared by gpufrac's end-to-end tests, which run real processes against the
+//! build outputs of the workspace:
+//!
+//! - [`target_dir`] and [`artifact`] find the build outputs (`libgpufrac.so`,
+//!   `libsimgpu_cuda.so`, ...) of the profile the test binary was built with;
+//! - [`SimGpu`] is a private simulated GPU for one test: a folder of `libcuda.so*` and
+//!   `libnvidia-ml.so*` symlinks to the simulated libraries and a state file of its own,
+//!   so tests running in parallel never share devices;
+//! - [`compile_c`] builds the C test programs of `tests/c/` on demand;
+//! - [`ChildProcess`] runs a program that speaks the line protocol of the test programs
+//!   (`READY ...` once it holds what it was asked to, then waits for its stdin to close),
+//!   with a timeout on every wait, so a broken program fails its test instead of hanging it.
+//!
+//! The simulated libraries must have been built beforehand (`cargo build --workspace`):
+//! cargo cannot build a `cdylib` as a dependency of a test.
+#![deny(missing_docs)]
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use simgpu_state::env::SimGpuDir;
+
+/// How long a test waits for a child's next line or for its exit before failing. Generous,
+/// because tests share a small machine with builds; a healthy child answers in milliseconds.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// File name of the simulated CUDA driver in the target folder.
+pub const SIMGPU_CUDA: &str = "libsimgpu_cuda.so";
+/// File name of the simulated NVML in the target folder.
+pub const SIMGPU_NVML: &str = "libsimgpu_nvml.so";
+
+/// The `target/<profile>` folder of the running test binary (`target/debug` for
+/// `cargo test`, `target/release` for `cargo test --release`), where the workspace's
+/// build outputs are.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test binary has a path");
+    // target/<profile>/deps/<test>-<hash>, or target/<profile>/<binary> for other callers.
+    let dir = exe.parent().expect("an executable lives in a folder");
+    if dir.file_name() == Some(OsStr::new("deps")) {
+        dir.parent().expect("deps/ lives in the profile folder").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// The build output `name` in [`target_dir`]; panics, saying how to build it, if it is
+/// missing.
+pub fn artifact(name: &str) -> PathBuf {
+    let dir = target_dir();
+    let path = dir.join(name);
+    if !path.exists() {
+        let release = if dir.file_name() == Some(OsStr::new("release")) { " --release" } else { "" };
+        panic!("{} is missing: build the workspace first: cargo build --workspace{release}", path.display());
+    }
+    path
+}
+
+/// A private simulated GPU for one test.
+///
+/// It owns a private folder (see `simgpu_state::env::SimGpuDir`) holding `libcuda.so*`
+/// and `libnvidia-ml.so*` symlinks to the simgpu libraries and the `SIMGPU_STATE` file, so
+/// every process started with [`SimGpu::command`] shares the same simulated devices and
+/// no other test's. Dropping it removes the folder.
+#[derive(Debug)]
+pub struct SimGpu {
+    sim: SimGpuDir,
+    devices: String,
+    context_overhead: String,
+}
+
+impl SimGpu {
+    /// A simulated machine with the devices `devices` (the `SIMGPU_DEVICES` syntax: a comma
+    /// list of sizes, `"1GiB"`, `"16GiB,16GiB"`) and the default context overhead (256 MiB).
+    pub fn new(devices: &str) -> SimGpu {
+        artifact(SIMGPU_CUDA);
+        artifact(SIMGPU_NVML);
+        let sim = SimGpuDir::new(&std::env::temp_dir(), &target_dir(), devices)
+            .unwrap_or_else(|e| panic!("cannot prepare a simulated GPU: {e}"))
+            .with_context_overhead("256MiB");
+        SimGpu { sim, devices: devices.to_owned(), context_overhead: "256MiB".to_owned() }
+    }
+
+    /// Sets the device memory each CUDA context takes (`SIMGPU_CONTEXT_OVERHEAD`, a size
+    /// such as `"64MiB"`).
+    pub fn with_context_overhead(mut self, overhead: &str) -> SimGpu {
+        overhead.clone_into(&mut self.context_overhead);
+        self.sim = self.sim.with_context_overhead(overhead);
+        self
+    }
+
+    /// The folder with the `libcuda.so*` and `libnvidia-ml.so*` symlinks, which
+    /// [`SimGpu::command`] puts first on `LD_LIBRARY_PATH`.
+    pub fn lib_dir(&self) -> &Path {
+        self.sim.lib_dir()
+    }
+
+    /// The `SIMGPU_STATE` file shared by the processes of this simulated machine.
+    pub fn state_path(&self) -> PathBuf {
+        self.sim.state_path()
+    }
+
+    /// The `SIMGPU_DEVICES` value.
+    pub fn devices(&self) -> &str {
+        &self.devices
+    }
+
+    /// The `SIMGPU_CONTEXT_OVERHEAD` value.
+    pub fn context_overhead(&self) -> &str {
+        &self.context_overhead
+    }
+
+    /// A command for `program` that runs on this simulated machine: `LD_LIBRARY_PATH`
+    /// starts with [`SimGpu::lib_dir`], the `SIMGPU_*` variables are set, and `LD_PRELOAD`
+    /// and every `GPUFRAC_*` variable inherited from the test's environment are removed,
+    /// so only what the test sets reaches the child.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new(program);
+        self.sim.apply(&mut cmd);
+        cmd.env_remove("LD_PRELOAD");
+        for (name, _) in std::env::vars_os() {
+            if name.as_encoded_bytes().starts_with(b"GPUFRAC_") {
+                cmd.env_remove(name);
+            }
+        }
+        cmd
+    }
+}
+
+/// The folder of the C test programs and their headers (`tests/c/`).
+pub fn c_source_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("c")
+}
+
+/// Outputs this process has already built or found up to date.
+static COMPILED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
+
+/// A name for a temporary output beside `out`, unique across processes and threads.
+fn temp_beside(out: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut name = out.file_name().expect("outputs have a file name").to_os_string();
+    name.push(format!(".tmp.{}.{n}", std::process::id()));
+    out.with_file_name(name)
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Newest modification time of the files in `tests/c/` and of the running test binary
+/// (which holds the compiler flags): any change there rebuilds.
+fn newest_input() -> SystemTime {
+    let dir = c_source_dir();
+    let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()));
+    let sources = entries.filter_map(|e| e.ok().and_then(|e| modified(&e.path())));
+    let exe = std::env::current_exe().ok().and_then(|exe| modified(&exe));
+    sources.chain(exe).max().unwrap_or(SystemTime::UNIX_EPOCH)
+}
+
+/// Runs the system C compiler with `args`, writing `out` atomically: the compiler writes a
+/// temporary file that is renamed over `out`, so tests compiling the same program at once
+/// (in this or another process) never run a half-written one.
+fn run_cc(out: &Path, args: &[OsString]) {
+    let tmp = temp_beside(out);
+    let mut cmd = Command::new("cc");
+    cmd.args(args).arg("-o").arg(&tmp);
+    let result = cmd.output().unwrap_or_else(|e| panic!("cannot run the C compiler `cc`: {e}"));
+    if !result.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        panic!(
+            "cc failed ({}) building {}:\n{:?}\n{}{}",
+            result.status,
+            out.display(),
+            cmd,
+            String::from_utf8_lossy(&result.stdout),
+            String::from_utf8_lossy(&result.stderr)
+        );
+    }
+    std::fs::rename(&tmp, out)
+        .unwrap_or_else(|e| panic!("cannot move {} to {}: {e}", tmp.display(), out.display()));
+}
+
+/// Builds `out` with `args` unless this process already did, or it is newer than every
+/// file in `tests/c/` and than the test binary.
+fn build_once(out: &Path, args: &[OsString]) {
+    let mut compiled = COMPILED.lock().unwrap_or_else(PoisonError::into_inner);
+    let compiled = compiled.get_or_insert_with(HashSet::new);
+    if compiled.contains(out) {
+        return;
+    }
+    let fresh = modified(out).is_some_and(|built| built >= newest_input());
+    if !fresh {
+        run_cc(out, args);
+    }
+    compiled.insert(out.to_path_buf());
+}
+
+/// The folder in `target/<profile>/` where the C programs are built.
+fn c_output_dir() -> PathBuf {
+    let dir = target_dir().join("e2e-c");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+    dir
+}
+
+/// Builds the link-time stub `libcuda.so` (soname `libcuda.so.1`, every function failing)
+/// from `tests/c/libcuda_stub.c`, as the CUDA toolkit ships one, and returns its folder.
+///
+/// Programs link against the stub, so they record a dependency on `libcuda.so.1` exactly
+/// as programs built with the toolkit do, and need no driver to build. At run time the
+/// loader finds the driver through `LD_LIBRARY_PATH` (the [`SimGpu`] symlinks, or a real
+/// driver); the stub folder is never an rpath.
+pub fn cuda_stub_dir() -> PathBuf {
+    let dir = c_output_dir().join("stub");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+    let out = dir.join("libcuda.so");
+    let src = c_source_dir();
+    let args: Vec<OsString> = vec![
+        "-O1".into(),
+        "-Wall".into(),
+        "-Werror".into(),
+        "-fPIC".into(),
+        "-shared".into(),
+        "-Wl,-soname,libcuda.so.1".into(),
+        format!("-I{}", src.display()).into(),
+        src.join("libcuda_stub.c").into(),
+    ];
+    build_once(&out, &args);
+    dir
+}
+
+/// Compiles `tests/c/<source_name>` with the system `cc` (`-O1 -Wall -Werror`, each of
+/// `defines` as `-D<define>`, `-ldl`, and with `link_cuda` also `-lcuda` against the stub
+/// of [`cuda_stub_dir`]) into `target/<profile>/e2e-c/`, and returns the program's path.
+///
+/// The program's name is the source's stem followed by the defines
+/// (`alloc_paths-MODE_LINKED`). It is rebuilt when any file in `tests/c/` or the test
+/// binary is newer, at most once per test process, and written atomically, so parallel
+/// tests may ask for it at once.
+pub fn compile_c(source_name: &str, defines: &[&str], link_cuda: bool) -> PathBuf {
+    let src = c_source_dir();
+    let source = src.join(source_name);
+    assert!(source.exists(), "no C test program {}", source.display());
+    let stem = Path::new(source_name).file_stem().expect("a source file name").to_string_lossy();
+    let mut name = stem.into_owned();
+    for define in defines {
+        name.push('-');
+        name.extend(define.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }));
+    }
+    let out = c_output_dir().join(name);
+
+    let mut args: Vec<OsString> = vec![
+        "-std=gnu11".into(),
+        "-O1".into(),
+        "-Wall".into(),
+        "-Werror".into(),
+        format!("-I{}", src.display()).into(),
+    ];
+    args.extend(defines.iter().map(|d| OsString::from(format!("-D{d}"))));
+    args.push(source.into());
+    if link_cuda {
+        args.push(format!("-L{}", cuda_stub_dir().display()).into());
+        args.push("-lcuda".into());
+    }
+    args.push("-ldl".into());
+    build_once(&out, &args);
+    out
+}
+
+/// What a child printed on stderr, collected by a thread as it comes.
+#[derive(Debug, Default)]
+struct StderrBuffer {
+    bytes: Mutex<Vec<u8>>,
+}
+
+/// A child process driven through its stdin, stdout and stderr, every wait bounded by a
+/// timeout.
+///
+/// The test programs follow one protocol: they print `READY ...` (flushed) once they hold
+/// what they were asked to, then read stdin until it is closed, release what they hold and
+/// print `DONE`. A child still running when its `ChildProcess` is dropped (a failing test)
+/// is killed and reaped.
+#[derive(Debug)]
+pub struct ChildProcess {
+    description: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    /// Every stdout line received so far, for diagnostics.
+    stdout_seen: Vec<String>,
+    stdout_closed: bool,
+    stderr: Arc<StderrBuffer>,
+    stderr_done: Receiver<()>,
+    status: Option<ExitStatus>,
+}
+
+/// How a child's stdout reader thread reports: one message per line; the channel closes
+/// at end of file.
+fn read_lines(stdout: impl Read, lines: mpsc::Sender<String>) {
+    for line in BufReader::new(stdout).lines() {
+        match line {
+            Ok(line) => {
+                if lines.send(line).is_err() {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+impl ChildProcess {
+    /// Starts `cmd` with stdin, stdout and stderr piped.
+    pub fn spawn(cmd: &mut Command) -> ChildProcess {
+        let description = format!("{cmd:?}");
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {description}: {e}"));
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut stderr_pipe = child.stderr.take().expect("stderr is piped");
+
+        let (line_tx, lines) = mpsc::channel();
+        std::thread::spawn(move || read_lines(stdout, line_tx));
+
+        let stderr = Arc::new(StderrBuffer::default());
+        let (done_tx, stderr_done) = mpsc::channel();
+        let sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                match stderr_pipe.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        sink.bytes.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(&buf[..n])
+                    }
+                }
+            }
+            let _ = done_tx.send(());
+        });
+
+        ChildProcess {
+            description,
+            child,
+            stdin,
+            lines,
+            stdout_seen: Vec::new(),
+            stdout_closed: false,
+            stderr,
+            stderr_done,
+            status: None,
+        }
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the child wrote on stderr so far (all of it once it has exited).
+    pub fn stderr_text(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.bytes.lock().unwrap_or_else(PoisonError::into_inner))
+            .into_owned()
+    }
+
+    /// Everything known about the child, for a failure message: its command, the stdout
+    /// lines seen, its stderr and its exit status.
+    pub fn diagnostics(&mut self) -> String {
+        if self.status.is_none() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                self.status = Some(status);
+            }
+        }
+        if self.status.is_some() {
+            // The child is gone: let the reader catch up with what it wrote last.
+            let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        }
+        // Drain lines not yet consumed.
+        while let Ok(line) = self.lines.try_recv() {
+            self.stdout_seen.push(line);
+        }
+        let status = match self.status {
+            Some(s) => describe_status(s),
+            None => "still running".to_owned(),
+        };
+        format!(
+            "{} (pid {}), {status}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            self.description,
+            self.child.id(),
+            self.stdout_seen.join("\n"),
+            self.stderr_text()
+        )
+    }
+
+    /// The next line the child prints, or `None` once its stdout is closed. Panics, with
+    /// the child's diagnostics, if no line comes within `timeout`.
+    pub fn next_line(&mut self, timeout: Duration) -> Option<String> {
+        if self.stdout_closed {
+            return None;
+        }
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => {
+                self.stdout_seen.push(line.clone());
+                Some(line)
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                self.stdout_closed = true;
+                None
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let d = self.diagnostics();
+                panic!("no output within {timeout:?} from {d}");
+            }
+        }
+    }
+
+    /// Reads lines until one whose first word is one of `words`, and returns that line.
+    /// Panics, with the child's diagnostics, if its stdout ends first or `timeout` passes.
+    pub fn expect_line(&mut self, words: &[&str], timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.next_line(left) {
+                Some(line) if line.split_whitespace().next().is_some_and(|w| words.contains(&w)) => {
+                    return line
+                }
+                Some(_) => continue,
+                None => {
+                    // Wait briefly for the exit status: it says why the output ended.
+                    if let Some(status) = self.wait_timeout(Duration::from_secs(5)) {
+                        self.status = Some(status);
+                    }
+                    let d = self.diagnostics();
+                    panic!("expected a line starting with one of {words:?}, but the output ended: {d}");
+                }
+            }
+        }
+    }
+
+    /// Waits for the `READY` line and returns the numbers that follow the word.
+    pub fn ready(&mut self) -> Vec<u64> {
+        let line = self.expect_line(&["READY"], TIMEOUT);
+        let values: Result<Vec<u64>, _> = line.split_whitespace().skip(1).map(str::parse).collect();
+        match values {
+            Ok(values) => values,
+            Err(e) => {
+                let d = self.diagnostics();
+                panic!("malformed line {line:?} ({e}) from {d}");
+            }
+        }
+    }
+
+    /// Closes the child's stdin: a test program takes this as the signal to release what
+    /// it holds and finish.
+    pub fn close_stdin(&mut self) {
+        self.stdin.take();
+    }
+
+    /// Writes `text` to the child's stdin.
+    pub fn write_stdin(&mut self, text: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin was already closed");
+        stdin.write_all(text.as_bytes()).and_then(|()| stdin.flush()).expect("the child reads its stdin");
+    }
+
+    /// Sends `SIGKILL`. The child is not reaped: see [`ChildProcess::wait_terminated`] and
+    /// [`ChildProcess::wait`].
+    pub fn kill(&mut self) {
+        if self.status.is_none() {
+            // An error only means it already exited, which the following wait reports.
+            let _ = self.child.kill();
+        }
+    }
+
+    /// Waits up to `timeout` for the child to exit and reaps it.
+    fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        if let Some(status) = self.status {
+            return Some(status);
+        }
+        if !wait_terminated(self.child.id(), timeout) {
+            return None;
+        }
+        let status = self.child.wait().expect("waiting for a child that has exited");
+        self.status = Some(status);
+        Some(status)
+    }
+
+    /// Waits for the child to exit, reaps it and returns its status. Panics, with the
+    /// child's diagnostics, if it does not exit within `timeout` (the child is then killed).
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        match self.wait_timeout(timeout) {
+            Some(status) => status,
+            None => {
+                let d = self.diagnostics();
+                self.kill();
+                panic!("still running after {timeout:?}: {d}");
+            }
+        }
+    }
+
+    /// Waits until the child has terminated, without reaping it: it stays a zombie until
+    /// [`ChildProcess::wait`] or the drop. Panics if it is still running after `timeout`.
+    pub fn wait_terminated(&mut self, timeout: Duration) {
+        if self.status.is_none() && !wait_terminated(self.child.id(), timeout) {
+            let d = self.diagnostics();
+            panic!("still running after {timeout:?}: {d}");
+        }
+    }
+
+    /// The end of the protocol: closes stdin, expects `DONE`, and expects the child to exit
+    /// with status 0. Panics, with the child's diagnostics, otherwise.
+    pub fn finish(&mut self) {
+        self.close_stdin();
+        self.expect_line(&["DONE"], TIMEOUT);
+        self.expect_exit_code(0);
+    }
+
+    /// Waits for the child to exit and panics, with its diagnostics, unless its exit code is
+    /// `code`.
+    pub fn expect_exit_code(&mut self, code: i32) {
+        let status = self.wait(TIMEOUT);
+        if status.code() != Some(code) {
+            let d = self.diagnostics();
+            panic!("expected exit code {code}: {d}");
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// "exit code 3", "killed by signal 9".
+pub fn describe_status(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => format!("{status}"),
+    }
+}
+
+/// Waits up to `timeout` for the child `pid` (not yet reaped) to terminate, leaving it
+/// unreaped. True once it has.
+fn wait_terminated(pid: u32, timeout: Duration) -> bool {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; `pid`
+    // is our own unreaped child, so it cannot name another process.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd >= 0 {
+        let fd = fd as libc::c_int;
+        let deadline = Instant::now() + timeout;
+        let ready = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut poll = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let ms = left.as_millis().min(i32::MAX as u128) as libc::c_int;
+            // SAFETY: `poll` is one valid pollfd and the count says one.
+            let n = unsafe { libc::poll(&mut poll, 1, ms) };
+            if n > 0 {
+                break true;
+            }
+            if n == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                break false;
+            }
+        };
+        // SAFETY: `fd` is the descriptor pidfd_open returned above, closed once.
+        unsafe { libc::close(fd) };
+        return ready;
+    }
+    // Kernels before 5.3: ask without reaping, a few times a millisecond apart.
+    let deadline = Instant::now() + timeout;
+    loop {
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is valid for writes; WNOWAIT leaves the child unreaped.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // SAFETY: waitid filled `info` (or left it zeroed, pid 0, when nothing exited).
+        if r == 0 && unsafe { info.si_pid() } != 0 {
+            return true;
+        }
+        if r != 0 || Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The state letter of a process from `/proc/<pid>/stat` (`R`, `S`, `Z` for a zombie...),
+/// or `None` if there is no such process.
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ...": comm may contain spaces and parentheses; the state follows the last ')'.
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Sizes in bytes, for readable constants in tests.
+pub mod size {
+    /// One mebibyte.
+    pub const MIB: u64 = 1 << 20;
+    /// One gibibyte.
+    pub const GIB: u64 = 1 << 30;
+
+    /// `bytes` as a number of MiB with two decimals, for messages.
+    pub fn mib(bytes: u64) -> String {
+        format!("{:.2}MiB", bytes as f64 / MIB as f64)
+    }
+}

@@ -2,28 +2,16 @@
 //! async ordering, VMM data surviving unmap and remap, pool release, and a real
 //! `cudarc` client whose data survives copies and kernels.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use simgpu_state::env::SimGpuDir;
+use gpufrac_e2e::{artifact, SimGpu};
 
-fn bin_dir() -> PathBuf {
-    // target/<profile>/deps/<this test> → target/<profile>
-    let exe = std::env::current_exe().expect("test executable");
-    exe.parent().and_then(|deps| deps.parent()).expect("target folder").to_path_buf()
+fn sim(devices: &str) -> SimGpu {
+    SimGpu::new(devices).with_context_overhead("64MiB")
 }
 
-fn sim(devices: &str) -> SimGpuDir {
-    SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), devices)
-        .expect("simgpu folder")
-        .with_context_overhead("64MiB")
-}
-
-fn run(sim: &SimGpuDir, program: &str, args: &[&str]) -> Output {
-    let mut cmd = Command::new(program);
-    cmd.args(args).env_remove("LD_PRELOAD");
-    sim.apply(&mut cmd);
-    let out = cmd.output().expect("run program");
+fn run(sim: &SimGpu, program: &str, args: &[&str]) -> Output {
+    let out = sim.command(program).args(args).output().expect("run program");
     assert!(
         out.status.success(),
         "{program} {args:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
@@ -34,7 +22,7 @@ fn run(sim: &SimGpuDir, program: &str, args: &[&str]) -> Output {
     out
 }
 
-fn probe(sim: &SimGpuDir, what: &str) {
+fn probe(sim: &SimGpu, what: &str) {
     let out = run(sim, env!("CARGO_BIN_EXE_simgpu_probe"), &[what]);
     assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("OK {what}")));
 }
@@ -55,10 +43,14 @@ fn pools_release_freed_memory_at_synchronize_above_their_threshold() {
 }
 
 #[test]
+fn nvml_sees_the_same_devices_usage_and_processes_and_delivers_injected_xids() {
+    probe(&sim("1GiB,2GiB"), "nvml");
+}
+
+#[test]
 fn a_cudarc_client_runs_and_its_data_survives_copies_and_kernels() {
     let sim = sim("2GiB");
-    let server = bin_dir().join("sample-inference-server");
-    assert!(server.exists(), "build the workspace first: cargo build --workspace");
+    let server = artifact("sample-inference-server");
     let out = run(
         &sim,
         server.to_str().expect("utf-8 path"),
@@ -74,11 +66,8 @@ fn a_cudarc_client_runs_and_its_data_survives_copies_and_kernels() {
 
 #[test]
 fn a_bad_setting_fails_cuinit_naming_the_variable() {
-    let sim = SimGpuDir::new(&std::env::temp_dir(), &bin_dir(), "lots").expect("simgpu folder");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_simgpu_probe"));
-    cmd.arg("async-order");
-    sim.apply(&mut cmd);
-    let out = cmd.output().expect("run");
+    let sim = SimGpu::new("lots");
+    let out = sim.command(env!("CARGO_BIN_EXE_simgpu_probe")).arg("async-order").output().expect("run");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("SIMGPU_DEVICES") && stderr.contains("lots"), "{stderr}");

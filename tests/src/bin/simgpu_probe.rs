@@ -2,7 +2,7 @@
 //! `cudarc::driver::sys` (dlopen + dlsym). Each subcommand exercises one behaviour and
 //! asserts it; exit status 0 means every assertion held.
 //!
-//! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `hold <bytes>`.
+//! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `nvml`, `hold <bytes>`.
 
 use std::ffi::c_void;
 use std::io::{BufRead, Write};
@@ -136,7 +136,7 @@ fn async_order(k: &Kernels) {
     assert!(ms >= 290.0, "elapsed {ms} ms between events around a 300 ms kernel");
 
     // Async copies from pageable memory are staged: the buffer may be reused at once.
-    let mut host = vec![5u32; 16];
+    let mut host = [5u32; 16];
     ck!(sys::cuMemcpyHtoDAsync_v2(buf, host.as_ptr().cast(), 64, stream));
     host.fill(9);
     ck!(sys::cuStreamSynchronize(stream));
@@ -289,6 +289,68 @@ fn pool_release() {
     println!("OK pool-release");
 }
 
+/// NVML sees what the driver side does: the same devices, UUIDs, PCI bus IDs, usage and
+/// processes; an injected XID arrives as an event.
+fn nvml_view() {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    use nvml_wrapper::Nvml;
+
+    let mut held = 0u64;
+    ck!(sys::cuMemAlloc_v2(&mut held, 100 * MIB));
+    let nvml = Nvml::init().expect("nvmlInit");
+    let mut count = 0;
+    ck!(sys::cuDeviceGetCount(&mut count));
+    assert_eq!(nvml.device_count().expect("count"), count as u32);
+
+    let dev = nvml.device_by_index(0).expect("device 0");
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    ck!(sys::cuDeviceGetUuid_v2(&mut uuid, 0));
+    let hex: String = uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+    let want = format!("GPU-{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..]);
+    assert_eq!(dev.uuid().expect("uuid"), want);
+    let mut bus = [0 as std::ffi::c_char; 32];
+    ck!(sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 32, 0));
+    // SAFETY: the driver wrote a NUL-terminated string into `bus`.
+    let bus = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned();
+    assert_eq!(dev.pci_info().expect("pci").bus_id, bus);
+
+    let (mut free, mut total) = (0usize, 0usize);
+    ck!(sys::cuMemGetInfo_v2(&mut free, &mut total));
+    let mem = dev.memory_info().expect("memory info");
+    assert_eq!((mem.total, mem.free, mem.used), (total as u64, free as u64, (total - free) as u64));
+    let me = std::process::id();
+    let procs = dev.running_compute_processes().expect("processes");
+    let mine = procs.iter().find(|p| p.pid == me).expect("this process is listed");
+    assert_eq!(
+        mine.used_gpu_memory,
+        nvml_wrapper::enums::device::UsedGpuMemory::Used(mem.used),
+        "all memory on the device is this process's (context + 100 MiB)"
+    );
+
+    let set = nvml.create_event_set().expect("event set");
+    let set = dev.register_events(EventTypes::CRITICAL_XID_ERROR, set).expect("register");
+    let injector = std::thread::spawn(|| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        // SAFETY: simgpu's own export, looked up by name in the loaded NVML library.
+        unsafe {
+            let lib = libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            assert!(!lib.is_null(), "NVML is loaded");
+            let inject = libc::dlsym(lib, c"simgpu_inject_xid".as_ptr());
+            assert!(!inject.is_null(), "simgpu_inject_xid is exported");
+            let inject: extern "C" fn(u32, u64) -> i32 = std::mem::transmute(inject);
+            assert_eq!(inject(0, 79), 0);
+        }
+    });
+    let event = set.wait(5000).expect("the injected XID arrives");
+    injector.join().expect("injector");
+    assert!(event.event_type.contains(EventTypes::CRITICAL_XID_ERROR));
+    assert_eq!(event.event_data, Some(XidError::Value(79)));
+    ck!(sys::cuMemFree_v2(held));
+    assert_eq!(dev.memory_info().expect("memory info").used, mem.used - 100 * MIB as u64);
+    println!("OK nvml");
+}
+
 /// Holds `bytes` until stdin closes, for cross-process tests.
 fn hold(bytes: usize) {
     let mut ptr = 0u64;
@@ -307,6 +369,7 @@ fn main() {
         Some("async-order") => async_order(&k),
         Some("vmm-remap") => vmm_remap(&k),
         Some("pool-release") => pool_release(),
+        Some("nvml") => nvml_view(),
         Some("hold") => hold(args.get(2).and_then(|b| b.parse().ok()).expect("hold <bytes>")),
         other => {
             eprintln!("simgpu_probe: unknown subcommand {other:?}");

@@ -88,15 +88,19 @@ impl Drop for SimGpuDir {
     }
 }
 
+/// Creates a fresh private folder (mode 0700) under `parent`.
 fn unique_dir(parent: &Path) -> io::Result<PathBuf> {
-    for attempt in 0..1000u32 {
-        let nanos = crate::now_ns() as u32;
-        let dir = parent.join(format!("simgpu-{}-{nanos:08x}-{attempt}", std::process::id()));
-        match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
-        }
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let mut template = parent.join("simgpu-XXXXXX").into_os_string().into_vec();
+    if template.contains(&0) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "folder name contains NUL"));
     }
-    Err(io::Error::new(io::ErrorKind::AlreadyExists, "no free simgpu folder name"))
+    template.push(0);
+    // SAFETY: `template` is a writable NUL-terminated buffer ending in "XXXXXX", as
+    // mkdtemp requires; it rewrites only those six characters.
+    if unsafe { libc::mkdtemp(template.as_mut_ptr().cast()) }.is_null() {
+        return Err(io::Error::last_os_error());
+    }
+    template.pop();
+    Ok(PathBuf::from(std::ffi::OsStr::from_bytes(&template)))
 }
