@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{CUdevice, CUdevice_attribute as A, CUuuid};
 use gpufrac_common::parse_bytes;
-use simgpu_state::{Machine, ProcessSlot};
+use simgpu_state::{device_uuid_bytes, pci_bus_id, Machine, ProcessSlot, DEVICE_NAME};
 
 use crate::ffi::{write_c_string, write_out, CUresult, CuResult};
 
@@ -13,8 +13,6 @@ use crate::ffi::{write_c_string, write_out, CUresult, CuResult};
 pub(crate) const DRIVER_VERSION: c_int = 12080;
 /// Device memory each context takes when `SIMGPU_CONTEXT_OVERHEAD` is unset.
 const DEFAULT_CONTEXT_OVERHEAD: &str = "256MiB";
-/// Device name as `cuDeviceGetName` and NVML report it.
-pub(crate) const DEVICE_NAME: &str = "simgpu Virtual GPU";
 
 /// Everything `cuInit` sets up, shared by the whole process.
 pub(crate) struct Driver {
@@ -95,16 +93,9 @@ pub(crate) fn device_get_name(name: *mut c_char, len: c_int, device: CUdevice) -
     write_c_string(name, len, DEVICE_NAME)
 }
 
-/// The 16 UUID bytes of device `index`; NVML (`libsimgpu_nvml.so`) uses the same formula.
-pub(crate) fn uuid_bytes(index: usize) -> [u8; 16] {
-    let mut bytes = [0x51, 0x6d, 0x67, 0x70, 0x75, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-    bytes[15] = index as u8;
-    bytes
-}
-
 pub(crate) fn device_get_uuid(uuid: *mut CUuuid, device: CUdevice) -> CuResult {
     let index = device_index(device)?;
-    let bytes = uuid_bytes(index).map(|b| b as c_char);
+    let bytes = device_uuid_bytes(index).map(|b| b as c_char);
     write_out(uuid, CUuuid { bytes })
 }
 
@@ -114,12 +105,12 @@ pub(crate) fn device_total_mem(bytes: *mut usize, device: CUdevice) -> CuResult 
 }
 
 fn pci_bus(index: usize) -> c_int {
-    0x10 + index as c_int
+    simgpu_state::pci_bus(index) as c_int
 }
 
 pub(crate) fn device_get_pci_bus_id(id: *mut c_char, len: c_int, device: CUdevice) -> CuResult {
     let index = device_index(device)?;
-    write_c_string(id, len, &format!("00000000:{:02X}:00.0", pci_bus(index)))
+    write_c_string(id, len, &pci_bus_id(index))
 }
 
 pub(crate) fn device_get_by_pci_bus_id(device: *mut CUdevice, id: &str) -> CuResult {
@@ -127,7 +118,7 @@ pub(crate) fn device_get_by_pci_bus_id(device: *mut CUdevice, id: &str) -> CuRes
     let wanted = id.trim().to_ascii_uppercase();
     (0..d.machine.device_count())
         .find(|&i| {
-            let full = format!("00000000:{:02X}:00.0", pci_bus(i));
+            let full = pci_bus_id(i);
             wanted == full || wanted == full[4..]
         })
         .map_or(Err(CUresult::CUDA_ERROR_INVALID_VALUE), |i| write_out(device, i as CUdevice))

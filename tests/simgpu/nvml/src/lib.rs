@@ -7,7 +7,7 @@
 //! not exported, so a caller that looks them up finds them missing, as on an old driver.
 //!
 //! Device `i` looks the same here as through `libsimgpu_cuda.so`: the UUID of
-//! [`device_uuid_bytes`], the name [`DEVICE_NAME`], PCI bus `0x10 + i`.
+//! `simgpu_state::device_uuid`, the name `simgpu_state::DEVICE_NAME`, PCI bus `0x10 + i`.
 #![deny(missing_docs)]
 
 use std::collections::HashMap;
@@ -32,10 +32,14 @@ use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_SUCCESS as SUCCESS,
 };
 use parking_lot::Mutex;
-use simgpu_state::{Machine, ProcessSlot, ProcessUsage, StateError, MAX_DEVICES};
+use simgpu_state::{
+    device_uuid, pci_bus_id, Machine, ProcessSlot, ProcessUsage, StateError, DEVICE_NAME, MAX_DEVICES,
+};
 
-/// Device name, as `cuDeviceGetName` also reports it.
-pub const DEVICE_NAME: &str = "simgpu Virtual GPU";
+fn pci_bus(index: usize) -> c_uint {
+    simgpu_state::pci_bus(index)
+}
+
 /// Driver version string: an R570 driver, the branch of CUDA 12.8.
 pub const DRIVER_VERSION: &str = "570.124.06";
 /// NVML version string: the CUDA major version, then the driver version.
@@ -55,30 +59,6 @@ const EVENT_POLL: Duration = Duration::from_millis(5);
 const MIN_UTIL_WINDOW: Duration = Duration::from_millis(1);
 
 type NvmlResult<T = ()> = Result<T, nvmlReturn_t>;
-
-/// The 16 UUID bytes of device `index`; `libsimgpu_cuda.so` uses the same formula.
-pub fn device_uuid_bytes(index: usize) -> [u8; 16] {
-    let mut bytes = [0x51, 0x6d, 0x67, 0x70, 0x75, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-    bytes[15] = index as u8;
-    bytes
-}
-
-/// The UUID string of device `index`, e.g. `GPU-516d6770-7500-0000-0000-000000000000`.
-pub fn device_uuid(index: usize) -> String {
-    let mut text = String::from("GPU-");
-    for (i, byte) in device_uuid_bytes(index).iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            text.push('-');
-        }
-        text.push_str(&format!("{byte:02x}"));
-    }
-    text
-}
-
-/// The PCI bus of device `index`.
-fn pci_bus(index: usize) -> c_uint {
-    0x10 + index as c_uint
-}
 
 // ---------------------------------------------------------------------------------------
 // The boundary with C callers.
@@ -303,7 +283,7 @@ fn pci_info(index: usize) -> nvmlPciInfo_t {
         busId: [0; 32],
     };
     fill_chars(&mut info.busIdLegacy, &format!("0000:{:02X}:00.0", pci_bus(index)));
-    fill_chars(&mut info.busId, &format!("00000000:{:02X}:00.0", pci_bus(index)));
+    fill_chars(&mut info.busId, &pci_bus_id(index));
     info
 }
 

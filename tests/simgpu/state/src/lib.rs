@@ -32,6 +32,39 @@ pub const DEFAULT_DEVICES: &str = "16GiB";
 
 const MAGIC: u64 = 0x5349_4d47_5055_0000 | (std::mem::size_of::<Shared>() as u64 & 0xffff);
 
+/// Name of every simulated device, as the driver and NVML report it.
+pub const DEVICE_NAME: &str = "simgpu Virtual GPU";
+
+/// The 16 UUID bytes of device `index` (`GPU-516d6770-7500-0000-0000-0000000000NN`),
+/// the same through the driver and NVML.
+pub fn device_uuid_bytes(index: usize) -> [u8; 16] {
+    let mut bytes = [0x51, 0x6d, 0x67, 0x70, 0x75, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    bytes[15] = index as u8;
+    bytes
+}
+
+/// The UUID of device `index` as NVML writes it.
+pub fn device_uuid(index: usize) -> String {
+    let mut text = String::from("GPU-");
+    for (i, byte) in device_uuid_bytes(index).iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            text.push('-');
+        }
+        text.push_str(&format!("{byte:02x}"));
+    }
+    text
+}
+
+/// The PCI bus number of device `index` (domain 0, device 0, function 0).
+pub fn pci_bus(index: usize) -> u32 {
+    0x10 + index as u32
+}
+
+/// The PCI bus ID of device `index` as the driver and NVML write it.
+pub fn pci_bus_id(index: usize) -> String {
+    format!("00000000:{:02X}:00.0", pci_bus(index))
+}
+
 /// Why the simulated machine could not be opened or used.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
