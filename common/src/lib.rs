@@ -5,7 +5,10 @@
 #![deny(missing_docs)]
 
 pub mod cuda_procs;
+pub mod cuda_sizes;
+pub mod resolver;
 pub mod shm;
 pub mod size;
 
+pub use resolver::Resolver;
 pub use size::{parse_bytes, parse_duration, parse_size, SizeError, SizeSpec};

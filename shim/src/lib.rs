@@ -1,14 +1,38 @@
-//! `libgpufrac.so`, the shim preloaded into every process of a container.
+//! `libgpufrac.so`, the shim preloaded into every process of a container: it holds the
+//! container's group to its GPU memory request and limit on every allocation path, shows
+//! the limit as the device's size (CUDA and NVML), and never takes the host down.
 //!
-//! This crate is at its foundation stage: it builds the library and exports the version
-//! query of `include/gpufrac.h`. Interception and enforcement arrive with the shim issue.
+//! Layout:
+//! - `hooks`: the one list of hooked symbols; exports, `dlsym` and `cuGetProcAddress`
+//!   answers and the real functions' pointers all come from it;
+//! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do;
+//! - `gate`: what launches, copies and sets pass through;
+//! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
+//! - `state`, `config`, `init`: setup at the first CUDA call; `real`, `driver`: the real
+//!   libraries; `procaddr`: `dlsym` and `cuGetProcAddress`; `query`: `gpufrac.h`.
+//!
+//! Nothing runs before the program's first CUDA or NVML call: no threads, no sockets.
 #![deny(missing_docs)]
+// Unit tests build the hooks without exporting them (no_mangle is off), so the hook
+// implementations look unused there; the cdylib build still checks for dead code.
+#![cfg_attr(test, allow(dead_code))]
 
-/// The shim's version as `major * 10000 + minor * 100 + patch`, for programs that ask.
-#[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn gpufrac_version() -> u32 {
-    let part = |s: &str| s.parse::<u32>().unwrap_or(0);
-    part(env!("CARGO_PKG_VERSION_MAJOR")) * 10000
-        + part(env!("CARGO_PKG_VERSION_MINOR")) * 100
-        + part(env!("CARGO_PKG_VERSION_PATCH"))
-}
+pub mod config;
+mod context;
+mod device;
+mod driver;
+mod ffi;
+pub mod gate;
+mod hooks;
+mod init;
+pub mod ledger;
+mod memory;
+mod nvml;
+mod procaddr;
+pub mod query;
+mod real;
+pub mod records;
+mod state;
+
+pub use ffi::{CUdeviceptr, Status};
+pub use real::Lib;

@@ -2,7 +2,8 @@
 //! `cudarc::driver::sys` (dlopen + dlsym). Each subcommand exercises one behaviour and
 //! asserts it; exit status 0 means every assertion held.
 //!
-//! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `nvml`, `hold <bytes>`.
+//! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `nvml`, `slice`, `nvml-only`,
+//! `hold <bytes>`.
 
 use std::ffi::c_void;
 use std::io::{BufRead, Write};
@@ -351,6 +352,29 @@ fn nvml_view() {
     println!("OK nvml");
 }
 
+/// Under the shim: `cuMemGetInfo`, `cuDeviceTotalMem` and NVML all show the slice, and
+/// agree on what is used. Prints `SLICE <total> <used>` as NVML reports it.
+fn slice_view() {
+    let mut held = 0u64;
+    ck!(sys::cuMemAlloc_v2(&mut held, 100 * MIB));
+    let (mut free, mut total) = (0usize, 0usize);
+    ck!(sys::cuMemGetInfo_v2(&mut free, &mut total));
+    let mut device_total = 0usize;
+    ck!(sys::cuDeviceTotalMem_v2(&mut device_total, 0));
+    assert_eq!(device_total, total, "cuDeviceTotalMem and cuMemGetInfo agree");
+    let nvml = nvml_wrapper::Nvml::init().expect("nvmlInit");
+    let mem = nvml.device_by_index(0).expect("device 0").memory_info().expect("memory info");
+    assert_eq!((mem.total, mem.free, mem.used), (total as u64, free as u64, (total - free) as u64));
+    println!("SLICE {} {}", mem.total, mem.used);
+}
+
+/// NVML alone, as `nvidia-smi` uses it (no CUDA call): prints `NVML <total> <used>`.
+fn nvml_only() {
+    let nvml = nvml_wrapper::Nvml::init().expect("nvmlInit");
+    let mem = nvml.device_by_index(0).expect("device 0").memory_info().expect("memory info");
+    println!("NVML {} {}", mem.total, mem.used);
+}
+
 /// Holds `bytes` until stdin closes, for cross-process tests.
 fn hold(bytes: usize) {
     let mut ptr = 0u64;
@@ -364,12 +388,17 @@ fn hold(bytes: usize) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("nvml-only") {
+        nvml_only();
+        return;
+    }
     let k = setup();
     match args.get(1).map(String::as_str) {
         Some("async-order") => async_order(&k),
         Some("vmm-remap") => vmm_remap(&k),
         Some("pool-release") => pool_release(),
         Some("nvml") => nvml_view(),
+        Some("slice") => slice_view(),
         Some("hold") => hold(args.get(2).and_then(|b| b.parse().ok()).expect("hold <bytes>")),
         other => {
             eprintln!("simgpu_probe: unknown subcommand {other:?}");

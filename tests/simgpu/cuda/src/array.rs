@@ -9,6 +9,8 @@ use std::sync::LazyLock;
 use cudarc::driver::sys::{self, CUarray, CUmipmappedArray};
 use parking_lot::Mutex;
 
+use gpufrac_common::cuda_sizes;
+
 use crate::context;
 use crate::driver::driver;
 use crate::ffi::{new_handle, read_in, write_out, CUresult, CuResult};
@@ -49,25 +51,12 @@ struct ArrayRecord {
 /// Live arrays by handle.
 static ARRAYS: LazyLock<Mutex<HashMap<usize, ArrayRecord>>> = LazyLock::new(Default::default);
 
-fn element_size(format: u32) -> CuResult<u64> {
-    Ok(match format {
-        0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
-        0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
-        0x03 | 0x0a | 0x20 => 4, // UNSIGNED_INT32, SIGNED_INT32, FLOAT
-        _ => return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
-    })
-}
-
-/// Bytes of one level of `w × h × d` elements.
+/// Bytes of one level; unknown formats are not simulated, bad shapes are invalid.
 fn level_bytes(w: u64, h: u64, d: u64, format: u32, channels: u32) -> CuResult<u64> {
-    if w == 0 || ![1, 2, 4].contains(&channels) {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    if cuda_sizes::array_format_bytes(format).is_none() {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
-    let texel = element_size(format)? * channels as u64;
-    w.checked_mul(h.max(1))
-        .and_then(|v| v.checked_mul(d.max(1)))
-        .and_then(|v| v.checked_mul(texel))
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+    cuda_sizes::array_bytes(w, h, d, format, channels).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
 }
 
 fn create(bytes: u64, mipmapped: bool) -> CuResult<usize> {
@@ -129,12 +118,9 @@ pub(crate) fn mipmapped_array_create(
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
     let (w, h, d) = (desc.width as u64, desc.height as u64, desc.depth as u64);
-    let mut bytes = 0u64;
-    for level in 0..levels {
-        // Each level halves every dimension that exists, down to 1.
-        let shrink = |v: u64| if v == 0 { 0 } else { (v >> level).max(1) };
-        bytes += level_bytes(shrink(w), shrink(h), shrink(d), desc.format, desc.channels)?;
-    }
+    level_bytes(w, h, d, desc.format, desc.channels)?;
+    let bytes = cuda_sizes::mipmapped_bytes(w, h, d, desc.format, desc.channels, levels)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     write_out(out, create(bytes, true)? as CUmipmappedArray)
 }
 

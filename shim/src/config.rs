@@ -1,0 +1,226 @@
+//! The shim's configuration, read once from the environment at the first CUDA or NVML
+//! call (INTERFACE.md, "The shim"). A bad value is refused with a message naming the
+//! variable; `cuInit` then fails with `CUDA_ERROR_NOT_INITIALIZED`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpufrac_common::{parse_duration, parse_size, Resolver, SizeError, SizeSpec};
+
+/// Why the environment could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A size or duration could not be read.
+    #[error(transparent)]
+    Value(#[from] SizeError),
+    /// Any other bad value.
+    #[error("invalid {name}={value:?}: {reason}")]
+    Invalid {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it was refused.
+        reason: String,
+    },
+}
+
+/// What the environment asks of the shim.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Guaranteed memory of the group on each visible device.
+    pub request: SizeSpec,
+    /// Most the group may hold on each device.
+    pub limit: SizeSpec,
+    /// What a colliding burst does.
+    pub resolver: Resolver,
+    /// Higher wins under the priority resolver.
+    pub priority: i32,
+    /// How long a blocked burst waits.
+    pub wait_timeout: Duration,
+    /// Processes of one group share one request and limit; `None`: this process alone.
+    pub group: Option<String>,
+    /// The arbiter's socket; `None`: standalone.
+    pub arbiter_socket: Option<PathBuf>,
+    /// `namespace/name`, shown in status and metrics.
+    pub pod: Option<String>,
+    /// Log filter, `RUST_LOG` syntax.
+    pub log: String,
+}
+
+fn invalid(name: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { name, value: value.to_owned(), reason: reason.into() }
+}
+
+impl Config {
+    /// Reads the process environment. `Ok(None)`: `GPUFRAC_MEMORY_REQUEST` is unset and the
+    /// shim passes every call through untouched.
+    pub fn from_env() -> Result<Option<Config>, ConfigError> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the configuration through `get` (the environment, or a map in tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Config>, ConfigError> {
+        let Some(request_text) = get("GPUFRAC_MEMORY_REQUEST") else { return Ok(None) };
+        let request = parse_size("GPUFRAC_MEMORY_REQUEST", &request_text)?;
+        let limit = match get("GPUFRAC_MEMORY_LIMIT") {
+            Some(text) => {
+                let limit = parse_size("GPUFRAC_MEMORY_LIMIT", &text)?;
+                // Comparable without a device when both are bytes or both fractions;
+                // otherwise the check happens per device at cuInit.
+                let smaller = match (request, limit) {
+                    (SizeSpec::Bytes(r), SizeSpec::Bytes(l)) => l < r,
+                    (SizeSpec::Fraction(r), SizeSpec::Fraction(l)) => l < r,
+                    _ => false,
+                };
+                if smaller {
+                    return Err(invalid(
+                        "GPUFRAC_MEMORY_LIMIT",
+                        &text,
+                        format!("the limit must be at least GPUFRAC_MEMORY_REQUEST ({request_text})"),
+                    ));
+                }
+                limit
+            }
+            None => request,
+        };
+        let resolver = match get("GPUFRAC_RESOLVER") {
+            Some(text) => text.parse().map_err(|reason| invalid("GPUFRAC_RESOLVER", &text, reason))?,
+            None => Resolver::Wait,
+        };
+        let priority = match get("GPUFRAC_PRIORITY") {
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|_| invalid("GPUFRAC_PRIORITY", &text, "expected an integer such as 0, 10 or -5"))?,
+            None => 0,
+        };
+        let wait_timeout = match get("GPUFRAC_WAIT_TIMEOUT") {
+            Some(text) => parse_duration("GPUFRAC_WAIT_TIMEOUT", &text)?,
+            None => Duration::from_secs(30),
+        };
+        let group = match get("GPUFRAC_GROUP") {
+            Some(text) => {
+                let ok = !text.is_empty()
+                    && text.len() <= 64
+                    && text.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                    && !text.starts_with('.');
+                if !ok {
+                    return Err(invalid(
+                        "GPUFRAC_GROUP",
+                        &text,
+                        "expected 1 to 64 letters, digits, '-', '_' or '.', not starting with '.'",
+                    ));
+                }
+                Some(text)
+            }
+            None => None,
+        };
+        let arbiter_socket = match get("GPUFRAC_ARBITER_SOCKET") {
+            Some(text) if text.is_empty() => None,
+            Some(text) => {
+                if !text.starts_with('/') {
+                    return Err(invalid("GPUFRAC_ARBITER_SOCKET", &text, "expected an absolute path"));
+                }
+                Some(PathBuf::from(text))
+            }
+            None => None,
+        };
+        let pod = match get("GPUFRAC_POD") {
+            Some(text) => {
+                let valid = text.split_once('/').is_some_and(|(ns, name)| {
+                    let part = |p: &str| {
+                        !p.is_empty()
+                            && p.len() <= 253
+                            && p.chars().all(|c| {
+                                c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '.')
+                            })
+                    };
+                    part(ns) && part(name)
+                });
+                if !valid {
+                    return Err(invalid(
+                        "GPUFRAC_POD",
+                        &text,
+                        "expected namespace/name, as in default/my-server",
+                    ));
+                }
+                Some(text)
+            }
+            None => None,
+        };
+        let log = get("GPUFRAC_LOG").unwrap_or_else(|| "warn".to_owned());
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log) {
+            return Err(invalid(
+                "GPUFRAC_LOG",
+                &log,
+                format!("{e}; expected a filter such as warn or gpufrac=debug"),
+            ));
+        }
+        Ok(Some(Config { request, limit, resolver, priority, wait_timeout, group, arbiter_socket, pod, log }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(vars: &[(&str, &str)]) -> Result<Option<Config>, ConfigError> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn unset_request_means_pass_through() {
+        assert_eq!(read(&[("GPUFRAC_MEMORY_LIMIT", "4GiB")]).unwrap(), None);
+    }
+
+    #[test]
+    fn defaults_and_full_settings() {
+        let c = read(&[("GPUFRAC_MEMORY_REQUEST", "25%")]).unwrap().unwrap();
+        assert_eq!((c.request, c.limit), (SizeSpec::Fraction(0.25), SizeSpec::Fraction(0.25)));
+        assert_eq!((c.resolver, c.priority, c.wait_timeout), (Resolver::Wait, 0, Duration::from_secs(30)));
+        let c = read(&[
+            ("GPUFRAC_MEMORY_REQUEST", "2GiB"),
+            ("GPUFRAC_MEMORY_LIMIT", "0.5"),
+            ("GPUFRAC_RESOLVER", "swap"),
+            ("GPUFRAC_PRIORITY", "-3"),
+            ("GPUFRAC_WAIT_TIMEOUT", "500ms"),
+            ("GPUFRAC_GROUP", "pod-a.web_1"),
+            ("GPUFRAC_ARBITER_SOCKET", "/run/gpufrac/arbiter.sock"),
+            ("GPUFRAC_POD", "default/server-0"),
+            ("GPUFRAC_LOG", "gpufrac=debug"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.limit, SizeSpec::Fraction(0.5));
+        assert_eq!((c.resolver, c.priority), (Resolver::Swap, -3));
+        assert_eq!(c.wait_timeout, Duration::from_millis(500));
+        assert_eq!(c.group.as_deref(), Some("pod-a.web_1"));
+    }
+
+    #[test]
+    fn every_bad_value_names_its_variable() {
+        let cases = [
+            ("GPUFRAC_MEMORY_REQUEST", "lots"),
+            ("GPUFRAC_MEMORY_LIMIT", "1MiB"),
+            ("GPUFRAC_RESOLVER", "fight"),
+            ("GPUFRAC_PRIORITY", "high"),
+            ("GPUFRAC_WAIT_TIMEOUT", "forever"),
+            ("GPUFRAC_GROUP", "a/b"),
+            ("GPUFRAC_ARBITER_SOCKET", "relative.sock"),
+            ("GPUFRAC_POD", "no-slash"),
+            ("GPUFRAC_LOG", "gpufrac=loud"),
+        ];
+        for (name, value) in cases {
+            let mut vars = vec![("GPUFRAC_MEMORY_REQUEST", "1GiB")];
+            if name == "GPUFRAC_MEMORY_REQUEST" {
+                vars.clear();
+            }
+            vars.push((name, value));
+            let err = read(&vars).expect_err(name).to_string();
+            assert!(err.contains(name) && err.contains(value), "{err}");
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Contexts and the device memory each one takes, measured rather than guessed: the
+//! process's own usage as NVML reports it, just before and just after the driver creates
+//! the context. The first measurement on a device is kept in the group's ledger, so a
+//! context that would not fit under the limit is refused before it is created.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+use crate::driver::{call, uuid_string};
+use crate::ffi::{read, Status, OUT_OF_MEMORY, SUCCESS};
+use crate::hooks::call_real;
+use crate::state::{enforcer, refused, Enforcer};
+
+type Ptr = *mut c_void;
+
+/// Bytes in use as NVML sees them: this process's own usage (0 when not listed) if NVML
+/// lists processes, and the whole device's. `None` without NVML.
+fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
+    let mut dev = 0;
+    let mut uuid = [0u8; 16];
+    if call!(cuDeviceGet(&mut dev, ordinal as c_int), 801) != SUCCESS
+        || call!(cuDeviceGetUuid(&mut uuid, dev), 801) != SUCCESS
+        || call!(nvmlInit_v2(), 13) != SUCCESS
+    {
+        return None;
+    }
+    let name = std::ffi::CString::new(uuid_string(&uuid)).ok()?;
+    let mut handle: Ptr = std::ptr::null_mut();
+    if call!(nvmlDeviceGetHandleByUUID(name.as_ptr() as *const c_char, &mut handle), 13) != SUCCESS {
+        return None;
+    }
+    let mut procs = [[0u64; 3]; 256];
+    let mut count: c_uint = procs.len() as c_uint;
+    let own = (call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13)
+        == SUCCESS)
+        .then(|| {
+            // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
+            let me = std::process::id() as u64;
+            procs[..(count as usize).min(procs.len())]
+                .iter()
+                .find(|p| p[0] & 0xffff_ffff == me)
+                .map_or(0, |p| p[1])
+        });
+    let mut mem = [0u64; 3];
+    (call!(nvmlDeviceGetMemoryInfo(handle, &mut mem), 13) == SUCCESS).then_some((own, mem[2]))
+}
+
+/// Bytes a context took, from usage before and after creating it.
+fn delta(before: Option<(Option<u64>, u64)>, after: Option<(Option<u64>, u64)>) -> Option<u64> {
+    match (before?, after?) {
+        ((Some(b), _), (Some(a), _)) => a.checked_sub(b),
+        ((_, b), (_, a)) => a.checked_sub(b),
+    }
+}
+
+/// Whether a new context of the known size would fit under the group's limit.
+fn fits(e: &Enforcer, ordinal: usize) -> bool {
+    let Some(slice) = e.slice(ordinal) else { return true };
+    match e.ledger.context_bytes(slice.ledger) {
+        Some(bytes) => e.ledger.held(slice.ledger).saturating_add(bytes) <= slice.limit,
+        None => true,
+    }
+}
+
+/// Creates a context with `create`, measures it, and charges it to the group.
+fn measured(e: &Enforcer, ordinal: usize, primary: bool, create: impl FnOnce() -> (Status, u64)) -> Status {
+    let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
+    if !fits(e, ordinal) {
+        tracing::debug!(ordinal, "refused a context: over the limit");
+        return OUT_OF_MEMORY;
+    }
+    let before = usage(ordinal);
+    let (status, handle) = create();
+    if status != SUCCESS {
+        return status;
+    }
+    let after = usage(ordinal);
+    let Some(slice) = e.slice(ordinal) else { return status };
+    let bytes = match delta(before, after) {
+        Some(bytes) => {
+            if e.ledger.context_bytes(slice.ledger).is_none() && bytes > 0 {
+                e.ledger.set_context_bytes(slice.ledger, bytes);
+            }
+            bytes
+        }
+        None => {
+            let known = e.ledger.context_bytes(slice.ledger).unwrap_or(0);
+            tracing::warn!(
+                ordinal,
+                known,
+                "cannot measure a new context through NVML; charging the last measurement"
+            );
+            known
+        }
+    };
+    e.ledger.force_charge(slice.ledger, bytes);
+    match e.contexts.add(handle, ordinal, bytes, primary) {
+        Some(id) => e.set_context_charge(id, bytes),
+        None => tracing::warn!("more than {} contexts; not tracking this one", crate::state::MAX_CONTEXTS),
+    }
+    tracing::debug!(ordinal, bytes, primary, "context created");
+    status
+}
+
+fn primary_active(dev: c_int) -> bool {
+    let (mut flags, mut active) = (0, 0);
+    call!(cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active), 801) == SUCCESS && active != 0
+}
+
+pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
+    let Some(e) = enforcer() else {
+        return refused().unwrap_or_else(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
+    };
+    if dev < 0 || primary_active(dev) {
+        return call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
+    }
+    measured(e, dev as usize, true, || {
+        let status = call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
+        (status, read(ctx).map_or(0, |c| c as u64))
+    })
+}
+
+/// After a release or reset: if the primary context is gone, so is what it held.
+fn after_primary_change(dev: c_int, status: Status) -> Status {
+    if let Some(e) = enforcer() {
+        if status == SUCCESS && dev >= 0 && !primary_active(dev) {
+            let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(id) = e.contexts.primary_of(dev as usize) {
+                e.teardown_context(id);
+            }
+        }
+    }
+    status
+}
+
+pub(crate) fn primary_release(dev: c_int) -> Status {
+    after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease_v2(dev)))
+}
+
+pub(crate) fn primary_reset(dev: c_int) -> Status {
+    after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset_v2(dev)))
+}
+
+fn create(ctx: *mut Ptr, dev: c_int, real: impl FnOnce() -> Status) -> Status {
+    match enforcer() {
+        Some(e) if dev >= 0 => measured(e, dev as usize, false, || {
+            let status = real();
+            (status, read(ctx).map_or(0, |c| c as u64))
+        }),
+        _ => refused().unwrap_or_else(real),
+    }
+}
+
+pub(crate) fn ctx_create_v2(ctx: *mut Ptr, flags: c_uint, dev: c_int) -> Status {
+    create(ctx, dev, || call_real!(cuCtxCreate_v2(ctx, flags, dev)))
+}
+
+pub(crate) fn ctx_create_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) -> Status {
+    create(ctx, dev, || call_real!(cuCtxCreate_v3(ctx, params, count, flags, dev)))
+}
+
+pub(crate) fn ctx_create_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) -> Status {
+    create(ctx, dev, || call_real!(cuCtxCreate_v4(ctx, params, flags, dev)))
+}
+
+pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
+    let status = call_real!(cuCtxDestroy_v2(ctx));
+    if let Some(e) = enforcer() {
+        if status == SUCCESS {
+            let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(id) = e.contexts.find(ctx as u64) {
+                e.teardown_context(id);
+            }
+        }
+    }
+    status
+}

@@ -1,0 +1,33 @@
+//! The virtual device: the group's limit is the device's size, and what the group holds
+//! is what is used. `free = limit - held`, never below zero.
+
+use std::ffi::c_int;
+
+use crate::ffi::{write, Status, SUCCESS};
+use crate::hooks::call_real;
+use crate::state::enforcer;
+
+pub(crate) fn mem_get_info(free: *mut usize, total: *mut usize) -> Status {
+    let status = call_real!(cuMemGetInfo_v2(free, total));
+    if status != SUCCESS {
+        return status;
+    }
+    if let Some(e) = enforcer() {
+        if let Some(slice) = e.current().and_then(|c| e.slice(c.ordinal)) {
+            let held = e.ledger.held(slice.ledger);
+            write(total, slice.limit as usize);
+            write(free, slice.limit.saturating_sub(held) as usize);
+        }
+    }
+    status
+}
+
+pub(crate) fn device_total_mem(bytes: *mut usize, dev: c_int) -> Status {
+    let status = call_real!(cuDeviceTotalMem_v2(bytes, dev));
+    if let (SUCCESS, Some(e)) = (status, enforcer()) {
+        if let Some(slice) = usize::try_from(dev).ok().and_then(|d| e.slice(d)) {
+            write(bytes, slice.limit as usize);
+        }
+    }
+    status
+}

@@ -1,0 +1,212 @@
+//! The one list of hooked symbols. From it come the exported functions (each panic-safe),
+//! the name → hook table that `dlsym` and `cuGetProcAddress` answer from, the real
+//! functions' signatures, and the lazily resolved pointers to the real ones.
+//!
+//! Two kinds of entries:
+//! - `implemented`: the shim's own logic runs (accounting, the virtual device, contexts);
+//! - `gated`: launches, copies and sets, which pass through the gate (held while a
+//!   process's memory is swapped out, later) and then straight to the driver.
+
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use crate::ffi::{CUdeviceptr, Status};
+use crate::real::{resolve, Lib};
+
+type Ptr = *mut c_void;
+type Handle = c_ulonglong;
+
+macro_rules! hooks {
+    (
+        implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
+        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) ; )* }
+    ) => {
+        /// Every hooked symbol, in one enumeration.
+        #[allow(non_camel_case_types, dead_code)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub(crate) enum Hook { $($iname,)* $($gname,)* }
+
+        /// Name and library of each hook, indexed by `Hook as usize`.
+        pub(crate) static HOOKS: &[(&str, Lib)] = &[
+            $((stringify!($iname), Lib::$ilib),)*
+            $((stringify!($gname), Lib::Cuda),)*
+        ];
+
+        /// Signatures of the real functions.
+        #[allow(non_camel_case_types, dead_code)]
+        pub(crate) mod sig {
+            use super::*;
+            $(pub type $iname = unsafe extern "C" fn($($ity),*) -> Status;)*
+            $(pub type $gname = unsafe extern "C" fn($($gty),*) -> Status;)*
+        }
+
+        /// The real functions, resolved from the real library on first use.
+        #[allow(non_snake_case, dead_code)]
+        pub(crate) mod real {
+            use super::*;
+            $(
+                #[inline]
+                pub fn $iname() -> Option<sig::$iname> {
+                    let p = real_ptr(Hook::$iname);
+                    // SAFETY: p is the real library's symbol of this name, whose C
+                    // signature is the one declared in the hook list.
+                    (!p.is_null()).then(|| unsafe { std::mem::transmute::<Ptr, sig::$iname>(p) })
+                }
+            )*
+            $(
+                #[inline]
+                pub fn $gname() -> Option<sig::$gname> {
+                    let p = real_ptr(Hook::$gname);
+                    // SAFETY: as above.
+                    (!p.is_null()).then(|| unsafe { std::mem::transmute::<Ptr, sig::$gname>(p) })
+                }
+            )*
+        }
+
+        /// The exported hooks. In unit tests they are not exported, so that the test
+        /// binary does not intercept its own calls.
+        #[allow(non_snake_case, clippy::too_many_arguments)]
+        pub mod exports {
+            use super::*;
+            $(
+                #[cfg_attr(not(test), no_mangle)]
+                pub extern "C" fn $iname($($iarg: $ity),*) -> Status {
+                    crate::ffi::guard(Lib::$ilib, || $imp($($iarg),*))
+                }
+            )*
+            $(
+                #[cfg_attr(not(test), no_mangle)]
+                pub extern "C" fn $gname($($garg: $gty),*) -> Status {
+                    crate::gate::pass();
+                    crate::ffi::guard(Lib::Cuda, || match real::$gname() {
+                        // SAFETY: forwarding the caller's arguments unchanged to the real
+                        // function of the same signature.
+                        Some(f) => unsafe { f($($garg),*) },
+                        None => Lib::Cuda.missing(),
+                    })
+                }
+            )*
+        }
+
+        /// The hook exported under `name`, if the shim hooks that symbol.
+        pub(crate) fn lookup(name: &str) -> Option<Ptr> {
+            match name {
+                $(stringify!($iname) => Some(exports::$iname as Ptr),)*
+                $(stringify!($gname) => Some(exports::$gname as Ptr),)*
+                _ => None,
+            }
+        }
+    };
+}
+
+const HOOK_COUNT: usize = HOOKS.len();
+static REAL: [AtomicPtr<c_void>; HOOK_COUNT] = [const { AtomicPtr::new(std::ptr::null_mut()) }; HOOK_COUNT];
+
+/// The real function behind `hook`: one atomic load once resolved.
+#[inline]
+pub(crate) fn real_ptr(hook: Hook) -> Ptr {
+    let slot = &REAL[hook as usize];
+    let p = slot.load(Ordering::Acquire);
+    if !p.is_null() {
+        return p;
+    }
+    let (name, lib) = HOOKS[hook as usize];
+    let found = resolve(lib, name);
+    slot.store(found, Ordering::Release);
+    found
+}
+
+/// Calls the real function behind a hook, or answers the library's "function missing".
+macro_rules! call_real {
+    ($name:ident ( $($arg:expr),* $(,)? )) => {
+        match crate::hooks::real::$name() {
+            // SAFETY: forwarding arguments of the declared C types to the real function.
+            Some(f) => unsafe { f($($arg),*) },
+            None => crate::hooks::HOOKS[crate::hooks::Hook::$name as usize].1.missing(),
+        }
+    };
+}
+pub(crate) use call_real;
+
+hooks! {
+    implemented {
+        // Initialisation and entry points.
+        Cuda cuInit(flags: c_uint) => crate::init::cu_init;
+        Cuda cuGetProcAddress(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong)
+            => crate::procaddr::get_proc_address;
+        Cuda cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong, status: *mut c_int)
+            => crate::procaddr::get_proc_address_v2;
+        // The virtual device.
+        Cuda cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => crate::device::mem_get_info;
+        Cuda cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) => crate::device::device_total_mem;
+        // Contexts and their own memory.
+        Cuda cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) => crate::context::primary_retain;
+        Cuda cuDevicePrimaryCtxRelease_v2(dev: c_int) => crate::context::primary_release;
+        Cuda cuDevicePrimaryCtxReset_v2(dev: c_int) => crate::context::primary_reset;
+        Cuda cuCtxCreate_v2(ctx: *mut Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v2;
+        Cuda cuCtxCreate_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) => crate::context::ctx_create_v3;
+        Cuda cuCtxCreate_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v4;
+        Cuda cuCtxDestroy_v2(ctx: Ptr) => crate::context::ctx_destroy;
+        // Every allocation path.
+        Cuda cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => crate::memory::mem_alloc;
+        Cuda cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)
+            => crate::memory::mem_alloc_pitch;
+        Cuda cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) => crate::memory::mem_alloc_managed;
+        Cuda cuMemFree_v2(dptr: CUdeviceptr) => crate::memory::mem_free;
+        Cuda cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) => crate::memory::mem_alloc_async;
+        Cuda cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) => crate::memory::mem_alloc_async_ptsz;
+        Cuda cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: Ptr, stream: Ptr)
+            => crate::memory::mem_alloc_from_pool_async;
+        Cuda cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: Ptr, stream: Ptr)
+            => crate::memory::mem_alloc_from_pool_async_ptsz;
+        Cuda cuMemFreeAsync(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async;
+        Cuda cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async_ptsz;
+        Cuda cuArrayCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_create;
+        Cuda cuArray3DCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_3d_create;
+        Cuda cuArrayDestroy(array: Ptr) => crate::memory::array_destroy;
+        Cuda cuMipmappedArrayCreate(array: *mut Ptr, desc: *const c_void, levels: c_uint) => crate::memory::mipmapped_array_create;
+        Cuda cuMipmappedArrayDestroy(array: Ptr) => crate::memory::mipmapped_array_destroy;
+        Cuda cuMemCreate(handle: *mut Handle, size: usize, prop: *const c_void, flags: c_ulonglong) => crate::memory::mem_create;
+        Cuda cuMemRelease(handle: Handle) => crate::memory::mem_release;
+        Cuda cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: Handle, flags: c_ulonglong) => crate::memory::mem_map;
+        Cuda cuMemUnmap(ptr: CUdeviceptr, size: usize) => crate::memory::mem_unmap;
+        Cuda cuMemRetainAllocationHandle(handle: *mut Handle, addr: Ptr) => crate::memory::mem_retain_allocation_handle;
+        // NVML's view of the device.
+        Nvml nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info;
+        Nvml nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info_v2;
+    }
+    gated {
+        cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
+            stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
+        cuLaunchKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
+            stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
+        cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
+        cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
+        cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize);
+        cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize);
+        cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize);
+        cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize);
+        cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
+        cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
+        cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
+        cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
+        cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+        cuMemsetD8_v2(dst: CUdeviceptr, value: c_uchar, n: usize);
+        cuMemsetD8_v2_ptds(dst: CUdeviceptr, value: c_uchar, n: usize);
+        cuMemsetD16_v2(dst: CUdeviceptr, value: c_ushort, n: usize);
+        cuMemsetD16_v2_ptds(dst: CUdeviceptr, value: c_ushort, n: usize);
+        cuMemsetD32_v2(dst: CUdeviceptr, value: c_uint, n: usize);
+        cuMemsetD32_v2_ptds(dst: CUdeviceptr, value: c_uint, n: usize);
+        cuMemsetD8Async(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
+        cuMemsetD8Async_ptsz(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
+        cuMemsetD16Async(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
+        cuMemsetD16Async_ptsz(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
+        cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
+        cuMemsetD32Async_ptsz(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
+    }
+}

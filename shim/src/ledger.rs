@@ -1,0 +1,313 @@
+//! What a group holds on each device, shared by the group's processes without a daemon
+//! (standalone mode).
+//!
+//! Each member process has a slot with its own held bytes per device; the group holds the
+//! sum over live members. A charge adds to the member's own counter first and then checks
+//! the sum against the limit, backing out if it is over: two racing threads (or
+//! processes) can at worst both back out and retry, never both slip past the limit. The
+//! fast path is a handful of atomics. A member killed by SIGKILL keeps nothing: its
+//! slot's kernel lock is gone, so the next charge that finds the group full, and every
+//! report, forget it (see `gpufrac_common::shm`).
+//!
+//! A process without `GPUFRAC_GROUP` keeps the same structure in private memory.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use gpufrac_common::shm::{SharedFile, SharedPlain};
+
+/// Most devices a ledger tracks.
+pub const MAX_DEVICES: usize = 16;
+/// Most processes in one group at once.
+pub const MAX_MEMBERS: usize = 64;
+
+const MAGIC: u64 = 0x4750_5546_5241_4300 | (std::mem::size_of::<LedgerData>() as u64 & 0xff);
+const FREE: u32 = 0;
+const LIVE: u32 = 1;
+
+#[repr(C)]
+struct DeviceRecord {
+    claimed: AtomicU32,
+    _pad: AtomicU32,
+    uuid: [AtomicU64; 2],
+    /// Device memory one context was measured to take, 0 until measured.
+    context_bytes: AtomicU64,
+}
+
+#[repr(C)]
+struct Member {
+    state: AtomicU32,
+    pid: AtomicU32,
+    held: [AtomicU64; MAX_DEVICES],
+}
+
+#[repr(C)]
+struct LedgerData {
+    magic: AtomicU64,
+    /// One past the highest member slot ever used: sums stop there.
+    high_water: AtomicU32,
+    _pad: AtomicU32,
+    devices: [DeviceRecord; MAX_DEVICES],
+    members: [Member; MAX_MEMBERS],
+}
+
+// SAFETY: integers and atomics only, C layout.
+unsafe impl SharedPlain for LedgerData {}
+
+enum Backing {
+    Shared(SharedFile<LedgerData>),
+    Private(Box<LedgerData>),
+}
+
+/// A charge that does not fit under the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverLimit {
+    /// What the group held when refused.
+    pub held: u64,
+}
+
+/// The group's ledger, with this process's member slot.
+pub struct Ledger {
+    backing: Backing,
+    me: usize,
+}
+
+fn uuid_words(uuid: &[u8; 16]) -> [u64; 2] {
+    let mut hi = [0u8; 8];
+    let mut lo = [0u8; 8];
+    hi.copy_from_slice(&uuid[..8]);
+    lo.copy_from_slice(&uuid[8..]);
+    [u64::from_le_bytes(hi), u64::from_le_bytes(lo)]
+}
+
+/// Where a group's ledger lives: in shared memory, per user, by group name.
+pub fn group_path(group: &str) -> PathBuf {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    dir.join(format!("gpufrac-{uid}-{group}.ledger"))
+}
+
+impl Ledger {
+    /// This process alone.
+    pub fn private() -> Ledger {
+        // SAFETY: LedgerData is SharedPlain: all-zero is a valid value.
+        let data = unsafe { Box::<LedgerData>::new_zeroed().assume_init() };
+        data.high_water.store(1, Ordering::Relaxed);
+        data.members[0].state.store(LIVE, Ordering::Relaxed);
+        data.members[0].pid.store(std::process::id(), Ordering::Relaxed);
+        Ledger { backing: Backing::Private(data), me: 0 }
+    }
+
+    /// Joins (or starts) the ledger of `group`.
+    pub fn join(group: &str) -> io::Result<Ledger> {
+        let shm = SharedFile::<LedgerData>::open(&group_path(group), |shm| {
+            let d = shm.get();
+            let anyone = d.magic.load(Ordering::Acquire) == MAGIC
+                && (0..MAX_MEMBERS)
+                    .any(|i| d.members[i].state.load(Ordering::Acquire) == LIVE && shm.slot_alive(i));
+            if !anyone {
+                // Nobody alive: start afresh (also after an incompatible version).
+                // SAFETY: we hold the table lock and no live process uses the mapping;
+                // all-zero is a valid LedgerData.
+                unsafe { std::ptr::write_bytes(d as *const LedgerData as *mut LedgerData, 0, 1) };
+                d.magic.store(MAGIC, Ordering::Release);
+            }
+        })?;
+        let me = {
+            let table = shm.lock_table();
+            let me = shm.claim_slot(MAX_MEMBERS, &table).ok_or_else(|| {
+                io::Error::other(format!("more than {MAX_MEMBERS} processes in group {group}"))
+            })?;
+            let d = shm.get();
+            let m = &d.members[me];
+            m.held.iter().for_each(|h| h.store(0, Ordering::Relaxed));
+            m.pid.store(std::process::id(), Ordering::Relaxed);
+            m.state.store(LIVE, Ordering::Release);
+            d.high_water.fetch_max(me as u32 + 1, Ordering::AcqRel);
+            me
+        };
+        Ok(Ledger { backing: Backing::Shared(shm), me })
+    }
+
+    fn data(&self) -> &LedgerData {
+        match &self.backing {
+            Backing::Shared(shm) => shm.get(),
+            Backing::Private(data) => data,
+        }
+    }
+
+    /// The ledger's index for the device with `uuid`, claiming one if new.
+    pub fn device_index(&self, uuid: &[u8; 16]) -> Option<usize> {
+        let words = uuid_words(uuid);
+        let d = self.data();
+        let find = || {
+            d.devices.iter().position(|r| {
+                r.claimed.load(Ordering::Acquire) == 1
+                    && r.uuid[0].load(Ordering::Relaxed) == words[0]
+                    && r.uuid[1].load(Ordering::Relaxed) == words[1]
+            })
+        };
+        if let Some(i) = find() {
+            return Some(i);
+        }
+        let _table = match &self.backing {
+            Backing::Shared(shm) => Some(shm.lock_table()),
+            Backing::Private(_) => None,
+        };
+        if let Some(i) = find() {
+            return Some(i);
+        }
+        let i = d.devices.iter().position(|r| r.claimed.load(Ordering::Acquire) == 0)?;
+        let r = &d.devices[i];
+        r.uuid[0].store(words[0], Ordering::Relaxed);
+        r.uuid[1].store(words[1], Ordering::Relaxed);
+        r.claimed.store(1, Ordering::Release);
+        Some(i)
+    }
+
+    /// Sum held on `dev` over members still counted (dead ones until forgotten).
+    fn sum(&self, dev: usize) -> u64 {
+        let d = self.data();
+        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
+        d.members[..n]
+            .iter()
+            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
+            .map(|m| m.held[dev].load(Ordering::Acquire))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Forgets members that died; true if any was forgotten.
+    pub fn forget_dead(&self) -> bool {
+        let Backing::Shared(shm) = &self.backing else { return false };
+        let _table = shm.lock_table();
+        let d = shm.get();
+        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
+        let mut any = false;
+        for (i, m) in d.members[..n].iter().enumerate() {
+            if m.state.load(Ordering::Acquire) == LIVE && !shm.slot_alive(i) {
+                m.state.store(FREE, Ordering::Release);
+                m.held.iter().for_each(|h| h.store(0, Ordering::Relaxed));
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// What the group holds on `dev`, after forgetting dead members.
+    pub fn held(&self, dev: usize) -> u64 {
+        self.forget_dead();
+        self.sum(dev)
+    }
+
+    /// What this process holds on `dev`.
+    pub fn held_by_me(&self, dev: usize) -> u64 {
+        self.data().members[self.me].held[dev].load(Ordering::Relaxed)
+    }
+
+    /// Charges `bytes` on `dev` if the group stays within `limit`; returns what the
+    /// group holds afterwards.
+    pub fn try_charge(&self, dev: usize, bytes: u64, limit: u64) -> Result<u64, OverLimit> {
+        let mine = &self.data().members[self.me].held[dev];
+        let mut forgot = false;
+        for attempt in 0..64 {
+            mine.fetch_add(bytes, Ordering::AcqRel);
+            let total = self.sum(dev);
+            if total <= limit {
+                return Ok(total);
+            }
+            mine.fetch_sub(bytes, Ordering::AcqRel);
+            if self.sum(dev).saturating_add(bytes) > limit {
+                // Really full, unless a dead member's memory is the room.
+                if !forgot && self.forget_dead() {
+                    forgot = true;
+                    continue;
+                }
+                return Err(OverLimit { held: self.sum(dev) });
+            }
+            // Another charge raced with ours; both backed out. Try again.
+            for _ in 0..(attempt + 1) * 8 {
+                std::hint::spin_loop();
+            }
+        }
+        Err(OverLimit { held: self.sum(dev) })
+    }
+
+    /// Charges without a limit (memory that already exists, such as a new context).
+    pub fn force_charge(&self, dev: usize, bytes: u64) {
+        self.data().members[self.me].held[dev].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Gives back `bytes` on `dev`.
+    pub fn release(&self, dev: usize, bytes: u64) {
+        let mine = &self.data().members[self.me].held[dev];
+        let _ = mine.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(bytes)));
+    }
+
+    /// The measured memory of one context on `dev`, if measured by any member.
+    pub fn context_bytes(&self, dev: usize) -> Option<u64> {
+        let v = self.data().devices[dev].context_bytes.load(Ordering::Relaxed);
+        (v > 0).then_some(v)
+    }
+
+    /// Records a context measurement for the group.
+    pub fn set_context_bytes(&self, dev: usize, bytes: u64) {
+        self.data().devices[dev].context_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Live members and what each holds on `dev`.
+    pub fn members(&self, dev: usize) -> Vec<(u32, u64)> {
+        self.forget_dead();
+        let d = self.data();
+        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
+        d.members[..n]
+            .iter()
+            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
+            .map(|m| (m.pid.load(Ordering::Relaxed), m.held[dev].load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charges_stay_within_the_limit_and_come_back() {
+        let l = Ledger::private();
+        let dev = l.device_index(&[7; 16]).unwrap();
+        assert_eq!(l.device_index(&[7; 16]), Some(dev));
+        assert_eq!(l.try_charge(dev, 600, 1000), Ok(600));
+        assert_eq!(l.try_charge(dev, 500, 1000), Err(OverLimit { held: 600 }));
+        assert_eq!(l.try_charge(dev, 400, 1000), Ok(1000));
+        l.release(dev, 1000);
+        assert_eq!(l.held(dev), 0);
+    }
+
+    #[test]
+    fn racing_threads_never_pass_the_limit_together() {
+        let l = std::sync::Arc::new(Ledger::private());
+        let dev = l.device_index(&[1; 16]).unwrap();
+        let ok = std::sync::Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (l, ok) = (l.clone(), ok.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..1000 {
+                        if l.try_charge(dev, 100, 1000).is_ok() {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(ok.load(Ordering::Relaxed), 10, "exactly ten 100-byte charges fit in 1000");
+        assert_eq!(l.held(dev), 1000);
+    }
+}

@@ -1,0 +1,388 @@
+//! Every allocation path, held to the group's limit: a charge is taken before the driver
+//! is asked (so two racing threads cannot both pass the limit), given back if the driver
+//! fails, recorded per allocation, and given back exactly on free, async free, destroy or
+//! release.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_uint, c_ulonglong, c_void};
+
+use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes};
+
+use crate::driver::call;
+use crate::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
+use crate::hooks::call_real;
+use crate::records::{Path, Record};
+use crate::state::{enforcer, refused, Charge, Current, Enforcer};
+
+type Ptr = *mut c_void;
+
+/// Records a successful allocation under `key`, or gives the charge back if the driver failed.
+fn settle(
+    e: &Enforcer,
+    status: Status,
+    charge: Charge,
+    key: Option<u64>,
+    path: Path,
+    ctx: Option<usize>,
+) -> Status {
+    match key.filter(|_| status == SUCCESS) {
+        Some(key) => {
+            let record = Record {
+                bytes: charge.bytes,
+                device: charge.device,
+                context: ctx,
+                path,
+                above_request: charge.above_request,
+            };
+            let table = match path {
+                Path::Array | Path::Mipmapped => &e.arrays,
+                Path::Physical => &e.physical,
+                _ => &e.pointers,
+            };
+            table.insert(key, record);
+        }
+        None => e.release(charge.device, charge.bytes),
+    }
+    status
+}
+
+/// The common shape of the linear allocation hooks.
+fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnOnce() -> Status) -> Status {
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let Some(Current { id, ordinal }) = e.current() else { return real() };
+    let charge = match e.charge(ordinal, bytes) {
+        Ok(c) => c,
+        Err(status) => return status,
+    };
+    let status = real();
+    settle(e, status, charge, read(out), path, Some(id))
+}
+
+pub(crate) fn mem_alloc(dptr: *mut CUdeviceptr, size: usize) -> Status {
+    linear(size as u64, Path::Linear, dptr, || call_real!(cuMemAlloc_v2(dptr, size)))
+}
+
+pub(crate) fn mem_alloc_managed(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) -> Status {
+    linear(size as u64, Path::Managed, dptr, || call_real!(cuMemAllocManaged(dptr, size, flags)))
+}
+
+/// Pitched: the driver picks the pitch, so the charge is width × height first and
+/// topped up to the real pitch × height once known.
+pub(crate) fn mem_alloc_pitch(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: c_uint,
+) -> Status {
+    let real = || call_real!(cuMemAllocPitch_v2(dptr, pitch, width, height, elem));
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let Some(Current { id, ordinal }) = e.current() else { return real() };
+    let estimate = (width as u64).saturating_mul(height as u64);
+    let mut charge = match e.charge(ordinal, estimate) {
+        Ok(c) => c,
+        Err(status) => return status,
+    };
+    let status = real();
+    if status == SUCCESS {
+        let actual = read(pitch).map_or(estimate, |p| (p as u64).saturating_mul(height as u64));
+        if actual > estimate {
+            match e.charge(ordinal, actual - estimate) {
+                Ok(extra) => {
+                    charge.bytes = actual;
+                    charge.above_request |= extra.above_request;
+                }
+                Err(refused) => {
+                    if let Some(p) = read(dptr) {
+                        call_real!(cuMemFree_v2(p));
+                    }
+                    e.release(charge.device, charge.bytes);
+                    return refused;
+                }
+            }
+        }
+    }
+    settle(e, status, charge, read(dptr), Path::Pitched, Some(id))
+}
+
+/// Frees memory recorded under `key`: the record goes first (so an address reused by
+/// another thread at once is not confused with this one) and comes back if the driver
+/// refuses.
+fn free(
+    key: u64,
+    table: impl Fn(&Enforcer) -> &crate::records::Records,
+    real: impl FnOnce() -> Status,
+) -> Status {
+    let Some(e) = enforcer() else { return real() };
+    let record = table(e).remove(key);
+    let status = real();
+    if let Some(r) = record {
+        if status == SUCCESS {
+            e.release(r.device, r.bytes);
+        } else {
+            table(e).insert(key, r);
+        }
+    }
+    status
+}
+
+pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
+    free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
+}
+
+fn pooled(size: usize, dptr: *mut CUdeviceptr, real: impl FnOnce() -> Status) -> Status {
+    linear(size as u64, Path::Pooled, dptr, real)
+}
+
+pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
+    pooled(size, dptr, || call_real!(cuMemAllocAsync(dptr, size, stream)))
+}
+
+pub(crate) fn mem_alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
+    pooled(size, dptr, || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)))
+}
+
+pub(crate) fn mem_alloc_from_pool_async(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Ptr,
+    stream: Ptr,
+) -> Status {
+    pooled(size, dptr, || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)))
+}
+
+pub(crate) fn mem_alloc_from_pool_async_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Ptr,
+    stream: Ptr,
+) -> Status {
+    pooled(size, dptr, || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)))
+}
+
+/// An async free gives the charge back at the call: from then on the memory belongs to
+/// the stream's pool, not to the program.
+pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync(dptr, stream)))
+}
+
+pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` read raw (width, height, depth, format, channels, flags).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Array3D {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: u32,
+    flags: u32,
+}
+
+/// `CUDA_ARRAY_DESCRIPTOR` read raw.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Array2D {
+    width: usize,
+    height: usize,
+    format: u32,
+    channels: u32,
+}
+
+/// Arrays: charged from the descriptor before creation, then corrected to the size the
+/// driver reports (`cuArrayGetMemoryRequirements`).
+fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, real: impl FnOnce() -> Status) -> Status {
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let (Some(Current { id, ordinal }), Some(estimate)) = (e.current(), estimate) else { return real() };
+    let mut charge = match e.charge(ordinal, estimate) {
+        Ok(c) => c,
+        Err(status) => return status,
+    };
+    let status = real();
+    let handle = read(out).filter(|_| status == SUCCESS);
+    if let Some(h) = handle {
+        let mut req = [0usize; 4];
+        let asked = if mipmapped {
+            call!(cuMipmappedArrayGetMemoryRequirements(&mut req, h, ordinal as i32), 801)
+        } else {
+            call!(cuArrayGetMemoryRequirements(&mut req, h, ordinal as i32), 801)
+        };
+        let actual = req[0] as u64;
+        if asked == SUCCESS && actual > estimate {
+            if e.charge(ordinal, actual - estimate).is_err() {
+                if mipmapped {
+                    call!(cuMipmappedArrayDestroy(h), 801);
+                } else {
+                    call!(cuArrayDestroy(h), 801);
+                }
+                e.release(charge.device, charge.bytes);
+                return OUT_OF_MEMORY;
+            }
+            charge.bytes = actual;
+        } else if asked == SUCCESS && actual < estimate {
+            e.release(charge.device, estimate - actual);
+            charge.bytes = actual;
+        }
+    }
+    let path = if mipmapped { Path::Mipmapped } else { Path::Array };
+    settle(e, status, charge, handle.map(|h| h as u64), path, Some(id))
+}
+
+pub(crate) fn array_create(out: *mut Ptr, desc: *const c_void) -> Status {
+    let estimate = read(desc.cast::<Array2D>())
+        .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
+    array(estimate, out, false, || call_real!(cuArrayCreate_v2(out, desc)))
+}
+
+pub(crate) fn array_3d_create(out: *mut Ptr, desc: *const c_void) -> Status {
+    let estimate = read(desc.cast::<Array3D>())
+        .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
+    array(estimate, out, false, || call_real!(cuArray3DCreate_v2(out, desc)))
+}
+
+pub(crate) fn mipmapped_array_create(out: *mut Ptr, desc: *const c_void, levels: c_uint) -> Status {
+    let estimate = read(desc.cast::<Array3D>()).and_then(|d| {
+        mipmapped_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, levels)
+    });
+    array(estimate, out, true, || call_real!(cuMipmappedArrayCreate(out, desc, levels)))
+}
+
+pub(crate) fn array_destroy(handle: Ptr) -> Status {
+    free(handle as u64, |e| &e.arrays, || call_real!(cuArrayDestroy(handle)))
+}
+
+pub(crate) fn mipmapped_array_destroy(handle: Ptr) -> Status {
+    free(handle as u64, |e| &e.arrays, || call_real!(cuMipmappedArrayDestroy(handle)))
+}
+
+/// Physical allocations and their mappings: the memory is freed when the last handle
+/// reference is released and the last mapping unmapped, as in CUDA.
+#[derive(Default)]
+pub(crate) struct VmmBook {
+    /// handle → (references, mappings)
+    handles: HashMap<u64, (u32, u32)>,
+    /// mapped address → (handle, size)
+    mappings: BTreeMap<u64, (u64, u64)>,
+}
+
+impl VmmBook {
+    /// Forgets `handle` if nothing references or maps it any more.
+    fn unused(&mut self, handle: u64) -> bool {
+        if self.handles.get(&handle).is_some_and(|&(refs, maps)| refs == 0 && maps == 0) {
+            self.handles.remove(&handle);
+            return true;
+        }
+        false
+    }
+}
+
+fn book(e: &Enforcer) -> std::sync::MutexGuard<'_, VmmBook> {
+    e.vmm.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `CUmemAllocationProp`'s leading fields: the location's device is at byte 12.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PropHead {
+    alloc_type: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: i32,
+}
+
+pub(crate) fn mem_create(
+    handle: *mut c_ulonglong,
+    size: usize,
+    prop: *const c_void,
+    flags: c_ulonglong,
+) -> Status {
+    let real = || call_real!(cuMemCreate(handle, size, prop, flags));
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let Some(head) = read(prop.cast::<PropHead>()) else { return real() };
+    if head.location_type != 1 || head.location_id < 0 {
+        return real();
+    }
+    let charge = match e.charge(head.location_id as usize, size as u64) {
+        Ok(c) => c,
+        Err(status) => return status,
+    };
+    let status = real();
+    if let (SUCCESS, Some(h)) = (status, read(handle)) {
+        book(e).handles.insert(h, (1, 0));
+    }
+    settle(e, status, charge, read(handle), Path::Physical, None)
+}
+
+pub(crate) fn mem_release(handle: c_ulonglong) -> Status {
+    let status = call_real!(cuMemRelease(handle));
+    if let (Some(e), SUCCESS) = (enforcer(), status) {
+        let mut book = book(e);
+        if let Some(entry) = book.handles.get_mut(&handle) {
+            entry.0 = entry.0.saturating_sub(1);
+        }
+        if book.unused(handle) {
+            drop(book);
+            if let Some(r) = e.physical.remove(handle) {
+                e.release(r.device, r.bytes);
+            }
+        }
+    }
+    status
+}
+
+pub(crate) fn mem_retain_allocation_handle(handle: *mut c_ulonglong, addr: Ptr) -> Status {
+    let status = call_real!(cuMemRetainAllocationHandle(handle, addr));
+    if let (Some(e), SUCCESS, Some(h)) = (enforcer(), status, read(handle)) {
+        if let Some(entry) = book(e).handles.get_mut(&h) {
+            entry.0 += 1;
+        }
+    }
+    status
+}
+
+pub(crate) fn mem_map(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: c_ulonglong,
+    flags: c_ulonglong,
+) -> Status {
+    let status = call_real!(cuMemMap(ptr, size, offset, handle, flags));
+    if let (Some(e), SUCCESS) = (enforcer(), status) {
+        let mut book = book(e);
+        if let Some(entry) = book.handles.get_mut(&handle) {
+            entry.1 += 1;
+            book.mappings.insert(ptr, (handle, size as u64));
+        }
+    }
+    status
+}
+
+pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> Status {
+    let status = call_real!(cuMemUnmap(ptr, size));
+    if let (Some(e), SUCCESS) = (enforcer(), status) {
+        let mut book = book(e);
+        let gone: Vec<(u64, u64)> =
+            book.mappings.range(ptr..ptr.saturating_add(size as u64)).map(|(&a, &(h, _))| (a, h)).collect();
+        let mut freed = Vec::new();
+        for (addr, h) in gone {
+            book.mappings.remove(&addr);
+            if let Some(entry) = book.handles.get_mut(&h) {
+                entry.1 = entry.1.saturating_sub(1);
+            }
+            if book.unused(h) {
+                freed.push(h);
+            }
+        }
+        drop(book);
+        for h in freed {
+            if let Some(r) = e.physical.remove(h) {
+                e.release(r.device, r.bytes);
+            }
+        }
+    }
+    status
+}

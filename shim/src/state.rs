@@ -1,0 +1,345 @@
+//! The shim's process-wide state, set up at the first CUDA or NVML call: pass-through
+//! (no request configured), enforcing, or broken (a bad setting, reported by `cuInit`).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use crate::config::Config;
+use crate::driver::call;
+use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
+use crate::ledger::Ledger;
+use crate::records::Records;
+
+/// What the shim does in this process.
+pub(crate) enum Mode {
+    /// `GPUFRAC_MEMORY_REQUEST` unset: every call goes to the driver untouched.
+    PassThrough,
+    /// Holding the group to its request and limit.
+    Enforcing(Box<Enforcer>),
+    /// A setting is bad: `cuInit` fails with this message.
+    Broken(String),
+}
+
+static MODE: OnceLock<Mode> = OnceLock::new();
+
+/// The mode, read from the environment on first use.
+pub(crate) fn mode() -> &'static Mode {
+    MODE.get_or_init(|| match Config::from_env() {
+        Ok(None) => Mode::PassThrough,
+        Ok(Some(config)) => match Enforcer::new(config) {
+            Ok(e) => Mode::Enforcing(Box::new(e)),
+            Err(message) => Mode::Broken(message),
+        },
+        Err(e) => Mode::Broken(format!("gpufrac: {e}")),
+    })
+}
+
+/// Whether the shim does anything in this process.
+pub(crate) fn enabled() -> bool {
+    !matches!(mode(), Mode::PassThrough)
+}
+
+/// The enforcer, once `cuInit` has set up the devices.
+#[inline]
+pub(crate) fn enforcer() -> Option<&'static Enforcer> {
+    match MODE.get() {
+        Some(Mode::Enforcing(e)) if matches!(e.devices.get(), Some(Ok(_))) => Some(e),
+        _ => None,
+    }
+}
+
+/// `CUDA_ERROR_NOT_INITIALIZED` while a bad setting is in force: a program that ignored
+/// `cuInit`'s failure must not allocate unchecked.
+#[inline]
+pub(crate) fn refused() -> Option<Status> {
+    matches!(MODE.get(), Some(Mode::Broken(_))).then_some(crate::ffi::NOT_INITIALIZED)
+}
+
+/// The enforcer even before `cuInit` (NVML callers never call it).
+pub(crate) fn enforcer_any() -> Option<&'static Enforcer> {
+    match mode() {
+        Mode::Enforcing(e) => Some(e),
+        _ => None,
+    }
+}
+
+/// A device's share for the group.
+#[derive(Debug, Clone, Copy)]
+pub struct Slice {
+    /// The ledger's index of the device.
+    pub ledger: usize,
+    /// Guaranteed bytes.
+    pub request: u64,
+    /// Most bytes the group may hold.
+    pub limit: u64,
+    /// The device's physical memory.
+    pub total: u64,
+}
+
+/// Most contexts tracked at once.
+pub(crate) const MAX_CONTEXTS: usize = 63;
+
+/// Contexts created through the shim: their handle, CUDA ordinal and measured memory.
+pub(crate) struct Contexts {
+    handles: [AtomicU64; MAX_CONTEXTS],
+    ordinals: [AtomicU32; MAX_CONTEXTS],
+    charged: [AtomicU64; MAX_CONTEXTS],
+    primary: [AtomicBool; MAX_CONTEXTS],
+    /// Serialises creation and teardown (rare), not lookups.
+    pub(crate) changes: Mutex<()>,
+}
+
+/// The current context as the allocation hooks need it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Current {
+    pub id: usize,
+    pub ordinal: usize,
+}
+
+impl Contexts {
+    fn new() -> Contexts {
+        Contexts {
+            handles: std::array::from_fn(|_| AtomicU64::new(0)),
+            ordinals: std::array::from_fn(|_| AtomicU32::new(0)),
+            charged: std::array::from_fn(|_| AtomicU64::new(0)),
+            primary: std::array::from_fn(|_| AtomicBool::new(false)),
+            changes: Mutex::new(()),
+        }
+    }
+
+    /// The id of context `handle`, if tracked.
+    pub(crate) fn find(&self, handle: u64) -> Option<usize> {
+        self.handles.iter().position(|h| h.load(Ordering::Acquire) == handle)
+    }
+
+    /// The primary context of `ordinal`, if tracked.
+    pub(crate) fn primary_of(&self, ordinal: usize) -> Option<usize> {
+        (0..MAX_CONTEXTS).find(|&i| {
+            self.handles[i].load(Ordering::Acquire) != 0
+                && self.primary[i].load(Ordering::Relaxed)
+                && self.ordinals[i].load(Ordering::Relaxed) as usize == ordinal
+        })
+    }
+
+    /// Tracks a context; returns its id (or the existing one).
+    pub(crate) fn add(&self, handle: u64, ordinal: usize, charged: u64, primary: bool) -> Option<usize> {
+        if let Some(id) = self.find(handle) {
+            return Some(id);
+        }
+        for i in 0..MAX_CONTEXTS {
+            if self.handles[i].compare_exchange(0, handle, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                self.ordinals[i].store(ordinal as u32, Ordering::Relaxed);
+                self.charged[i].store(charged, Ordering::Relaxed);
+                self.primary[i].store(primary, Ordering::Relaxed);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Stops tracking context `id`; returns (ordinal, charged bytes).
+    pub(crate) fn remove(&self, id: usize) -> (usize, u64) {
+        let ordinal = self.ordinals[id].load(Ordering::Relaxed) as usize;
+        let charged = self.charged[id].swap(0, Ordering::AcqRel);
+        self.handles[id].store(0, Ordering::Release);
+        (ordinal, charged)
+    }
+}
+
+/// Holds this process's group to its request and limit.
+pub(crate) struct Enforcer {
+    pub config: Config,
+    pub ledger: Ledger,
+    /// Per CUDA ordinal, set at `cuInit`.
+    pub devices: OnceLock<Result<Vec<Slice>, String>>,
+    /// Linear, pitched, managed and pooled allocations by address.
+    pub pointers: Records,
+    /// Arrays and mipmapped arrays by handle.
+    pub arrays: Records,
+    /// VMM physical allocations by handle.
+    pub physical: Records,
+    pub contexts: Contexts,
+    pub vmm: Mutex<crate::memory::VmmBook>,
+}
+
+/// A charge taken before calling the driver, given back if the call fails.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Charge {
+    pub device: usize,
+    pub bytes: u64,
+    pub above_request: bool,
+}
+
+impl Enforcer {
+    fn new(config: Config) -> Result<Enforcer, String> {
+        init_logging(&config.log);
+        let ledger = match &config.group {
+            Some(group) => Ledger::join(group).map_err(|e| {
+                format!(
+                    "gpufrac: cannot join GPUFRAC_GROUP={group:?} (ledger {}): {e}",
+                    crate::ledger::group_path(group).display()
+                )
+            })?,
+            None => Ledger::private(),
+        };
+        if let Some(socket) = &config.arbiter_socket {
+            tracing::warn!(
+                socket = %socket.display(),
+                "GPUFRAC_ARBITER_SOCKET is set but this shim has no arbiter client yet; running standalone"
+            );
+        }
+        Ok(Enforcer {
+            config,
+            ledger,
+            devices: OnceLock::new(),
+            pointers: Records::new(1 << 16),
+            arrays: Records::new(1 << 12),
+            physical: Records::new(1 << 14),
+            contexts: Contexts::new(),
+            vmm: Mutex::new(Default::default()),
+        })
+    }
+
+    /// The group's share of a device with `uuid` and `total` bytes.
+    pub(crate) fn slice_for(
+        &self,
+        ordinal: Option<usize>,
+        uuid: &[u8; 16],
+        total: u64,
+    ) -> Result<Slice, String> {
+        let which = ordinal.map_or_else(|| crate::driver::uuid_string(uuid), |o| format!("device {o}"));
+        let request = self.config.request.resolve(total);
+        let limit = self.config.limit.resolve(total).min(total);
+        if request > total {
+            return Err(format!(
+                "gpufrac: GPUFRAC_MEMORY_REQUEST={request} bytes is more than {which} has ({total} bytes)"
+            ));
+        }
+        if limit < request {
+            return Err(format!(
+                "gpufrac: GPUFRAC_MEMORY_LIMIT ({limit} bytes on {which}) is below GPUFRAC_MEMORY_REQUEST ({request} bytes)"
+            ));
+        }
+        let ledger = self
+            .ledger
+            .device_index(uuid)
+            .ok_or_else(|| format!("gpufrac: more than {} devices", crate::ledger::MAX_DEVICES))?;
+        Ok(Slice { ledger, request, limit, total })
+    }
+
+    /// Sets up every visible device (at `cuInit`); the error names the bad setting.
+    pub(crate) fn init_devices(&self) -> &Result<Vec<Slice>, String> {
+        self.devices.get_or_init(|| {
+            let mut count = 0;
+            let status = call!(cuDeviceGetCount(&mut count), 801);
+            if status != SUCCESS {
+                return Err(format!("gpufrac: cuDeviceGetCount failed ({status})"));
+            }
+            (0..count)
+                .map(|ordinal| {
+                    let mut dev = 0;
+                    let mut uuid = [0u8; 16];
+                    let mut total = 0usize;
+                    let ok = call!(cuDeviceGet(&mut dev, ordinal), 801) == SUCCESS
+                        && call!(cuDeviceGetUuid(&mut uuid, dev), 801) == SUCCESS
+                        && crate::hooks::call_real!(cuDeviceTotalMem_v2(&mut total, dev)) == SUCCESS;
+                    if !ok {
+                        return Err(format!("gpufrac: cannot read device {ordinal}'s UUID and memory"));
+                    }
+                    let slice = self.slice_for(Some(ordinal as usize), &uuid, total as u64)?;
+                    tracing::info!(
+                        ordinal,
+                        request = slice.request,
+                        limit = slice.limit,
+                        total,
+                        "device slice"
+                    );
+                    Ok(slice)
+                })
+                .collect()
+        })
+    }
+
+    /// The slice of CUDA device `ordinal`.
+    #[inline]
+    pub(crate) fn slice(&self, ordinal: usize) -> Option<Slice> {
+        match self.devices.get() {
+            Some(Ok(slices)) => slices.get(ordinal).copied(),
+            _ => None,
+        }
+    }
+
+    /// The calling thread's current context, tracked (adopted if created elsewhere).
+    #[inline]
+    pub(crate) fn current(&self) -> Option<Current> {
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        if call!(cuCtxGetCurrent(&mut ctx), 801) != SUCCESS || ctx.is_null() {
+            return None;
+        }
+        let handle = ctx as u64;
+        if let Some(id) = self.contexts.find(handle) {
+            let ordinal = self.contexts.ordinals[id].load(Ordering::Relaxed) as usize;
+            return Some(Current { id, ordinal });
+        }
+        let mut ordinal = 0;
+        if call!(cuCtxGetDevice(&mut ordinal), 801) != SUCCESS {
+            return None;
+        }
+        let id = self.contexts.add(handle, ordinal as usize, 0, false)?;
+        Some(Current { id, ordinal: ordinal as usize })
+    }
+
+    /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit.
+    #[inline]
+    pub(crate) fn charge(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
+        let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
+        match self.ledger.try_charge(slice.ledger, bytes, slice.limit) {
+            Ok(total) => Ok(Charge { device: slice.ledger, bytes, above_request: total > slice.request }),
+            Err(over) => {
+                tracing::debug!(
+                    ordinal,
+                    bytes,
+                    held = over.held,
+                    limit = slice.limit,
+                    "refused: over the limit"
+                );
+                Err(OUT_OF_MEMORY)
+            }
+        }
+    }
+
+    /// Gives a charge back.
+    #[inline]
+    pub(crate) fn release(&self, device: usize, bytes: u64) {
+        self.ledger.release(device, bytes);
+    }
+
+    /// Forgets context `id` and everything the driver freed with it.
+    pub(crate) fn teardown_context(&self, id: usize) {
+        let (ordinal, charged) = self.contexts.remove(id);
+        if let Some(slice) = self.slice(ordinal) {
+            self.release(slice.ledger, charged);
+        }
+        for (_, r) in self.pointers.drain_where(|r| r.context == Some(id)) {
+            self.release(r.device, r.bytes);
+        }
+        for (_, r) in self.arrays.drain_where(|r| r.context == Some(id)) {
+            self.release(r.device, r.bytes);
+        }
+    }
+
+    pub(crate) fn set_context_charge(&self, id: usize, bytes: u64) {
+        self.contexts.charged[id].store(bytes, Ordering::Relaxed);
+    }
+}
+
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
