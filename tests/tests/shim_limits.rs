@@ -224,3 +224,30 @@ fn programs_ask_the_shim_through_gpufrac_h() {
     assert_eq!(lines[3], format!("GETTERS {REQUEST} {LIMIT} {held}"));
     assert_eq!(lines[4], "UNKNOWN -1");
 }
+
+#[test]
+fn gpufrac_run_puts_a_command_under_the_shim() {
+    let gpu = gpu();
+    let mut cmd = gpu.command(artifact("gpufrac"));
+    cmd.args(["run", "--request", "256MiB", "--limit", "640MiB", "--group", "cli", "--"])
+        .arg(program("dlsym"))
+        .args(["alloc", &CHUNK.to_string()]);
+    let mut child = ChildProcess::spawn(&mut cmd);
+    let v = child.ready();
+    assert_eq!(v[2], LIMIT, "the command sees the limit as the device size");
+    assert!(v[0] + CHUNK > LIMIT - OVERHEAD && v[0] <= LIMIT - OVERHEAD);
+    child.close_stdin();
+    child.finish();
+
+    let (out, _, stderr) = output(gpu.command(artifact("gpufrac")).args([
+        "run",
+        "--request",
+        "1GiB",
+        "--limit",
+        "lots",
+        "--",
+        "true",
+    ]));
+    assert!(!out.status.success());
+    assert!(stderr.contains("GPUFRAC_MEMORY_LIMIT") && stderr.contains("lots"), "{stderr}");
+}
