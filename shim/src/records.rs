@@ -91,10 +91,16 @@ impl Record {
     }
 }
 
+/// One slot: a key and its packed record, on one cache line with its neighbours.
+#[repr(C, align(16))]
+struct Slot {
+    key: AtomicU64,
+    word: AtomicU64,
+}
+
 /// Live allocations by key (device address, array handle or physical handle).
 pub struct Records {
-    keys: Box<[AtomicU64]>,
-    words: Box<[AtomicU64]>,
+    slots: Box<[Slot]>,
     mask: usize,
     overflow: Mutex<HashMap<u64, Record>>,
 }
@@ -104,8 +110,7 @@ impl Records {
     pub fn new(capacity: usize) -> Records {
         let cap = capacity.next_power_of_two().max(16);
         Records {
-            keys: (0..cap).map(|_| AtomicU64::new(EMPTY)).collect(),
-            words: (0..cap).map(|_| AtomicU64::new(0)).collect(),
+            slots: (0..cap).map(|_| Slot { key: AtomicU64::new(EMPTY), word: AtomicU64::new(0) }).collect(),
             mask: cap - 1,
             overflow: Mutex::new(HashMap::new()),
         }
@@ -121,13 +126,14 @@ impl Records {
         if key != EMPTY && key != TOMBSTONE && record.packable() {
             let mut i = self.start(key);
             for _ in 0..=self.mask {
-                let current = self.keys[i].load(Ordering::Relaxed);
+                let current = self.slots[i].key.load(Ordering::Relaxed);
                 if (current == EMPTY || current == TOMBSTONE)
-                    && self.keys[i]
+                    && self.slots[i]
+                        .key
                         .compare_exchange(current, key, Ordering::AcqRel, Ordering::Relaxed)
                         .is_ok()
                 {
-                    self.words[i].store(record.pack(), Ordering::Release);
+                    self.slots[i].word.store(record.pack(), Ordering::Release);
                     return;
                 }
                 i = (i + 1) & self.mask;
@@ -139,7 +145,7 @@ impl Records {
     fn find(&self, key: u64) -> Option<usize> {
         let mut i = self.start(key);
         for _ in 0..=self.mask {
-            match self.keys[i].load(Ordering::Acquire) {
+            match self.slots[i].key.load(Ordering::Acquire) {
                 k if k == key => return Some(i),
                 EMPTY => return None,
                 _ => i = (i + 1) & self.mask,
@@ -151,9 +157,12 @@ impl Records {
     /// Forgets `key`, returning its record. Of two threads freeing the same key, one gets it.
     pub fn remove(&self, key: u64) -> Option<Record> {
         if let Some(i) = self.find(key) {
-            let word = self.words[i].swap(0, Ordering::AcqRel);
+            let word = self.slots[i].word.swap(0, Ordering::AcqRel);
             if word != 0
-                && self.keys[i].compare_exchange(key, TOMBSTONE, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+                && self.slots[i]
+                    .key
+                    .compare_exchange(key, TOMBSTONE, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
             {
                 return Record::unpack(word);
             }
@@ -164,7 +173,7 @@ impl Records {
     /// The record of `key`, if live.
     pub fn get(&self, key: u64) -> Option<Record> {
         if let Some(i) = self.find(key) {
-            if let Some(r) = Record::unpack(self.words[i].load(Ordering::Acquire)) {
+            if let Some(r) = Record::unpack(self.slots[i].word.load(Ordering::Acquire)) {
                 return Some(r);
             }
         }
@@ -175,11 +184,11 @@ impl Records {
     pub fn drain_where(&self, pred: impl Fn(&Record) -> bool) -> Vec<(u64, Record)> {
         let mut out = Vec::new();
         for i in 0..=self.mask {
-            let key = self.keys[i].load(Ordering::Acquire);
+            let key = self.slots[i].key.load(Ordering::Acquire);
             if key == EMPTY || key == TOMBSTONE {
                 continue;
             }
-            if Record::unpack(self.words[i].load(Ordering::Acquire)).is_some_and(|r| pred(&r)) {
+            if Record::unpack(self.slots[i].word.load(Ordering::Acquire)).is_some_and(|r| pred(&r)) {
                 if let Some(r) = self.remove(key) {
                     out.push((key, r));
                 }
@@ -195,11 +204,11 @@ impl Records {
     pub fn snapshot(&self) -> Vec<(u64, Record)> {
         let mut out: Vec<(u64, Record)> = (0..=self.mask)
             .filter_map(|i| {
-                let key = self.keys[i].load(Ordering::Acquire);
+                let key = self.slots[i].key.load(Ordering::Acquire);
                 if key == EMPTY || key == TOMBSTONE {
                     return None;
                 }
-                Record::unpack(self.words[i].load(Ordering::Acquire)).map(|r| (key, r))
+                Record::unpack(self.slots[i].word.load(Ordering::Acquire)).map(|r| (key, r))
             })
             .collect();
         out.extend(self.overflow.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(&k, &r)| (k, r)));

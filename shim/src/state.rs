@@ -86,6 +86,8 @@ pub(crate) struct Contexts {
     ordinals: [AtomicU32; MAX_CONTEXTS],
     charged: [AtomicU64; MAX_CONTEXTS],
     primary: [AtomicBool; MAX_CONTEXTS],
+    /// One past the highest slot ever used: lookups scan no further.
+    used: AtomicU32,
     /// Serialises creation and teardown (rare), not lookups.
     pub(crate) changes: Mutex<()>,
 }
@@ -104,13 +106,16 @@ impl Contexts {
             ordinals: std::array::from_fn(|_| AtomicU32::new(0)),
             charged: std::array::from_fn(|_| AtomicU64::new(0)),
             primary: std::array::from_fn(|_| AtomicBool::new(false)),
+            used: AtomicU32::new(0),
             changes: Mutex::new(()),
         }
     }
 
     /// The id of context `handle`, if tracked.
+    #[inline]
     pub(crate) fn find(&self, handle: u64) -> Option<usize> {
-        self.handles.iter().position(|h| h.load(Ordering::Acquire) == handle)
+        let used = (self.used.load(Ordering::Acquire) as usize).min(MAX_CONTEXTS);
+        self.handles[..used].iter().position(|h| h.load(Ordering::Acquire) == handle)
     }
 
     /// The primary context of `ordinal`, if tracked.
@@ -132,6 +137,7 @@ impl Contexts {
                 self.ordinals[i].store(ordinal as u32, Ordering::Relaxed);
                 self.charged[i].store(charged, Ordering::Relaxed);
                 self.primary[i].store(primary, Ordering::Relaxed);
+                self.used.fetch_max(i as u32 + 1, Ordering::AcqRel);
                 return Some(i);
             }
         }
@@ -193,7 +199,7 @@ impl Enforcer {
             config,
             ledger,
             devices: OnceLock::new(),
-            pointers: Records::new(1 << 16),
+            pointers: Records::new(1 << 14),
             arrays: Records::new(1 << 12),
             physical: Records::new(1 << 14),
             contexts: Contexts::new(),
