@@ -6,6 +6,7 @@
 
 pub mod cuda_procs;
 pub mod cuda_sizes;
+pub mod protocol;
 pub mod resolver;
 pub mod shm;
 pub mod size;

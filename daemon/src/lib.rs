@@ -2,5 +2,7 @@
 //! commands. Binaries in `src/bin/` are thin wrappers over this library.
 #![deny(missing_docs)]
 
+pub mod arbiter;
 pub mod demo;
 pub mod run;
+pub mod status;

@@ -1,22 +1,98 @@
-//! `gpufrac-arbiter`: the per-node daemon that grants burst memory and resolves
-//! collisions. Foundation stage: the binary exists so that the build produces every file
-//! of INTERFACE.md; it refuses to start until the arbiter is built, rather than pretend.
+//! `gpufrac-arbiter`: the per-node daemon that guarantees requests, lends burst memory
+//! and resolves collisions. Runs in the foreground; logs to stderr (`GPUFRAC_LOG`, default
+//! `info`).
 
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
 use clap::Parser;
+use gpufrac_daemon::arbiter::{gpus, metrics, server};
 
 #[derive(Parser)]
 #[command(name = "gpufrac-arbiter", version, about = "gpufrac's per-node arbiter")]
 struct Args {
-    /// The unix socket shims connect to.
+    /// The unix socket shims and `gpufrac status` connect to.
     #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
-    socket: std::path::PathBuf,
+    socket: PathBuf,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9400).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 fn main() {
-    let args = Args::parse();
-    eprintln!(
-        "gpufrac-arbiter: error: the arbiter is not built yet (socket {} was not opened); shims run standalone",
-        args.socket.display()
-    );
-    std::process::exit(2);
+    let filter = std::env::var("GPUFRAC_LOG").unwrap_or_else(|_| "info".to_owned());
+    let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("gpufrac-arbiter: error: invalid GPUFRAC_LOG={filter:?}: {e}");
+            std::process::exit(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("gpufrac-arbiter: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Binds the socket: refuses if another arbiter answers on it, removes a stale one.
+fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if socket.exists() {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            bail!("another arbiter is serving {}", socket.display());
+        }
+        std::fs::remove_file(socket).with_context(|| format!("removing the stale socket {}", socket.display()))?;
+    }
+    let listener =
+        std::os::unix::net::UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
+    // Shims run as any user inside containers; who reaches the socket is decided by
+    // who gets its folder mounted.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+fn run(args: Args) -> Result<()> {
+    let gpus = gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
+    if gpus.is_empty() {
+        bail!("NVML reports no GPU on this node");
+    }
+    for (id, total) in &gpus {
+        tracing::info!(gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id), total, "managing GPU");
+    }
+    let listener = bind(&args.socket)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let socket = args.socket.clone();
+    runtime.block_on(async move {
+        let shared = server::Shared::new(&gpus);
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        if let Some(addr) = args.metrics {
+            let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics {addr}"))?;
+            tracing::info!(%addr, "serving metrics");
+            let status_source = shared.clone();
+            tokio::spawn(metrics::serve(tcp, shared.metrics.clone(), move || status_source.status()));
+        }
+        tracing::info!(socket = %socket.display(), "serving");
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+        };
+        server::serve(listener, shared, shutdown).await;
+        anyhow::Ok(())
+    })?;
+    let _ = std::fs::remove_file(&args.socket);
+    tracing::info!("stopped");
+    Ok(())
 }

@@ -46,6 +46,15 @@ enum Commands {
         #[arg(last = true, required = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Show, per GPU, its memory, the guaranteed and burst totals, and every process.
+    Status {
+        /// The arbiter's socket.
+        #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
+        socket: std::path::PathBuf,
+        /// Print the JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run sample inference servers sharing one simulated GPU (no GPU needed).
     Demo {
         /// Memory of the simulated GPU.
@@ -94,6 +103,15 @@ fn run() -> Result<()> {
             };
             let own_dir = demo::default_bin_dir();
             Err(run::exec(&settings, &command, own_dir.as_deref()).into())
+        }
+        Commands::Status { socket, json } => {
+            let status = gpufrac_daemon::status::fetch(&socket)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", status.table());
+            }
+            Ok(())
         }
         Commands::Demo { device_memory, servers, steps } => {
             gpufrac_common::parse_bytes("--device-memory", &device_memory)?;

@@ -1,0 +1,468 @@
+//! The wire protocol between shims (and the CLI) and the arbiter, over a unix socket.
+//!
+//! Every message is a frame: a 4-byte little-endian body length, then the body. The body
+//! starts with a tag byte; fields follow in a fixed order, integers little-endian,
+//! strings as a 2-byte length and UTF-8 bytes, device UUIDs as 16 raw bytes. Decoding is
+//! strict: an unknown tag, a short or overlong body, bad UTF-8 or an out-of-range value is
+//! an error, and the receiver closes that connection. The first frame of a connection is
+//! `Hello` (a shim) or `Status` (the CLI); `Hello` carries [`VERSION`], so both sides can
+//! refuse a peer they do not understand. The peer's process ID is never in a message: the
+//! arbiter takes it from the socket (`SO_PEERCRED`).
+//!
+//! Replies to `Acquire` carry its sequence number, so a shim may have several in flight;
+//! tags from 0x80 up are reserved for commands the arbiter pushes (swap-out, terminate).
+
+use std::io::{self, Read, Write};
+
+use crate::Resolver;
+
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Largest frame a shim may send, and the arbiter may send a shim.
+pub const MAX_FRAME: usize = 4096;
+/// Largest status document the arbiter sends the CLI.
+pub const MAX_STATUS_FRAME: usize = 16 << 20;
+/// Longest string field.
+pub const MAX_STRING: usize = 512;
+
+/// A device, by its UUID bytes.
+pub type DeviceId = [u8; 16];
+
+/// Messages to the arbiter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// First frame of a shim's connection: who it is.
+    Hello {
+        /// Protocol version.
+        version: u16,
+        /// The group (`GPUFRAC_GROUP`, or a name unique to the process).
+        group: String,
+        /// `namespace/name`, or empty.
+        pod: String,
+        /// The group's resolver.
+        resolver: Resolver,
+        /// The group's priority.
+        priority: i32,
+        /// How long the shim waits for a grant, in milliseconds.
+        wait_timeout_ms: u64,
+    },
+    /// A device the shim uses, with what it holds and was granted (non-zero after a
+    /// reconnect, so the arbiter rebuilds its ledger).
+    Register {
+        /// The device.
+        device: DeviceId,
+        /// Its physical memory as the shim sees it.
+        total: u64,
+        /// The group's request.
+        request: u64,
+        /// The group's limit.
+        limit: u64,
+        /// Bytes this process holds on it.
+        held: u64,
+        /// Burst bytes this process was granted and still holds.
+        granted: u64,
+    },
+    /// Asks for `bytes` more burst memory.
+    Acquire {
+        /// Echoed in the reply.
+        seq: u64,
+        /// The device.
+        device: DeviceId,
+        /// Bytes wanted.
+        bytes: u64,
+        /// Bytes this process holds now (for status).
+        held: u64,
+    },
+    /// Gives back `bytes` of burst memory.
+    Release {
+        /// The device.
+        device: DeviceId,
+        /// Bytes given back.
+        bytes: u64,
+        /// Bytes this process holds now (for status).
+        held: u64,
+    },
+    /// First and only frame of a CLI connection: asks for the status document.
+    Status,
+}
+
+/// Why an `Acquire` was denied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denial {
+    /// Waited `GPUFRAC_WAIT_TIMEOUT` without memory being freed.
+    Timeout,
+    /// More than the group's limit.
+    OverLimit,
+    /// The device was not registered on this connection.
+    UnknownDevice,
+}
+
+/// Messages from the arbiter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Answer to `Hello`.
+    Welcome {
+        /// The arbiter's protocol version.
+        version: u16,
+    },
+    /// The device is registered; the group's request is guaranteed.
+    Registered {
+        /// The device.
+        device: DeviceId,
+    },
+    /// The registration was refused (e.g. the request no longer fits).
+    Refused {
+        /// The device.
+        device: DeviceId,
+        /// Why, for the user.
+        reason: String,
+    },
+    /// An `Acquire` was granted.
+    Granted {
+        /// The request's sequence number.
+        seq: u64,
+        /// Bytes granted.
+        bytes: u64,
+    },
+    /// An `Acquire` was denied.
+    Denied {
+        /// The request's sequence number.
+        seq: u64,
+        /// Why.
+        reason: Denial,
+    },
+    /// The status document (JSON), to the CLI.
+    Status {
+        /// The document.
+        json: String,
+    },
+}
+
+/// A frame that cannot be accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The connection failed or closed.
+    #[error("connection: {0}")]
+    Io(#[from] io::Error),
+    /// A frame longer than allowed.
+    #[error("frame of {0} bytes is over the limit of {1}")]
+    TooLarge(usize, usize),
+    /// An empty frame.
+    #[error("empty frame")]
+    Empty,
+    /// A tag this version does not know.
+    #[error("unknown message tag {0:#04x}")]
+    UnknownTag(u8),
+    /// The body ended early.
+    #[error("truncated message")]
+    Truncated,
+    /// Bytes after the last field.
+    #[error("{0} unexpected bytes after the message")]
+    Trailing(usize),
+    /// A string that is not UTF-8 or too long.
+    #[error("bad string field")]
+    BadString,
+    /// A field with a value out of its range.
+    #[error("bad value for {0}")]
+    BadValue(&'static str),
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn new(tag: u8) -> Writer {
+        let mut v = Vec::with_capacity(64);
+        v.extend_from_slice(&[0, 0, 0, 0, tag]);
+        Writer(v)
+    }
+    fn u16(mut self, v: u16) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn i32(mut self, v: i32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u8(mut self, v: u8) -> Self {
+        self.0.push(v);
+        self
+    }
+    fn device(mut self, d: &DeviceId) -> Self {
+        self.0.extend_from_slice(d);
+        self
+    }
+    fn string(mut self, s: &str) -> Self {
+        let bytes = &s.as_bytes()[..s.len().min(MAX_STRING)];
+        self.0.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+        self.0.extend_from_slice(bytes);
+        self
+    }
+    fn long_string(mut self, s: &str) -> Self {
+        self.0.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+    fn finish(mut self) -> Vec<u8> {
+        let len = (self.0.len() - 4) as u32;
+        self.0[..4].copy_from_slice(&len.to_le_bytes());
+        self.0
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], ProtocolError> {
+        if self.0.len() < n {
+            return Err(ProtocolError::Truncated);
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, ProtocolError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, ProtocolError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, ProtocolError> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+    fn u64(&mut self) -> Result<u64, ProtocolError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn i32(&mut self) -> Result<i32, ProtocolError> {
+        Ok(self.u32()? as i32)
+    }
+    fn device(&mut self) -> Result<DeviceId, ProtocolError> {
+        let mut d = [0u8; 16];
+        d.copy_from_slice(self.take(16)?);
+        Ok(d)
+    }
+    fn string(&mut self) -> Result<String, ProtocolError> {
+        let n = self.u16()? as usize;
+        if n > MAX_STRING {
+            return Err(ProtocolError::BadString);
+        }
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| ProtocolError::BadString)
+    }
+    fn long_string(&mut self) -> Result<String, ProtocolError> {
+        let n = self.u32()? as usize;
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| ProtocolError::BadString)
+    }
+    fn end(self) -> Result<(), ProtocolError> {
+        match self.0.len() {
+            0 => Ok(()),
+            n => Err(ProtocolError::Trailing(n)),
+        }
+    }
+}
+
+fn resolver_code(r: Resolver) -> u8 {
+    match r {
+        Resolver::Wait => 0,
+        Resolver::Priority => 1,
+        Resolver::Swap => 2,
+    }
+}
+
+fn resolver_from(code: u8) -> Result<Resolver, ProtocolError> {
+    Ok(match code {
+        0 => Resolver::Wait,
+        1 => Resolver::Priority,
+        2 => Resolver::Swap,
+        _ => return Err(ProtocolError::BadValue("resolver")),
+    })
+}
+
+impl Request {
+    /// The frame (length prefix included).
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => Writer::new(1)
+                .u16(*version)
+                .string(group)
+                .string(pod)
+                .u8(resolver_code(*resolver))
+                .i32(*priority)
+                .u64(*wait_timeout_ms),
+            Request::Register { device, total, request, limit, held, granted } => {
+                Writer::new(2).device(device).u64(*total).u64(*request).u64(*limit).u64(*held).u64(*granted)
+            }
+            Request::Acquire { seq, device, bytes, held } => {
+                Writer::new(3).u64(*seq).device(device).u64(*bytes).u64(*held)
+            }
+            Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
+            Request::Status => Writer::new(5),
+        }
+        .finish()
+    }
+
+    /// Parses a frame body.
+    pub fn decode(body: &[u8]) -> Result<Request, ProtocolError> {
+        let mut r = Reader(body);
+        let request = match r.u8().map_err(|_| ProtocolError::Empty)? {
+            1 => Request::Hello {
+                version: r.u16()?,
+                group: r.string()?,
+                pod: r.string()?,
+                resolver: resolver_from(r.u8()?)?,
+                priority: r.i32()?,
+                wait_timeout_ms: r.u64()?,
+            },
+            2 => {
+                let device = r.device()?;
+                let (total, request, limit, held, granted) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+                if request > limit || limit > total {
+                    return Err(ProtocolError::BadValue("request/limit"));
+                }
+                Request::Register { device, total, request, limit, held, granted }
+            }
+            3 => Request::Acquire { seq: r.u64()?, device: r.device()?, bytes: r.u64()?, held: r.u64()? },
+            4 => Request::Release { device: r.device()?, bytes: r.u64()?, held: r.u64()? },
+            5 => Request::Status,
+            tag => return Err(ProtocolError::UnknownTag(tag)),
+        };
+        r.end()?;
+        Ok(request)
+    }
+}
+
+impl Reply {
+    /// The frame (length prefix included).
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Reply::Welcome { version } => Writer::new(0x41).u16(*version),
+            Reply::Registered { device } => Writer::new(0x42).device(device),
+            Reply::Refused { device, reason } => Writer::new(0x43).device(device).string(reason),
+            Reply::Granted { seq, bytes } => Writer::new(0x44).u64(*seq).u64(*bytes),
+            Reply::Denied { seq, reason } => Writer::new(0x45).u64(*seq).u8(match reason {
+                Denial::Timeout => 0,
+                Denial::OverLimit => 1,
+                Denial::UnknownDevice => 2,
+            }),
+            Reply::Status { json } => Writer::new(0x46).long_string(json),
+        }
+        .finish()
+    }
+
+    /// Parses a frame body.
+    pub fn decode(body: &[u8]) -> Result<Reply, ProtocolError> {
+        let mut r = Reader(body);
+        let reply = match r.u8().map_err(|_| ProtocolError::Empty)? {
+            0x41 => Reply::Welcome { version: r.u16()? },
+            0x42 => Reply::Registered { device: r.device()? },
+            0x43 => Reply::Refused { device: r.device()?, reason: r.string()? },
+            0x44 => Reply::Granted { seq: r.u64()?, bytes: r.u64()? },
+            0x45 => Reply::Denied {
+                seq: r.u64()?,
+                reason: match r.u8()? {
+                    0 => Denial::Timeout,
+                    1 => Denial::OverLimit,
+                    2 => Denial::UnknownDevice,
+                    _ => return Err(ProtocolError::BadValue("denial")),
+                },
+            },
+            0x46 => Reply::Status { json: r.long_string()? },
+            tag => return Err(ProtocolError::UnknownTag(tag)),
+        };
+        r.end()?;
+        Ok(reply)
+    }
+}
+
+/// Reads one frame body of at most `max` bytes (blocking I/O).
+pub fn read_frame(reader: &mut impl Read, max: usize) -> Result<Vec<u8>, ProtocolError> {
+    let mut len = [0u8; 4];
+    reader.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(ProtocolError::TooLarge(len, max));
+    }
+    if len == 0 {
+        return Err(ProtocolError::Empty);
+    }
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body)?;
+    Ok(body)
+}
+
+/// Writes an encoded frame (blocking I/O).
+pub fn write_frame(writer: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+    writer.write_all(frame)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip_request(r: Request) {
+        let frame = r.encode();
+        let body = read_frame(&mut &frame[..], MAX_FRAME).unwrap();
+        assert_eq!(Request::decode(&body).unwrap(), r);
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip() {
+        round_trip_request(Request::Hello {
+            version: VERSION,
+            group: "web".into(),
+            pod: "default/web-0".into(),
+            resolver: Resolver::Swap,
+            priority: -4,
+            wait_timeout_ms: 30_000,
+        });
+        round_trip_request(Request::Register { device: [3; 16], total: 100, request: 10, limit: 20, held: 5, granted: 2 });
+        round_trip_request(Request::Acquire { seq: 9, device: [1; 16], bytes: 1 << 30, held: 7 });
+        round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
+        round_trip_request(Request::Status);
+        for reply in [
+            Reply::Welcome { version: 1 },
+            Reply::Registered { device: [2; 16] },
+            Reply::Refused { device: [2; 16], reason: "no room".into() },
+            Reply::Granted { seq: 3, bytes: 77 },
+            Reply::Denied { seq: 4, reason: Denial::Timeout },
+            Reply::Status { json: "{}".into() },
+        ] {
+            let frame = reply.encode();
+            let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();
+            assert_eq!(Reply::decode(&body).unwrap(), reply);
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_refused() {
+        assert!(matches!(Request::decode(&[]), Err(ProtocolError::Empty)));
+        assert!(matches!(Request::decode(&[99]), Err(ProtocolError::UnknownTag(99))));
+        assert!(matches!(Request::decode(&[3, 1, 2]), Err(ProtocolError::Truncated)));
+        let mut frame = Request::Status.encode();
+        frame.push(0);
+        frame[..4].copy_from_slice(&2u32.to_le_bytes());
+        assert!(matches!(Request::decode(&frame[4..]), Err(ProtocolError::Trailing(1))));
+        let big = (MAX_FRAME as u32 + 1).to_le_bytes();
+        assert!(matches!(read_frame(&mut &big[..], MAX_FRAME), Err(ProtocolError::TooLarge(..))));
+        let bad_register = Request::Register { device: [0; 16], total: 10, request: 20, limit: 20, held: 0, granted: 0 };
+        assert!(matches!(Request::decode(&bad_register.encode()[4..]), Err(ProtocolError::BadValue(_))));
+        let mut hello = Request::Hello {
+            version: 1,
+            group: "g".into(),
+            pod: String::new(),
+            resolver: Resolver::Wait,
+            priority: 0,
+            wait_timeout_ms: 1,
+        }
+        .encode();
+        hello[9] = 0xff; // the group's single byte (after length, tag, version, string length)
+        assert!(matches!(Request::decode(&hello[4..]), Err(ProtocolError::BadString)));
+    }
+}

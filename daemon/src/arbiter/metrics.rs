@@ -1,0 +1,149 @@
+//! Prometheus metrics (`--metrics ADDR`): memory per GPU and group, grants, waits and
+//! their durations, timeouts, refusals. Memory gauges are read from the ledger at each
+//! scrape; counters are bumped by the server as things happen.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::status::Status;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuKind {
+    gpu: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GroupKind {
+    gpu: String,
+    group: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct GpuLabel {
+    pub gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct Refusal {
+    pub reason: String,
+}
+
+/// The arbiter's metrics.
+pub struct Metrics {
+    gpu_memory: Family<GpuKind, Gauge>,
+    group_memory: Family<GroupKind, Gauge>,
+    pub(crate) grants: Family<GpuLabel, Counter>,
+    pub(crate) granted_bytes: Family<GpuLabel, Counter>,
+    pub(crate) waits: Family<GpuLabel, Counter>,
+    pub(crate) wait_seconds: Family<GpuLabel, Histogram>,
+    pub(crate) timeouts: Family<GpuLabel, Counter>,
+    pub(crate) refusals: Family<Refusal, Counter>,
+    registry: Registry,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("gpufrac");
+        let gpu_memory = Family::<GpuKind, Gauge>::default();
+        let group_memory = Family::<GroupKind, Gauge>::default();
+        let grants = Family::<GpuLabel, Counter>::default();
+        let granted_bytes = Family::<GpuLabel, Counter>::default();
+        let waits = Family::<GpuLabel, Counter>::default();
+        let wait_seconds = Family::<GpuLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0])
+        });
+        let timeouts = Family::<GpuLabel, Counter>::default();
+        let refusals = Family::<Refusal, Counter>::default();
+        registry.register("gpu_memory_bytes", "GPU memory: total, guaranteed, burst, free", gpu_memory.clone());
+        registry.register("group_memory_bytes", "A group's request, limit, held and granted bytes", group_memory.clone());
+        registry.register("grants", "Burst grants", grants.clone());
+        registry.register("granted_bytes", "Bytes granted as bursts", granted_bytes.clone());
+        registry.register("waits", "Bursts that had to wait", waits.clone());
+        registry.register("wait_seconds", "How long waiting bursts waited", wait_seconds.clone());
+        registry.register("timeouts", "Bursts that waited until their timeout", timeouts.clone());
+        registry.register("refusals", "Registrations and bursts refused", refusals.clone());
+        Metrics { gpu_memory, group_memory, grants, granted_bytes, waits, wait_seconds, timeouts, refusals, registry }
+    }
+
+    /// The text exposition, with memory gauges taken from `status`.
+    pub fn render(&self, status: &Status) -> String {
+        self.gpu_memory.clear();
+        self.group_memory.clear();
+        for g in &status.gpus {
+            for (kind, v) in [("total", g.total), ("guaranteed", g.guaranteed), ("burst", g.burst), ("free", g.free)] {
+                self.gpu_memory.get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() }).set(v as i64);
+            }
+            let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64)> = Default::default();
+            for p in &g.processes {
+                let e = groups.entry(&p.group).or_insert((p.request, p.limit, 0, 0));
+                e.2 += p.held;
+                e.3 += p.granted;
+            }
+            for (group, (request, limit, held, granted)) in groups {
+                for (kind, v) in [("request", request), ("limit", limit), ("held", held), ("granted", granted)] {
+                    let labels = GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
+                    self.group_memory.get_or_create(&labels).set(v as i64);
+                }
+            }
+        }
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `listener`; `status` gives the ledger's state at each scrape.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: std::sync::Arc<Metrics>,
+    status: impl Fn() -> Status + Send + Sync + Clone + 'static,
+) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let (metrics, status) = (metrics.clone(), status.clone());
+        tokio::spawn(async move {
+            // Read the request head (bounded), answer, close.
+            let mut head = Vec::with_capacity(1024);
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+            })
+            .await;
+            if read.is_err() {
+                return;
+            }
+            let line = String::from_utf8_lossy(&head);
+            let response = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics?") {
+                let body = metrics.render(&status());
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+            } else {
+                "HTTP/1.1 404 Not Found\r\nContent-Length: 22\r\nConnection: close\r\n\r\nonly GET /metrics here".to_owned()
+            };
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}

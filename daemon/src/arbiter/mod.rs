@@ -1,0 +1,8 @@
+//! `gpufrac-arbiter`: the per-node daemon. `policy` is the ledger and the resolvers as
+//! pure state; `server` speaks the protocol on the unix socket; `metrics` exports
+//! Prometheus metrics; `gpus` finds the GPUs through NVML.
+
+pub mod gpus;
+pub mod metrics;
+pub mod policy;
+pub mod server;
