@@ -322,7 +322,8 @@ impl Request {
             },
             2 => {
                 let device = r.device()?;
-                let (total, request, limit, held, granted) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+                let (total, request, limit, held, granted) =
+                    (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
                 if request > limit || limit > total {
                     return Err(ProtocolError::BadValue("request/limit"));
                 }
@@ -422,7 +423,14 @@ mod tests {
             priority: -4,
             wait_timeout_ms: 30_000,
         });
-        round_trip_request(Request::Register { device: [3; 16], total: 100, request: 10, limit: 20, held: 5, granted: 2 });
+        round_trip_request(Request::Register {
+            device: [3; 16],
+            total: 100,
+            request: 10,
+            limit: 20,
+            held: 5,
+            granted: 2,
+        });
         round_trip_request(Request::Acquire { seq: 9, device: [1; 16], bytes: 1 << 30, held: 7 });
         round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
         round_trip_request(Request::Status);
@@ -451,7 +459,8 @@ mod tests {
         assert!(matches!(Request::decode(&frame[4..]), Err(ProtocolError::Trailing(1))));
         let big = (MAX_FRAME as u32 + 1).to_le_bytes();
         assert!(matches!(read_frame(&mut &big[..], MAX_FRAME), Err(ProtocolError::TooLarge(..))));
-        let bad_register = Request::Register { device: [0; 16], total: 10, request: 20, limit: 20, held: 0, granted: 0 };
+        let bad_register =
+            Request::Register { device: [0; 16], total: 10, request: 20, limit: 20, held: 0, granted: 0 };
         assert!(matches!(Request::decode(&bad_register.encode()[4..]), Err(ProtocolError::BadValue(_))));
         let mut hello = Request::Hello {
             version: 1,

@@ -57,7 +57,9 @@ pub struct ProcessStatus {
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
     /// Nobody answers on the socket.
-    #[error("cannot reach the arbiter at {path}: {source} (is gpufrac-arbiter running? --socket names another)")]
+    #[error(
+        "cannot reach the arbiter at {path}: {source} (is gpufrac-arbiter running? --socket names another)"
+    )]
     Connect {
         /// The socket.
         path: String,

@@ -40,6 +40,8 @@ struct Member {
     state: AtomicU32,
     pid: AtomicU32,
     held: [AtomicU64; MAX_DEVICES],
+    /// Burst bytes the arbiter granted to this member (arbiter mode).
+    granted: [AtomicU64; MAX_DEVICES],
 }
 
 #[repr(C)]
@@ -126,7 +128,7 @@ impl Ledger {
             })?;
             let d = shm.get();
             let m = &d.members[me];
-            m.held.iter().for_each(|h| h.store(0, Ordering::Relaxed));
+            m.held.iter().chain(m.granted.iter()).for_each(|h| h.store(0, Ordering::Relaxed));
             m.pid.store(std::process::id(), Ordering::Relaxed);
             m.state.store(LIVE, Ordering::Release);
             d.high_water.fetch_max(me as u32 + 1, Ordering::AcqRel);
@@ -182,6 +184,43 @@ impl Ledger {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// Burst bytes granted to the group's live members on `dev`.
+    pub fn group_granted(&self, dev: usize) -> u64 {
+        let d = self.data();
+        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
+        d.members[..n]
+            .iter()
+            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
+            .map(|m| m.granted[dev].load(Ordering::Acquire))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Burst bytes granted to this process on `dev`.
+    pub fn my_granted(&self, dev: usize) -> u64 {
+        self.data().members[self.me].granted[dev].load(Ordering::Acquire)
+    }
+
+    /// Records a grant to this process.
+    pub fn add_granted(&self, dev: usize, bytes: u64) {
+        self.data().members[self.me].granted[dev].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Takes back up to `bytes` of this process's grant; returns what was taken.
+    pub fn take_granted(&self, dev: usize, bytes: u64) -> u64 {
+        let g = &self.data().members[self.me].granted[dev];
+        let mut taken = 0;
+        let _ = g.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            taken = v.min(bytes);
+            Some(v - taken)
+        });
+        taken
+    }
+
+    /// What the group holds on `dev` without looking for dead members (hot paths).
+    pub fn held_fast(&self, dev: usize) -> u64 {
+        self.sum(dev)
+    }
+
     /// Forgets members that died; true if any was forgotten.
     pub fn forget_dead(&self) -> bool {
         let Backing::Shared(shm) = &self.backing else { return false };
@@ -192,7 +231,7 @@ impl Ledger {
         for (i, m) in d.members[..n].iter().enumerate() {
             if m.state.load(Ordering::Acquire) == LIVE && !shm.slot_alive(i) {
                 m.state.store(FREE, Ordering::Release);
-                m.held.iter().for_each(|h| h.store(0, Ordering::Relaxed));
+                m.held.iter().chain(m.granted.iter()).for_each(|h| h.store(0, Ordering::Relaxed));
                 any = true;
             }
         }

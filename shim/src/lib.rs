@@ -17,6 +17,7 @@
 // implementations look unused there; the cdylib build still checks for dead code.
 #![cfg_attr(test, allow(dead_code))]
 
+mod arbiter;
 pub mod config;
 mod context;
 mod device;

@@ -47,14 +47,14 @@ fn settle(
 }
 
 /// The common shape of the linear allocation hooks.
-fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnOnce() -> Status) -> Status {
+fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, mut real: impl FnMut() -> Status) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     let Some(Current { id, ordinal }) = e.current() else { return real() };
     let charge = match e.charge(ordinal, bytes) {
         Ok(c) => c,
         Err(status) => return status,
     };
-    let status = real();
+    let status = e.physical(&mut real);
     settle(e, status, charge, read(out), path, Some(id))
 }
 
@@ -83,7 +83,7 @@ pub(crate) fn mem_alloc_pitch(
         Ok(c) => c,
         Err(status) => return status,
     };
-    let status = real();
+    let status = e.physical(real);
     if status == SUCCESS {
         let actual = read(pitch).map_or(estimate, |p| (p as u64).saturating_mul(height as u64));
         if actual > estimate {
@@ -130,7 +130,7 @@ pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
     free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
 }
 
-fn pooled(size: usize, dptr: *mut CUdeviceptr, real: impl FnOnce() -> Status) -> Status {
+fn pooled(size: usize, dptr: *mut CUdeviceptr, real: impl FnMut() -> Status) -> Status {
     linear(size as u64, Path::Pooled, dptr, real)
 }
 
@@ -194,14 +194,14 @@ struct Array2D {
 
 /// Arrays: charged from the descriptor before creation, then corrected to the size the
 /// driver reports (`cuArrayGetMemoryRequirements`).
-fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, real: impl FnOnce() -> Status) -> Status {
-    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl FnMut() -> Status) -> Status {
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(&mut real) };
     let (Some(Current { id, ordinal }), Some(estimate)) = (e.current(), estimate) else { return real() };
     let mut charge = match e.charge(ordinal, estimate) {
         Ok(c) => c,
         Err(status) => return status,
     };
-    let status = real();
+    let status = e.physical(real);
     let handle = read(out).filter(|_| status == SUCCESS);
     if let Some(h) = handle {
         let mut req = [0usize; 4];
@@ -309,7 +309,7 @@ pub(crate) fn mem_create(
         Ok(c) => c,
         Err(status) => return status,
     };
-    let status = real();
+    let status = e.physical(real);
     if let (SUCCESS, Some(h)) = (status, read(handle)) {
         book(e).handles.insert(h, (1, 0));
     }

@@ -5,6 +5,11 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+use std::sync::Arc;
+
+use gpufrac_common::protocol::{Request, VERSION};
+
+use crate::arbiter::{Client, Registration};
 use crate::config::Config;
 use crate::driver::call;
 use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
@@ -75,6 +80,8 @@ pub struct Slice {
     pub limit: u64,
     /// The device's physical memory.
     pub total: u64,
+    /// The device's UUID.
+    pub uuid: [u8; 16],
 }
 
 /// Most contexts tracked at once.
@@ -167,6 +174,8 @@ pub(crate) struct Enforcer {
     pub physical: Records,
     pub contexts: Contexts,
     pub vmm: Mutex<crate::memory::VmmBook>,
+    /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
+    pub arbiter: OnceLock<Arc<Client>>,
 }
 
 /// A charge taken before calling the driver, given back if the call fails.
@@ -189,12 +198,6 @@ impl Enforcer {
             })?,
             None => Ledger::private(),
         };
-        if let Some(socket) = &config.arbiter_socket {
-            tracing::warn!(
-                socket = %socket.display(),
-                "GPUFRAC_ARBITER_SOCKET is set but this shim has no arbiter client yet; running standalone"
-            );
-        }
         Ok(Enforcer {
             config,
             ledger,
@@ -204,6 +207,7 @@ impl Enforcer {
             physical: Records::new(1 << 14),
             contexts: Contexts::new(),
             vmm: Mutex::new(Default::default()),
+            arbiter: OnceLock::new(),
         })
     }
 
@@ -231,11 +235,11 @@ impl Enforcer {
             .ledger
             .device_index(uuid)
             .ok_or_else(|| format!("gpufrac: more than {} devices", crate::ledger::MAX_DEVICES))?;
-        Ok(Slice { ledger, request, limit, total })
+        Ok(Slice { ledger, request, limit, total, uuid: *uuid })
     }
 
     /// Sets up every visible device (at `cuInit`); the error names the bad setting.
-    pub(crate) fn init_devices(&self) -> &Result<Vec<Slice>, String> {
+    pub(crate) fn init_devices(&'static self) -> &'static Result<Vec<Slice>, String> {
         self.devices.get_or_init(|| {
             let mut count = 0;
             let status = call!(cuDeviceGetCount(&mut count), 801);
@@ -263,8 +267,46 @@ impl Enforcer {
                     );
                     Ok(slice)
                 })
-                .collect()
+                .collect::<Result<Vec<Slice>, String>>()
+                .and_then(|slices| {
+                    self.connect_arbiter(&slices)?;
+                    Ok(slices)
+                })
         })
+    }
+
+    /// Registers with the arbiter, if one is configured; a refusal fails `cuInit`.
+    fn connect_arbiter(&'static self, slices: &[Slice]) -> Result<(), String> {
+        let Some(socket) = &self.config.arbiter_socket else { return Ok(()) };
+        let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
+        let hello = Request::Hello {
+            version: VERSION,
+            group,
+            pod: self.config.pod.clone().unwrap_or_default(),
+            resolver: self.config.resolver,
+            priority: self.config.priority,
+            wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
+        };
+        let registrations = slices
+            .iter()
+            .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
+            .collect();
+        let ledger_of: Vec<([u8; 16], usize)> = slices.iter().map(|s| (s.uuid, s.ledger)).collect();
+        let usage = Box::new(move |device: &[u8; 16]| {
+            ledger_of
+                .iter()
+                .find(|(u, _)| u == device)
+                .map_or((0, 0), |&(_, dev)| (self.ledger.held_by_me(dev), self.ledger.my_granted(dev)))
+        });
+        let client = Client::start(socket, hello, registrations, usage)?;
+        let _ = self.arbiter.set(client);
+        Ok(())
+    }
+
+    /// Bursts are asked for in chunks of a quarter of the burst range (at least 64 MiB),
+    /// so a steady server rarely talks to the arbiter.
+    fn chunk(slice: &Slice) -> u64 {
+        ((slice.limit - slice.request) / 4).max(64 << 20)
     }
 
     /// The slice of CUDA device `ordinal`.
@@ -300,9 +342,19 @@ impl Enforcer {
     #[inline]
     pub(crate) fn charge(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
         let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
-        match self.ledger.try_charge(slice.ledger, bytes, slice.limit) {
-            Ok(total) => Ok(Charge { device: slice.ledger, bytes, above_request: total > slice.request }),
-            Err(over) => {
+        let dev = slice.ledger;
+        loop {
+            // With an arbiter the group may hold its request plus what it was granted.
+            let arbiter = self.arbiter.get();
+            let cap = match arbiter {
+                Some(_) => slice.limit.min(slice.request + self.ledger.group_granted(dev)),
+                None => slice.limit,
+            };
+            let over = match self.ledger.try_charge(dev, bytes, cap) {
+                Ok(total) => return Ok(Charge { device: dev, bytes, above_request: total > slice.request }),
+                Err(over) => over,
+            };
+            let Some(client) = arbiter.filter(|_| over.held.saturating_add(bytes) <= slice.limit) else {
                 tracing::debug!(
                     ordinal,
                     bytes,
@@ -310,15 +362,68 @@ impl Enforcer {
                     limit = slice.limit,
                     "refused: over the limit"
                 );
-                Err(OUT_OF_MEMORY)
+                return Err(OUT_OF_MEMORY);
+            };
+            let need = over.held.saturating_add(bytes).saturating_sub(cap);
+            let room = (slice.limit - slice.request).saturating_sub(self.ledger.group_granted(dev));
+            let ask = need.max(Self::chunk(&slice)).min(room).max(need);
+            match client.acquire(slice.uuid, ask, self.ledger.held_by_me(dev), self.config.wait_timeout) {
+                Some(granted) => self.ledger.add_granted(dev, granted),
+                None => {
+                    tracing::debug!(
+                        ordinal,
+                        bytes,
+                        ask,
+                        "refused: the arbiter did not grant the burst in time"
+                    );
+                    return Err(OUT_OF_MEMORY);
+                }
             }
         }
     }
 
-    /// Gives a charge back.
+    /// Gives a charge back; with an arbiter, returns burst memory the group no longer
+    /// needs, keeping one chunk of slack so a steady server does not talk to it each time.
     #[inline]
     pub(crate) fn release(&self, device: usize, bytes: u64) {
         self.ledger.release(device, bytes);
+        if let Some(client) = self.arbiter.get() {
+            let Some(slice) = self.slices().iter().find(|s| s.ledger == device).copied() else { return };
+            let allowed = slice.request + self.ledger.group_granted(device);
+            let unused = allowed.saturating_sub(self.ledger.held_fast(device));
+            let give = unused.saturating_sub(Self::chunk(&slice));
+            if give > 0 {
+                let taken = self.ledger.take_granted(device, give);
+                if taken > 0 {
+                    client.release(slice.uuid, taken, self.ledger.held_by_me(device));
+                }
+            }
+        }
+    }
+
+    /// Calls the driver; with an arbiter, an out-of-memory answer for memory the arbiter
+    /// granted is transient (a killed process's memory is still being torn down by the
+    /// driver), so the call is retried until `GPUFRAC_WAIT_TIMEOUT`.
+    pub(crate) fn physical(&self, mut call: impl FnMut() -> Status) -> Status {
+        let mut status = call();
+        if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
+            return status;
+        }
+        let deadline = std::time::Instant::now() + self.config.wait_timeout;
+        let mut pause = std::time::Duration::from_millis(1);
+        while status == OUT_OF_MEMORY && std::time::Instant::now() < deadline {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(50));
+            status = call();
+        }
+        status
+    }
+
+    fn slices(&self) -> &[Slice] {
+        match self.devices.get() {
+            Some(Ok(slices)) => slices,
+            _ => &[],
+        }
     }
 
     /// Forgets context `id` and everything the driver freed with it.

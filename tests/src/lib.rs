@@ -624,3 +624,82 @@ pub mod size {
         format!("{:.2}MiB", bytes as f64 / MIB as f64)
     }
 }
+
+/// A `gpufrac-arbiter` serving a [`SimGpu`], on a socket in the simulated GPU's folder.
+/// Dropping it kills it.
+pub struct Arbiter {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Arbiter {
+    /// Starts an arbiter and waits until it answers on its socket.
+    pub fn start(gpu: &SimGpu) -> Arbiter {
+        Arbiter::start_at(gpu, gpu.lib_dir().join("arbiter.sock"), &[])
+    }
+
+    /// Starts an arbiter on `socket` with extra arguments.
+    pub fn start_at(gpu: &SimGpu, socket: PathBuf, args: &[&str]) -> Arbiter {
+        let log = socket.with_extension(format!(
+            "log.{}",
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+        ));
+        let log_file = std::fs::File::create(&log).expect("arbiter log file");
+        let child = gpu
+            .command(artifact("gpufrac-arbiter"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .env("GPUFRAC_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("start gpufrac-arbiter");
+        let arbiter = Arbiter { child, socket, log };
+        arbiter.wait_serving();
+        arbiter
+    }
+
+    fn wait_serving(&self) {
+        let deadline = Instant::now() + TIMEOUT;
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the arbiter never served {}: {}",
+                self.socket.display(),
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The socket shims connect to (`GPUFRAC_ARBITER_SOCKET`).
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// What the arbiter logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kills it with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Stops it with SIGTERM and waits for it to exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().expect("wait for the arbiter")
+    }
+}
+
+impl Drop for Arbiter {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

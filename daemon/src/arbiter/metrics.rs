@@ -70,15 +70,33 @@ impl Metrics {
         });
         let timeouts = Family::<GpuLabel, Counter>::default();
         let refusals = Family::<Refusal, Counter>::default();
-        registry.register("gpu_memory_bytes", "GPU memory: total, guaranteed, burst, free", gpu_memory.clone());
-        registry.register("group_memory_bytes", "A group's request, limit, held and granted bytes", group_memory.clone());
+        registry.register(
+            "gpu_memory_bytes",
+            "GPU memory: total, guaranteed, burst, free",
+            gpu_memory.clone(),
+        );
+        registry.register(
+            "group_memory_bytes",
+            "A group's request, limit, held and granted bytes",
+            group_memory.clone(),
+        );
         registry.register("grants", "Burst grants", grants.clone());
         registry.register("granted_bytes", "Bytes granted as bursts", granted_bytes.clone());
         registry.register("waits", "Bursts that had to wait", waits.clone());
         registry.register("wait_seconds", "How long waiting bursts waited", wait_seconds.clone());
         registry.register("timeouts", "Bursts that waited until their timeout", timeouts.clone());
         registry.register("refusals", "Registrations and bursts refused", refusals.clone());
-        Metrics { gpu_memory, group_memory, grants, granted_bytes, waits, wait_seconds, timeouts, refusals, registry }
+        Metrics {
+            gpu_memory,
+            group_memory,
+            grants,
+            granted_bytes,
+            waits,
+            wait_seconds,
+            timeouts,
+            refusals,
+            registry,
+        }
     }
 
     /// The text exposition, with memory gauges taken from `status`.
@@ -86,8 +104,12 @@ impl Metrics {
         self.gpu_memory.clear();
         self.group_memory.clear();
         for g in &status.gpus {
-            for (kind, v) in [("total", g.total), ("guaranteed", g.guaranteed), ("burst", g.burst), ("free", g.free)] {
-                self.gpu_memory.get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() }).set(v as i64);
+            for (kind, v) in
+                [("total", g.total), ("guaranteed", g.guaranteed), ("burst", g.burst), ("free", g.free)]
+            {
+                self.gpu_memory
+                    .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
+                    .set(v as i64);
             }
             let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64)> = Default::default();
             for p in &g.processes {
@@ -96,8 +118,11 @@ impl Metrics {
                 e.3 += p.granted;
             }
             for (group, (request, limit, held, granted)) in groups {
-                for (kind, v) in [("request", request), ("limit", limit), ("held", held), ("granted", granted)] {
-                    let labels = GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
+                for (kind, v) in
+                    [("request", request), ("limit", limit), ("held", held), ("granted", granted)]
+                {
+                    let labels =
+                        GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(v as i64);
                 }
             }

@@ -138,7 +138,10 @@ impl Policy {
     /// A policy for GPUs `(uuid, memory)`.
     pub fn new(gpus: &[(DeviceId, u64)]) -> Policy {
         Policy {
-            gpus: gpus.iter().map(|&(id, total)| (id, Gpu { total, groups: BTreeMap::new(), queue: VecDeque::new() })).collect(),
+            gpus: gpus
+                .iter()
+                .map(|&(id, total)| (id, Gpu { total, groups: BTreeMap::new(), queue: VecDeque::new() }))
+                .collect(),
             peers: HashMap::new(),
         }
     }
@@ -198,12 +201,24 @@ impl Policy {
     }
 
     /// Asks for `bytes` of burst memory on `device`.
-    pub fn acquire(&mut self, conn: ConnId, device: DeviceId, seq: u64, bytes: u64, held: u64, now: Instant) -> Outcome {
+    pub fn acquire(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        seq: u64,
+        bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> Outcome {
         let Some(peer) = self.peers.get(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
         let (group_name, timeout) = (peer.group.clone(), peer.wait_timeout);
         let Some(gpu) = self.gpus.get_mut(&device) else { return Outcome::Denied(Denial::UnknownDevice) };
-        let Some(group) = gpu.groups.get_mut(&group_name) else { return Outcome::Denied(Denial::UnknownDevice) };
-        let Some(member) = group.members.get_mut(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
+        let Some(group) = gpu.groups.get_mut(&group_name) else {
+            return Outcome::Denied(Denial::UnknownDevice);
+        };
+        let Some(member) = group.members.get_mut(&conn) else {
+            return Outcome::Denied(Denial::UnknownDevice);
+        };
         member.held = held;
         if group.granted().saturating_add(bytes) > group.limit - group.request {
             return Outcome::Denied(Denial::OverLimit);
@@ -214,12 +229,26 @@ impl Policy {
             }
             return Outcome::Granted;
         }
-        gpu.queue.push_back(Waiter { conn, group: group_name, seq, bytes, since: now, deadline: now + timeout });
+        gpu.queue.push_back(Waiter {
+            conn,
+            group: group_name,
+            seq,
+            bytes,
+            since: now,
+            deadline: now + timeout,
+        });
         Outcome::Queued
     }
 
     /// Gives back burst memory; returns the queued bursts that now fit.
-    pub fn release(&mut self, conn: ConnId, device: DeviceId, bytes: u64, held: u64, now: Instant) -> Vec<Answer> {
+    pub fn release(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
         let Some(group_name) = self.peers.get(&conn).map(|p| p.group.clone()) else { return Vec::new() };
         let Some(gpu) = self.gpus.get_mut(&device) else { return Vec::new() };
         if let Some(m) = gpu.groups.get_mut(&group_name).and_then(|g| g.members.get_mut(&conn)) {
@@ -273,7 +302,8 @@ impl Policy {
     fn drain(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<Answer> {
         let mut answers = Vec::new();
         while let Some(head) = gpu.queue.front() {
-            let group_room = gpu.groups.get(&head.group).map(|g| (g.limit - g.request).saturating_sub(g.granted()));
+            let group_room =
+                gpu.groups.get(&head.group).map(|g| (g.limit - g.request).saturating_sub(g.granted()));
             if group_room.is_none_or(|room| room < head.bytes) {
                 // Its group can no longer take it (it changed meanwhile): answer now.
                 if let Some(w) = gpu.queue.pop_front() {
@@ -294,7 +324,13 @@ impl Policy {
             if let Some(m) = gpu.groups.get_mut(&w.group).and_then(|g| g.members.get_mut(&w.conn)) {
                 m.granted += w.bytes;
             }
-            answers.push(Answer { conn: w.conn, seq: w.seq, device, waited: now - w.since, result: Ok(w.bytes) });
+            answers.push(Answer {
+                conn: w.conn,
+                seq: w.seq,
+                device,
+                waited: now - w.since,
+                result: Ok(w.bytes),
+            });
         }
         answers
     }
@@ -382,7 +418,11 @@ mod tests {
     #[test]
     fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {
         let now = Instant::now();
-        let mut p = policy_with(&[(1, "a", 4 * GIB, 12 * GIB), (2, "b", 4 * GIB, 12 * GIB), (3, "c", 4 * GIB, 12 * GIB)]);
+        let mut p = policy_with(&[
+            (1, "a", 4 * GIB, 12 * GIB),
+            (2, "b", 4 * GIB, 12 * GIB),
+            (3, "c", 4 * GIB, 12 * GIB),
+        ]);
         // 4 GiB unreserved.
         assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 0, now), Outcome::Granted);
         assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 0, now), Outcome::Queued);

@@ -63,7 +63,8 @@ impl Shared {
     fn deliver(&self, answers: Vec<Answer>) {
         for a in answers {
             let gpu = GpuLabel { gpu: uuid_string(&a.device) };
-            let (pid, group) = self.policy().peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
+            let (pid, group) =
+                self.policy().peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
             self.metrics.wait_seconds.get_or_create(&gpu).observe(a.waited.as_secs_f64());
             match a.result {
                 Ok(bytes) => {
@@ -85,7 +86,11 @@ impl Shared {
 }
 
 /// Serves shims and the CLI on `listener` until `shutdown` completes.
-pub async fn serve(listener: UnixListener, shared: Arc<Shared>, shutdown: impl std::future::Future<Output = ()>) {
+pub async fn serve(
+    listener: UnixListener,
+    shared: Arc<Shared>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     let ticker = tokio::spawn(expire_waiters(shared.clone()));
     let accept = async {
         loop {
@@ -224,7 +229,11 @@ async fn serve_connection(
                         tracing::info!(pid, gpu = %gpu.gpu, bytes, "burst waits: memory is lent out");
                     }
                     Outcome::Denied(reason) => {
-                        shared.metrics.refusals.get_or_create(&Refusal { reason: format!("{reason:?}") }).inc();
+                        shared
+                            .metrics
+                            .refusals
+                            .get_or_create(&Refusal { reason: format!("{reason:?}") })
+                            .inc();
                         shared.send(conn, &Reply::Denied { seq, reason });
                     }
                 }

@@ -49,10 +49,11 @@ fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener> {
         if std::os::unix::net::UnixStream::connect(socket).is_ok() {
             bail!("another arbiter is serving {}", socket.display());
         }
-        std::fs::remove_file(socket).with_context(|| format!("removing the stale socket {}", socket.display()))?;
+        std::fs::remove_file(socket)
+            .with_context(|| format!("removing the stale socket {}", socket.display()))?;
     }
-    let listener =
-        std::os::unix::net::UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
+    let listener = std::os::unix::net::UnixListener::bind(socket)
+        .with_context(|| format!("binding {}", socket.display()))?;
     // Shims run as any user inside containers; who reaches the socket is decided by
     // who gets its folder mounted.
     use std::os::unix::fs::PermissionsExt;

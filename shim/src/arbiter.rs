@@ -1,0 +1,271 @@
+//! The shim's side of the arbiter protocol (`GPUFRAC_ARBITER_SOCKET`). Started at
+//! `cuInit`, never before: it connects, says who the process is and registers each
+//! device (a refused registration fails `cuInit`), then one background thread reads
+//! replies and, if the arbiter goes away, reconnects with backoff and re-registers what
+//! the process holds and was granted, so the arbiter's ledger is rebuilt with nothing
+//! lost. Meanwhile the process keeps what it holds; bursts wait for the arbiter up to
+//! `GPUFRAC_WAIT_TIMEOUT`. Allocations within what was granted never touch the socket.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{read_frame, DeviceId, Reply, Request, MAX_FRAME};
+
+/// (held, granted) of this process on a device, for re-registration.
+pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64) + Send + Sync>;
+
+/// What a device's registration says; held and granted are read when (re)registering.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Registration {
+    pub device: DeviceId,
+    pub total: u64,
+    pub request: u64,
+    pub limit: u64,
+}
+
+struct Waiting {
+    frame: Vec<u8>,
+    device: DeviceId,
+    reply: Option<Reply>,
+    /// The asking thread gave up; a grant arriving now is given straight back.
+    abandoned: bool,
+}
+
+/// The connection to the arbiter.
+pub(crate) struct Client {
+    path: PathBuf,
+    hello: Request,
+    registrations: Vec<Registration>,
+    usage: UsageFn,
+    writer: Mutex<Option<UnixStream>>,
+    waiting: Mutex<HashMap<u64, Waiting>>,
+    answered: Condvar,
+    next_seq: AtomicU64,
+    connected: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Connects and registers every device; the answers come back synchronously.
+fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
+    let mut stream = UnixStream::connect(&c.path).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+    let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
+    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
+    stream.write_all(&c.hello.encode()).map_err(io)?;
+    for r in &c.registrations {
+        let (held, granted) = (c.usage)(&r.device);
+        let frame = Request::Register {
+            device: r.device,
+            total: r.total,
+            request: r.request,
+            limit: r.limit,
+            held,
+            granted,
+        }
+        .encode();
+        stream.write_all(&frame).map_err(io)?;
+    }
+    let mut answers = 0;
+    while answers < c.registrations.len() + 1 {
+        let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+        match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
+            Reply::Welcome { .. } | Reply::Registered { .. } => answers += 1,
+            Reply::Refused { reason, .. } => return Err(Handshake::Refused(reason)),
+            other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
+        }
+    }
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok(stream)
+}
+
+enum Handshake {
+    Unreachable(String),
+    Refused(String),
+}
+
+impl Client {
+    /// Connects to the arbiter at `path` and registers `registrations`. A refusal is an
+    /// error (for `cuInit`); an arbiter that cannot be reached is not: the client keeps
+    /// trying in the background.
+    pub(crate) fn start(
+        path: &Path,
+        hello: Request,
+        registrations: Vec<Registration>,
+        usage: UsageFn,
+    ) -> Result<Arc<Client>, String> {
+        let client = Arc::new(Client {
+            path: path.to_owned(),
+            hello,
+            registrations,
+            usage,
+            writer: Mutex::new(None),
+            waiting: Mutex::new(HashMap::new()),
+            answered: Condvar::new(),
+            next_seq: AtomicU64::new(1),
+            connected: AtomicBool::new(false),
+        });
+        let first = match handshake(&client) {
+            Ok(stream) => Some(stream),
+            Err(Handshake::Refused(reason)) => {
+                return Err(format!("gpufrac: the arbiter refused this process: {reason}"))
+            }
+            Err(Handshake::Unreachable(why)) => {
+                tracing::warn!(socket = %path.display(), "arbiter unreachable ({why}); bursts wait for it");
+                None
+            }
+        };
+        let background = client.clone();
+        std::thread::Builder::new()
+            .name("gpufrac-arbiter".into())
+            .spawn(move || background.run(first))
+            .map_err(|e| format!("gpufrac: cannot start the arbiter client thread: {e}"))?;
+        Ok(client)
+    }
+
+    /// Reads replies; reconnects when the arbiter goes away.
+    fn run(self: Arc<Client>, mut stream: Option<UnixStream>) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let Some(mut reader) = stream.take() else {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                match handshake(&self) {
+                    Ok(s) => {
+                        tracing::info!(socket = %self.path.display(), "reconnected to the arbiter");
+                        backoff = Duration::from_millis(50);
+                        stream = Some(s);
+                    }
+                    Err(Handshake::Refused(reason)) => {
+                        tracing::error!("the restarted arbiter refused this process: {reason}");
+                    }
+                    Err(Handshake::Unreachable(_)) => {}
+                }
+                continue;
+            };
+            match reader.try_clone() {
+                Ok(w) => *lock(&self.writer) = Some(w),
+                Err(_) => continue,
+            }
+            self.connected.store(true, Ordering::Release);
+            // Bursts asked while the arbiter was away are asked again.
+            let again: Vec<Vec<u8>> = {
+                let mut waiting = lock(&self.waiting);
+                waiting.retain(|_, w| !w.abandoned);
+                waiting.values().filter(|w| w.reply.is_none()).map(|w| w.frame.clone()).collect()
+            };
+            for frame in again {
+                self.write(&frame);
+            }
+            loop {
+                let body = match read_frame(&mut reader, MAX_FRAME) {
+                    Ok(body) => body,
+                    Err(e) => {
+                        tracing::warn!("lost the arbiter: {e}");
+                        break;
+                    }
+                };
+                match Reply::decode(&body) {
+                    Ok(reply @ (Reply::Granted { .. } | Reply::Denied { .. })) => {
+                        let (seq, granted) = match reply {
+                            Reply::Granted { seq, bytes } => (seq, bytes),
+                            Reply::Denied { seq, .. } => (seq, 0),
+                            _ => continue,
+                        };
+                        let mut waiting = lock(&self.waiting);
+                        match waiting.get_mut(&seq) {
+                            Some(w) if w.abandoned => {
+                                let device = w.device;
+                                waiting.remove(&seq);
+                                drop(waiting);
+                                if granted > 0 {
+                                    let (held, _) = (self.usage)(&device);
+                                    self.release(device, granted, held);
+                                }
+                            }
+                            Some(w) => {
+                                w.reply = Some(reply);
+                                drop(waiting);
+                                self.answered.notify_all();
+                            }
+                            None => {}
+                        }
+                    }
+                    Ok(other) => tracing::debug!("arbiter says {other:?}"),
+                    Err(e) => {
+                        tracing::warn!("bad frame from the arbiter: {e}");
+                        break;
+                    }
+                }
+            }
+            self.connected.store(false, Ordering::Release);
+            *lock(&self.writer) = None;
+        }
+    }
+
+    fn write(&self, frame: &[u8]) -> bool {
+        let mut writer = lock(&self.writer);
+        let written = writer.as_mut().is_some_and(|w| w.write_all(frame).is_ok());
+        if !written {
+            *writer = None;
+        }
+        written
+    }
+
+    /// Asks for `bytes` of burst memory and waits up to `timeout` for the answer.
+    /// `Some(bytes)` when granted.
+    pub(crate) fn acquire(&self, device: DeviceId, bytes: u64, held: u64, timeout: Duration) -> Option<u64> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = Request::Acquire { seq, device, bytes, held }.encode();
+        lock(&self.waiting)
+            .insert(seq, Waiting { frame: frame.clone(), device, reply: None, abandoned: false });
+        if self.connected.load(Ordering::Acquire) {
+            self.write(&frame);
+        }
+        // The arbiter answers at its own deadline; allow a little more for the reply.
+        let deadline = Instant::now() + timeout + Duration::from_millis(500);
+        let mut waiting = lock(&self.waiting);
+        let reply = loop {
+            if let Some(reply) = waiting.get(&seq).and_then(|w| w.reply.clone()) {
+                break Some(reply);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break None;
+            }
+            waiting = self
+                .answered
+                .wait_timeout(waiting, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        };
+        match reply {
+            Some(_) => {
+                waiting.remove(&seq);
+            }
+            None => {
+                if let Some(w) = waiting.get_mut(&seq) {
+                    w.abandoned = true;
+                }
+            }
+        }
+        drop(waiting);
+        match reply {
+            Some(Reply::Granted { bytes, .. }) => Some(bytes),
+            _ => None,
+        }
+    }
+
+    /// Gives back `bytes` of burst memory (no answer).
+    pub(crate) fn release(&self, device: DeviceId, bytes: u64, held: u64) {
+        if self.connected.load(Ordering::Acquire) {
+            self.write(&Request::Release { device, bytes, held }.encode());
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The arbiter with real processes on simgpu: bursts into the same memory wait and then
+//! succeed, waits time out cleanly, status shows who waits, a killed holder's memory goes
+//! to the waiter, an arbiter restarted under load loses nothing, garbage on the socket
+//! leaves it serving, and a request that does not fit is refused at cuInit.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpufrac_daemon::status::{fetch, Status};
+use gpufrac_e2e::size::{mib, GIB, MIB};
+use gpufrac_e2e::{artifact, compile_c, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+
+const CHUNK: u64 = 32 * MIB;
+
+/// Group ledgers live in /dev/shm by name: names must not collide across tests.
+fn unique(group: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{group}-{}-{n}", std::process::id())
+}
+
+fn gpu() -> SimGpu {
+    SimGpu::new("4GiB").with_context_overhead("64MiB")
+}
+
+/// `alloc_paths alloc` under the shim, in group `group`, with a 1 GiB request and a
+/// 3 GiB limit, allocating up to `upto` bytes.
+fn server(gpu: &SimGpu, arbiter: &Arbiter, group: &str, upto: u64, wait: &str) -> ChildProcess {
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
+        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", group)
+        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+        .env("GPUFRAC_LOG", "warn")
+        .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+fn status(arbiter: &Arbiter) -> Status {
+    fetch(arbiter.socket()).expect("gpufrac status")
+}
+
+fn wait_for(arbiter: &Arbiter, what: &str, cond: impl Fn(&Status) -> bool) -> Status {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let s = status(arbiter);
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}\n{}", arbiter.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn state_of<'a>(s: &'a Status, group: &str) -> Option<&'a str> {
+    s.gpus[0].processes.iter().find(|p| p.group.starts_with(&format!("{group}-"))).map(|p| p.state.as_str())
+}
+
+/// A holds 2.5 GiB (1 GiB guaranteed + 1.5 GiB lent); B wants 2 GiB and has to wait.
+fn collision(gpu: &SimGpu, arbiter: &Arbiter, wait: &str) -> (ChildProcess, ChildProcess) {
+    let mut a = server(gpu, arbiter, &unique("a"), 2560 * MIB, "30s");
+    let ra = a.ready();
+    assert_eq!(ra[0], 2560 * MIB, "A gets its burst");
+    let b = server(gpu, arbiter, &unique("b"), 2 * GIB, wait);
+    (a, b)
+}
+
+#[test]
+fn a_burst_into_lent_memory_waits_and_succeeds_when_it_is_freed() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let (mut a, mut b) = collision(&gpu, &arbiter, "30s");
+    // B is shown waiting, in the table and in JSON.
+    let s = wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
+    assert_eq!(s.gpus[0].waiting, 1);
+    assert_eq!(s.gpus[0].guaranteed, 2 * GIB);
+    let table = Command::new(artifact("gpufrac"))
+        .arg("status")
+        .arg("--socket")
+        .arg(arbiter.socket())
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("waiting") && table.contains("running"), "{table}");
+    let json = Command::new(artifact("gpufrac"))
+        .args(["status", "--json", "--socket"])
+        .arg(arbiter.socket())
+        .output()
+        .unwrap();
+    let parsed: Status = serde_json::from_slice(&json.stdout).expect("status --json is the status document");
+    assert_eq!(parsed.gpus.len(), 1);
+
+    // A lets go; B's blocked allocation completes: no out-of-memory.
+    a.close_stdin();
+    a.finish();
+    let rb = b.ready();
+    assert_eq!(rb[0], 2 * GIB, "B got all it asked for ({})", mib(rb[0]));
+    assert!(arbiter.log_text().contains("grant after wait"), "{}", arbiter.log_text());
+    b.close_stdin();
+    b.finish();
+    let s = wait_for(&arbiter, "everything released", |s| s.gpus[0].processes.is_empty());
+    assert_eq!((s.gpus[0].burst, s.gpus[0].guaranteed), (0, 0));
+}
+
+#[test]
+fn a_wait_times_out_into_a_clean_out_of_memory_error() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let started = Instant::now();
+    let (mut a, mut b) = collision(&gpu, &arbiter, "300ms");
+    let rb = b.ready();
+    assert!(rb[0] < 2 * GIB, "B stopped at out-of-memory ({})", mib(rb[0]));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn a_killed_holders_memory_is_granted_to_the_waiter() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let (mut a, mut b) = collision(&gpu, &arbiter, "30s");
+    wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
+    a.kill();
+    a.wait(TIMEOUT);
+    assert_eq!(b.ready()[0], 2 * GIB);
+    b.close_stdin();
+    b.finish();
+}
+
+#[test]
+fn an_arbiter_restarted_under_load_loses_no_accounting() {
+    let gpu = gpu();
+    let mut arbiter = Arbiter::start(&gpu);
+    let mut a = server(&gpu, &arbiter, &unique("a"), 2560 * MIB, "30s");
+    a.ready();
+    let before = wait_for(&arbiter, "A registered", |s| state_of(s, "a").is_some());
+    let granted = before.gpus[0].processes[0].granted;
+    assert!(granted >= 1536 * MIB, "A was lent its burst ({})", mib(granted));
+    arbiter.kill();
+    let socket = arbiter.socket().to_path_buf();
+    let arbiter = Arbiter::start_at(&gpu, socket, &[]);
+    let after = wait_for(&arbiter, "A re-registered", |s| state_of(s, "a").is_some());
+    let p = &after.gpus[0].processes[0];
+    assert_eq!(p.granted, granted, "the grant survives the restart");
+    assert_eq!(after.gpus[0].burst, before.gpus[0].burst);
+    assert_eq!(after.gpus[0].guaranteed, GIB);
+    // And it keeps arbitrating: B waits for what A holds.
+    let mut b = server(&gpu, &arbiter, &unique("b"), 2 * GIB, "30s");
+    wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
+    a.close_stdin();
+    a.finish();
+    assert_eq!(b.ready()[0], 2 * GIB);
+    b.close_stdin();
+    b.finish();
+}
+
+#[test]
+fn garbage_on_the_socket_leaves_the_arbiter_serving() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let mut a = server(&gpu, &arbiter, &unique("a"), 1536 * MIB, "30s");
+    a.ready();
+    for junk in [
+        &b"garbage that is no frame"[..],
+        &[0xff, 0xff, 0xff, 0xff, 1, 2],
+        &[5, 0, 0, 0, 99, 0, 0, 0, 0],
+        &[1, 0, 0, 0, 3],
+    ] {
+        let mut s = std::os::unix::net::UnixStream::connect(arbiter.socket()).unwrap();
+        let _ = s.write_all(junk);
+        drop(s);
+    }
+    // An Acquire before Hello is out of order.
+    let mut s = std::os::unix::net::UnixStream::connect(arbiter.socket()).unwrap();
+    let _ = s.write_all(
+        &gpufrac_common::protocol::Request::Acquire { seq: 1, device: [0; 16], bytes: 1, held: 0 }.encode(),
+    );
+    drop(s);
+    let st = wait_for(&arbiter, "still serving A", |s| state_of(s, "a") == Some("running"));
+    assert_eq!(st.gpus[0].guaranteed, GIB);
+    assert!(arbiter.log_text().contains("closing connection"), "{}", arbiter.log_text());
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn a_request_that_does_not_fit_is_refused_at_cuinit() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let mut a = server(&gpu, &arbiter, &unique("a"), 512 * MIB, "30s");
+    a.ready();
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "3584MiB")
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", unique("big"))
+        .args(["alloc", "1048576"]);
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("GPUFRAC_MEMORY_REQUEST") && stderr.contains("does not fit"), "{stderr}");
+    assert!(stderr.contains("CUDA_ERROR_NOT_INITIALIZED"), "{stderr}");
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn metrics_are_served_over_http() {
+    let gpu = gpu();
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let socket: PathBuf = gpu.lib_dir().join("m.sock");
+    let arbiter = Arbiter::start_at(&gpu, socket, &["--metrics", &format!("127.0.0.1:{port}")]);
+    let (mut a, mut b) = collision(&gpu, &arbiter, "30s");
+    wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
+    a.close_stdin();
+    a.finish();
+    b.ready();
+    let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut body = String::new();
+    std::io::Read::read_to_string(&mut http, &mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    for needle in [
+        "gpufrac_gpu_memory_bytes{",
+        "gpufrac_group_memory_bytes{",
+        "gpufrac_grants_total{",
+        "gpufrac_waits_total{",
+        "gpufrac_wait_seconds_bucket{",
+    ] {
+        assert!(body.contains(needle), "{needle} missing:\n{body}");
+    }
+    b.close_stdin();
+    b.finish();
+}
