@@ -62,14 +62,17 @@ pub enum Request {
         /// Burst bytes this process was granted and still holds.
         granted: u64,
     },
-    /// Asks for `bytes` more burst memory.
+    /// Asks for at least `bytes` more burst memory, `preferred` if there is room (a
+    /// chunk, so that a steady server rarely asks).
     Acquire {
         /// Echoed in the reply.
         seq: u64,
         /// The device.
         device: DeviceId,
-        /// Bytes wanted.
+        /// Bytes needed now.
         bytes: u64,
+        /// Bytes wanted if free (at least `bytes`).
+        preferred: u64,
         /// Bytes this process holds now (for status).
         held: u64,
     },
@@ -95,6 +98,9 @@ pub enum Denial {
     OverLimit,
     /// The device was not registered on this connection.
     UnknownDevice,
+    /// Every holder of burst memory on the GPU waits for more: this waiter is refused so
+    /// that the others can go on (it holds the most).
+    Deadlock,
 }
 
 /// Messages from the arbiter.
@@ -135,6 +141,12 @@ pub enum Reply {
     Status {
         /// The document.
         json: String,
+    },
+    /// Pushed: others wait on this device; give back burst memory not in use, keep no
+    /// slack for a while.
+    Reclaim {
+        /// The device.
+        device: DeviceId,
     },
 }
 
@@ -299,8 +311,8 @@ impl Request {
             Request::Register { device, total, request, limit, held, granted } => {
                 Writer::new(2).device(device).u64(*total).u64(*request).u64(*limit).u64(*held).u64(*granted)
             }
-            Request::Acquire { seq, device, bytes, held } => {
-                Writer::new(3).u64(*seq).device(device).u64(*bytes).u64(*held)
+            Request::Acquire { seq, device, bytes, preferred, held } => {
+                Writer::new(3).u64(*seq).device(device).u64(*bytes).u64(*preferred).u64(*held)
             }
             Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
             Request::Status => Writer::new(5),
@@ -329,7 +341,14 @@ impl Request {
                 }
                 Request::Register { device, total, request, limit, held, granted }
             }
-            3 => Request::Acquire { seq: r.u64()?, device: r.device()?, bytes: r.u64()?, held: r.u64()? },
+            3 => {
+                let (seq, device, bytes, preferred, held) =
+                    (r.u64()?, r.device()?, r.u64()?, r.u64()?, r.u64()?);
+                if preferred < bytes {
+                    return Err(ProtocolError::BadValue("preferred"));
+                }
+                Request::Acquire { seq, device, bytes, preferred, held }
+            }
             4 => Request::Release { device: r.device()?, bytes: r.u64()?, held: r.u64()? },
             5 => Request::Status,
             tag => return Err(ProtocolError::UnknownTag(tag)),
@@ -351,8 +370,10 @@ impl Reply {
                 Denial::Timeout => 0,
                 Denial::OverLimit => 1,
                 Denial::UnknownDevice => 2,
+                Denial::Deadlock => 3,
             }),
             Reply::Status { json } => Writer::new(0x46).long_string(json),
+            Reply::Reclaim { device } => Writer::new(0x80).device(device),
         }
         .finish()
     }
@@ -371,10 +392,12 @@ impl Reply {
                     0 => Denial::Timeout,
                     1 => Denial::OverLimit,
                     2 => Denial::UnknownDevice,
+                    3 => Denial::Deadlock,
                     _ => return Err(ProtocolError::BadValue("denial")),
                 },
             },
             0x46 => Reply::Status { json: r.long_string()? },
+            0x80 => Reply::Reclaim { device: r.device()? },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -431,7 +454,13 @@ mod tests {
             held: 5,
             granted: 2,
         });
-        round_trip_request(Request::Acquire { seq: 9, device: [1; 16], bytes: 1 << 30, held: 7 });
+        round_trip_request(Request::Acquire {
+            seq: 9,
+            device: [1; 16],
+            bytes: 1 << 30,
+            preferred: 1 << 31,
+            held: 7,
+        });
         round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
         round_trip_request(Request::Status);
         for reply in [
@@ -441,6 +470,7 @@ mod tests {
             Reply::Granted { seq: 3, bytes: 77 },
             Reply::Denied { seq: 4, reason: Denial::Timeout },
             Reply::Status { json: "{}".into() },
+            Reply::Reclaim { device: [5; 16] },
         ] {
             let frame = reply.encode();
             let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();

@@ -18,6 +18,11 @@ use gpufrac_common::protocol::{read_frame, DeviceId, Reply, Request, MAX_FRAME};
 
 /// (held, granted) of this process on a device, for re-registration.
 pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64) + Send + Sync>;
+/// Gives back the unused grant on a device (the arbiter asked: others wait).
+pub(crate) type ReclaimFn = Box<dyn Fn(&DeviceId) + Send + Sync>;
+
+/// How long after a reclaim request this process keeps no slack grant.
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
 
 /// What a device's registration says; held and granted are read when (re)registering.
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +47,9 @@ pub(crate) struct Client {
     hello: Request,
     registrations: Vec<Registration>,
     usage: UsageFn,
+    reclaim: ReclaimFn,
+    /// Devices someone waits on, until when.
+    contended: Mutex<HashMap<DeviceId, Instant>>,
     writer: Mutex<Option<UnixStream>>,
     waiting: Mutex<HashMap<u64, Waiting>>,
     answered: Condvar,
@@ -99,12 +107,15 @@ impl Client {
         hello: Request,
         registrations: Vec<Registration>,
         usage: UsageFn,
+        reclaim: ReclaimFn,
     ) -> Result<Arc<Client>, String> {
         let client = Arc::new(Client {
             path: path.to_owned(),
             hello,
             registrations,
             usage,
+            reclaim,
+            contended: Mutex::new(HashMap::new()),
             writer: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
             answered: Condvar::new(),
@@ -197,6 +208,10 @@ impl Client {
                             None => {}
                         }
                     }
+                    Ok(Reply::Reclaim { device }) => {
+                        lock(&self.contended).insert(device, Instant::now() + CONTENDED_FOR);
+                        (self.reclaim)(&device);
+                    }
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -218,11 +233,23 @@ impl Client {
         written
     }
 
-    /// Asks for `bytes` of burst memory and waits up to `timeout` for the answer.
-    /// `Some(bytes)` when granted.
-    pub(crate) fn acquire(&self, device: DeviceId, bytes: u64, held: u64, timeout: Duration) -> Option<u64> {
+    /// Whether bursts wait on `device` (so this process should keep no slack).
+    pub(crate) fn contended(&self, device: &DeviceId) -> bool {
+        lock(&self.contended).get(device).is_some_and(|until| Instant::now() < *until)
+    }
+
+    /// Asks for at least `bytes` (`preferred` if free) of burst memory and waits up to
+    /// `timeout` for the answer. `Some(granted)` when granted.
+    pub(crate) fn acquire(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        preferred: u64,
+        held: u64,
+        timeout: Duration,
+    ) -> Option<u64> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let frame = Request::Acquire { seq, device, bytes, held }.encode();
+        let frame = Request::Acquire { seq, device, bytes, preferred, held }.encode();
         lock(&self.waiting)
             .insert(seq, Waiting { frame: frame.clone(), device, reply: None, abandoned: false });
         if self.connected.load(Ordering::Acquire) {

@@ -298,7 +298,13 @@ impl Enforcer {
                 .find(|(u, _)| u == device)
                 .map_or((0, 0), |&(_, dev)| (self.ledger.held_by_me(dev), self.ledger.my_granted(dev)))
         });
-        let client = Client::start(socket, hello, registrations, usage)?;
+        let slices_for_reclaim: Vec<Slice> = slices.to_vec();
+        let reclaim = Box::new(move |device: &[u8; 16]| {
+            if let Some(slice) = slices_for_reclaim.iter().find(|s| &s.uuid == device) {
+                self.give_back(slice, 0);
+            }
+        });
+        let client = Client::start(socket, hello, registrations, usage, reclaim)?;
         let _ = self.arbiter.set(client);
         Ok(())
     }
@@ -365,15 +371,20 @@ impl Enforcer {
                 return Err(OUT_OF_MEMORY);
             };
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
-            let room = (slice.limit - slice.request).saturating_sub(self.ledger.group_granted(dev));
-            let ask = need.max(Self::chunk(&slice)).min(room).max(need);
-            match client.acquire(slice.uuid, ask, self.ledger.held_by_me(dev), self.config.wait_timeout) {
+            let preferred = need.max(Self::chunk(&slice));
+            match client.acquire(
+                slice.uuid,
+                need,
+                preferred,
+                self.ledger.held_by_me(dev),
+                self.config.wait_timeout,
+            ) {
                 Some(granted) => self.ledger.add_granted(dev, granted),
                 None => {
                     tracing::debug!(
                         ordinal,
                         bytes,
-                        ask,
+                        need,
                         "refused: the arbiter did not grant the burst in time"
                     );
                     return Err(OUT_OF_MEMORY);
@@ -389,14 +400,22 @@ impl Enforcer {
         self.ledger.release(device, bytes);
         if let Some(client) = self.arbiter.get() {
             let Some(slice) = self.slices().iter().find(|s| s.ledger == device).copied() else { return };
-            let allowed = slice.request + self.ledger.group_granted(device);
-            let unused = allowed.saturating_sub(self.ledger.held_fast(device));
-            let give = unused.saturating_sub(Self::chunk(&slice));
-            if give > 0 {
-                let taken = self.ledger.take_granted(device, give);
-                if taken > 0 {
-                    client.release(slice.uuid, taken, self.ledger.held_by_me(device));
-                }
+            let slack = if client.contended(&slice.uuid) { 0 } else { Self::chunk(&slice) };
+            self.give_back(&slice, slack);
+        }
+    }
+
+    /// Returns this process's grant beyond what the group uses plus `slack`.
+    fn give_back(&self, slice: &Slice, slack: u64) {
+        let Some(client) = self.arbiter.get() else { return };
+        let device = slice.ledger;
+        let allowed = slice.request + self.ledger.group_granted(device);
+        let unused = allowed.saturating_sub(self.ledger.held_fast(device));
+        let give = unused.saturating_sub(slack);
+        if give > 0 {
+            let taken = self.ledger.take_granted(device, give);
+            if taken > 0 {
+                client.release(slice.uuid, taken, self.ledger.held_by_me(device));
             }
         }
     }

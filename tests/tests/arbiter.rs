@@ -180,7 +180,7 @@ fn garbage_on_the_socket_leaves_the_arbiter_serving() {
     // An Acquire before Hello is out of order.
     let mut s = std::os::unix::net::UnixStream::connect(arbiter.socket()).unwrap();
     let _ = s.write_all(
-        &gpufrac_common::protocol::Request::Acquire { seq: 1, device: [0; 16], bytes: 1, held: 0 }.encode(),
+        &gpufrac_common::protocol::Request::Acquire { seq: 1, device: [0; 16], bytes: 1, preferred: 1, held: 0 }.encode(),
     );
     drop(s);
     let st = wait_for(&arbiter, "still serving A", |s| state_of(s, "a") == Some("running"));
@@ -238,4 +238,15 @@ fn metrics_are_served_over_http() {
     }
     b.close_stdin();
     b.finish();
+}
+
+#[test]
+fn the_demo_serves_every_batch_without_out_of_memory() {
+    let out =
+        Command::new(artifact("gpufrac")).args(["demo", "--steps", "3"]).output().expect("gpufrac demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("servers on one GPU:     3"), "{stdout}");
+    assert!(stdout.contains("batches served:         9"), "{stdout}");
+    assert!(stdout.contains("out-of-memory errors:   0"), "{stdout}");
 }

@@ -62,6 +62,7 @@ struct Waiter {
     group: String,
     seq: u64,
     bytes: u64,
+    preferred: u64,
     since: Instant,
     deadline: Instant,
 }
@@ -88,8 +89,8 @@ impl Gpu {
 /// What an `Acquire` gets at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
-    /// Granted now.
-    Granted,
+    /// Granted now, this many bytes.
+    Granted(u64),
     /// Queued: a `Grant` or a timeout will follow.
     Queued,
     /// Refused.
@@ -200,40 +201,44 @@ impl Policy {
         Ok(())
     }
 
-    /// Asks for `bytes` of burst memory on `device`.
+    /// Asks for at least `bytes` (`preferred` if there is room) of burst memory on `device`.
+    #[allow(clippy::too_many_arguments)]
     pub fn acquire(
         &mut self,
         conn: ConnId,
         device: DeviceId,
         seq: u64,
         bytes: u64,
+        preferred: u64,
         held: u64,
         now: Instant,
     ) -> Outcome {
         let Some(peer) = self.peers.get(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
         let (group_name, timeout) = (peer.group.clone(), peer.wait_timeout);
         let Some(gpu) = self.gpus.get_mut(&device) else { return Outcome::Denied(Denial::UnknownDevice) };
+        let free = gpu.free();
         let Some(group) = gpu.groups.get_mut(&group_name) else {
             return Outcome::Denied(Denial::UnknownDevice);
         };
+        let room = (group.limit - group.request).saturating_sub(group.granted());
         let Some(member) = group.members.get_mut(&conn) else {
             return Outcome::Denied(Denial::UnknownDevice);
         };
         member.held = held;
-        if group.granted().saturating_add(bytes) > group.limit - group.request {
+        if bytes > room {
             return Outcome::Denied(Denial::OverLimit);
         }
-        if gpu.queue.is_empty() && gpu.free() >= bytes {
-            if let Some(m) = gpu.groups.get_mut(&group_name).and_then(|g| g.members.get_mut(&conn)) {
-                m.granted += bytes;
-            }
-            return Outcome::Granted;
+        if gpu.queue.is_empty() && free >= bytes {
+            let grant = preferred.min(free).min(room).max(bytes);
+            member.granted += grant;
+            return Outcome::Granted(grant);
         }
         gpu.queue.push_back(Waiter {
             conn,
             group: group_name,
             seq,
             bytes,
+            preferred,
             since: now,
             deadline: now + timeout,
         });
@@ -318,21 +323,102 @@ impl Policy {
                 continue;
             }
             if gpu.free() < head.bytes {
+                if let Some(victim) = Self::deadlocked(gpu) {
+                    // Nobody can give memory back: refuse the waiter holding the most,
+                    // whose out-of-memory error makes it free what it holds.
+                    if let Some(pos) = gpu.queue.iter().position(|w| w.conn == victim) {
+                        if let Some(w) = gpu.queue.remove(pos) {
+                            answers.push(Answer {
+                                conn: w.conn,
+                                seq: w.seq,
+                                device,
+                                waited: now - w.since,
+                                result: Err(Denial::Deadlock),
+                            });
+                            continue;
+                        }
+                    }
+                }
                 break;
             }
             let Some(w) = gpu.queue.pop_front() else { break };
+            let grant = w.preferred.min(gpu.free()).min(group_room.unwrap_or(0)).max(w.bytes);
             if let Some(m) = gpu.groups.get_mut(&w.group).and_then(|g| g.members.get_mut(&w.conn)) {
-                m.granted += w.bytes;
+                m.granted += grant;
             }
             answers.push(Answer {
                 conn: w.conn,
                 seq: w.seq,
                 device,
                 waited: now - w.since,
-                result: Ok(w.bytes),
+                result: Ok(grant),
             });
         }
         answers
+    }
+
+    /// If every holder of burst memory on `gpu` is waiting for more, the waiting holder
+    /// with the largest grant.
+    fn deadlocked(gpu: &Gpu) -> Option<ConnId> {
+        let mut holders = gpu
+            .groups
+            .values()
+            .flat_map(|g| g.members.iter().filter(|(_, m)| m.granted > 0).map(|(&c, m)| (c, m.granted)))
+            .peekable();
+        holders.peek()?;
+        let mut victim = None;
+        for (conn, granted) in holders {
+            if !gpu.queue.iter().any(|w| w.conn == conn) {
+                return None;
+            }
+            if victim.is_none_or(|(_, g)| granted > g) {
+                victim = Some((conn, granted));
+            }
+        }
+        victim.map(|(c, _)| c)
+    }
+
+    /// Queues a burst like `acquire` and returns what the queue decided at once (for a
+    /// waiter refused to break a deadlock). Used by the server after `Outcome::Queued`.
+    pub fn acquire_answers(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        seq: u64,
+        bytes: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
+        match self.acquire(conn, device, seq, bytes, bytes, 0, now) {
+            Outcome::Queued => self.settle(device, now),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Re-examines a GPU's queue (after a burst was queued): breaks a deadlock if there is one.
+    pub fn settle(&mut self, device: DeviceId, now: Instant) -> Vec<Answer> {
+        match self.gpus.get_mut(&device) {
+            Some(gpu) => Self::drain(device, gpu, now),
+            None => Vec::new(),
+        }
+    }
+
+    /// Connections that hold burst grants on a GPU where someone waits: they are asked
+    /// to give back what they do not use.
+    pub fn contended_holders(&self) -> Vec<(ConnId, DeviceId)> {
+        let mut out = Vec::new();
+        for (&device, gpu) in &self.gpus {
+            if gpu.queue.is_empty() {
+                continue;
+            }
+            for group in gpu.groups.values() {
+                for (&conn, m) in &group.members {
+                    if m.granted > 0 {
+                        out.push((conn, device));
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// The status document.
@@ -424,9 +510,9 @@ mod tests {
             (3, "c", 4 * GIB, 12 * GIB),
         ]);
         // 4 GiB unreserved.
-        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 0, now), Outcome::Granted);
-        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 0, now), Outcome::Queued);
-        assert_eq!(p.acquire(3, GPU, 1, GIB / 2, 0, now), Outcome::Queued, "no bypassing the head");
+        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(3, GPU, 1, GIB / 2, GIB / 2, 0, now), Outcome::Queued, "no bypassing the head");
         assert_eq!(p.status().gpus[0].processes.iter().filter(|s| s.state == "waiting").count(), 2);
         let answers = p.release(1, GPU, GIB + GIB / 2, 0, now + Duration::from_millis(5));
         assert_eq!(answers.len(), 2);
@@ -441,18 +527,22 @@ mod tests {
     fn grants_never_pass_the_limit_or_the_gpu() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 2 * GIB, 3 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 0, now), Outcome::Denied(Denial::OverLimit));
-        assert_eq!(p.acquire(1, GPU, 2, GIB, 0, now), Outcome::Granted);
-        assert_eq!(p.acquire(1, GPU, 3, 1, 0, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(
+            p.acquire(1, GPU, 2, GIB / 2, 4 * GIB, 0, now),
+            Outcome::Granted(GIB),
+            "a chunk, capped by the limit"
+        );
+        assert_eq!(p.acquire(1, GPU, 3, 1, 1, 0, now), Outcome::Denied(Denial::OverLimit));
     }
 
     #[test]
     fn waiters_time_out_and_unblock_the_queue() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 0, now), Outcome::Granted);
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, now), Outcome::Granted(8 * GIB));
         p.hello(2, Peer { wait_timeout: Duration::from_millis(10), ..peer("b", 10) });
-        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 4 * GIB, 0, now), Outcome::Queued);
         assert!(p.expire(now + Duration::from_millis(5)).is_empty());
         let answers = p.expire(now + Duration::from_millis(11));
         assert_eq!(answers.len(), 1);
@@ -463,12 +553,28 @@ mod tests {
     fn a_disconnected_holder_frees_its_grant_for_the_waiter() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 0, now), Outcome::Granted);
-        assert_eq!(p.acquire(2, GPU, 1, 6 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, now), Outcome::Granted(8 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 6 * GIB, 6 * GIB, 0, now), Outcome::Queued);
         let answers = p.disconnect(1, now);
         assert_eq!((answers[0].conn, answers[0].result), (2, Ok(6 * GIB)));
         // Group a had no other member: its request is free again.
         assert_eq!(p.status().gpus[0].guaranteed, 4 * GIB);
+    }
+
+    #[test]
+    fn waiters_that_all_hold_burst_memory_are_not_left_deadlocked() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
+        // 8 GiB to lend: a takes 5, b takes 3; then both want more.
+        assert_eq!(p.acquire(1, GPU, 1, 5 * GIB, 5 * GIB, 0, now), Outcome::Granted(5 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, now), Outcome::Queued);
+        let answers = p.acquire_answers(1, GPU, 2, GIB, now);
+        // a holds the most and is refused at once; b still waits for a to give back.
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].result), (1, Err(Denial::Deadlock)));
+        let answers = p.release(1, GPU, 5 * GIB, 0, now);
+        assert_eq!((answers[0].conn, answers[0].result), (2, Ok(GIB)));
     }
 
     #[test]

@@ -23,6 +23,8 @@ use crate::status::Status;
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// How often waiters are checked against their deadlines.
 const TICK: Duration = Duration::from_millis(5);
+/// How often holders are reminded to give back unused grants while bursts wait.
+const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
 /// State shared by every connection.
 pub struct Shared {
@@ -56,6 +58,14 @@ impl Shared {
     fn send(&self, conn: ConnId, reply: &Reply) {
         if let Some(tx) = self.writers.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
             let _ = tx.send(reply.encode());
+        }
+    }
+
+    /// While bursts wait, holders of grants are asked to give back what they do not use.
+    fn ask_to_give_back(&self) {
+        let holders = self.policy().contended_holders();
+        for (conn, device) in holders {
+            self.send(conn, &Reply::Reclaim { device });
         }
     }
 
@@ -114,11 +124,17 @@ pub async fn serve(
 
 async fn expire_waiters(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(TICK);
+    let mut last_reclaim = Instant::now();
     loop {
         tick.tick().await;
         let answers = shared.policy().expire(Instant::now());
         if !answers.is_empty() {
             shared.deliver(answers);
+        }
+        // Keep reminding holders while anyone waits (they keep no slack meanwhile).
+        if last_reclaim.elapsed() >= RECLAIM_EVERY {
+            last_reclaim = Instant::now();
+            shared.ask_to_give_back();
         }
     }
 }
@@ -214,19 +230,23 @@ async fn serve_connection(
                     }
                 }
             }
-            Request::Acquire { seq, device, bytes, held } => {
-                let outcome = shared.policy().acquire(conn, device, seq, bytes, held, Instant::now());
+            Request::Acquire { seq, device, bytes, preferred, held } => {
+                let outcome =
+                    shared.policy().acquire(conn, device, seq, bytes, preferred, held, Instant::now());
                 let gpu = GpuLabel { gpu: uuid_string(&device) };
                 match outcome {
-                    Outcome::Granted => {
+                    Outcome::Granted(granted) => {
                         shared.metrics.grants.get_or_create(&gpu).inc();
-                        shared.metrics.granted_bytes.get_or_create(&gpu).inc_by(bytes);
-                        tracing::debug!(pid, gpu = %gpu.gpu, bytes, "grant");
-                        shared.send(conn, &Reply::Granted { seq, bytes });
+                        shared.metrics.granted_bytes.get_or_create(&gpu).inc_by(granted);
+                        tracing::debug!(pid, gpu = %gpu.gpu, bytes = granted, "grant");
+                        shared.send(conn, &Reply::Granted { seq, bytes: granted });
                     }
                     Outcome::Queued => {
                         shared.metrics.waits.get_or_create(&gpu).inc();
                         tracing::info!(pid, gpu = %gpu.gpu, bytes, "burst waits: memory is lent out");
+                        let answers = shared.policy().settle(device, Instant::now());
+                        shared.deliver(answers);
+                        shared.ask_to_give_back();
                     }
                     Outcome::Denied(reason) => {
                         shared

@@ -58,7 +58,7 @@ enum Commands {
     /// Run sample inference servers sharing one simulated GPU (no GPU needed).
     Demo {
         /// Memory of the simulated GPU.
-        #[arg(long, default_value = "4GiB")]
+        #[arg(long, default_value = "4.5GiB")]
         device_memory: String,
         /// Number of servers.
         #[arg(long, default_value_t = 3)]
@@ -66,6 +66,9 @@ enum Commands {
         /// Batches each server serves.
         #[arg(long, default_value_t = 6)]
         steps: usize,
+        /// Run the servers bare, without the shim and the arbiter, to compare.
+        #[arg(long)]
+        without_gpufrac: bool,
     },
 }
 
@@ -113,11 +116,20 @@ fn run() -> Result<()> {
             }
             Ok(())
         }
-        Commands::Demo { device_memory, servers, steps } => {
+        Commands::Demo { device_memory, servers, steps, without_gpufrac } => {
             gpufrac_common::parse_bytes("--device-memory", &device_memory)?;
             anyhow::ensure!((1..=16).contains(&servers), "--servers must be between 1 and 16, not {servers}");
             let bin_dir = demo::default_bin_dir().context("cannot find the gpufrac executable's folder")?;
-            demo::run(&demo::DemoConfig { bin_dir, device_memory, servers, steps })?;
+            let summary = demo::run(&demo::DemoConfig {
+                bin_dir,
+                device_memory,
+                servers,
+                steps,
+                arbiter: !without_gpufrac,
+            })?;
+            if !without_gpufrac && summary.out_of_memory > 0 {
+                anyhow::bail!("{} out-of-memory errors under gpufrac", summary.out_of_memory);
+            }
             Ok(())
         }
     }

@@ -66,17 +66,17 @@ fn fill_and_verify(
     k: &Kernels,
     buf: &mut CudaSlice<u32>,
     value: u32,
+    sum: &mut CudaSlice<u64>,
 ) -> Result<()> {
     let count = buf.len();
     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    let mut sum = stream.alloc_zeros::<u64>(1)?;
     // SAFETY: the simgpu kernels take (u32*, u32, size_t) and (u32*, size_t, u64*),
     // matching the arguments pushed here.
     unsafe {
         stream.launch_builder(&k.fill).arg(&mut *buf).arg(&value).arg(&count).launch(cfg)?;
-        stream.launch_builder(&k.checksum).arg(&*buf).arg(&count).arg(&mut sum).launch(cfg)?;
+        stream.launch_builder(&k.checksum).arg(&*buf).arg(&count).arg(&mut *sum).launch(cfg)?;
     }
-    let got = stream.clone_dtoh(&sum)?[0];
+    let got = stream.clone_dtoh(&*sum)?[0];
     let want = (count as u64).wrapping_mul(value as u64);
     if got != want {
         bail!("checksum mismatch: GPU says {got}, expected {want}");
@@ -103,7 +103,9 @@ fn run(args: &Args) -> Result<()> {
 
     let started = Instant::now();
     let mut model = stream.alloc_zeros::<u32>(model_bytes / 4).context("loading the model")?;
-    fill_and_verify(&stream, &k, &mut model, 0x600d)?;
+    // The result buffer lives with the model: a batch then makes one allocation only.
+    let mut sum = stream.alloc_zeros::<u64>(1)?;
+    fill_and_verify(&stream, &k, &mut model, 0x600d, &mut sum)?;
     println!("{name} model-loaded bytes={model_bytes} ms={}", started.elapsed().as_millis());
 
     let mut served = 0;
@@ -111,34 +113,39 @@ fn run(args: &Args) -> Result<()> {
     for step in 0..args.steps {
         let want = batches[step % batches.len()];
         let t = Instant::now();
-        let mut activations = match stream.alloc_zeros::<u32>(want / 4) {
-            Ok(a) => a,
-            Err(e) if is_oom(&e) => {
+        // One batch: activations, kernels over them, a checked result. Running out of
+        // memory anywhere in it fails this batch only, as a server fails one request.
+        let mut batch = || -> Result<()> {
+            let mut activations = stream.alloc_zeros::<u32>(want / 4)?;
+            fill_and_verify(&stream, &k, &mut activations, step as u32 + 1, &mut sum)?;
+            if compute_us > 0 {
+                // SAFETY: simgpu_sleep_us takes one u64.
+                unsafe {
+                    stream.launch_builder(&k.sleep).arg(&compute_us).launch(LaunchConfig {
+                        grid_dim: (1, 1, 1),
+                        block_dim: (1, 1, 1),
+                        shared_mem_bytes: 0,
+                    })?;
+                }
+            }
+            stream.synchronize()?;
+            drop(activations);
+            stream.synchronize()?;
+            Ok(())
+        };
+        match batch() {
+            Ok(()) => {
+                served += 1;
+                println!("{name} batch={step} bytes={want} ms={}", t.elapsed().as_millis());
+            }
+            Err(e) if e.downcast_ref::<DriverError>().is_some_and(is_oom) => {
                 oom += 1;
                 println!("{name} out-of-memory batch={step} bytes={want}");
-                continue;
             }
-            Err(e) => return Err(e.into()),
-        };
-        fill_and_verify(&stream, &k, &mut activations, step as u32 + 1)?;
-        if compute_us > 0 {
-            // SAFETY: simgpu_sleep_us takes one u64.
-            unsafe {
-                stream.launch_builder(&k.sleep).arg(&compute_us).launch(LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (1, 1, 1),
-                    shared_mem_bytes: 0,
-                })?;
-            }
+            Err(e) => return Err(e),
         }
-        stream.synchronize()?;
-        drop(activations);
-        stream.synchronize()?;
-        served += 1;
-        println!("{name} batch={step} bytes={want} ms={}", t.elapsed().as_millis());
     }
     // The model must have survived every batch untouched.
-    let mut sum = stream.alloc_zeros::<u64>(1)?;
     let count = model.len();
     // SAFETY: as in fill_and_verify.
     unsafe {
