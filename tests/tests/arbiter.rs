@@ -180,7 +180,14 @@ fn garbage_on_the_socket_leaves_the_arbiter_serving() {
     // An Acquire before Hello is out of order.
     let mut s = std::os::unix::net::UnixStream::connect(arbiter.socket()).unwrap();
     let _ = s.write_all(
-        &gpufrac_common::protocol::Request::Acquire { seq: 1, device: [0; 16], bytes: 1, preferred: 1, held: 0 }.encode(),
+        &gpufrac_common::protocol::Request::Acquire {
+            seq: 1,
+            device: [0; 16],
+            bytes: 1,
+            preferred: 1,
+            held: 0,
+        }
+        .encode(),
     );
     drop(s);
     let st = wait_for(&arbiter, "still serving A", |s| state_of(s, "a") == Some("running"));
