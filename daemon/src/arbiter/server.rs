@@ -33,6 +33,8 @@ pub struct Shared {
     /// The metrics, also served over HTTP.
     pub metrics: Arc<Metrics>,
     next_conn: AtomicU64,
+    /// Metric labels per GPU, made once.
+    labels: HashMap<DeviceId, GpuLabel>,
 }
 
 impl Shared {
@@ -43,7 +45,15 @@ impl Shared {
             writers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new()),
             next_conn: AtomicU64::new(1),
+            labels: gpus.iter().map(|(id, _)| (*id, GpuLabel { gpu: uuid_string(id) })).collect(),
         })
+    }
+
+    fn label(&self, device: &DeviceId) -> std::borrow::Cow<'_, GpuLabel> {
+        match self.labels.get(device) {
+            Some(label) => std::borrow::Cow::Borrowed(label),
+            None => std::borrow::Cow::Owned(GpuLabel { gpu: uuid_string(device) }),
+        }
     }
 
     fn policy(&self) -> MutexGuard<'_, Policy> {
@@ -72,7 +82,7 @@ impl Shared {
     /// Sends the answers to queued bursts, counts and logs them.
     fn deliver(&self, answers: Vec<Answer>) {
         for a in answers {
-            let gpu = GpuLabel { gpu: uuid_string(&a.device) };
+            let gpu = self.label(&a.device);
             let (pid, group) =
                 self.policy().peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
             self.metrics.wait_seconds.get_or_create(&gpu).observe(a.waited.as_secs_f64());
@@ -144,15 +154,39 @@ async fn handle(stream: UnixStream, shared: Arc<Shared>) {
     let pid = stream.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0) as u32;
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, mut writer) = stream.into_split();
+    // Answers decided elsewhere (a grant after a wait) arrive here; direct replies are
+    // written by this task at once, without a hop through another task.
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let writing = tokio::spawn(async move {
-        while let Some(frame) = rx.recv().await {
-            if writer.write_all(&frame).await.is_err() {
-                break;
+    let mut state = Connection { conn, pid, greeted: false };
+    let mut buf = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(256);
+    let result: Result<(), String> = loop {
+        tokio::select! {
+            frame = next_frame(&mut reader, &mut buf) => {
+                let body = match frame {
+                    Ok(Some(body)) => body,
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
+                };
+                out.clear();
+                let flow = on_frame(&shared, &mut state, &tx, &body, &mut out);
+                if !out.is_empty() && writer.write_all(&out).await.is_err() {
+                    break Ok(());
+                }
+                match flow {
+                    Ok(Flow::Continue) => {}
+                    Ok(Flow::Close) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            }
+            Some(frame) = rx.recv() => {
+                if writer.write_all(&frame).await.is_err() {
+                    break Ok(());
+                }
             }
         }
-    });
-    if let Err(reason) = serve_connection(conn, pid, &mut reader, &tx, &shared).await {
+    };
+    if let Err(reason) = result {
         shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
         tracing::warn!(pid, conn, "closing connection: {reason}");
     }
@@ -163,107 +197,127 @@ async fn handle(stream: UnixStream, shared: Arc<Shared>) {
         tracing::info!(pid, conn, "process gone: released what it held");
     }
     shared.deliver(answers);
-    drop(tx);
-    let _ = tokio::time::timeout(Duration::from_secs(1), writing).await;
 }
 
-/// Reads one frame; `Ok(None)` on a clean end of stream between frames.
-async fn read_frame(reader: &mut OwnedReadHalf) -> Result<Option<Vec<u8>>, String> {
-    let mut len = [0u8; 4];
-    match reader.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(format!("read: {e}")),
+/// The next frame body from `reader`, buffering in `buf`; `Ok(None)` at a clean end of
+/// stream. Cancel-safe: bytes already read stay in `buf`.
+async fn next_frame(reader: &mut OwnedReadHalf, buf: &mut Vec<u8>) -> Result<Option<Vec<u8>>, String> {
+    loop {
+        if buf.len() >= 4 {
+            let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            if len == 0 || len > MAX_FRAME {
+                return Err(format!("frame of {len} bytes (allowed: 1 to {MAX_FRAME})"));
+            }
+            if buf.len() >= 4 + len {
+                let body = buf[4..4 + len].to_vec();
+                buf.drain(..4 + len);
+                return Ok(Some(body));
+            }
+        }
+        match reader.read_buf(buf).await {
+            Ok(0) if buf.is_empty() => return Ok(None),
+            Ok(0) => return Err(format!("connection closed in the middle of a frame ({} bytes)", buf.len())),
+            Ok(_) => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
     }
-    let len = u32::from_le_bytes(len) as usize;
-    if len == 0 || len > MAX_FRAME {
-        return Err(format!("frame of {len} bytes (allowed: 1 to {MAX_FRAME})"));
-    }
-    let mut body = vec![0u8; len];
-    reader.read_exact(&mut body).await.map_err(|e| format!("truncated frame: {e}"))?;
-    Ok(Some(body))
 }
 
-async fn serve_connection(
+/// What one connection has said so far.
+struct Connection {
     conn: ConnId,
     pid: u32,
-    reader: &mut OwnedReadHalf,
-    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    greeted: bool,
+}
+
+enum Flow {
+    Continue,
+    Close,
+}
+
+fn reply(out: &mut Vec<u8>, r: &Reply) {
+    out.extend_from_slice(&r.encode());
+}
+
+/// Applies one frame; direct replies go into `out`.
+fn on_frame(
     shared: &Arc<Shared>,
-) -> Result<(), String> {
-    let Some(first) = read_frame(reader).await? else { return Ok(()) };
-    match Request::decode(&first).map_err(|e| e.to_string())? {
-        Request::Status => {
-            let json = serde_json::to_string(&shared.status()).map_err(|e| e.to_string())?;
-            let _ = tx.send(Reply::Status { json }.encode());
-            return Ok(());
-        }
-        Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => {
-            let _ = tx.send(Reply::Welcome { version: VERSION }.encode());
-            if version != VERSION {
-                return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
+    c: &mut Connection,
+    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    body: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<Flow, String> {
+    let (conn, pid) = (c.conn, c.pid);
+    let request = Request::decode(body).map_err(|e| e.to_string())?;
+    if !c.greeted {
+        return match request {
+            Request::Status => {
+                let json = serde_json::to_string(&shared.status()).map_err(|e| e.to_string())?;
+                reply(out, &Reply::Status { json });
+                Ok(Flow::Close)
             }
-            if group.is_empty() {
-                return Err("Hello without a group".into());
+            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => {
+                reply(out, &Reply::Welcome { version: VERSION });
+                if version != VERSION {
+                    return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
+                }
+                if group.is_empty() {
+                    return Err("Hello without a group".into());
+                }
+                let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
+                shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx.clone());
+                tracing::info!(pid, %group, %pod, %resolver, priority, "shim connected");
+                shared.policy().hello(conn, Peer { pid, group, pod, resolver, priority, wait_timeout });
+                c.greeted = true;
+                Ok(Flow::Continue)
             }
-            let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
-            shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx.clone());
-            tracing::info!(pid, %group, %pod, %resolver, priority, "shim connected");
-            shared.policy().hello(conn, Peer { pid, group, pod, resolver, priority, wait_timeout });
-        }
-        other => return Err(format!("expected Hello or Status first, got {other:?}")),
+            other => Err(format!("expected Hello or Status first, got {other:?}")),
+        };
     }
-    loop {
-        let Some(body) = read_frame(reader).await? else { return Ok(()) };
-        match Request::decode(&body).map_err(|e| e.to_string())? {
-            Request::Register { device, total, request, limit, held, granted } => {
-                let result = shared.policy().register(conn, device, total, request, limit, held, granted);
-                match result {
-                    Ok(()) => {
-                        tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, "registered");
-                        shared.send(conn, &Reply::Registered { device });
-                    }
-                    Err(reason) => {
-                        shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
-                        tracing::warn!(pid, gpu = %uuid_string(&device), "registration refused: {reason}");
-                        shared.send(conn, &Reply::Refused { device, reason });
-                    }
+    match request {
+        Request::Register { device, total, request, limit, held, granted } => {
+            let result = shared.policy().register(conn, device, total, request, limit, held, granted);
+            match result {
+                Ok(()) => {
+                    tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, "registered");
+                    reply(out, &Reply::Registered { device });
+                }
+                Err(reason) => {
+                    shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
+                    tracing::warn!(pid, gpu = %uuid_string(&device), "registration refused: {reason}");
+                    reply(out, &Reply::Refused { device, reason });
                 }
             }
-            Request::Acquire { seq, device, bytes, preferred, held } => {
-                let outcome =
-                    shared.policy().acquire(conn, device, seq, bytes, preferred, held, Instant::now());
-                let gpu = GpuLabel { gpu: uuid_string(&device) };
-                match outcome {
-                    Outcome::Granted(granted) => {
-                        shared.metrics.grants.get_or_create(&gpu).inc();
-                        shared.metrics.granted_bytes.get_or_create(&gpu).inc_by(granted);
-                        tracing::debug!(pid, gpu = %gpu.gpu, bytes = granted, "grant");
-                        shared.send(conn, &Reply::Granted { seq, bytes: granted });
-                    }
-                    Outcome::Queued => {
-                        shared.metrics.waits.get_or_create(&gpu).inc();
-                        tracing::info!(pid, gpu = %gpu.gpu, bytes, "burst waits: memory is lent out");
-                        let answers = shared.policy().settle(device, Instant::now());
-                        shared.deliver(answers);
-                        shared.ask_to_give_back();
-                    }
-                    Outcome::Denied(reason) => {
-                        shared
-                            .metrics
-                            .refusals
-                            .get_or_create(&Refusal { reason: format!("{reason:?}") })
-                            .inc();
-                        shared.send(conn, &Reply::Denied { seq, reason });
-                    }
+        }
+        Request::Acquire { seq, device, bytes, preferred, held } => {
+            let outcome = shared.policy().acquire(conn, device, seq, bytes, preferred, held, Instant::now());
+            let gpu = shared.label(&device);
+            match outcome {
+                Outcome::Granted(granted) => {
+                    shared.metrics.grants.get_or_create(&gpu).inc();
+                    shared.metrics.granted_bytes.get_or_create(&gpu).inc_by(granted);
+                    reply(out, &Reply::Granted { seq, bytes: granted });
+                }
+                Outcome::Queued => {
+                    shared.metrics.waits.get_or_create(&gpu).inc();
+                    tracing::info!(pid, gpu = %gpu.gpu, bytes, "burst waits: memory is lent out");
+                    let answers = shared.policy().settle(device, Instant::now());
+                    shared.deliver(answers);
+                    shared.ask_to_give_back();
+                }
+                Outcome::Denied(reason) => {
+                    shared.metrics.refusals.get_or_create(&Refusal { reason: format!("{reason:?}") }).inc();
+                    reply(out, &Reply::Denied { seq, reason });
                 }
             }
-            Request::Release { device, bytes, held } => {
-                tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "release");
-                let answers = shared.policy().release(conn, device, bytes, held, Instant::now());
+        }
+        Request::Release { device, bytes, held } => {
+            let answers = shared.policy().release(conn, device, bytes, held, Instant::now());
+            if !answers.is_empty() {
                 shared.deliver(answers);
             }
-            other => return Err(format!("unexpected {other:?} after Hello")),
         }
+        other => return Err(format!("unexpected {other:?} after Hello")),
     }
+    Ok(Flow::Continue)
 }
