@@ -1,5 +1,38 @@
 //! Sizes the CUDA driver API implies: the bytes of CUDA arrays from their descriptors.
 
+/// `CUDA_ARRAY_DESCRIPTOR` with its format as a raw integer: a value from C that is not a
+/// known enumerator must be refused, not be undefined behaviour.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayDescriptor {
+    /// Width in elements.
+    pub width: usize,
+    /// Height in elements (0: one-dimensional).
+    pub height: usize,
+    /// `CUarray_format`.
+    pub format: u32,
+    /// Channels per element (1, 2 or 4).
+    pub channels: u32,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` with its format as a raw integer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct Array3DDescriptor {
+    /// Width in elements.
+    pub width: usize,
+    /// Height in elements (0: absent).
+    pub height: usize,
+    /// Depth in elements (0: absent).
+    pub depth: usize,
+    /// `CUarray_format`.
+    pub format: u32,
+    /// Channels per element (1, 2 or 4).
+    pub channels: u32,
+    /// `CUDA_ARRAY3D_*` flags.
+    pub flags: u32,
+}
+
 /// Bytes per element of a `CUarray_format`, for the formats with a fixed element size.
 pub fn array_format_bytes(format: u32) -> Option<u64> {
     Some(match format {

@@ -8,26 +8,35 @@ use std::process::Command;
 
 use gpufrac::config::Config;
 
-/// Settings for the command, as given on the command line.
-#[derive(Debug, Clone, Default)]
+/// Settings for the command, as given on the command line (`gpufrac run` flags).
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct RunSettings {
-    /// `GPUFRAC_MEMORY_REQUEST`.
+    /// Guaranteed GPU memory on each device (512MiB, 4GiB, 0.25, 25%).
+    #[arg(long)]
     pub request: String,
-    /// `GPUFRAC_MEMORY_LIMIT`.
+    /// Burst ceiling, at least the request (default: the request).
+    #[arg(long)]
     pub limit: Option<String>,
-    /// `GPUFRAC_RESOLVER`.
+    /// What a colliding burst does: wait, priority or swap.
+    #[arg(long)]
     pub resolver: Option<String>,
-    /// `GPUFRAC_PRIORITY`.
+    /// Higher wins under the priority resolver.
+    #[arg(long, allow_negative_numbers = true)]
     pub priority: Option<i32>,
-    /// `GPUFRAC_GROUP`.
+    /// Processes with the same group share one request and limit.
+    #[arg(long)]
     pub group: Option<String>,
-    /// `GPUFRAC_WAIT_TIMEOUT`.
+    /// How long a blocked burst waits (30s, 500ms).
+    #[arg(long)]
     pub wait_timeout: Option<String>,
-    /// `GPUFRAC_ARBITER_SOCKET`.
+    /// The arbiter's unix socket (default: standalone).
+    #[arg(long)]
     pub arbiter_socket: Option<PathBuf>,
-    /// `GPUFRAC_POD`.
+    /// namespace/name shown in status and metrics.
+    #[arg(long)]
     pub pod: Option<String>,
-    /// The shim; default `libgpufrac.so` beside the `gpufrac` executable.
+    /// The shim library (default: libgpufrac.so beside the gpufrac executable).
+    #[arg(long)]
     pub shim: Option<PathBuf>,
 }
 

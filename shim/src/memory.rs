@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_uint, c_ulonglong, c_void};
 
-use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes};
+use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes, Array3DDescriptor, ArrayDescriptor};
 
 use crate::driver::call;
 use crate::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
@@ -170,28 +170,6 @@ pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
     free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
 }
 
-/// `CUDA_ARRAY3D_DESCRIPTOR` read raw (width, height, depth, format, channels, flags).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Array3D {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: u32,
-    channels: u32,
-    flags: u32,
-}
-
-/// `CUDA_ARRAY_DESCRIPTOR` read raw.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Array2D {
-    width: usize,
-    height: usize,
-    format: u32,
-    channels: u32,
-}
-
 /// Arrays: charged from the descriptor before creation, then corrected to the size the
 /// driver reports (`cuArrayGetMemoryRequirements`).
 fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl FnMut() -> Status) -> Status {
@@ -232,19 +210,19 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
 }
 
 pub(crate) fn array_create(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<Array2D>())
+    let estimate = read(desc.cast::<ArrayDescriptor>())
         .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArrayCreate_v2(out, desc)))
 }
 
 pub(crate) fn array_3d_create(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<Array3D>())
+    let estimate = read(desc.cast::<Array3DDescriptor>())
         .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArray3DCreate_v2(out, desc)))
 }
 
 pub(crate) fn mipmapped_array_create(out: *mut Ptr, desc: *const c_void, levels: c_uint) -> Status {
-    let estimate = read(desc.cast::<Array3D>()).and_then(|d| {
+    let estimate = read(desc.cast::<Array3DDescriptor>()).and_then(|d| {
         mipmapped_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, levels)
     });
     array(estimate, out, true, || call_real!(cuMipmappedArrayCreate(out, desc, levels)))

@@ -15,33 +15,8 @@ struct Cli {
 enum Commands {
     /// Run a command under the shim, held to a GPU memory request and limit.
     Run {
-        /// Guaranteed GPU memory on each device (512MiB, 4GiB, 0.25, 25%).
-        #[arg(long)]
-        request: String,
-        /// Burst ceiling, at least the request (default: the request).
-        #[arg(long)]
-        limit: Option<String>,
-        /// What a colliding burst does: wait, priority or swap.
-        #[arg(long)]
-        resolver: Option<String>,
-        /// Higher wins under the priority resolver.
-        #[arg(long, allow_negative_numbers = true)]
-        priority: Option<i32>,
-        /// Processes with the same group share one request and limit.
-        #[arg(long)]
-        group: Option<String>,
-        /// How long a blocked burst waits (30s, 500ms).
-        #[arg(long)]
-        wait_timeout: Option<String>,
-        /// The arbiter's unix socket (default: standalone).
-        #[arg(long)]
-        arbiter_socket: Option<std::path::PathBuf>,
-        /// namespace/name shown in status and metrics.
-        #[arg(long)]
-        pod: Option<String>,
-        /// The shim library (default: libgpufrac.so beside this executable).
-        #[arg(long)]
-        shim: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        settings: run::RunSettings,
         /// The command and its arguments.
         #[arg(last = true, required = true)]
         command: Vec<std::ffi::OsString>,
@@ -81,29 +56,7 @@ fn main() {
 
 fn run() -> Result<()> {
     match Cli::parse().command {
-        Commands::Run {
-            request,
-            limit,
-            resolver,
-            priority,
-            group,
-            wait_timeout,
-            arbiter_socket,
-            pod,
-            shim,
-            command,
-        } => {
-            let settings = run::RunSettings {
-                request,
-                limit,
-                resolver,
-                priority,
-                group,
-                wait_timeout,
-                arbiter_socket,
-                pod,
-                shim,
-            };
+        Commands::Run { settings, command } => {
             let own_dir = demo::default_bin_dir();
             Err(run::exec(&settings, &command, own_dir.as_deref()).into())
         }

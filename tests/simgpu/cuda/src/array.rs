@@ -16,27 +16,7 @@ use crate::driver::driver;
 use crate::ffi::{new_handle, read_in, write_out, CUresult, CuResult};
 use crate::memory::{round_up, ALLOC_ALIGN};
 
-/// `CUDA_ARRAY_DESCRIPTOR` with the format read as a raw integer.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct ArrayDescRaw {
-    width: usize,
-    height: usize,
-    format: u32,
-    channels: u32,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR` with the format read as a raw integer.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct Array3DDescRaw {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: u32,
-    channels: u32,
-    flags: u32,
-}
+use gpufrac_common::cuda_sizes::{Array3DDescriptor as Array3DDescRaw, ArrayDescriptor as ArrayDescRaw};
 
 const _: () = assert!(size_of::<ArrayDescRaw>() == size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
 const _: () = assert!(size_of::<Array3DDescRaw>() == size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());

@@ -60,6 +60,16 @@ const _: () = assert!(size_of::<AllocPropRaw>() == size_of::<sys::CUmemAllocatio
 const _: () = assert!(size_of::<AccessDescRaw>() == size_of::<sys::CUmemAccessDesc>());
 const _: () = assert!(size_of::<PoolPropsRaw>() <= size_of::<sys::CUmemPoolProps>());
 
+/// The reservation holding all of `[ptr, ptr + size)`.
+fn reservation_containing(reg: &mut Registry, ptr: u64, size: u64) -> CuResult<&mut Reservation> {
+    reg.reservations
+        .range_mut(..=ptr)
+        .next_back()
+        .filter(|(&b, r)| ptr.saturating_add(size) <= b + r.size)
+        .map(|(_, r)| r)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+}
+
 /// Checks an allocation property: pinned device memory on an existing device.
 fn device_of(prop: *const c_void) -> CuResult<usize> {
     let prop: AllocPropRaw = read_in(prop.cast())?;
@@ -206,13 +216,7 @@ pub(crate) fn mem_map(
         Some(p) if p.refs > 0 && offset + size <= p.size => p.fd.as_raw_fd(),
         _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     };
-    let reservation = reg
-        .reservations
-        .range_mut(..=ptr)
-        .next_back()
-        .filter(|(&b, r)| ptr + size <= b + r.size)
-        .map(|(_, r)| r)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let reservation = reservation_containing(&mut reg, ptr, size)?;
     let overlaps = reservation.maps.range(..ptr + size).next_back().is_some_and(|(&b, m)| b + m.size > ptr);
     if overlaps {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -244,13 +248,7 @@ pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CuResult {
     driver()?;
     let size = size as u64;
     let mut reg = REGISTRY.write();
-    let reservation = reg
-        .reservations
-        .range_mut(..=ptr)
-        .next_back()
-        .filter(|(&b, r)| ptr + size <= b + r.size)
-        .map(|(_, r)| r)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let reservation = reservation_containing(&mut reg, ptr, size)?;
     // The range must be exactly a run of whole mappings.
     let pieces: Vec<(u64, Mapping)> =
         reservation.maps.range(ptr..ptr + size).map(|(&b, &m)| (b, m)).collect();
@@ -309,13 +307,7 @@ pub(crate) fn mem_set_access(ptr: CUdeviceptr, size: usize, desc: *const c_void,
     let flags = flags.unwrap_or(0);
     let size = size as u64;
     let mut reg = REGISTRY.write();
-    let reservation = reg
-        .reservations
-        .range_mut(..=ptr)
-        .next_back()
-        .filter(|(&b, r)| ptr + size <= b + r.size)
-        .map(|(_, r)| r)
-        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let reservation = reservation_containing(&mut reg, ptr, size)?;
     // Every byte of the range must be mapped.
     let mut at = ptr;
     while at < ptr + size {
