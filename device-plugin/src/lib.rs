@@ -3,4 +3,5 @@
 //! into those shares and the shim's settings (`webhook`).
 #![deny(missing_docs)]
 
+pub mod plugin;
 pub mod webhook;

@@ -1,2 +1,143 @@
-//! Kubernetes device plugin (in progress).
-fn main() {}
+//! `gpufrac-device-plugin`: advertises each GPU as shares of `gpufrac.io/gpu` to the
+//! kubelet, or (`webhook`) serves the admission webhook for the gpu-fraction annotations.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use gpufrac_device_plugin::plugin::allocation::AllocationConfig;
+use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
+use gpufrac_device_plugin::plugin::{health, runner};
+use gpufrac_device_plugin::webhook;
+
+#[derive(Parser)]
+#[command(
+    name = "gpufrac-device-plugin",
+    version,
+    about = "gpufrac's Kubernetes device plugin and admission webhook"
+)]
+struct Cli {
+    /// The kubelet's device plugin folder.
+    #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+    device_plugin_dir: PathBuf,
+    /// Shares each GPU is advertised as.
+    #[arg(long, default_value_t = 100)]
+    shares_per_gpu: u32,
+    /// Host folder holding libgpufrac.so (mounted read-only into containers).
+    #[arg(long, default_value = "/opt/gpufrac/lib")]
+    shim_dir: PathBuf,
+    /// The arbiter's socket (its folder is mounted into containers).
+    #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
+    arbiter_socket: PathBuf,
+    /// Our socket's file name in the device plugin folder.
+    #[arg(long, default_value = "gpufrac.sock")]
+    socket_name: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the admission webhook (HTTPS, POST /mutate).
+    Webhook {
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0:8443")]
+        listen: SocketAddr,
+        /// PEM certificate chain.
+        #[arg(long)]
+        tls_cert: PathBuf,
+        /// PEM private key.
+        #[arg(long)]
+        tls_key: PathBuf,
+    },
+}
+
+async fn terminated() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+fn main() {
+    let filter = std::env::var("GPUFRAC_LOG").unwrap_or_else(|_| "info".to_owned());
+    let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("gpufrac-device-plugin: error: invalid GPUFRAC_LOG={filter:?}: {e}");
+            std::process::exit(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("gpufrac-device-plugin: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match cli.command {
+        Some(Command::Webhook { listen, tls_cert, tls_key }) => runtime.block_on(async {
+            let tls = webhook::load_tls(&tls_cert, &tls_key)?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding --listen {listen}"))?;
+            tracing::info!(%listen, "serving the admission webhook");
+            webhook::serve(listener, tls, terminated()).await.context("serving the webhook")?;
+            Ok(())
+        }),
+        None => {
+            if !(1..=1000).contains(&cli.shares_per_gpu) {
+                bail!("--shares-per-gpu must be between 1 and 1000, not {}", cli.shares_per_gpu);
+            }
+            if !cli.device_plugin_dir.is_dir() {
+                bail!("--device-plugin-dir {} is not a folder", cli.device_plugin_dir.display());
+            }
+            if cli.socket_name.is_empty() || cli.socket_name.contains('/') {
+                bail!("--socket-name {:?} must be a plain file name", cli.socket_name);
+            }
+            let gpus = health::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
+            if gpus.is_empty() {
+                bail!("NVML reports no GPU on this node");
+            }
+            for g in &gpus {
+                let longest = share_id(&g.uuid, cli.shares_per_gpu - 1);
+                if longest.len() > MAX_ID_LEN {
+                    bail!("device ID {longest:?} is longer than Kubernetes allows ({MAX_ID_LEN})");
+                }
+                tracing::info!(gpu = %g.uuid, shares = cli.shares_per_gpu, "advertising GPU");
+            }
+            let (tx, rx) = tokio::sync::watch::channel(gpus);
+            let stop = Arc::new(AtomicBool::new(false));
+            let watcher = {
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name("xid-events".into())
+                    .spawn(move || health::watch_xids(tx, stop))?
+            };
+            let config = runner::RunnerConfig {
+                dir: cli.device_plugin_dir,
+                socket_name: cli.socket_name,
+                allocation: AllocationConfig {
+                    shares_per_gpu: cli.shares_per_gpu,
+                    shim_dir: cli.shim_dir,
+                    arbiter_socket: cli.arbiter_socket,
+                },
+            };
+            runtime.block_on(runner::run(config, rx, terminated()))?;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = watcher.join();
+            Ok(())
+        }
+    }
+}

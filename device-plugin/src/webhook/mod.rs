@@ -1,1 +1,102 @@
-//! The admission webhook (in progress).
+//! The admission webhook: turns a pod's `gpufrac.io/*` annotations into `gpufrac.io/gpu`
+//! shares and the shim's `GPUFRAC_*` settings (INTERFACE.md, "Kubernetes").
+//!
+//! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic,
+//!   with the annotations read in `settings.rs` and the JSON Patch built in `patch.rs`.
+//! - [`load_tls`] (`tls.rs`): the rustls configuration from PEM files.
+//! - [`serve`] (`server.rs`): HTTPS, `POST /mutate` and `GET /healthz`, on a listener
+//!   the caller bound, until the caller's shutdown future completes.
+//!
+//! `gpufrac-device-plugin webhook --listen ADDR --tls-cert FILE --tls-key FILE` is
+//! [`load_tls`], a bind, and [`serve`].
+
+use std::path::PathBuf;
+
+mod patch;
+mod review;
+mod server;
+mod settings;
+mod tls;
+
+pub use review::{review, try_review, BadReview, API_VERSION};
+pub use server::{serve, MAX_BODY_BYTES};
+pub use tls::load_tls;
+
+/// Why the webhook's TLS files cannot be used; every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// The file does not exist.
+    #[error("{what} {} does not exist", path.display())]
+    Missing {
+        /// Which file: the TLS certificate or the TLS private key.
+        what: &'static str,
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The file exists but cannot be read.
+    #[error("cannot read {what} {}", path.display())]
+    Unreadable {
+        /// Which file: the TLS certificate or the TLS private key.
+        what: &'static str,
+        /// The path given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid PEM.
+    #[error("{what} {} is not valid PEM", path.display())]
+    NotPem {
+        /// Which file: the TLS certificate or the TLS private key.
+        what: &'static str,
+        /// The path given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: rustls::pki_types::pem::Error,
+    },
+    /// The certificate file holds no `CERTIFICATE` block.
+    #[error("no certificate in TLS certificate {}{hint}", path.display())]
+    NoCertificate {
+        /// The path given.
+        path: PathBuf,
+        /// A hint for the user, or empty.
+        hint: &'static str,
+    },
+    /// The key file holds no private key block.
+    #[error("no private key in TLS private key {}{hint}", path.display())]
+    NoPrivateKey {
+        /// The path given.
+        path: PathBuf,
+        /// A hint for the user, or empty.
+        hint: &'static str,
+    },
+    /// The private key is not the certificate's.
+    #[error(
+        "TLS private key {} does not match TLS certificate {}",
+        key.display(),
+        cert.display()
+    )]
+    Mismatched {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+    },
+    /// rustls refused the certificate or the key (an unsupported key type, a certificate
+    /// it cannot parse).
+    #[error(
+        "cannot use TLS certificate {} with TLS private key {}",
+        cert.display(),
+        key.display()
+    )]
+    Rejected {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// Why.
+        #[source]
+        source: rustls::Error,
+    },
+}

@@ -1,0 +1,216 @@
+//! The JSON Patch (RFC 6902) that gives one container of a pod its GPU share: the
+//! `gpufrac.io/gpu` resource and the shim's `GPUFRAC_*` variables.
+//!
+//! The patch is correct whether or not the container already has `resources`,
+//! `resources.limits`, `resources.requests` or `env`: missing parents are added whole,
+//! and existing ones are added to (an `add` on an existing object member replaces it).
+
+use serde_json::{json, Value};
+
+/// The extended resource the device plugin advertises.
+pub(crate) const RESOURCE: &str = "gpufrac.io/gpu";
+
+/// The env variable holding the pod's generated name, when the name is not known at
+/// admission (`metadata.generateName`); `GPUFRAC_POD` refers to it as `$(…)`.
+pub(crate) const POD_NAME_HELPER: &str = "GPUFRAC_POD_NAME";
+
+/// How `GPUFRAC_POD` gets the pod's name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum PodName {
+    /// The name is known at admission: `GPUFRAC_POD=<namespace>/<name>`.
+    Known(String),
+    /// Only `generateName` is set, so the API server picks the name after admission: the
+    /// kubelet fills `GPUFRAC_POD_NAME` from the downward API (`metadata.name`) and
+    /// expands `GPUFRAC_POD=<namespace>/$(GPUFRAC_POD_NAME)`.
+    Generated,
+}
+
+/// What the chosen container gets.
+#[derive(Clone, Debug)]
+pub(crate) struct ContainerGrant {
+    /// Index in `spec.containers`.
+    pub(crate) index: usize,
+    /// `ceil(request × 100)`: the value of `gpufrac.io/gpu` in limits and requests.
+    pub(crate) shares: u32,
+    /// `GPUFRAC_MEMORY_LIMIT`.
+    pub(crate) memory_limit: String,
+    /// `GPUFRAC_RESOLVER`.
+    pub(crate) resolver: &'static str,
+    /// `GPUFRAC_PRIORITY`.
+    pub(crate) priority: String,
+    /// The namespace for `GPUFRAC_POD`.
+    pub(crate) namespace: String,
+    /// The name for `GPUFRAC_POD`.
+    pub(crate) name: PodName,
+}
+
+/// A JSON Pointer token, escaped (`~` → `~0`, `/` → `~1`).
+pub(crate) fn escape(token: &str) -> String {
+    token.replace('~', "~0").replace('/', "~1")
+}
+
+/// The patch operations for `container` (the current JSON of
+/// `spec.containers[grant.index]`).
+pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> Vec<Value> {
+    let base = format!("/spec/containers/{}", grant.index);
+    let quantity = Value::from(grant.shares.to_string());
+    let mut ops = Vec::new();
+
+    match container.get("resources").and_then(Value::as_object) {
+        None => ops.push(json!({
+            "op": "add",
+            "path": format!("{base}/resources"),
+            "value": {
+                "limits": { RESOURCE: quantity },
+                "requests": { RESOURCE: quantity },
+            },
+        })),
+        Some(resources) => {
+            // Extended resources need request == limit, so both are set.
+            for list in ["limits", "requests"] {
+                if resources.get(list).is_some_and(Value::is_object) {
+                    ops.push(json!({
+                        "op": "add",
+                        "path": format!("{base}/resources/{list}/{}", escape(RESOURCE)),
+                        "value": quantity,
+                    }));
+                } else {
+                    ops.push(json!({
+                        "op": "add",
+                        "path": format!("{base}/resources/{list}"),
+                        "value": { RESOURCE: quantity },
+                    }));
+                }
+            }
+        }
+    }
+
+    let existing = container.get("env").and_then(Value::as_array);
+    let env = merged_env(existing.map(Vec::as_slice).unwrap_or_default(), grant);
+    ops.push(json!({
+        "op": if existing.is_some() { "replace" } else { "add" },
+        "path": format!("{base}/env"),
+        "value": env,
+    }));
+    ops
+}
+
+/// The container's env with ours in: a variable of ours that the container already has is
+/// replaced where it stands (later duplicates dropped); the others are appended. The
+/// helper `GPUFRAC_POD_NAME`, when used, always stands right before `GPUFRAC_POD`, since
+/// the kubelet expands `$(VAR)` only from variables defined earlier.
+fn merged_env(existing: &[Value], grant: &ContainerGrant) -> Vec<Value> {
+    let var = |name: &str, value: &str| json!({ "name": name, "value": value });
+    let pod_value = match &grant.name {
+        PodName::Known(name) => format!("{}/{name}", grant.namespace),
+        PodName::Generated => format!("{}/$({POD_NAME_HELPER})", grant.namespace),
+    };
+    let helper = match grant.name {
+        PodName::Known(_) => None,
+        PodName::Generated => Some(json!({
+            "name": POD_NAME_HELPER,
+            "valueFrom": { "fieldRef": { "apiVersion": "v1", "fieldPath": "metadata.name" } },
+        })),
+    };
+    let ours: [(&str, Value); 4] = [
+        ("GPUFRAC_MEMORY_LIMIT", var("GPUFRAC_MEMORY_LIMIT", &grant.memory_limit)),
+        ("GPUFRAC_RESOLVER", var("GPUFRAC_RESOLVER", grant.resolver)),
+        ("GPUFRAC_PRIORITY", var("GPUFRAC_PRIORITY", &grant.priority)),
+        ("GPUFRAC_POD", var("GPUFRAC_POD", &pod_value)),
+    ];
+    let mut emitted = [false; 4];
+    let mut out = Vec::with_capacity(existing.len() + ours.len() + 1);
+    let mut emit = |i: usize, out: &mut Vec<Value>| {
+        if emitted[i] {
+            return;
+        }
+        emitted[i] = true;
+        if ours[i].0 == "GPUFRAC_POD" {
+            out.extend(helper.clone());
+        }
+        out.push(ours[i].1.clone());
+    };
+    for entry in existing {
+        let name = entry.get("name").and_then(Value::as_str);
+        if name == Some(POD_NAME_HELPER) {
+            continue; // put back, if needed, right before GPUFRAC_POD
+        }
+        match ours.iter().position(|(ours, _)| Some(*ours) == name) {
+            Some(i) => emit(i, &mut out),
+            None => out.push(entry.clone()),
+        }
+    }
+    for i in 0..ours.len() {
+        emit(i, &mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(name: PodName) -> ContainerGrant {
+        ContainerGrant {
+            index: 1,
+            shares: 25,
+            memory_limit: "0.5".into(),
+            resolver: "wait",
+            priority: "0".into(),
+            namespace: "ns".into(),
+            name,
+        }
+    }
+
+    fn names(env: &[Value]) -> Vec<&str> {
+        env.iter().map(|e| e["name"].as_str().unwrap_or("?")).collect()
+    }
+
+    #[test]
+    fn escapes_pointer_tokens() {
+        assert_eq!(escape("gpufrac.io/gpu"), "gpufrac.io~1gpu");
+        assert_eq!(escape("a~b/c"), "a~0b~1c");
+    }
+
+    #[test]
+    fn bare_container_gets_parents_added() {
+        let ops = container_patch(&json!({"name": "a"}), &grant(PodName::Known("p".into())));
+        assert_eq!(
+            ops[0],
+            json!({"op": "add", "path": "/spec/containers/1/resources",
+                   "value": {"limits": {"gpufrac.io/gpu": "25"},
+                             "requests": {"gpufrac.io/gpu": "25"}}})
+        );
+        assert_eq!(ops[1]["op"], "add");
+        assert_eq!(ops[1]["path"], "/spec/containers/1/env");
+        assert_eq!(ops[1]["value"][3], json!({"name": "GPUFRAC_POD", "value": "ns/p"}));
+    }
+
+    #[test]
+    fn existing_env_is_replaced_in_place() {
+        let existing = vec![
+            json!({"name": "A", "value": "1"}),
+            json!({"name": "GPUFRAC_RESOLVER", "value": "swap"}),
+            json!({"name": "GPUFRAC_POD_NAME", "value": "stale"}),
+            json!({"name": "B", "value": "$(GPUFRAC_RESOLVER)"}),
+            json!({"name": "GPUFRAC_RESOLVER", "value": "dup"}),
+            json!({"name": "GPUFRAC_POD", "value": "x"}),
+        ];
+        let env = merged_env(&existing, &grant(PodName::Generated));
+        assert_eq!(
+            names(&env),
+            [
+                "A",
+                "GPUFRAC_RESOLVER",
+                "B",
+                "GPUFRAC_POD_NAME",
+                "GPUFRAC_POD",
+                "GPUFRAC_MEMORY_LIMIT",
+                "GPUFRAC_PRIORITY"
+            ]
+        );
+        assert_eq!(env[1]["value"], "wait");
+        assert_eq!(env[4]["value"], "ns/$(GPUFRAC_POD_NAME)");
+        assert_eq!(env[3]["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+    }
+}

@@ -1,0 +1,297 @@
+//! The webhook's decision, as a pure function: an AdmissionReview (`admission.k8s.io/v1`)
+//! in, the AdmissionReview answer out. No I/O, so every rule is tested without a server.
+//!
+//! The rules (INTERFACE.md, "Kubernetes", is the contract):
+//! - Only `CREATE` of a Pod (`kind` group `""`, version `v1`, kind `Pod`, no
+//!   sub-resource) is looked at; every other request, `UPDATE` of a Pod included, is
+//!   allowed unchanged (a running pod's share cannot change).
+//! - A pod with none of the `gpufrac.io/*` annotations is allowed unchanged.
+//! - A pod with `gpufrac.io/gpu-fraction-limit`, `gpufrac.io/resolver` or
+//!   `gpufrac.io/container` but no `gpufrac.io/gpu-fraction` is refused: those alone
+//!   would do nothing, which is a mistake worth telling.
+//! - Bad values are refused (`allowed: false`, `status.code` 400) with a message naming
+//!   the annotation, the value and what is expected; every problem is listed.
+//! - A good pod is patched: its container (`gpufrac.io/container`, default the first)
+//!   gets `resources.limits` and `resources.requests` `gpufrac.io/gpu` =
+//!   `ceil(fraction × 100)`, and env `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
+//!   `GPUFRAC_PRIORITY` (`spec.priority`, else `0`) and `GPUFRAC_POD`
+//!   (`<namespace>/<name>`).
+//! - The request is granted in whole shares, so the device plugin's
+//!   `GPUFRAC_MEMORY_REQUEST` is `shares / 100`; `GPUFRAC_MEMORY_LIMIT` is the limit
+//!   annotation (default the request) but never below `shares / 100`, so the shim's
+//!   `limit >= request` holds (`0.333` → 34 shares, limit `0.34`). Rounding up is
+//!   reported as an AdmissionReview warning.
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use super::patch::{container_patch, ContainerGrant, PodName};
+use super::settings::{shown, Fraction, Settings, CONTAINER};
+
+/// The only AdmissionReview version served.
+pub const API_VERSION: &str = "admission.k8s.io/v1";
+
+/// A body that is not an AdmissionReview `admission.k8s.io/v1` with a request and a uid:
+/// there is no one to answer, so the server answers HTTP 400 with this message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not an AdmissionReview admission.k8s.io/v1 request: {0}")]
+pub struct BadReview(String);
+
+/// The answer to an AdmissionReview: `review` for a well-formed request, and for anything
+/// else an AdmissionReview that refuses (code 400) with the [`BadReview`] message, with
+/// the request's uid when one could be read.
+///
+/// The server uses [`try_review`], which tells the two apart.
+pub fn review(request: &Value) -> Value {
+    try_review(request).unwrap_or_else(|bad| {
+        let uid = request.pointer("/request/uid").and_then(Value::as_str).unwrap_or_default();
+        envelope(uid, Decision::Refuse(bad.to_string()))
+    })
+}
+
+/// The answer to an AdmissionReview `admission.k8s.io/v1`: the same apiVersion and kind,
+/// `response.uid` = `request.uid`, `allowed`, and either a JSON Patch (`patchType`
+/// `JSONPatch`, `patch` in base64) or, on refusal, `status.code` 400 and
+/// `status.message`. `Err` when the body is not such a review (see [`BadReview`]).
+pub fn try_review(body: &Value) -> Result<Value, BadReview> {
+    let Some(body) = body.as_object() else {
+        return Err(BadReview(format!("expected a JSON object, got {}", json_type(body))));
+    };
+    match body.get("apiVersion") {
+        Some(Value::String(v)) if v == API_VERSION => {}
+        Some(v) => return Err(BadReview(format!("apiVersion {v} is not served: expected {API_VERSION:?}"))),
+        None => return Err(BadReview("apiVersion is missing".into())),
+    }
+    match body.get("kind") {
+        Some(Value::String(k)) if k == "AdmissionReview" => {}
+        Some(k) => return Err(BadReview(format!("kind {k} is not served: expected \"AdmissionReview\""))),
+        None => return Err(BadReview("kind is missing".into())),
+    }
+    let Some(request) = body.get("request").filter(|r| r.is_object()) else {
+        return Err(BadReview("request is missing or not an object".into()));
+    };
+    let uid = match request.get("uid") {
+        Some(Value::String(uid)) if !uid.is_empty() => uid,
+        _ => return Err(BadReview("request.uid is missing or not a string".into())),
+    };
+    Ok(envelope(uid, decide(request)))
+}
+
+/// What the webhook does with one request.
+#[derive(Debug)]
+enum Decision {
+    /// Allowed, unchanged.
+    Allow,
+    /// Allowed with this JSON Patch, and these warnings for the user.
+    Patch(Vec<Value>, Vec<String>),
+    /// Refused with this message.
+    Refuse(String),
+}
+
+/// The AdmissionReview answer around a decision.
+fn envelope(uid: &str, decision: Decision) -> Value {
+    let response = match decision {
+        Decision::Allow => json!({ "uid": uid, "allowed": true }),
+        Decision::Patch(ops, warnings) => {
+            let patch = Value::Array(ops).to_string();
+            let mut response = json!({
+                "uid": uid,
+                "allowed": true,
+                "patchType": "JSONPatch",
+                "patch": base64::engine::general_purpose::STANDARD.encode(patch),
+            });
+            if !warnings.is_empty() {
+                response["warnings"] = json!(warnings);
+            }
+            response
+        }
+        Decision::Refuse(message) => json!({
+            "uid": uid,
+            "allowed": false,
+            "status": { "code": 400, "reason": "BadRequest", "message": message },
+        }),
+    };
+    json!({ "apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response })
+}
+
+/// The decision for a well-formed `request`.
+fn decide(request: &Value) -> Decision {
+    let kind = (
+        str_at(request, "/kind/group").unwrap_or_default(),
+        str_at(request, "/kind/version").unwrap_or_default(),
+        str_at(request, "/kind/kind").unwrap_or_default(),
+    );
+    if kind != ("", "v1", "Pod") {
+        return Decision::Allow;
+    }
+    if str_at(request, "/subResource").is_some_and(|s| !s.is_empty()) {
+        return Decision::Allow;
+    }
+    if str_at(request, "/operation") != Some("CREATE") {
+        return Decision::Allow;
+    }
+    let Some(pod) = request.get("object").filter(|o| o.is_object()) else {
+        return Decision::Refuse("request.object is not a Pod: expected the pod to create".into());
+    };
+
+    let settings =
+        match Settings::from_annotations(pod.pointer("/metadata/annotations").and_then(Value::as_object)) {
+            Ok(None) => return Decision::Allow,
+            Ok(Some(settings)) => settings,
+            Err(message) => return Decision::Refuse(message),
+        };
+
+    let containers =
+        pod.pointer("/spec/containers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let name_of = |c: &Value| c.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+    let index = match &settings.container {
+        None if containers.is_empty() => {
+            return Decision::Refuse("the pod has no containers to give the GPU to".into())
+        }
+        None => 0,
+        Some(wanted) => match containers.iter().position(|c| name_of(c) == *wanted) {
+            Some(index) => index,
+            None => {
+                let names: Vec<String> =
+                    containers.iter().map(|c| Value::from(name_of(c)).to_string()).collect();
+                return Decision::Refuse(format!(
+                    "{CONTAINER}={}: expected the name of one of the pod's containers ({})",
+                    shown(wanted),
+                    if names.is_empty() { "it has none".to_owned() } else { names.join(", ") },
+                ));
+            }
+        },
+    };
+
+    let shares = settings.request.shares();
+    let granted = Fraction::from_shares(shares);
+    let mut warnings = Vec::new();
+    if granted.as_ref() != Some(&settings.request) {
+        warnings.push(format!(
+            "gpufrac.io/gpu-fraction={} is granted in whole shares of 1/100 GPU: {shares} \
+             shares ({} GPU)",
+            settings.request,
+            granted.as_ref().map(ToString::to_string).unwrap_or_default(),
+        ));
+    }
+    let memory_limit = match (settings.limit, granted) {
+        (Some(limit), Some(granted)) => limit.max(granted),
+        (Some(limit), None) => limit,
+        (None, Some(granted)) => granted,
+        (None, None) => settings.request,
+    };
+
+    let non_empty = |v: Option<&str>| v.filter(|s| !s.is_empty()).map(str::to_owned);
+    let namespace = non_empty(str_at(request, "/namespace"))
+        .or_else(|| non_empty(str_at(pod, "/metadata/namespace")))
+        .unwrap_or_else(|| "default".to_owned());
+    let name = match non_empty(str_at(request, "/name")).or_else(|| non_empty(str_at(pod, "/metadata/name")))
+    {
+        Some(name) => PodName::Known(name),
+        None => PodName::Generated,
+    };
+    let priority = pod.pointer("/spec/priority").and_then(Value::as_i64).unwrap_or(0).to_string();
+
+    let grant = ContainerGrant {
+        index,
+        shares,
+        memory_limit: memory_limit.to_string(),
+        resolver: settings.resolver.as_str(),
+        priority,
+        namespace,
+        name,
+    };
+    Decision::Patch(container_patch(&containers[index], &grant), warnings)
+}
+
+/// The string at `pointer` in `value`, if it is one.
+fn str_at<'a>(value: &'a Value, pointer: &str) -> Option<&'a str> {
+    value.pointer(pointer).and_then(Value::as_str)
+}
+
+/// The JSON type of a value, for messages.
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(object: Value) -> Value {
+        json!({
+            "apiVersion": API_VERSION,
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u-1",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "namespace": "ns",
+                "operation": "CREATE",
+                "object": object,
+            },
+        })
+    }
+
+    fn patch_of(answer: &Value) -> Vec<Value> {
+        let b64 = answer["response"]["patch"].as_str().expect("a patch");
+        let bytes = base64::engine::general_purpose::STANDARD.decode(b64).expect("base64");
+        serde_json::from_slice(&bytes).expect("a JSON array")
+    }
+
+    #[test]
+    fn rounded_request_raises_the_limit_and_warns() {
+        let pod = json!({
+            "metadata": {"name": "p", "annotations": {"gpufrac.io/gpu-fraction": "0.333"}},
+            "spec": {"containers": [{"name": "a"}]},
+        });
+        let answer = review(&admission(pod));
+        assert_eq!(answer["response"]["allowed"], true);
+        let ops = patch_of(&answer);
+        assert_eq!(ops[0]["value"]["limits"]["gpufrac.io/gpu"], "34");
+        assert_eq!(ops[1]["value"][0], json!({"name": "GPUFRAC_MEMORY_LIMIT", "value": "0.34"}));
+        let warning = answer["response"]["warnings"][0].as_str().expect("a warning");
+        assert!(warning.contains("34 shares"), "{warning}");
+    }
+
+    #[test]
+    fn bad_envelopes() {
+        assert!(try_review(&json!([])).is_err());
+        assert!(try_review(&json!({"apiVersion": "admission.k8s.io/v1beta1",
+                                   "kind": "AdmissionReview", "request": {"uid": "x"}}))
+        .is_err());
+        assert!(try_review(&json!({"apiVersion": API_VERSION, "kind": "AdmissionReview"})).is_err());
+        let mut no_uid = admission(json!({}));
+        no_uid["request"]["uid"] = Value::Null;
+        assert!(try_review(&no_uid).is_err());
+        // `review` still answers, refusing.
+        let answer = review(&json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
+                                    "request": {"uid": "u-9"}, "extra": 1}));
+        assert_eq!(answer["response"]["allowed"], true); // a request with no kind is not a Pod
+        let answer = review(&json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
+                                    "request": "x"}));
+        assert_eq!(answer["response"]["allowed"], false);
+        assert_eq!(answer["response"]["status"]["code"], 400);
+    }
+
+    #[test]
+    fn subresources_and_updates_pass() {
+        let pod = json!({
+            "metadata": {"name": "p", "annotations": {"gpufrac.io/gpu-fraction": "7"}},
+            "spec": {"containers": [{"name": "a"}]},
+        });
+        let mut update = admission(pod.clone());
+        update["request"]["operation"] = json!("UPDATE");
+        assert_eq!(review(&update)["response"], json!({"uid": "u-1", "allowed": true}));
+        let mut status = admission(pod);
+        status["request"]["subResource"] = json!("status");
+        assert_eq!(review(&status)["response"], json!({"uid": "u-1", "allowed": true}));
+    }
+}

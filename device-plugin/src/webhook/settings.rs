@@ -1,0 +1,378 @@
+//! The pod annotations the webhook reads (`gpufrac.io/*`), parsed and checked into
+//! [`Settings`], with the refusal messages a user sees in `kubectl`.
+//!
+//! Fractions are kept as exact decimals ([`Fraction`]), never as `f64`: `0.07 × 100` must
+//! be 7 shares, not 8, and `0.3` must compare equal to `0.30`.
+
+use std::fmt;
+
+use serde_json::{Map, Value};
+
+/// The request, as a fraction of one GPU.
+pub(crate) const FRACTION: &str = "gpufrac.io/gpu-fraction";
+/// The limit (burst ceiling), as a fraction of one GPU.
+pub(crate) const FRACTION_LIMIT: &str = "gpufrac.io/gpu-fraction-limit";
+/// The resolver: `wait`, `priority` or `swap`.
+pub(crate) const RESOLVER: &str = "gpufrac.io/resolver";
+/// The container that gets the GPU share.
+pub(crate) const CONTAINER: &str = "gpufrac.io/container";
+
+/// Shares per whole GPU: a fraction `f` asks for `ceil(f × 100)` shares.
+pub(crate) const SHARES_PER_GPU: u32 = 100;
+
+/// What an annotation value must look like, said in every refusal of a fraction.
+const FRACTION_EXPECTED: &str = "expected a fraction 0 < f <= 1, such as 0.25";
+
+/// An exact decimal `0 < f <= 1`.
+///
+/// `whole` is true for exactly 1 (and then `digits` is empty); otherwise the value is
+/// `0.<digits>` with no trailing zeros and at least one non-zero digit. The derived order
+/// is the numeric order: `whole` first, then the digits lexicographically (`0.2 < 0.25`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Fraction {
+    whole: bool,
+    digits: Vec<u8>,
+}
+
+impl Fraction {
+    /// Parses a plain decimal number `0 < f <= 1` (`0.25`, `.5`, `1`, `1.0`), surrounding
+    /// whitespace allowed. Signs, exponents, `NaN`, `inf` and percentages are refused.
+    pub(crate) fn parse(text: &str) -> Option<Fraction> {
+        let text = text.trim();
+        let (int, frac) = match text.split_once('.') {
+            Some((int, frac)) => (int, frac),
+            None => (text, ""),
+        };
+        if int.is_empty() && frac.is_empty() {
+            return None;
+        }
+        if !int.bytes().all(|b| b.is_ascii_digit()) || !frac.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let whole = match int.trim_start_matches('0') {
+            "" => false,
+            "1" => true,
+            _ => return None,
+        };
+        let digits: Vec<u8> = frac.trim_end_matches('0').bytes().map(|b| b - b'0').collect();
+        match (whole, digits.is_empty()) {
+            (true, true) => Some(Fraction { whole, digits }),
+            (false, false) => Some(Fraction { whole, digits }),
+            // 1.x with x > 0 is above one GPU; 0.0 is nothing.
+            _ => None,
+        }
+    }
+
+    /// The fraction of `shares` out of [`SHARES_PER_GPU`]; `None` for 0 or above 100.
+    pub(crate) fn from_shares(shares: u32) -> Option<Fraction> {
+        match shares {
+            0 => None,
+            SHARES_PER_GPU => Some(Fraction { whole: true, digits: Vec::new() }),
+            s if s < SHARES_PER_GPU => {
+                let mut digits = vec![(s / 10) as u8, (s % 10) as u8];
+                while digits.last() == Some(&0) {
+                    digits.pop();
+                }
+                Some(Fraction { whole: false, digits })
+            }
+            _ => None,
+        }
+    }
+
+    /// `ceil(self × 100)`, exactly: between 1 and 100.
+    pub(crate) fn shares(&self) -> u32 {
+        if self.whole {
+            return SHARES_PER_GPU;
+        }
+        let digit = |i: usize| u32::from(self.digits.get(i).copied().unwrap_or(0));
+        // Trailing zeros are trimmed, so any digit past the hundredths is a non-zero rest.
+        let rest = u32::from(self.digits.len() > 2);
+        digit(0) * 10 + digit(1) + rest
+    }
+}
+
+impl fmt::Display for Fraction {
+    /// The canonical plain number: `1`, or `0.` and the digits (`0.25`, `0.5`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.whole {
+            return f.write_str("1");
+        }
+        f.write_str("0.")?;
+        for d in &self.digits {
+            write!(f, "{d}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What a workload does when its burst collides with another's (`GPUFRAC_RESOLVER`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Resolver {
+    /// Wait until the memory is free (the default).
+    Wait,
+    /// The higher `GPUFRAC_PRIORITY` wins.
+    Priority,
+    /// Swap the other workload's burst out.
+    Swap,
+}
+
+impl Resolver {
+    fn parse(text: &str) -> Option<Resolver> {
+        match text.trim() {
+            "wait" => Some(Resolver::Wait),
+            "priority" => Some(Resolver::Priority),
+            "swap" => Some(Resolver::Swap),
+            _ => None,
+        }
+    }
+
+    /// The value of `GPUFRAC_RESOLVER`.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Resolver::Wait => "wait",
+            Resolver::Priority => "priority",
+            Resolver::Swap => "swap",
+        }
+    }
+}
+
+/// A pod's checked `gpufrac.io/*` annotations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Settings {
+    /// `gpufrac.io/gpu-fraction`.
+    pub(crate) request: Fraction,
+    /// `gpufrac.io/gpu-fraction-limit`, when set (then `>= request`).
+    pub(crate) limit: Option<Fraction>,
+    /// `gpufrac.io/resolver`, `wait` when unset.
+    pub(crate) resolver: Resolver,
+    /// `gpufrac.io/container`, when set (not yet checked against the pod's containers).
+    pub(crate) container: Option<String>,
+}
+
+impl Settings {
+    /// Reads the annotations of a pod (`metadata.annotations`, absent or an object).
+    ///
+    /// `Ok(None)`: no `gpufrac.io/gpu-fraction` and none of the other `gpufrac.io/*`
+    /// annotations above, so the pod is not ours. `Err`: every problem found, each naming
+    /// the annotation and its value, joined with `; `. The companions of the fraction
+    /// without the fraction itself are a mistake (a limit or resolver that would silently
+    /// do nothing), so they are refused, naming `gpufrac.io/gpu-fraction` as missing.
+    pub(crate) fn from_annotations(
+        annotations: Option<&Map<String, Value>>,
+    ) -> Result<Option<Settings>, String> {
+        let empty = Map::new();
+        let annotations = annotations.unwrap_or(&empty);
+        let mut problems = Vec::new();
+        let mut get = |key: &str| -> Option<String> {
+            match annotations.get(key)? {
+                Value::String(s) => Some(s.clone()),
+                other => {
+                    problems.push(format!("{key}={other}: expected a string"));
+                    None
+                }
+            }
+        };
+        let request_text = get(FRACTION);
+        let limit_text = get(FRACTION_LIMIT);
+        let resolver_text = get(RESOLVER);
+        let container = get(CONTAINER);
+
+        let Some(request_text) = request_text else {
+            let companions: Vec<&str> = [FRACTION_LIMIT, RESOLVER, CONTAINER]
+                .into_iter()
+                .filter(|k| annotations.contains_key(*k))
+                .collect();
+            if companions.is_empty() && problems.is_empty() {
+                return Ok(None);
+            }
+            if !annotations.contains_key(FRACTION) {
+                problems.insert(
+                    0,
+                    format!(
+                        "{FRACTION} is missing: the pod sets {} but no GPU fraction to \
+                         request; add {FRACTION} (a fraction 0 < f <= 1, such as 0.25) or \
+                         remove {}",
+                        companions.join(", "),
+                        if companions.len() == 1 { "it" } else { "them" },
+                    ),
+                );
+            }
+            return Err(problems.join("; "));
+        };
+
+        let request = Fraction::parse(&request_text);
+        if request.is_none() {
+            problems.push(fraction_problem(FRACTION, &request_text, FRACTION_EXPECTED));
+        }
+        let limit = match &limit_text {
+            None => None,
+            Some(text) => match Fraction::parse(text) {
+                None => {
+                    problems.push(fraction_problem(
+                        FRACTION_LIMIT,
+                        text,
+                        "expected a fraction 0 < f <= 1 and >= gpufrac.io/gpu-fraction",
+                    ));
+                    None
+                }
+                Some(limit) => {
+                    if let Some(request) = &request {
+                        if limit < *request {
+                            problems.push(format!(
+                                "{FRACTION_LIMIT}={}: expected a fraction >= {FRACTION} \
+                                 ({request}) and <= 1",
+                                shown(text),
+                            ));
+                        }
+                    }
+                    Some(limit)
+                }
+            },
+        };
+        let resolver = match &resolver_text {
+            None => Some(Resolver::Wait),
+            Some(text) => {
+                let resolver = Resolver::parse(text);
+                if resolver.is_none() {
+                    problems.push(format!("{RESOLVER}={}: expected wait, priority or swap", shown(text),));
+                }
+                resolver
+            }
+        };
+        match (request, resolver) {
+            (Some(request), Some(resolver)) if problems.is_empty() => {
+                Ok(Some(Settings { request, limit, resolver, container }))
+            }
+            _ => Err(problems.join("; ")),
+        }
+    }
+}
+
+/// The refusal of a fraction annotation, with a hint for a percentage.
+fn fraction_problem(key: &str, text: &str, expected: &str) -> String {
+    let hint = match text.trim().strip_suffix('%') {
+        Some(_) => " (a fraction, not a percentage: 0.25 for 25%)",
+        None => "",
+    };
+    format!("{key}={}: {expected}{hint}", shown(text))
+}
+
+/// An annotation value as shown in a message: quoted as JSON, cut after 64 characters so
+/// a huge value does not make a huge message.
+pub(crate) fn shown(text: &str) -> String {
+    const MAX: usize = 64;
+    match text.char_indices().nth(MAX) {
+        None => Value::from(text).to_string(),
+        Some((cut, _)) => format!("{}…", Value::from(&text[..cut])),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(text: &str) -> Option<String> {
+        Fraction::parse(text).map(|f| f.to_string())
+    }
+
+    #[test]
+    fn fractions_accepted_are_plain_numbers_in_range() {
+        assert_eq!(parse("0.25").as_deref(), Some("0.25"));
+        assert_eq!(parse(".5").as_deref(), Some("0.5"));
+        assert_eq!(parse("0.50").as_deref(), Some("0.5"));
+        assert_eq!(parse("1").as_deref(), Some("1"));
+        assert_eq!(parse("1.000").as_deref(), Some("1"));
+        assert_eq!(parse("001.").as_deref(), Some("1"));
+        assert_eq!(parse(" 0.3 ").as_deref(), Some("0.3"));
+        assert_eq!(parse("0.001").as_deref(), Some("0.001"));
+    }
+
+    #[test]
+    fn fractions_refused() {
+        for bad in [
+            "", " ", ".", "0", "0.0", "00", "1.5", "1.01", "2", "10", "-0.5", "+0.5", "abc", "25%", "NaN",
+            "nan", "inf", "infinity", "1e-1", "0.2.5", "0,25", "0x1", "½",
+        ] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn shares_round_up_exactly() {
+        let shares = |t: &str| Fraction::parse(t).map(|f| f.shares());
+        assert_eq!(shares("0.25"), Some(25));
+        assert_eq!(shares("0.07"), Some(7)); // 0.07 * 100.0 is 7.000000000000001 in f64
+        assert_eq!(shares("0.29"), Some(29));
+        assert_eq!(shares("0.333"), Some(34));
+        assert_eq!(shares("0.001"), Some(1));
+        assert_eq!(shares("0.5"), Some(50));
+        assert_eq!(shares("0.991"), Some(100));
+        assert_eq!(shares("1"), Some(100));
+        assert_eq!(shares("0.2500000000000000000000000001"), Some(26));
+    }
+
+    #[test]
+    fn from_shares_round_trips() {
+        for s in 1..=100 {
+            let f = Fraction::from_shares(s).expect("1..=100 is a fraction");
+            assert_eq!(f.shares(), s);
+            assert_eq!(Fraction::parse(&f.to_string()), Some(f));
+        }
+        assert_eq!(Fraction::from_shares(0), None);
+        assert_eq!(Fraction::from_shares(101), None);
+        assert_eq!(Fraction::from_shares(40).map(|f| f.to_string()).as_deref(), Some("0.4"));
+    }
+
+    #[test]
+    fn order_is_numeric() {
+        let f = |t: &str| Fraction::parse(t).expect("valid");
+        assert!(f("0.2") < f("0.25"));
+        assert!(f("0.25") < f("0.3"));
+        assert!(f("0.99999") < f("1"));
+        assert_eq!(f("0.30"), f(".3"));
+    }
+
+    fn settings(annotations: Value) -> Result<Option<Settings>, String> {
+        Settings::from_annotations(annotations.as_object())
+    }
+
+    #[test]
+    fn annotations_read() {
+        assert_eq!(settings(json!({"other": "x"})), Ok(None));
+        assert_eq!(Settings::from_annotations(None), Ok(None));
+        let s = settings(json!({FRACTION: "0.25", FRACTION_LIMIT: "0.5", RESOLVER: "swap",
+                                CONTAINER: "b"}))
+        .expect("valid")
+        .expect("ours");
+        assert_eq!(s.request.to_string(), "0.25");
+        assert_eq!(s.limit.map(|l| l.to_string()).as_deref(), Some("0.5"));
+        assert_eq!(s.resolver, Resolver::Swap);
+        assert_eq!(s.container.as_deref(), Some("b"));
+        // A limit equal to the request, written differently, is fine.
+        assert!(settings(json!({FRACTION: "0.3", FRACTION_LIMIT: "0.30"})).is_ok());
+    }
+
+    #[test]
+    fn annotations_refused_with_every_problem() {
+        let err = settings(json!({FRACTION: "1.5", RESOLVER: "fast"})).expect_err("bad");
+        assert!(err.contains(r#"gpufrac.io/gpu-fraction="1.5": expected a fraction 0 < f <= 1"#));
+        assert!(err.contains(r#"gpufrac.io/resolver="fast": expected wait, priority or swap"#));
+        let err = settings(json!({FRACTION: "25%"})).expect_err("bad");
+        assert!(err.contains("not a percentage"), "{err}");
+        let err = settings(json!({FRACTION: "0.5", FRACTION_LIMIT: "0.25"})).expect_err("bad");
+        assert!(err.contains(r#"gpufrac.io/gpu-fraction-limit="0.25": expected a fraction >= gpufrac.io/gpu-fraction (0.5)"#), "{err}");
+        let err = settings(json!({FRACTION_LIMIT: "0.5"})).expect_err("bad");
+        assert!(err.starts_with("gpufrac.io/gpu-fraction is missing"), "{err}");
+        assert!(err.contains(FRACTION_LIMIT), "{err}");
+        let err = settings(json!({FRACTION: 0.5})).expect_err("bad");
+        assert!(err.contains("expected a string"), "{err}");
+    }
+
+    #[test]
+    fn long_values_are_cut_in_messages() {
+        let long = "9".repeat(10_000);
+        let err = settings(json!({FRACTION: long})).expect_err("bad");
+        assert!(err.len() < 200, "{err}");
+    }
+}

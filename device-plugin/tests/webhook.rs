@@ -1,0 +1,779 @@
+//! The admission webhook end to end, over real HTTPS: a CA and a `localhost` certificate
+//! made with rcgen, `load_tls` from PEM files, `serve` on 127.0.0.1, and AdmissionReview
+//! bodies sent by a hyper client that trusts only that CA. Patches are decoded and applied
+//! with `json-patch` to the pod sent, and the resulting pod is checked.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use gpufrac_device_plugin::webhook::{self, load_tls, review, serve, MAX_BODY_BYTES};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
+
+/// PEM files for a server certificate signed by a test CA.
+struct Pki {
+    dir: TempDir,
+    ca_der: CertificateDer<'static>,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
+        let issuer = Issuer::new(ca_params, ca_key);
+
+        let key = KeyPair::generate().expect("server key");
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.subject_alt_names.push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        let cert = params.signed_by(&key, &issuer).expect("server certificate");
+
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).expect("write");
+        std::fs::write(dir.path().join("tls.crt"), cert.pem()).expect("write");
+        std::fs::write(dir.path().join("tls.key"), key.serialize_pem()).expect("write");
+        Pki { dir, ca_der: ca.der().clone() }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn cert(&self) -> PathBuf {
+        self.path("tls.crt")
+    }
+
+    fn key(&self) -> PathBuf {
+        self.path("tls.key")
+    }
+
+    fn write(&self, name: &str, contents: impl AsRef<[u8]>) -> PathBuf {
+        let path = self.path(name);
+        std::fs::write(&path, contents).expect("write");
+        path
+    }
+}
+
+/// A running webhook and a client for it.
+struct Server {
+    _pki: Pki,
+    addr: std::net::SocketAddr,
+    connector: TlsConnector,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+/// An HTTP answer.
+struct Answer {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Server {
+    async fn start() -> Server {
+        let pki = Pki::new();
+        let tls = load_tls(&pki.cert(), &pki.key()).expect("load_tls");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, tls, async move {
+            let _ = stopped.await;
+        }));
+        let connector = connector(&pki.ca_der);
+        Server { _pki: pki, addr, connector, stop: Some(stop), task }
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: impl Into<Bytes>,
+    ) -> Answer {
+        let tcp = TcpStream::connect(self.addr).await.expect("connect");
+        let name = ServerName::try_from("localhost").expect("server name");
+        let tls = self.connector.connect(name, tcp).await.expect("TLS handshake");
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.expect("HTTP handshake");
+        tokio::spawn(conn);
+        let mut request = Request::builder().method(method).uri(path).header("host", "localhost");
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        let request = request.body(Full::new(body.into())).expect("request");
+        let response = sender.send_request(request).await.expect("response");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.expect("response body").to_bytes();
+        Answer { status, headers, body }
+    }
+
+    /// POSTs an AdmissionReview to /mutate and returns the answer, which must be a 200
+    /// AdmissionReview for the same uid.
+    async fn mutate(&self, review: &Value) -> Value {
+        let answer =
+            self.request(Method::POST, "/mutate", Some("application/json"), review.to_string()).await;
+        assert_eq!(answer.status, StatusCode::OK, "{}", answer.text());
+        assert_eq!(answer.headers["content-type"], "application/json");
+        let value: Value = serde_json::from_slice(&answer.body).expect("JSON answer");
+        assert_eq!(value["apiVersion"], "admission.k8s.io/v1");
+        assert_eq!(value["kind"], "AdmissionReview");
+        assert_eq!(value["response"]["uid"], review["request"]["uid"]);
+        value
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let result = tokio::time::timeout(Duration::from_secs(10), &mut self.task)
+            .await
+            .expect("serve returns after shutdown")
+            .expect("serve did not panic");
+        result.expect("serve returns Ok");
+    }
+}
+
+fn connector(ca: &CertificateDer<'static>) -> TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).expect("CA certificate");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    TlsConnector::from(Arc::new(config))
+}
+
+/// An AdmissionReview for the creation of `pod` in namespace `ml`.
+fn create(pod: Value) -> Value {
+    let name = pod.pointer("/metadata/name").cloned().unwrap_or(json!(""));
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": name,
+            "namespace": "ml",
+            "operation": "CREATE",
+            "userInfo": {"username": "admin", "groups": ["system:authenticated"]},
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    })
+}
+
+/// A pod named `trainer` with these annotations and containers.
+fn pod(annotations: Value, containers: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "trainer", "namespace": "ml", "annotations": annotations},
+        "spec": {"containers": containers},
+    })
+}
+
+fn container(name: &str) -> Value {
+    json!({"name": name, "image": "registry.example/train:1"})
+}
+
+/// The pod sent in `review`, with the answer's patch applied.
+fn patched(review: &Value, answer: &Value) -> Value {
+    let response = &answer["response"];
+    assert_eq!(response["allowed"], true, "{answer}");
+    assert_eq!(response["patchType"], "JSONPatch");
+    let b64 = response["patch"].as_str().expect("patch is a string");
+    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).expect("patch is base64");
+    let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON Patch");
+    let mut pod = review["request"]["object"].clone();
+    json_patch::patch(&mut pod, &patch).expect("the patch applies");
+    pod
+}
+
+/// The env of a container as name → value (a `valueFrom` shown as its JSON), asserting no
+/// name appears twice.
+fn env_of(container: &Value) -> Vec<(String, String)> {
+    let env = container["env"].as_array().expect("env");
+    let pairs: Vec<(String, String)> = env
+        .iter()
+        .map(|e| {
+            let name = e["name"].as_str().expect("name").to_owned();
+            let value = match e.get("value") {
+                Some(Value::String(v)) => v.clone(),
+                _ => e["valueFrom"].to_string(),
+            };
+            (name, value)
+        })
+        .collect();
+    let mut names: Vec<&str> = pairs.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    let before = names.len();
+    names.dedup();
+    assert_eq!(before, names.len(), "duplicate env names: {env:?}");
+    pairs
+}
+
+fn env_value<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    env.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+}
+
+fn assert_allowed_unchanged(answer: &Value) {
+    let response = &answer["response"];
+    assert_eq!(response["allowed"], true, "{answer}");
+    assert!(response.get("patch").is_none(), "{answer}");
+    assert!(response.get("patchType").is_none(), "{answer}");
+}
+
+/// The refusal message, asserting the answer is a refusal.
+fn refusal(answer: &Value) -> String {
+    let response = &answer["response"];
+    assert_eq!(response["allowed"], false, "{answer}");
+    assert!(response.get("patch").is_none(), "{answer}");
+    assert_eq!(response["status"]["code"], 400, "{answer}");
+    response["status"]["message"].as_str().expect("a message").to_owned()
+}
+
+#[tokio::test]
+async fn good_pod_is_patched() {
+    let server = Server::start().await;
+    let mut pod = pod(
+        json!({
+            "gpufrac.io/gpu-fraction": "0.25",
+            "gpufrac.io/gpu-fraction-limit": "0.5",
+            "gpufrac.io/resolver": "priority",
+            "unrelated": "kept",
+        }),
+        json!([container("main"), container("sidecar")]),
+    );
+    pod["spec"]["priority"] = json!(1000);
+    let review = create(pod);
+    let answer = server.mutate(&review).await;
+    let result = patched(&review, &answer);
+
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(main["resources"]["limits"]["gpufrac.io/gpu"], "25");
+    assert_eq!(main["resources"]["requests"]["gpufrac.io/gpu"], "25");
+    let env = env_of(main);
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_LIMIT"), Some("0.5"));
+    assert_eq!(env_value(&env, "GPUFRAC_RESOLVER"), Some("priority"));
+    assert_eq!(env_value(&env, "GPUFRAC_PRIORITY"), Some("1000"));
+    assert_eq!(env_value(&env, "GPUFRAC_POD"), Some("ml/trainer"));
+    assert_eq!(env.len(), 4, "{env:?}");
+    // The webhook never sets the request: Allocate does.
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_REQUEST"), None);
+    // Nothing else changed.
+    assert_eq!(result["spec"]["containers"][1], container("sidecar"));
+    assert_eq!(result["metadata"], review["request"]["object"]["metadata"]);
+    assert!(answer["response"].get("warnings").is_none(), "{answer}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn defaults_and_rounding() {
+    let server = Server::start().await;
+    // No limit, resolver or priority: limit = the request, wait, 0.
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.07"}), json!([container("main")])));
+    let result = patched(&review, &server.mutate(&review).await);
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(main["resources"]["limits"]["gpufrac.io/gpu"], "7");
+    let env = env_of(main);
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_LIMIT"), Some("0.07"));
+    assert_eq!(env_value(&env, "GPUFRAC_RESOLVER"), Some("wait"));
+    assert_eq!(env_value(&env, "GPUFRAC_PRIORITY"), Some("0"));
+
+    // A whole GPU.
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "1"}), json!([container("main")])));
+    let result = patched(&review, &server.mutate(&review).await);
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(main["resources"]["limits"]["gpufrac.io/gpu"], "100");
+    assert_eq!(env_value(&env_of(main), "GPUFRAC_MEMORY_LIMIT"), Some("1"));
+
+    // Rounded up to whole shares; the limit follows so that limit >= request holds.
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.333", "gpufrac.io/gpu-fraction-limit": "0.335"}),
+        json!([container("main")]),
+    ));
+    let answer = server.mutate(&review).await;
+    let result = patched(&review, &answer);
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(main["resources"]["limits"]["gpufrac.io/gpu"], "34");
+    assert_eq!(env_value(&env_of(main), "GPUFRAC_MEMORY_LIMIT"), Some("0.34"));
+    let warning = answer["response"]["warnings"][0].as_str().expect("a warning");
+    assert!(warning.contains("34 shares"), "{warning}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn container_chosen_by_annotation_keeps_its_resources_and_env() {
+    let server = Server::start().await;
+    let mut worker = container("worker");
+    worker["resources"] = json!({"limits": {"cpu": "2", "memory": "4Gi"}});
+    worker["env"] = json!([
+        {"name": "A", "value": "1"},
+        {"name": "GPUFRAC_RESOLVER", "value": "swap"},
+        {"name": "B", "value": "$(GPUFRAC_RESOLVER)"},
+    ]);
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": ".5", "gpufrac.io/container": "worker"}),
+        json!([container("init-like"), worker]),
+    ));
+    let result = patched(&review, &server.mutate(&review).await);
+
+    assert_eq!(result["spec"]["containers"][0], container("init-like"));
+    let worker = &result["spec"]["containers"][1];
+    assert_eq!(
+        worker["resources"],
+        json!({
+            "limits": {"cpu": "2", "memory": "4Gi", "gpufrac.io/gpu": "50"},
+            "requests": {"gpufrac.io/gpu": "50"},
+        })
+    );
+    let env = env_of(worker);
+    let names: Vec<&str> = env.iter().map(|(n, _)| n.as_str()).collect();
+    // Replaced where it stood (B refers to it), the others appended.
+    assert_eq!(
+        names,
+        ["A", "GPUFRAC_RESOLVER", "B", "GPUFRAC_MEMORY_LIMIT", "GPUFRAC_PRIORITY", "GPUFRAC_POD"]
+    );
+    assert_eq!(env_value(&env, "GPUFRAC_RESOLVER"), Some("wait"));
+    assert_eq!(env_value(&env, "A"), Some("1"));
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_LIMIT"), Some("0.5"));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn existing_gpufrac_settings_are_updated_not_duplicated() {
+    let server = Server::start().await;
+    let mut main = container("main");
+    main["resources"] = json!({
+        "limits": {"cpu": "1", "gpufrac.io/gpu": "10"},
+        "requests": {"cpu": "500m", "gpufrac.io/gpu": "10"},
+    });
+    main["env"] = json!([
+        {"name": "GPUFRAC_MEMORY_LIMIT", "value": "0.1"},
+        {"name": "GPUFRAC_PRIORITY", "value": "7"},
+        {"name": "GPUFRAC_POD", "value": "old/name"},
+        {"name": "GPUFRAC_PRIORITY", "value": "8"},
+        {"name": "KEEP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]);
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.2", "gpufrac.io/gpu-fraction-limit": "0.3",
+               "gpufrac.io/resolver": "swap"}),
+        json!([main]),
+    ));
+    let result = patched(&review, &server.mutate(&review).await);
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(
+        main["resources"],
+        json!({
+            "limits": {"cpu": "1", "gpufrac.io/gpu": "20"},
+            "requests": {"cpu": "500m", "gpufrac.io/gpu": "20"},
+        })
+    );
+    let env = env_of(main);
+    assert_eq!(
+        env,
+        [
+            ("GPUFRAC_MEMORY_LIMIT".to_owned(), "0.3".to_owned()),
+            ("GPUFRAC_PRIORITY".to_owned(), "0".to_owned()),
+            ("GPUFRAC_POD".to_owned(), "ml/trainer".to_owned()),
+            ("KEEP".to_owned(), json!({"fieldRef": {"fieldPath": "status.podIP"}}).to_string()),
+            ("GPUFRAC_RESOLVER".to_owned(), "swap".to_owned()),
+        ]
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn resources_without_limits_and_null_env() {
+    let server = Server::start().await;
+    let mut main = container("main");
+    main["resources"] = json!({"requests": {"cpu": "1"}});
+    main["env"] = Value::Null;
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.3"}), json!([main])));
+    let result = patched(&review, &server.mutate(&review).await);
+    let main = &result["spec"]["containers"][0];
+    assert_eq!(
+        main["resources"],
+        json!({"limits": {"gpufrac.io/gpu": "30"},
+               "requests": {"cpu": "1", "gpufrac.io/gpu": "30"}})
+    );
+    assert_eq!(env_of(main).len(), 4);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn generated_name_comes_from_the_downward_api() {
+    let server = Server::start().await;
+    let mut pod = pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!([container("main")]));
+    let metadata = pod["metadata"].as_object_mut().expect("metadata");
+    metadata.remove("name");
+    metadata.remove("namespace");
+    metadata.insert("generateName".into(), json!("trainer-7d9f8-"));
+    let review = create(pod);
+    assert_eq!(review["request"]["name"], "");
+    let result = patched(&review, &server.mutate(&review).await);
+    let env = &result["spec"]["containers"][0]["env"];
+    let names: Vec<&str> = env.as_array().expect("env").iter().filter_map(|e| e["name"].as_str()).collect();
+    let helper = names.iter().position(|n| *n == "GPUFRAC_POD_NAME");
+    let pod_var = names.iter().position(|n| *n == "GPUFRAC_POD");
+    assert!(helper.is_some() && helper < pod_var, "{names:?}");
+    let helper = &env[helper.unwrap_or_default()];
+    assert_eq!(helper["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+    assert_eq!(env[pod_var.unwrap_or_default()]["value"], "ml/$(GPUFRAC_POD_NAME)");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_annotations_are_refused_naming_them() {
+    let server = Server::start().await;
+    let cases: &[(Value, &[&str])] = &[
+        (
+            json!({"gpufrac.io/gpu-fraction": "0"}),
+            &[r#"gpufrac.io/gpu-fraction="0": expected a fraction 0 < f <= 1"#],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "1.5"}),
+            &[r#"gpufrac.io/gpu-fraction="1.5": expected a fraction 0 < f <= 1"#],
+        ),
+        (json!({"gpufrac.io/gpu-fraction": "abc"}), &[r#"gpufrac.io/gpu-fraction="abc""#]),
+        (json!({"gpufrac.io/gpu-fraction": "-0.5"}), &[r#"gpufrac.io/gpu-fraction="-0.5""#]),
+        (json!({"gpufrac.io/gpu-fraction": "NaN"}), &[r#"gpufrac.io/gpu-fraction="NaN""#]),
+        (json!({"gpufrac.io/gpu-fraction": ""}), &[r#"gpufrac.io/gpu-fraction="""#]),
+        (
+            json!({"gpufrac.io/gpu-fraction": "25%"}),
+            &[r#"gpufrac.io/gpu-fraction="25%""#, "not a percentage"],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.5", "gpufrac.io/gpu-fraction-limit": "0.25"}),
+            &[
+                r#"gpufrac.io/gpu-fraction-limit="0.25": expected a fraction >= gpufrac.io/gpu-fraction (0.5)"#,
+            ],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.5", "gpufrac.io/gpu-fraction-limit": "2"}),
+            &[r#"gpufrac.io/gpu-fraction-limit="2""#],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.5", "gpufrac.io/resolver": "fastest"}),
+            &[r#"gpufrac.io/resolver="fastest": expected wait, priority or swap"#],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.5", "gpufrac.io/container": "nope"}),
+            &[r#"gpufrac.io/container="nope""#, r#""main""#, r#""sidecar""#],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction-limit": "0.5"}),
+            &["gpufrac.io/gpu-fraction is missing", "gpufrac.io/gpu-fraction-limit"],
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "2", "gpufrac.io/resolver": "x"}),
+            &[r#"gpufrac.io/gpu-fraction="2""#, r#"gpufrac.io/resolver="x""#],
+        ),
+    ];
+    for (annotations, expected) in cases {
+        let review = create(pod(annotations.clone(), json!([container("main"), container("sidecar")])));
+        let message = refusal(&server.mutate(&review).await);
+        for part in *expected {
+            assert!(message.contains(part), "{annotations}: {message:?} lacks {part:?}");
+        }
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn pods_without_the_annotation_pass_unchanged() {
+    let server = Server::start().await;
+    for annotations in [Value::Null, json!({}), json!({"example.com/x": "0.5"})] {
+        let review = create(pod(annotations, json!([container("main")])));
+        assert_allowed_unchanged(&server.mutate(&review).await);
+    }
+    // No metadata at all.
+    let review = create(json!({"spec": {"containers": [container("main")]}}));
+    assert_allowed_unchanged(&server.mutate(&review).await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn other_kinds_and_operations_pass_unchanged() {
+    let server = Server::start().await;
+    let annotations = json!({"gpufrac.io/gpu-fraction": "0.25"});
+
+    let mut deployment = create(json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "annotations": annotations},
+        "spec": {"template": {"metadata": {"annotations": annotations}}},
+    }));
+    deployment["request"]["kind"] = json!({"group": "apps", "version": "v1", "kind": "Deployment"});
+    assert_allowed_unchanged(&server.mutate(&deployment).await);
+
+    // A Pod-named kind of another group is not a Pod.
+    let mut other = create(pod(annotations.clone(), json!([container("main")])));
+    other["request"]["kind"] = json!({"group": "example.com", "version": "v1", "kind": "Pod"});
+    assert_allowed_unchanged(&server.mutate(&other).await);
+
+    for operation in ["UPDATE", "DELETE", "CONNECT"] {
+        let mut review = create(pod(annotations.clone(), json!([container("main")])));
+        review["request"]["operation"] = json!(operation);
+        assert_allowed_unchanged(&server.mutate(&review).await);
+    }
+    // Even a bad value passes on update: the share was fixed at creation.
+    let mut update = create(pod(json!({"gpufrac.io/gpu-fraction": "9"}), json!([container("main")])));
+    update["request"]["operation"] = json!("UPDATE");
+    assert_allowed_unchanged(&server.mutate(&update).await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_requests_get_http_errors() {
+    let server = Server::start().await;
+    let json_type = Some("application/json");
+
+    // Not JSON, not an AdmissionReview, the wrong version, no request, no uid.
+    let bodies: &[(&str, &str)] = &[
+        ("{not json", "not JSON"),
+        ("[]", "expected a JSON object"),
+        (
+            r#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"x"}}"#,
+            "admission.k8s.io/v1",
+        ),
+        (r#"{"apiVersion":"admission.k8s.io/v1","kind":"Pod","request":{"uid":"x"}}"#, "kind"),
+        (r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#, "request"),
+        (r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{}}"#, "request.uid"),
+    ];
+    for (body, expected) in bodies {
+        let answer = server.request(Method::POST, "/mutate", json_type, body.to_string()).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(answer.text().contains(expected), "{body}: {}", answer.text());
+    }
+
+    let review = create(pod(json!({}), json!([container("main")]))).to_string();
+    let answer = server.request(Method::POST, "/mutate", Some("text/plain"), review.clone()).await;
+    assert_eq!(answer.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let answer = server.request(Method::POST, "/mutate", None, review.clone()).await;
+    assert_eq!(answer.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    // A charset parameter is fine.
+    let answer = server
+        .request(Method::POST, "/mutate", Some("application/json; charset=utf-8"), review.clone())
+        .await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.text());
+
+    let answer = server.request(Method::GET, "/mutate", None, "").await;
+    assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(answer.headers["allow"], "POST");
+    let answer = server.request(Method::POST, "/validate", json_type, review.clone()).await;
+    assert_eq!(answer.status, StatusCode::NOT_FOUND);
+    let answer = server.request(Method::GET, "/", None, "").await;
+    assert_eq!(answer.status, StatusCode::NOT_FOUND);
+    let answer = server.request(Method::POST, "/healthz", None, "").await;
+    assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bodies_over_one_mib_are_refused() {
+    let server = Server::start().await;
+    // A real review, padded with a big annotation just over the limit.
+    let padding = "x".repeat(MAX_BODY_BYTES);
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.5", "padding": padding}),
+        json!([container("main")]),
+    ));
+    let answer = server.request(Method::POST, "/mutate", Some("application/json"), review.to_string()).await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", answer.text());
+
+    // Without a Content-Length (chunked), the limit holds while reading.
+    let tcp = TcpStream::connect(server.addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("name");
+    let mut tls = server.connector.connect(name, tcp).await.expect("handshake");
+    let chunk = vec![b' '; 64 * 1024];
+    let mut raw = b"POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+                    transfer-encoding: chunked\r\n\r\n"
+        .to_vec();
+    for _ in 0..(MAX_BODY_BYTES / chunk.len() + 1) {
+        raw.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        raw.extend_from_slice(&chunk);
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    tls.write_all(&raw).await.expect("write");
+    let mut head = vec![0; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut head))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let head = String::from_utf8_lossy(&head[..n]);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    drop(tls);
+
+    // Just under the limit is served.
+    let mut review =
+        create(pod(json!({"gpufrac.io/gpu-fraction": "0.5", "padding": ""}), json!([container("main")])));
+    let room = MAX_BODY_BYTES - review.to_string().len();
+    review["request"]["object"]["metadata"]["annotations"]["padding"] = json!("y".repeat(room));
+    assert_eq!(review.to_string().len(), MAX_BODY_BYTES);
+    let answer = server.mutate(&review).await;
+    assert_eq!(answer["response"]["allowed"], true);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn healthz() {
+    let server = Server::start().await;
+    let answer = server.request(Method::GET, "/healthz", None, "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.text().trim(), "ok");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn broken_clients_do_not_stop_the_server() {
+    let server = Server::start().await;
+
+    // Plain HTTP on the TLS port.
+    let mut tcp = TcpStream::connect(server.addr).await.expect("connect");
+    tcp.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.expect("write");
+    let mut sink = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut sink)).await;
+    drop(tcp);
+
+    // A connection closed mid-handshake, and one that never speaks.
+    let mut tcp = TcpStream::connect(server.addr).await.expect("connect");
+    tcp.write_all(&[0x16, 0x03, 0x01, 0x00]).await.expect("write");
+    drop(tcp);
+    let _idle = TcpStream::connect(server.addr).await.expect("connect");
+
+    // A client that does not trust the server's certificate.
+    let stranger = Pki::new();
+    let tcp = TcpStream::connect(server.addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("name");
+    let refused = connector(&stranger.ca_der).connect(name, tcp).await;
+    assert!(refused.is_err());
+
+    // TLS, then garbage instead of HTTP.
+    let tcp = TcpStream::connect(server.addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("name");
+    let mut tls = server.connector.connect(name, tcp).await.expect("handshake");
+    tls.write_all(b"\x00\x01garbage\r\n\r\n").await.expect("write");
+    let mut sink = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut sink)).await;
+    let head = String::from_utf8_lossy(&sink);
+    assert!(head.is_empty() || head.starts_with("HTTP/1.1 400"), "{head}");
+
+    // Still serving.
+    let answer = server.request(Method::GET, "/healthz", None, "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.5"}), json!([container("main")])));
+    patched(&review, &server.mutate(&review).await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_stops_accepting() {
+    let server = Server::start().await;
+    let addr = server.addr;
+    let answer = server.request(Method::GET, "/healthz", None, "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    server.stop().await;
+    assert!(TcpStream::connect(addr).await.is_err());
+}
+
+/// The message of a `load_tls` error, asserting that it names `path`.
+fn tls_error(cert: &Path, key: &Path, path: &Path) -> String {
+    let err = match load_tls(cert, key) {
+        Ok(_) => panic!("load_tls({cert:?}, {key:?}) succeeded"),
+        Err(err) => err,
+    };
+    let message = err.to_string();
+    assert!(message.contains(&path.display().to_string()), "{message:?} does not name {path:?}");
+    message
+}
+
+#[test]
+fn load_tls_errors_name_the_file() {
+    let pki = Pki::new();
+    let (cert, key) = (pki.cert(), pki.key());
+    assert!(load_tls(&cert, &key).is_ok());
+
+    let missing = pki.path("missing.pem");
+    let message = tls_error(&missing, &key, &missing);
+    assert!(message.contains("TLS certificate") && message.contains("does not exist"));
+    let message = tls_error(&cert, &missing, &missing);
+    assert!(message.contains("TLS private key") && message.contains("does not exist"));
+
+    // A directory cannot be read as a file.
+    let dir = pki.dir.path().to_path_buf();
+    let message = tls_error(&dir, &key, &dir);
+    assert!(message.contains("cannot read"), "{message}");
+
+    let empty = pki.write("empty.pem", "");
+    let message = tls_error(&empty, &key, &empty);
+    assert!(message.contains("no certificate"), "{message}");
+    let message = tls_error(&cert, &empty, &empty);
+    assert!(message.contains("no private key"), "{message}");
+
+    // Swapped files get a hint.
+    let message = tls_error(&key, &cert, &key);
+    assert!(message.contains("no certificate") && message.contains("swapped"), "{message}");
+    let message = tls_error(&cert, &cert, &cert);
+    assert!(message.contains("no private key") && message.contains("swapped"), "{message}");
+
+    // Broken PEM.
+    let broken = pki.write("broken.pem", "-----BEGIN CERTIFICATE-----\nnot base64!\n");
+    let message = tls_error(&broken, &key, &broken);
+    assert!(message.contains("not valid PEM"), "{message}");
+
+    // A key that is not the certificate's.
+    let other = pki.write("other.key", KeyPair::generate().expect("key").serialize_pem());
+    let message = tls_error(&cert, &other, &other);
+    assert!(message.contains("does not match"), "{message}");
+    assert!(message.contains(&cert.display().to_string()), "{message}");
+
+    // The error is a std error with a source chain where there is a cause.
+    let err = load_tls(&dir, &key).expect_err("a directory is not a PEM file");
+    assert!(std::error::Error::source(&err).is_some());
+    assert!(matches!(err, webhook::WebhookError::Unreadable { .. }));
+}
+
+#[test]
+fn review_is_pure_and_answers_malformed_input() {
+    // `review` answers even a malformed body, refusing with code 400.
+    let answer = review(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                               "request": {"uid": "u"}}));
+    assert_eq!(answer["response"]["uid"], "u");
+    let answer = review(&json!("nonsense"));
+    assert_eq!(answer["response"]["allowed"], false);
+    assert_eq!(answer["response"]["status"]["code"], 400);
+    assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
+    assert!(webhook::try_review(&json!("nonsense")).is_err());
+}
