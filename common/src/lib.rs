@@ -6,6 +6,9 @@
 
 pub mod cuda_procs;
 pub mod cuda_sizes;
+#[cfg(feature = "daemon")]
+pub mod daemon;
+pub mod gpu_uuid;
 pub mod protocol;
 pub mod resolver;
 pub mod shm;

@@ -55,29 +55,11 @@ enum Command {
     },
 }
 
-async fn terminated() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-    }
-}
-
 fn main() {
-    let filter = std::env::var("GPUFRAC_LOG").unwrap_or_else(|_| "info".to_owned());
-    let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("gpufrac-device-plugin: error: invalid GPUFRAC_LOG={filter:?}: {e}");
-            std::process::exit(2);
-        }
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+    if let Err(e) = gpufrac_common::daemon::init_logging() {
+        eprintln!("gpufrac-device-plugin: error: {e}");
+        std::process::exit(2);
+    }
     if let Err(e) = run(Cli::parse()) {
         eprintln!("gpufrac-device-plugin: error: {e:#}");
         std::process::exit(1);
@@ -93,7 +75,9 @@ fn run(cli: Cli) -> Result<()> {
                 .await
                 .with_context(|| format!("binding --listen {listen}"))?;
             tracing::info!(%listen, "serving the admission webhook");
-            webhook::serve(listener, tls, terminated()).await.context("serving the webhook")?;
+            webhook::serve(listener, tls, gpufrac_common::daemon::terminated())
+                .await
+                .context("serving the webhook")?;
             Ok(())
         }),
         None => {
@@ -134,7 +118,7 @@ fn run(cli: Cli) -> Result<()> {
                     arbiter_socket: cli.arbiter_socket,
                 },
             };
-            runtime.block_on(runner::run(config, rx, terminated()))?;
+            runtime.block_on(runner::run(config, rx, gpufrac_common::daemon::terminated()))?;
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = watcher.join();
             Ok(())

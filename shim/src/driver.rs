@@ -51,39 +51,4 @@ macro_rules! call {
 }
 pub(crate) use call;
 
-/// Formats a device UUID as NVML writes it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
-pub(crate) fn uuid_string(bytes: &[u8; 16]) -> String {
-    let mut text = String::from("GPU-");
-    for (i, b) in bytes.iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            text.push('-');
-        }
-        text.push_str(&format!("{b:02x}"));
-    }
-    text
-}
-
-/// Parses NVML's UUID string back into bytes.
-pub(crate) fn parse_uuid(text: &str) -> Option<[u8; 16]> {
-    let hex: String = text.strip_prefix("GPU-").unwrap_or(text).chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn uuids_round_trip() {
-        let b = [0x51, 0x6d, 0x67, 0x70, 0x75, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
-        let s = super::uuid_string(&b);
-        assert_eq!(s, "GPU-516d6770-7500-0000-0000-000000000003");
-        assert_eq!(super::parse_uuid(&s), Some(b));
-        assert_eq!(super::parse_uuid("GPU-zz"), None);
-    }
-}
+pub(crate) use gpufrac_common::gpu_uuid::{format as uuid_string, parse as parse_uuid};

@@ -2,18 +2,7 @@
 
 use gpufrac_common::protocol::DeviceId;
 
-/// Parses NVML's `GPU-xxxxxxxx-xxxx-...` into UUID bytes.
-pub fn parse_uuid(text: &str) -> Option<DeviceId> {
-    let hex: String = text.strip_prefix("GPU-").unwrap_or(text).chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
+pub use gpufrac_common::gpu_uuid::parse as parse_uuid;
 
 /// Every GPU NVML reports, with its memory.
 pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {

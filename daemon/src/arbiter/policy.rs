@@ -119,17 +119,7 @@ pub struct Policy {
     peers: HashMap<ConnId, Peer>,
 }
 
-/// Formats a device UUID as NVML does.
-pub fn uuid_string(d: &DeviceId) -> String {
-    let mut s = String::from("GPU-");
-    for (i, b) in d.iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            s.push('-');
-        }
-        s.push_str(&format!("{b:02x}"));
-    }
-    s
-}
+pub use gpufrac_common::gpu_uuid::format as uuid_string;
 
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)

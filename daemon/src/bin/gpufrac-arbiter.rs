@@ -20,20 +20,10 @@ struct Args {
 }
 
 fn main() {
-    let filter = std::env::var("GPUFRAC_LOG").unwrap_or_else(|_| "info".to_owned());
-    let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("gpufrac-arbiter: error: invalid GPUFRAC_LOG={filter:?}: {e}");
-            std::process::exit(2);
-        }
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+    if let Err(e) = gpufrac_common::daemon::init_logging() {
+        eprintln!("gpufrac-arbiter: error: {e}");
+        std::process::exit(2);
+    }
     if let Err(e) = run(Args::parse()) {
         eprintln!("gpufrac-arbiter: error: {e:#}");
         std::process::exit(1);
@@ -77,19 +67,15 @@ fn run(args: Args) -> Result<()> {
         let shared = server::Shared::new(&gpus);
         let listener = tokio::net::UnixListener::from_std(listener)?;
         if let Some(addr) = args.metrics {
-            let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding --metrics {addr}"))?;
+            let tcp = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding --metrics {addr}"))?;
             tracing::info!(%addr, "serving metrics");
             let status_source = shared.clone();
             tokio::spawn(metrics::serve(tcp, shared.metrics.clone(), move || status_source.status()));
         }
         tracing::info!(socket = %socket.display(), "serving");
-        let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-            }
-        };
+        let shutdown = gpufrac_common::daemon::terminated();
         server::serve(listener, shared, shutdown).await;
         anyhow::Ok(())
     })?;

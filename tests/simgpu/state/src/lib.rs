@@ -45,14 +45,7 @@ pub fn device_uuid_bytes(index: usize) -> [u8; 16] {
 
 /// The UUID of device `index` as NVML writes it.
 pub fn device_uuid(index: usize) -> String {
-    let mut text = String::from("GPU-");
-    for (i, byte) in device_uuid_bytes(index).iter().enumerate() {
-        if matches!(i, 4 | 6 | 8 | 10) {
-            text.push('-');
-        }
-        text.push_str(&format!("{byte:02x}"));
-    }
-    text
+    gpufrac_common::gpu_uuid::format(&device_uuid_bytes(index))
 }
 
 /// The PCI bus number of device `index` (domain 0, device 0, function 0).
