@@ -87,6 +87,12 @@ pub enum Request {
     },
     /// First and only frame of a CLI connection: asks for the status document.
     Status,
+    /// The shim's count of launches, copies and sets moved (sent at most every second,
+    /// only when it moved): the arbiter's measure of idleness.
+    Activity {
+        /// The count.
+        count: u64,
+    },
 }
 
 /// Why an `Acquire` was denied.
@@ -316,6 +322,7 @@ impl Request {
             }
             Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
             Request::Status => Writer::new(5),
+            Request::Activity { count } => Writer::new(6).u64(*count),
         }
         .finish()
     }
@@ -351,6 +358,7 @@ impl Request {
             }
             4 => Request::Release { device: r.device()?, bytes: r.u64()?, held: r.u64()? },
             5 => Request::Status,
+            6 => Request::Activity { count: r.u64()? },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -463,6 +471,7 @@ mod tests {
         });
         round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
         round_trip_request(Request::Status);
+        round_trip_request(Request::Activity { count: 42 });
         for reply in [
             Reply::Welcome { version: 1 },
             Reply::Registered { device: [2; 16] },

@@ -137,6 +137,11 @@ impl Client {
             .name("gpufrac-arbiter".into())
             .spawn(move || background.run(first))
             .map_err(|e| format!("gpufrac: cannot start the arbiter client thread: {e}"))?;
+        let reporter = client.clone();
+        std::thread::Builder::new()
+            .name("gpufrac-activity".into())
+            .spawn(move || reporter.report_activity())
+            .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
         Ok(client)
     }
 
@@ -221,6 +226,20 @@ impl Client {
             }
             self.connected.store(false, Ordering::Release);
             *lock(&self.writer) = None;
+        }
+    }
+
+    /// Tells the arbiter, once a second and only when it moved, how many launches, copies
+    /// and sets passed the gate: its measure of whether this process is idle.
+    fn report_activity(self: Arc<Client>) {
+        let mut last = None;
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let count = crate::gate::activity();
+            let moved = last != Some(count) && self.connected.load(Ordering::Acquire);
+            if moved && self.write(&Request::Activity { count }.encode()) {
+                last = Some(count);
+            }
         }
     }
 

@@ -28,7 +28,21 @@ fn gpu() -> SimGpu {
 /// `alloc_paths alloc` under the shim, in group `group`, with a 1 GiB request and a
 /// 3 GiB limit, allocating up to `upto` bytes.
 fn server(gpu: &SimGpu, arbiter: &Arbiter, group: &str, upto: u64, wait: &str) -> ChildProcess {
+    server_with(gpu, arbiter, group, upto, wait, "wait", 0)
+}
+
+/// `server` with a resolver and a priority.
+fn server_with(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    group: &str,
+    upto: u64,
+    wait: &str,
+    resolver: &str,
+    priority: i32,
+) -> ChildProcess {
     let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.env("GPUFRAC_RESOLVER", resolver).env("GPUFRAC_PRIORITY", priority.to_string());
     cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
         .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
         .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
@@ -256,4 +270,59 @@ fn the_demo_serves_every_batch_without_out_of_memory() {
     assert!(stdout.contains("servers on one GPU:     3"), "{stdout}");
     assert!(stdout.contains("batches served:         9"), "{stdout}");
     assert!(stdout.contains("out-of-memory errors:   0"), "{stdout}");
+}
+
+fn signal_of(status: std::process::ExitStatus) -> Option<i32> {
+    std::os::unix::process::ExitStatusExt::signal(&status)
+}
+
+#[test]
+fn priority_ends_a_lower_priority_holder_and_serves_the_burst() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("p.sock"), &["--kill-grace", "2s"]);
+    let mut a = server_with(&gpu, &arbiter, &unique("low"), 2560 * MIB, "30s", "wait", 0);
+    a.ready();
+    let started = Instant::now();
+    let mut b = server_with(&gpu, &arbiter, &unique("vip"), 2 * GIB, "30s", "priority", 10);
+    assert_eq!(b.ready()[0], 2 * GIB, "the priority burst is served");
+    assert!(started.elapsed() < Duration::from_secs(10), "within seconds: {:?}", started.elapsed());
+    let status = a.wait(TIMEOUT);
+    assert_eq!(signal_of(status), Some(libc::SIGTERM), "the lower-priority holder was ended with SIGTERM");
+    let log = arbiter.log_text();
+    assert!(log.contains("terminating a holder") && log.contains("lower priority (0 < 10)"), "{log}");
+    b.close_stdin();
+    b.finish();
+}
+
+#[test]
+fn priority_never_ends_a_higher_priority_holder() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let mut a = server_with(&gpu, &arbiter, &unique("high"), 2560 * MIB, "30s", "wait", 10);
+    a.ready();
+    let mut b = server_with(&gpu, &arbiter, &unique("low"), 2 * GIB, "1s", "priority", 0);
+    assert!(b.ready()[0] < 2 * GIB, "the lower-priority burst waits and times out");
+    assert!(!arbiter.log_text().contains("terminating"), "{}", arbiter.log_text());
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn priority_ends_an_idle_holder_of_equal_priority() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(
+        &gpu,
+        gpu.lib_dir().join("i.sock"),
+        &["--idle-timeout", "1s", "--kill-grace", "2s"],
+    );
+    let mut a = server_with(&gpu, &arbiter, &unique("idle"), 2560 * MIB, "30s", "wait", 0);
+    a.ready();
+    let mut b = server_with(&gpu, &arbiter, &unique("busy"), 2 * GIB, "30s", "priority", 0);
+    assert_eq!(b.ready()[0], 2 * GIB);
+    assert_eq!(signal_of(a.wait(TIMEOUT)), Some(libc::SIGTERM));
+    assert!(arbiter.log_text().contains("idle for"), "{}", arbiter.log_text());
+    b.close_stdin();
+    b.finish();
 }

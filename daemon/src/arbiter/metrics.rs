@@ -47,6 +47,7 @@ pub struct Metrics {
     pub(crate) wait_seconds: Family<GpuLabel, Histogram>,
     pub(crate) timeouts: Family<GpuLabel, Counter>,
     pub(crate) refusals: Family<Refusal, Counter>,
+    pub(crate) terminations: Family<Refusal, Counter>,
     registry: Registry,
 }
 
@@ -70,6 +71,7 @@ impl Metrics {
         });
         let timeouts = Family::<GpuLabel, Counter>::default();
         let refusals = Family::<Refusal, Counter>::default();
+        let terminations = Family::<Refusal, Counter>::default();
         registry.register(
             "gpu_memory_bytes",
             "GPU memory: total, guaranteed, burst, free",
@@ -86,6 +88,11 @@ impl Metrics {
         registry.register("wait_seconds", "How long waiting bursts waited", wait_seconds.clone());
         registry.register("timeouts", "Bursts that waited until their timeout", timeouts.clone());
         registry.register("refusals", "Registrations and bursts refused", refusals.clone());
+        registry.register(
+            "terminations",
+            "Processes ended by the priority resolver, by reason",
+            terminations.clone(),
+        );
         Metrics {
             gpu_memory,
             group_memory,
@@ -95,6 +102,7 @@ impl Metrics {
             wait_seconds,
             timeouts,
             refusals,
+            terminations,
             registry,
         }
     }

@@ -35,6 +35,25 @@ pub struct Peer {
     pub priority: i32,
     /// How long its bursts wait.
     pub wait_timeout: Duration,
+    /// When its activity count last moved (or it connected).
+    pub last_active: Instant,
+    /// Its last activity count.
+    pub activity: u64,
+}
+
+/// A process chosen to be ended so that a priority burst can be served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victim {
+    /// Its connection.
+    pub conn: ConnId,
+    /// Its PID (from `SO_PEERCRED`).
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// Burst bytes it holds on the GPU.
+    pub bytes: u64,
+    /// Why it is chosen: `lower priority (0 < 10)` or `idle for 6m`.
+    pub why: String,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -392,6 +411,68 @@ impl Policy {
         }
     }
 
+    /// The activity count of `conn` moved (or not).
+    pub fn activity(&mut self, conn: ConnId, count: u64, now: Instant) {
+        if let Some(p) = self.peers.get_mut(&conn) {
+            if p.activity != count {
+                p.activity = count;
+                p.last_active = now;
+            }
+        }
+    }
+
+    /// For each waiting burst whose group uses the priority resolver: the fewest holders
+    /// of burst memory on that GPU, each of lower priority or idle longer than
+    /// `idle_timeout` (and never of higher priority), whose grants make the burst fit.
+    /// Bursts that no such set can serve are left to wait. `spared` are already being ended.
+    pub fn priority_victims(&self, now: Instant, idle_timeout: Duration, spared: &[ConnId]) -> Vec<Victim> {
+        let mut chosen: Vec<Victim> = Vec::new();
+        for gpu in self.gpus.values() {
+            for w in &gpu.queue {
+                let Some(req) = self.peers.get(&w.conn).filter(|p| p.resolver == Resolver::Priority) else {
+                    continue;
+                };
+                let mut candidates: Vec<Victim> = gpu
+                    .groups
+                    .values()
+                    .flat_map(|g| g.members.iter())
+                    .filter(|(&c, m)| m.granted > 0 && c != w.conn && !spared.contains(&c))
+                    .filter_map(|(&c, m)| {
+                        let p = self.peers.get(&c)?;
+                        let idle = now.saturating_duration_since(p.last_active);
+                        let why = if p.priority < req.priority {
+                            format!("lower priority ({} < {})", p.priority, req.priority)
+                        } else if p.priority == req.priority && idle > idle_timeout {
+                            format!("idle for {}s", idle.as_secs())
+                        } else {
+                            return None;
+                        };
+                        Some(Victim { conn: c, pid: p.pid, group: p.group.clone(), bytes: m.granted, why })
+                    })
+                    .collect();
+                // Fewest victims: the largest holders first.
+                candidates.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+                let mut room = gpu.free();
+                let mut set = Vec::new();
+                for c in candidates {
+                    if room >= w.bytes {
+                        break;
+                    }
+                    room += c.bytes;
+                    set.push(c);
+                }
+                if room >= w.bytes {
+                    for v in set {
+                        if !chosen.iter().any(|c| c.conn == v.conn) {
+                            chosen.push(v);
+                        }
+                    }
+                }
+            }
+        }
+        chosen
+    }
+
     /// Connections that hold burst grants on a GPU where someone waits: they are asked
     /// to give back what they do not use.
     pub fn contended_holders(&self) -> Vec<(ConnId, DeviceId)> {
@@ -466,7 +547,38 @@ mod tests {
             resolver: Resolver::Wait,
             priority: 0,
             wait_timeout: Duration::from_millis(timeout_ms),
+            last_active: Instant::now(),
+            activity: 0,
         }
+    }
+
+    #[test]
+    fn priority_ends_the_fewest_lower_priority_or_idle_holders_never_higher() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        let t0 = now - Duration::from_secs(600);
+        for (conn, group, prio, active) in
+            [(1, "low", 0, now), (2, "high", 20, t0), (3, "idle", 10, t0), (4, "small", 0, now)]
+        {
+            p.hello(conn, Peer { priority: prio, last_active: active, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0).unwrap();
+        }
+        p.hello(5, Peer { priority: 10, resolver: Resolver::Priority, ..peer("vip", 60_000) });
+        p.register(5, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0).unwrap();
+        // 16 - 9 guaranteed = 7 GiB to lend: low 3, high 2, idle 1, small 1.
+        for (conn, gib) in [(1, 3), (2, 2), (3, 1), (4, 1)] {
+            assert!(matches!(p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, now), Outcome::Granted(_)));
+        }
+        assert_eq!(p.acquire(5, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Queued);
+        let v = p.priority_victims(now, Duration::from_secs(300), &[]);
+        assert_eq!(v.len(), 1, "one holder of 3 GiB is enough: {v:?}");
+        assert_eq!((v[0].conn, v[0].bytes), (1, 3 * GIB));
+        assert!(v[0].why.contains("lower priority"));
+        // Sparing it, two are needed (3 GiB from idle + small + ...): idle (equal prio, idle) and small.
+        let v = p.priority_victims(now, Duration::from_secs(300), &[1]);
+        let conns: Vec<_> = v.iter().map(|v| v.conn).collect();
+        assert!(!conns.contains(&2), "a higher-priority holder is never ended: {v:?}");
+        assert!(v.is_empty(), "idle 1 + small 1 = 2 GiB cannot make 3 GiB fit: wait instead, got {v:?}");
     }
 
     fn policy_with(groups: &[(ConnId, &str, u64, u64)]) -> Policy {

@@ -26,8 +26,46 @@ const TICK: Duration = Duration::from_millis(5);
 /// How often holders are reminded to give back unused grants while bursts wait.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
+/// Ends processes chosen by the priority resolver. Behind a trait so that tests can
+/// record instead of signalling.
+pub trait Terminator: Send + Sync {
+    /// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`) to `pid`.
+    fn signal(&self, pid: u32, signal: i32);
+}
+
+/// Signals real processes.
+pub struct Signals;
+
+impl Terminator for Signals {
+    fn signal(&self, pid: u32, signal: i32) {
+        if pid > 1 {
+            // SAFETY: kill has no memory preconditions; the pid came from SO_PEERCRED.
+            unsafe { libc::kill(pid as libc::pid_t, signal) };
+        }
+    }
+}
+
+/// The priority resolver's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// A holder idle this long may be ended for an equal-priority burst (`--idle-timeout`).
+    pub idle_timeout: Duration,
+    /// Between SIGTERM and SIGKILL (`--kill-grace`).
+    pub kill_grace: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { idle_timeout: Duration::from_secs(300), kill_grace: Duration::from_secs(10) }
+    }
+}
+
 /// State shared by every connection.
 pub struct Shared {
+    options: Options,
+    terminator: Box<dyn Terminator>,
+    /// Connections being ended, and when they were sent SIGTERM.
+    ending: Mutex<HashMap<ConnId, (u32, Instant)>>,
     policy: Mutex<Policy>,
     writers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<Vec<u8>>>>,
     /// The metrics, also served over HTTP.
@@ -40,7 +78,15 @@ pub struct Shared {
 impl Shared {
     /// The server state for GPUs `(uuid, memory)`.
     pub fn new(gpus: &[(DeviceId, u64)]) -> Arc<Shared> {
+        Shared::with(gpus, Options::default(), Box::new(Signals))
+    }
+
+    /// The server state with resolver options and a way to end processes.
+    pub fn with(gpus: &[(DeviceId, u64)], options: Options, terminator: Box<dyn Terminator>) -> Arc<Shared> {
         Arc::new(Shared {
+            options,
+            terminator,
+            ending: Mutex::new(HashMap::new()),
             policy: Mutex::new(Policy::new(gpus)),
             writers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new()),
@@ -68,6 +114,36 @@ impl Shared {
     fn send(&self, conn: ConnId, reply: &Reply) {
         if let Some(tx) = self.writers.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
             let _ = tx.send(reply.encode());
+        }
+    }
+
+    /// The priority resolver: ends the holders chosen for waiting priority bursts
+    /// (SIGTERM, then SIGKILL after the grace period); their memory comes back when their
+    /// connection closes.
+    fn resolve_priority(&self) {
+        let now = Instant::now();
+        let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
+        // Past the grace period and still connected: SIGKILL.
+        for (conn, (pid, since)) in ending.iter_mut() {
+            if now.duration_since(*since) >= self.options.kill_grace && self.policy().peer(*conn).is_some() {
+                tracing::warn!(pid = *pid, "still running after --kill-grace: SIGKILL");
+                self.terminator.signal(*pid, libc::SIGKILL);
+                *since = now + Duration::from_secs(3600);
+            }
+        }
+        ending.retain(|conn, _| self.policy().peer(*conn).is_some());
+        let spared: Vec<ConnId> = ending.keys().copied().collect();
+        let victims = self.policy().priority_victims(now, self.options.idle_timeout, &spared);
+        for v in victims {
+            tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "terminating a holder of burst memory for a priority burst");
+            self.metrics
+                .terminations
+                .get_or_create(&Refusal {
+                    reason: if v.why.starts_with("idle") { "idle".into() } else { "lower-priority".into() },
+                })
+                .inc();
+            self.terminator.signal(v.pid, libc::SIGTERM);
+            ending.insert(v.conn, (v.pid, now));
         }
     }
 
@@ -141,10 +217,12 @@ async fn expire_waiters(shared: Arc<Shared>) {
         if !answers.is_empty() {
             shared.deliver(answers);
         }
-        // Keep reminding holders while anyone waits (they keep no slack meanwhile).
+        // Keep reminding holders while anyone waits (they keep no slack meanwhile), and
+        // let the priority resolver look again (holders become idle over time).
         if last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
             shared.ask_to_give_back();
+            shared.resolve_priority();
         }
     }
 }
@@ -267,7 +345,10 @@ fn on_frame(
                 let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
                 shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx.clone());
                 tracing::info!(pid, %group, %pod, %resolver, priority, "shim connected");
-                shared.policy().hello(conn, Peer { pid, group, pod, resolver, priority, wait_timeout });
+                let now = Instant::now();
+                let peer =
+                    Peer { pid, group, pod, resolver, priority, wait_timeout, last_active: now, activity: 0 };
+                shared.policy().hello(conn, peer);
                 c.greeted = true;
                 Ok(Flow::Continue)
             }
@@ -304,6 +385,7 @@ fn on_frame(
                     let answers = shared.policy().settle(device, Instant::now());
                     shared.deliver(answers);
                     shared.ask_to_give_back();
+                    shared.resolve_priority();
                 }
                 Outcome::Denied(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: format!("{reason:?}") }).inc();
@@ -311,6 +393,7 @@ fn on_frame(
                 }
             }
         }
+        Request::Activity { count } => shared.policy().activity(conn, count, Instant::now()),
         Request::Release { device, bytes, held } => {
             let answers = shared.policy().release(conn, device, bytes, held, Instant::now());
             if !answers.is_empty() {

@@ -17,6 +17,13 @@ struct Args {
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9400).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Priority resolver: a holder idle this long (no launches, copies or sets) may be
+    /// ended for a burst of equal priority.
+    #[arg(long, default_value = "5m")]
+    idle_timeout: String,
+    /// Priority resolver: time between SIGTERM and SIGKILL.
+    #[arg(long, default_value = "10s")]
+    kill_grace: String,
 }
 
 fn main() {
@@ -60,11 +67,15 @@ fn run(args: Args) -> Result<()> {
     for (id, total) in &gpus {
         tracing::info!(gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id), total, "managing GPU");
     }
+    let options = server::Options {
+        idle_timeout: gpufrac_common::parse_duration("--idle-timeout", &args.idle_timeout)?,
+        kill_grace: gpufrac_common::parse_duration("--kill-grace", &args.kill_grace)?,
+    };
     let listener = bind(&args.socket)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let socket = args.socket.clone();
     runtime.block_on(async move {
-        let shared = server::Shared::new(&gpus);
+        let shared = server::Shared::with(&gpus, options, Box::new(server::Signals));
         let listener = tokio::net::UnixListener::from_std(listener)?;
         if let Some(addr) = args.metrics {
             let tcp = tokio::net::TcpListener::bind(addr)
