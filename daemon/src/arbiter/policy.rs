@@ -451,7 +451,7 @@ impl Policy {
                     })
                     .collect();
                 // Fewest victims: the largest holders first.
-                candidates.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+                candidates.sort_by_key(|c| std::cmp::Reverse(c.bytes));
                 let mut room = gpu.free();
                 let mut set = Vec::new();
                 for c in candidates {
