@@ -235,7 +235,8 @@ fn a_request_that_does_not_fit_is_refused_at_cuinit() {
 #[test]
 fn metrics_are_served_over_http() {
     let gpu = gpu();
-    let port = 20000 + (std::process::id() % 20000) as u16;
+    // A port the system just handed out and took back: free, barring a rare race.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let socket: PathBuf = gpu.lib_dir().join("m.sock");
     let arbiter = Arbiter::start_at(&gpu, socket, &["--metrics", &format!("127.0.0.1:{port}")]);
     let (mut a, mut b) = collision(&gpu, &arbiter, "30s");
