@@ -12,8 +12,9 @@ use crate::state::{enforcer, refused, Enforcer};
 
 type Ptr = *mut c_void;
 
-/// Bytes in use as NVML sees them: this process's own usage (0 when not listed) if NVML
-/// lists processes, and the whole device's. `None` without NVML.
+/// Bytes in use as NVML sees them: this process's own usage if NVML lists this process
+/// (not when NVML reports PIDs of another namespace, as in containers), and the whole
+/// device's. `None` without NVML.
 fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
     let mut dev = 0;
     let mut uuid = [0u8; 16];
@@ -30,25 +31,41 @@ fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
     }
     let mut procs = [[0u64; 3]; 256];
     let mut count: c_uint = procs.len() as c_uint;
-    let own = (call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13)
-        == SUCCESS)
+    let listed = call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13);
+    // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
+    let me = std::process::id() as u64;
+    let own = (listed == SUCCESS)
         .then(|| {
-            // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
-            let me = std::process::id() as u64;
-            procs[..(count as usize).min(procs.len())]
-                .iter()
-                .find(|p| p[0] & 0xffff_ffff == me)
-                .map_or(0, |p| p[1])
-        });
+            procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1])
+        })
+        .flatten();
     let mut mem = [0u64; 3];
     (call!(nvmlDeviceGetMemoryInfo(handle, &mut mem), 13) == SUCCESS).then_some((own, mem[2]))
 }
 
-/// Bytes a context took, from usage before and after creating it.
+/// Bytes a context took, from usage before and after creating it: this process's own
+/// usage when NVML lists it afterwards (before its first context it is not listed: 0),
+/// otherwise the whole device's (noisier when other processes allocate meanwhile).
 fn delta(before: Option<(Option<u64>, u64)>, after: Option<(Option<u64>, u64)>) -> Option<u64> {
     match (before?, after?) {
-        ((Some(b), _), (Some(a), _)) => a.checked_sub(b),
-        ((_, b), (_, a)) => a.checked_sub(b),
+        ((b, _), (Some(a), _)) => a.checked_sub(b.unwrap_or(0)),
+        ((_, b), (None, a)) => a.checked_sub(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::delta;
+
+    #[test]
+    fn context_measurement_prefers_own_usage_and_falls_back_to_the_device() {
+        // Not listed before the first context, listed after.
+        assert_eq!(delta(Some((None, 1000)), Some((Some(256), 1300))), Some(256));
+        // Listed both times.
+        assert_eq!(delta(Some((Some(100), 1000)), Some((Some(356), 1300))), Some(256));
+        // Never listed (PIDs of another namespace): the device's change.
+        assert_eq!(delta(Some((None, 1000)), Some((None, 1300))), Some(300));
+        assert_eq!(delta(None, Some((None, 1300))), None);
     }
 }
 
