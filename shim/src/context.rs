@@ -53,22 +53,6 @@ fn delta(before: Option<(Option<u64>, u64)>, after: Option<(Option<u64>, u64)>) 
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::delta;
-
-    #[test]
-    fn context_measurement_prefers_own_usage_and_falls_back_to_the_device() {
-        // Not listed before the first context, listed after.
-        assert_eq!(delta(Some((None, 1000)), Some((Some(256), 1300))), Some(256));
-        // Listed both times.
-        assert_eq!(delta(Some((Some(100), 1000)), Some((Some(356), 1300))), Some(256));
-        // Never listed (PIDs of another namespace): the device's change.
-        assert_eq!(delta(Some((None, 1000)), Some((None, 1300))), Some(300));
-        assert_eq!(delta(None, Some((None, 1300))), None);
-    }
-}
-
 /// Whether a new context of the known size would fit under the group's limit.
 fn fits(e: &Enforcer, ordinal: usize) -> bool {
     let Some(slice) = e.slice(ordinal) else { return true };
@@ -190,4 +174,20 @@ pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
         }
     }
     status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::delta;
+
+    #[test]
+    fn context_measurement_prefers_own_usage_and_falls_back_to_the_device() {
+        // Not listed before the first context, listed after.
+        assert_eq!(delta(Some((None, 1000)), Some((Some(256), 1300))), Some(256));
+        // Listed both times.
+        assert_eq!(delta(Some((Some(100), 1000)), Some((Some(356), 1300))), Some(256));
+        // Never listed (PIDs of another namespace): the device's change.
+        assert_eq!(delta(Some((None, 1000)), Some((None, 1300))), Some(300));
+        assert_eq!(delta(None, Some((None, 1300))), None);
+    }
 }
