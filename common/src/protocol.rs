@@ -10,14 +10,14 @@
 //! arbiter takes it from the socket (`SO_PEERCRED`).
 //!
 //! Replies to `Acquire` carry its sequence number, so a shim may have several in flight;
-//! tags from 0x80 up are reserved for commands the arbiter pushes (swap-out, terminate).
+//! tags from 0x80 up are commands the arbiter pushes (reclaim, swap out, resume).
 
 use std::io::{self, Read, Write};
 
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
@@ -61,6 +61,8 @@ pub enum Request {
         held: u64,
         /// Burst bytes this process was granted and still holds.
         granted: u64,
+        /// Bytes of its burst memory it keeps swapped out in host RAM.
+        swapped: u64,
     },
     /// Asks for at least `bytes` more burst memory, `preferred` if there is room (a
     /// chunk, so that a steady server rarely asks).
@@ -75,6 +77,8 @@ pub enum Request {
         preferred: u64,
         /// Bytes this process holds now (for status).
         held: u64,
+        /// To swap its burst memory back in: waits without a deadline.
+        resume: bool,
     },
     /// Gives back `bytes` of burst memory.
     Release {
@@ -92,6 +96,32 @@ pub enum Request {
     Activity {
         /// The count.
         count: u64,
+    },
+    /// The answer to `SwapOut`: the burst memory is in host RAM and `released` bytes of
+    /// the grant are given back.
+    SwappedOut {
+        /// The device.
+        device: DeviceId,
+        /// Grant given back.
+        released: u64,
+        /// Bytes now kept in host RAM.
+        host_bytes: u64,
+        /// Bytes this process still holds on the device.
+        held: u64,
+        /// How long the swap took, in microseconds.
+        micros: u64,
+    },
+    /// The swapped-out memory is back on the device (after a granted `resume`), or was
+    /// freed while swapped out.
+    SwappedIn {
+        /// The device.
+        device: DeviceId,
+        /// Bytes copied back from host RAM.
+        bytes: u64,
+        /// Bytes this process holds on the device now.
+        held: u64,
+        /// How long the swap took, in microseconds.
+        micros: u64,
     },
 }
 
@@ -151,6 +181,17 @@ pub enum Reply {
     /// Pushed: others wait on this device; give back burst memory not in use, keep no
     /// slack for a while.
     Reclaim {
+        /// The device.
+        device: DeviceId,
+    },
+    /// Pushed: a swap-resolver burst needs this process's burst memory on the device:
+    /// move it to host RAM and answer `SwappedOut`.
+    SwapOut {
+        /// The device.
+        device: DeviceId,
+    },
+    /// Pushed: memory is free again on the device; a swapped-out process may come back.
+    Resume {
         /// The device.
         device: DeviceId,
     },
@@ -314,15 +355,30 @@ impl Request {
                 .u8(resolver_code(*resolver))
                 .i32(*priority)
                 .u64(*wait_timeout_ms),
-            Request::Register { device, total, request, limit, held, granted } => {
-                Writer::new(2).device(device).u64(*total).u64(*request).u64(*limit).u64(*held).u64(*granted)
-            }
-            Request::Acquire { seq, device, bytes, preferred, held } => {
-                Writer::new(3).u64(*seq).device(device).u64(*bytes).u64(*preferred).u64(*held)
-            }
+            Request::Register { device, total, request, limit, held, granted, swapped } => Writer::new(2)
+                .device(device)
+                .u64(*total)
+                .u64(*request)
+                .u64(*limit)
+                .u64(*held)
+                .u64(*granted)
+                .u64(*swapped),
+            Request::Acquire { seq, device, bytes, preferred, held, resume } => Writer::new(3)
+                .u64(*seq)
+                .device(device)
+                .u64(*bytes)
+                .u64(*preferred)
+                .u64(*held)
+                .u8(u8::from(*resume)),
             Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
             Request::Status => Writer::new(5),
             Request::Activity { count } => Writer::new(6).u64(*count),
+            Request::SwappedOut { device, released, host_bytes, held, micros } => {
+                Writer::new(7).device(device).u64(*released).u64(*host_bytes).u64(*held).u64(*micros)
+            }
+            Request::SwappedIn { device, bytes, held, micros } => {
+                Writer::new(8).device(device).u64(*bytes).u64(*held).u64(*micros)
+            }
         }
         .finish()
     }
@@ -341,12 +397,12 @@ impl Request {
             },
             2 => {
                 let device = r.device()?;
-                let (total, request, limit, held, granted) =
-                    (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+                let (total, request, limit, held, granted, swapped) =
+                    (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
                 if request > limit || limit > total {
                     return Err(ProtocolError::BadValue("request/limit"));
                 }
-                Request::Register { device, total, request, limit, held, granted }
+                Request::Register { device, total, request, limit, held, granted, swapped }
             }
             3 => {
                 let (seq, device, bytes, preferred, held) =
@@ -354,11 +410,26 @@ impl Request {
                 if preferred < bytes {
                     return Err(ProtocolError::BadValue("preferred"));
                 }
-                Request::Acquire { seq, device, bytes, preferred, held }
+                let resume = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(ProtocolError::BadValue("resume")),
+                };
+                Request::Acquire { seq, device, bytes, preferred, held, resume }
             }
             4 => Request::Release { device: r.device()?, bytes: r.u64()?, held: r.u64()? },
             5 => Request::Status,
             6 => Request::Activity { count: r.u64()? },
+            7 => Request::SwappedOut {
+                device: r.device()?,
+                released: r.u64()?,
+                host_bytes: r.u64()?,
+                held: r.u64()?,
+                micros: r.u64()?,
+            },
+            8 => {
+                Request::SwappedIn { device: r.device()?, bytes: r.u64()?, held: r.u64()?, micros: r.u64()? }
+            }
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -382,6 +453,8 @@ impl Reply {
             }),
             Reply::Status { json } => Writer::new(0x46).long_string(json),
             Reply::Reclaim { device } => Writer::new(0x80).device(device),
+            Reply::SwapOut { device } => Writer::new(0x81).device(device),
+            Reply::Resume { device } => Writer::new(0x82).device(device),
         }
         .finish()
     }
@@ -406,6 +479,8 @@ impl Reply {
             },
             0x46 => Reply::Status { json: r.long_string()? },
             0x80 => Reply::Reclaim { device: r.device()? },
+            0x81 => Reply::SwapOut { device: r.device()? },
+            0x82 => Reply::Resume { device: r.device()? },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -461,6 +536,7 @@ mod tests {
             limit: 20,
             held: 5,
             granted: 2,
+            swapped: 1,
         });
         round_trip_request(Request::Acquire {
             seq: 9,
@@ -468,10 +544,19 @@ mod tests {
             bytes: 1 << 30,
             preferred: 1 << 31,
             held: 7,
+            resume: true,
         });
         round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
         round_trip_request(Request::Status);
         round_trip_request(Request::Activity { count: 42 });
+        round_trip_request(Request::SwappedOut {
+            device: [1; 16],
+            released: 1 << 30,
+            host_bytes: 1 << 30,
+            held: 3,
+            micros: 12,
+        });
+        round_trip_request(Request::SwappedIn { device: [1; 16], bytes: 1 << 30, held: 9, micros: 40 });
         for reply in [
             Reply::Welcome { version: 1 },
             Reply::Registered { device: [2; 16] },
@@ -480,6 +565,8 @@ mod tests {
             Reply::Denied { seq: 4, reason: Denial::Timeout },
             Reply::Status { json: "{}".into() },
             Reply::Reclaim { device: [5; 16] },
+            Reply::SwapOut { device: [6; 16] },
+            Reply::Resume { device: [7; 16] },
         ] {
             let frame = reply.encode();
             let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();
@@ -498,8 +585,15 @@ mod tests {
         assert!(matches!(Request::decode(&frame[4..]), Err(ProtocolError::Trailing(1))));
         let big = (MAX_FRAME as u32 + 1).to_le_bytes();
         assert!(matches!(read_frame(&mut &big[..], MAX_FRAME), Err(ProtocolError::TooLarge(..))));
-        let bad_register =
-            Request::Register { device: [0; 16], total: 10, request: 20, limit: 20, held: 0, granted: 0 };
+        let bad_register = Request::Register {
+            device: [0; 16],
+            total: 10,
+            request: 20,
+            limit: 20,
+            held: 0,
+            granted: 0,
+            swapped: 0,
+        };
         assert!(matches!(Request::decode(&bad_register.encode()[4..]), Err(ProtocolError::BadValue(_))));
         let mut hello = Request::Hello {
             version: 1,

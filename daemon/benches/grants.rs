@@ -114,8 +114,15 @@ fn shim_like_client(path: &Path, i: usize) -> Box<dyn FnMut() + Send> {
         wait_timeout_ms: 30_000,
     };
     s.write_all(&hello.encode()).expect("hello");
-    let register =
-        Request::Register { device: GPU, total: 1 << 50, request: 0, limit: 1 << 40, held: 0, granted: 0 };
+    let register = Request::Register {
+        device: GPU,
+        total: 1 << 50,
+        request: 0,
+        limit: 1 << 40,
+        held: 0,
+        granted: 0,
+        swapped: 0,
+    };
     s.write_all(&register.encode()).expect("register");
     for _ in 0..2 {
         read_frame(&mut s, MAX_FRAME).expect("welcome/registered");
@@ -123,7 +130,8 @@ fn shim_like_client(path: &Path, i: usize) -> Box<dyn FnMut() + Send> {
     let mut seq = 0u64;
     Box::new(move || {
         seq += 1;
-        let acquire = Request::Acquire { seq, device: GPU, bytes: 4096, preferred: 4096, held: 0 };
+        let acquire =
+            Request::Acquire { seq, device: GPU, bytes: 4096, preferred: 4096, held: 0, resume: false };
         s.write_all(&acquire.encode()).expect("acquire");
         match Reply::decode(&read_frame(&mut s, MAX_FRAME).expect("reply")).expect("decode") {
             Reply::Granted { .. } => {}
@@ -136,7 +144,9 @@ fn shim_like_client(path: &Path, i: usize) -> Box<dyn FnMut() + Send> {
 
 fn bare_client(path: &Path) -> Box<dyn FnMut() + Send> {
     let mut s = connect(path);
-    let frame = Request::Acquire { seq: 1, device: GPU, bytes: 4096, preferred: 4096, held: 0 }.encode();
+    let frame =
+        Request::Acquire { seq: 1, device: GPU, bytes: 4096, preferred: 4096, held: 0, resume: false }
+            .encode();
     let mut buf = vec![0u8; frame.len()];
     Box::new(move || {
         s.write_all(&frame).expect("write");

@@ -24,6 +24,9 @@ pub struct GpuStatus {
     pub free: u64,
     /// Processes waiting for a grant.
     pub waiting: usize,
+    /// Bytes of its processes' burst memory swapped out to host RAM.
+    #[serde(default)]
+    pub swapped: u64,
     /// Every registered process.
     pub processes: Vec<ProcessStatus>,
 }
@@ -51,6 +54,15 @@ pub struct ProcessStatus {
     pub resolver: String,
     /// `running`, `waiting` or `swapped`.
     pub state: String,
+    /// Bytes of its burst memory kept in host RAM while swapped out.
+    #[serde(default)]
+    pub host_bytes: u64,
+    /// How long it has waited for bursts, in all (the current wait included), in ms.
+    #[serde(default)]
+    pub waited_ms: u64,
+    /// How long it has been swapped out, in all (the current swap included), in ms.
+    #[serde(default)]
+    pub swapped_ms: u64,
 }
 
 /// Why the status could not be fetched.
@@ -86,6 +98,10 @@ pub fn fetch(socket: &std::path::Path) -> Result<Status, FetchError> {
     }
 }
 
+fn seconds(ms: u64) -> String {
+    format!("{:.1}s", ms as f64 / 1000.0)
+}
+
 fn gib(bytes: u64) -> String {
     format!("{:.2}GiB", bytes as f64 / (1u64 << 30) as f64)
 }
@@ -101,23 +117,35 @@ impl Status {
         for g in &self.gpus {
             let _ = writeln!(
                 out,
-                "GPU {}  memory {}  guaranteed {}  burst {}  free {}  waiting {}",
+                "GPU {}  memory {}  guaranteed {}  burst {}  free {}  waiting {}  swapped to host {}",
                 g.uuid,
                 gib(g.total),
                 gib(g.guaranteed),
                 gib(g.burst),
                 gib(g.free),
-                g.waiting
+                g.waiting,
+                gib(g.swapped)
             );
             let _ = writeln!(
                 out,
-                "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8}",
-                "PID", "GROUP", "POD", "REQUEST", "LIMIT", "HELD", "PRIORITY", "RESOLVER", "STATE"
+                "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
+                "PID",
+                "GROUP",
+                "POD",
+                "REQUEST",
+                "LIMIT",
+                "HELD",
+                "PRIORITY",
+                "RESOLVER",
+                "STATE",
+                "HOST",
+                "WAITED",
+                "SWAPPED"
             );
             for p in &g.processes {
                 let _ = writeln!(
                     out,
-                    "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8}",
+                    "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
                     p.pid,
                     p.group,
                     if p.pod.is_empty() { "-" } else { &p.pod },
@@ -126,7 +154,10 @@ impl Status {
                     gib(p.held),
                     p.priority,
                     p.resolver,
-                    p.state
+                    p.state,
+                    gib(p.host_bytes),
+                    seconds(p.waited_ms),
+                    seconds(p.swapped_ms)
                 );
             }
         }

@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{read_frame, DeviceId, Reply, Request, MAX_FRAME};
 
-/// (held, granted) of this process on a device, for re-registration.
-pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64) + Send + Sync>;
-/// Gives back the unused grant on a device (the arbiter asked: others wait).
-pub(crate) type ReclaimFn = Box<dyn Fn(&DeviceId) + Send + Sync>;
+/// (held, granted, swapped out to host) of this process on a device, for re-registration.
+pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64, u64) + Send + Sync>;
+/// Carries out a command the arbiter pushed (reclaim, swap out, resume).
+pub(crate) type PushFn = Box<dyn Fn(&Reply) + Send + Sync>;
 
 /// How long after a reclaim request this process keeps no slack grant.
 const CONTENDED_FOR: Duration = Duration::from_secs(1);
@@ -47,7 +47,7 @@ pub(crate) struct Client {
     hello: Request,
     registrations: Vec<Registration>,
     usage: UsageFn,
-    reclaim: ReclaimFn,
+    pushed: PushFn,
     /// Devices someone waits on, until when.
     contended: Mutex<HashMap<DeviceId, Instant>>,
     writer: Mutex<Option<UnixStream>>,
@@ -68,7 +68,7 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
     stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
     stream.write_all(&c.hello.encode()).map_err(io)?;
     for r in &c.registrations {
-        let (held, granted) = (c.usage)(&r.device);
+        let (held, granted, swapped) = (c.usage)(&r.device);
         let frame = Request::Register {
             device: r.device,
             total: r.total,
@@ -76,6 +76,7 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
             limit: r.limit,
             held,
             granted,
+            swapped,
         }
         .encode();
         stream.write_all(&frame).map_err(io)?;
@@ -107,14 +108,14 @@ impl Client {
         hello: Request,
         registrations: Vec<Registration>,
         usage: UsageFn,
-        reclaim: ReclaimFn,
+        pushed: PushFn,
     ) -> Result<Arc<Client>, String> {
         let client = Arc::new(Client {
             path: path.to_owned(),
             hello,
             registrations,
             usage,
-            reclaim,
+            pushed,
             contended: Mutex::new(HashMap::new()),
             writer: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
@@ -201,7 +202,7 @@ impl Client {
                                 waiting.remove(&seq);
                                 drop(waiting);
                                 if granted > 0 {
-                                    let (held, _) = (self.usage)(&device);
+                                    let (held, _, _) = (self.usage)(&device);
                                     self.release(device, granted, held);
                                 }
                             }
@@ -213,10 +214,11 @@ impl Client {
                             None => {}
                         }
                     }
-                    Ok(Reply::Reclaim { device }) => {
+                    Ok(command @ Reply::Reclaim { device }) => {
                         lock(&self.contended).insert(device, Instant::now() + CONTENDED_FOR);
-                        (self.reclaim)(&device);
+                        (self.pushed)(&command);
                     }
+                    Ok(command @ (Reply::SwapOut { .. } | Reply::Resume { .. })) => (self.pushed)(&command),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -243,6 +245,12 @@ impl Client {
         }
     }
 
+    /// Sends `request` if connected (no answer). What is lost while the arbiter is away
+    /// is rebuilt by the re-registration.
+    pub(crate) fn send(&self, request: &Request) -> bool {
+        self.connected.load(Ordering::Acquire) && self.write(&request.encode())
+    }
+
     fn write(&self, frame: &[u8]) -> bool {
         let mut writer = lock(&self.writer);
         let written = writer.as_mut().is_some_and(|w| w.write_all(frame).is_ok());
@@ -258,7 +266,8 @@ impl Client {
     }
 
     /// Asks for at least `bytes` (`preferred` if free) of burst memory and waits up to
-    /// `timeout` for the answer. `Some(granted)` when granted.
+    /// `timeout` for the answer. `Some(granted)` when granted. A `resume` (to swap back
+    /// in) waits at the arbiter without deadline.
     pub(crate) fn acquire(
         &self,
         device: DeviceId,
@@ -266,9 +275,10 @@ impl Client {
         preferred: u64,
         held: u64,
         timeout: Duration,
+        resume: bool,
     ) -> Option<u64> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let frame = Request::Acquire { seq, device, bytes, preferred, held }.encode();
+        let frame = Request::Acquire { seq, device, bytes, preferred, held, resume }.encode();
         lock(&self.waiting)
             .insert(seq, Waiting { frame: frame.clone(), device, reply: None, abandoned: false });
         if self.connected.load(Ordering::Acquire) {

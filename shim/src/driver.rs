@@ -32,6 +32,16 @@ real_fns! {
     Cuda cuMipmappedArrayGetMemoryRequirements(*mut [usize; 4], *mut c_void, c_int);
     Cuda cuArrayDestroy(*mut c_void);
     Cuda cuMipmappedArrayDestroy(*mut c_void);
+    Cuda cuCtxPushCurrent_v2(*mut c_void);
+    Cuda cuCtxPopCurrent_v2(*mut *mut c_void);
+    Cuda cuCtxSynchronize();
+    Cuda cuStreamSynchronize(*mut c_void);
+    Cuda cuMemAllocHost_v2(*mut *mut c_void, usize);
+    Cuda cuMemFreeHost(*mut c_void);
+    Cuda cuMemGetAllocationGranularity(*mut usize, *const c_void, c_uint);
+    Cuda cuMemAddressReserve(*mut u64, usize, usize, u64, u64);
+    Cuda cuMemAddressFree(u64, usize);
+    Cuda cuMemSetAccess(u64, usize, *const c_void, usize);
     Nvml nvmlInit_v2();
     Nvml nvmlDeviceGetHandleByUUID(*const c_char, *mut *mut c_void);
     Nvml nvmlDeviceGetUUID(*mut c_void, *mut c_char, c_uint);

@@ -1,47 +1,83 @@
-//! The gate every launch, copy and set passes. Today it only counts activity (for idle
-//! detection); it is the one place where a process will be held while its burst memory
-//! is swapped out. Passing it costs two relaxed loads and a store: the activity count is
-//! bumped without a locked instruction, so concurrent bumps may be lost, which idle
-//! detection tolerates (it only asks whether the count moved).
+//! The gate every launch, copy and set passes. It counts what passes (the activity count
+//! that tells the arbiter whether a process is idle) and which calls are inside, so that
+//! a swap-out can close it: new calls wait, calls already inside finish, then the swap
+//! proceeds. Passing costs two uncontended atomic additions and one load; closing and
+//! waiting are the cold path.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::time::Duration;
 
-use parking::Gate;
-
-static ACTIVITY: AtomicU64 = AtomicU64::new(0);
+/// Calls that entered (including ones that found the gate closed and stepped back).
+static ENTERED: AtomicU64 = AtomicU64::new(0);
+/// Calls that left.
+static LEFT: AtomicU64 = AtomicU64::new(0);
 static CLOSED: AtomicBool = AtomicBool::new(false);
 
-/// Passes the gate, waiting while it is closed.
-#[inline(always)]
-pub(crate) fn pass() {
-    ACTIVITY.store(ACTIVITY.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-    if CLOSED.load(Ordering::Acquire) {
-        Gate::wait_open(&CLOSED);
+/// A call inside the gate; leaving is counted when it drops.
+pub(crate) struct Pass(());
+
+impl Drop for Pass {
+    #[inline(always)]
+    fn drop(&mut self) {
+        LEFT.fetch_add(1, SeqCst);
     }
+}
+
+/// Enters the gate, waiting while it is closed.
+#[inline(always)]
+pub(crate) fn enter() -> Pass {
+    loop {
+        // Counting in before looking at CLOSED (both sequentially consistent) means a
+        // closer that set CLOSED either sees this call in its count or is seen by it.
+        ENTERED.fetch_add(1, SeqCst);
+        if !CLOSED.load(SeqCst) {
+            return Pass(());
+        }
+        LEFT.fetch_add(1, SeqCst);
+        parking::wait_open(&CLOSED);
+    }
+}
+
+/// Closes the gate and returns once no call is inside.
+pub(crate) fn close() {
+    CLOSED.store(true, SeqCst);
+    // LEFT first: a call entering meanwhile can only make the difference look larger.
+    while LEFT.load(SeqCst) != ENTERED.load(SeqCst) {
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+/// Opens the gate and wakes every waiting call.
+pub(crate) fn open() {
+    parking::open(&CLOSED);
 }
 
 /// A count of launches, copies and sets: a process whose count stands still is idle.
 pub fn activity() -> u64 {
-    ACTIVITY.load(Ordering::Relaxed)
+    ENTERED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 mod parking {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     use std::sync::{Condvar, Mutex};
-
-    /// The cold path: threads wait here while the gate is closed.
-    pub(super) struct Gate;
 
     static LOCK: Mutex<()> = Mutex::new(());
     static OPENED: Condvar = Condvar::new();
 
-    impl Gate {
-        pub(super) fn wait_open(closed: &AtomicBool) {
-            let mut guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-            while closed.load(Ordering::Acquire) {
-                guard = OPENED.wait(guard).unwrap_or_else(|p| p.into_inner());
-            }
+    /// The cold path: the calling thread waits here while the gate is closed, and tells
+    /// the swap worker that the process wants its memory back.
+    pub(super) fn wait_open(closed: &AtomicBool) {
+        crate::swap::wanted();
+        let mut guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        while closed.load(SeqCst) {
+            guard = OPENED.wait(guard).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    pub(super) fn open(closed: &AtomicBool) {
+        let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        closed.store(false, SeqCst);
+        OPENED.notify_all();
     }
 }
 
@@ -49,5 +85,43 @@ mod parking {
 #[doc(hidden)]
 #[inline(never)]
 pub fn pass_for_bench() {
-    pass();
+    let _pass = enter();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    #[test]
+    fn closing_waits_for_calls_inside_and_holds_new_ones_until_opened() {
+        let inside = enter();
+        let closed = Arc::new(AtomicBool::new(false));
+        let closer = {
+            let closed = closed.clone();
+            std::thread::spawn(move || {
+                close();
+                closed.store(true, SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!closed.load(SeqCst), "close() returned while a call was inside");
+        drop(inside);
+        closer.join().unwrap();
+        assert!(closed.load(SeqCst));
+        let passed = Arc::new(AtomicUsize::new(0));
+        let caller = {
+            let passed = passed.clone();
+            std::thread::spawn(move || {
+                let _pass = enter();
+                passed.fetch_add(1, SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(passed.load(SeqCst), 0, "a call passed a closed gate");
+        open();
+        caller.join().unwrap();
+        assert_eq!(passed.load(SeqCst), 1);
+    }
 }

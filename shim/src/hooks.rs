@@ -4,8 +4,8 @@
 //!
 //! Two kinds of entries:
 //! - `implemented`: the shim's own logic runs (accounting, the virtual device, contexts);
-//! - `gated`: launches, copies and sets, which pass through the gate (held while a
-//!   process's memory is swapped out, later) and then straight to the driver.
+//! - `gated`: launches, copies and sets, which pass through the gate (held while the
+//!   process's burst memory is swapped out) and then straight to the driver.
 
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -77,7 +77,7 @@ macro_rules! hooks {
             $(
                 #[cfg_attr(not(test), no_mangle)]
                 pub extern "C" fn $gname($($garg: $gty),*) -> Status {
-                    crate::gate::pass();
+                    let _inside = crate::gate::enter();
                     crate::ffi::guard(Lib::Cuda, || match real::$gname() {
                         // SAFETY: forwarding the caller's arguments unchanged to the real
                         // function of the same signature.

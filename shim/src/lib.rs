@@ -34,6 +34,7 @@ pub mod query;
 mod real;
 pub mod records;
 mod state;
+mod swap;
 
 pub use ffi::{CUdeviceptr, Status};
 pub use real::Lib;

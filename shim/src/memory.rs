@@ -54,6 +54,9 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, mut real: impl FnMut() 
         Ok(c) => c,
         Err(status) => return status,
     };
+    if matches!(path, Path::Linear | Path::Pooled) && !out.is_null() && crate::swap::backs(e, &charge) {
+        return crate::swap::allocate(e, ordinal, e.contexts.handle(id), charge, out);
+    }
     let status = e.physical(&mut real);
     settle(e, status, charge, read(out), path, Some(id))
 }
@@ -127,6 +130,9 @@ fn free(
 }
 
 pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
+    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, None)) {
+        return status;
+    }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
 }
 
@@ -163,10 +169,16 @@ pub(crate) fn mem_alloc_from_pool_async_ptsz(
 /// An async free gives the charge back at the call: from then on the memory belongs to
 /// the stream's pool, not to the program.
 pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, Some(stream))) {
+        return status;
+    }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync(dptr, stream)))
 }
 
 pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, Some(stream))) {
+        return status;
+    }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Mutex, OnceLock};
 
 use std::sync::Arc;
 
-use gpufrac_common::protocol::{Request, VERSION};
+use gpufrac_common::protocol::{Reply, Request, VERSION};
 
 use crate::arbiter::{Client, Registration};
 use crate::config::Config;
@@ -151,6 +151,11 @@ impl Contexts {
         None
     }
 
+    /// The driver's handle of context `id`.
+    pub(crate) fn handle(&self, id: usize) -> u64 {
+        self.handles[id].load(Ordering::Acquire)
+    }
+
     /// Stops tracking context `id`; returns (ordinal, charged bytes).
     pub(crate) fn remove(&self, id: usize) -> (usize, u64) {
         let ordinal = self.ordinals[id].load(Ordering::Relaxed) as usize;
@@ -184,6 +189,8 @@ pub(crate) struct Charge {
     pub device: usize,
     pub bytes: u64,
     pub above_request: bool,
+    /// The group held at least its request before this charge: all of it is burst.
+    pub whole_burst: bool,
 }
 
 impl Enforcer {
@@ -293,19 +300,25 @@ impl Enforcer {
             .collect();
         let ledger_of: Vec<([u8; 16], usize)> = slices.iter().map(|s| (s.uuid, s.ledger)).collect();
         let usage = Box::new(move |device: &[u8; 16]| {
-            ledger_of
-                .iter()
-                .find(|(u, _)| u == device)
-                .map_or((0, 0), |&(_, dev)| (self.ledger.held_by_me(dev), self.ledger.my_granted(dev)))
+            ledger_of.iter().find(|(u, _)| u == device).map_or((0, 0, 0), |&(_, dev)| {
+                (self.ledger.held_by_me(dev), self.ledger.my_granted(dev), crate::swap::host_bytes(dev))
+            })
         });
-        let slices_for_reclaim: Vec<Slice> = slices.to_vec();
-        let reclaim = Box::new(move |device: &[u8; 16]| {
-            if let Some(slice) = slices_for_reclaim.iter().find(|s| &s.uuid == device) {
-                self.give_back(slice, 0);
+        let pushed = Box::new(move |command: &Reply| match command {
+            Reply::Reclaim { device } => {
+                if let Some(slice) = self.slice_by_uuid(device) {
+                    self.give_back(&slice, 0);
+                }
             }
+            Reply::SwapOut { device } => crate::swap::swap_out_requested(*device),
+            Reply::Resume { .. } => crate::swap::resume_offered(),
+            _ => {}
         });
-        let client = Client::start(socket, hello, registrations, usage, reclaim)?;
-        let _ = self.arbiter.set(client);
+        let client = Client::start(socket, hello, registrations, usage, pushed)?;
+        let _ = self.arbiter.set(client.clone());
+        if self.config.resolver == gpufrac_common::Resolver::Swap {
+            crate::swap::start(self, client)?;
+        }
         Ok(())
     }
 
@@ -357,7 +370,14 @@ impl Enforcer {
                 None => slice.limit,
             };
             let over = match self.ledger.try_charge(dev, bytes, cap) {
-                Ok(total) => return Ok(Charge { device: dev, bytes, above_request: total > slice.request }),
+                Ok(total) => {
+                    return Ok(Charge {
+                        device: dev,
+                        bytes,
+                        above_request: total > slice.request,
+                        whole_burst: total - bytes >= slice.request,
+                    })
+                }
                 Err(over) => over,
             };
             let Some(client) = arbiter.filter(|_| over.held.saturating_add(bytes) <= slice.limit) else {
@@ -378,6 +398,7 @@ impl Enforcer {
                 preferred,
                 self.ledger.held_by_me(dev),
                 self.config.wait_timeout,
+                false,
             ) {
                 Some(granted) => self.ledger.add_granted(dev, granted),
                 None => {
@@ -436,6 +457,16 @@ impl Enforcer {
             status = call();
         }
         status
+    }
+
+    /// The slice of the device with `uuid`.
+    pub(crate) fn slice_by_uuid(&self, uuid: &[u8; 16]) -> Option<Slice> {
+        self.slices().iter().find(|s| &s.uuid == uuid).copied()
+    }
+
+    /// The slice of the ledger's device `device`.
+    pub(crate) fn slice_by_ledger(&self, device: usize) -> Option<Slice> {
+        self.slices().iter().find(|s| s.ledger == device).copied()
     }
 
     fn slices(&self) -> &[Slice] {

@@ -200,6 +200,7 @@ fn garbage_on_the_socket_leaves_the_arbiter_serving() {
             bytes: 1,
             preferred: 1,
             held: 0,
+            resume: false,
         }
         .encode(),
     );

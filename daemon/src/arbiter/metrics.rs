@@ -1,5 +1,5 @@
 //! Prometheus metrics (`--metrics ADDR`): memory per GPU and group, grants, waits and
-//! their durations, timeouts, refusals. Memory gauges are read from the ledger at each
+//! their durations, timeouts, refusals, terminations, swaps (count, bytes, durations). Memory gauges are read from the ledger at each
 //! scrape; counters are bumped by the server as things happen.
 
 use prometheus_client::encoding::text::encode;
@@ -33,6 +33,12 @@ pub(crate) struct GpuLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct SwapLabel {
+    pub gpu: String,
+    pub direction: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct Refusal {
     pub reason: String,
 }
@@ -48,6 +54,9 @@ pub struct Metrics {
     pub(crate) timeouts: Family<GpuLabel, Counter>,
     pub(crate) refusals: Family<Refusal, Counter>,
     pub(crate) terminations: Family<Refusal, Counter>,
+    swaps: Family<SwapLabel, Counter>,
+    swap_bytes: Family<SwapLabel, Counter>,
+    swap_seconds: Family<SwapLabel, Histogram>,
     registry: Registry,
 }
 
@@ -72,9 +81,14 @@ impl Metrics {
         let timeouts = Family::<GpuLabel, Counter>::default();
         let refusals = Family::<Refusal, Counter>::default();
         let terminations = Family::<Refusal, Counter>::default();
+        let swaps = Family::<SwapLabel, Counter>::default();
+        let swap_bytes = Family::<SwapLabel, Counter>::default();
+        let swap_seconds = Family::<SwapLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0])
+        });
         registry.register(
             "gpu_memory_bytes",
-            "GPU memory: total, guaranteed, burst, free",
+            "GPU memory: total, guaranteed, burst, free; swapped_to_host is in host RAM",
             gpu_memory.clone(),
         );
         registry.register(
@@ -93,7 +107,13 @@ impl Metrics {
             "Processes ended by the priority resolver, by reason",
             terminations.clone(),
         );
+        registry.register("swaps", "Swaps of burst memory to host RAM (out) and back (in)", swaps.clone());
+        registry.register("swap_bytes", "Bytes moved by swaps, by direction", swap_bytes.clone());
+        registry.register("swap_seconds", "How long swaps took, by direction", swap_seconds.clone());
         Metrics {
+            swaps,
+            swap_bytes,
+            swap_seconds,
             gpu_memory,
             group_memory,
             grants,
@@ -107,14 +127,26 @@ impl Metrics {
         }
     }
 
+    /// Counts one swap of `bytes` that took `took`, `direction` `out` or `in`.
+    pub(crate) fn count_swap(&self, gpu: &GpuLabel, direction: &str, bytes: u64, took: std::time::Duration) {
+        let label = SwapLabel { gpu: gpu.gpu.clone(), direction: direction.to_owned() };
+        self.swaps.get_or_create(&label).inc();
+        self.swap_bytes.get_or_create(&label).inc_by(bytes);
+        self.swap_seconds.get_or_create(&label).observe(took.as_secs_f64());
+    }
+
     /// The text exposition, with memory gauges taken from `status`.
     pub fn render(&self, status: &Status) -> String {
         self.gpu_memory.clear();
         self.group_memory.clear();
         for g in &status.gpus {
-            for (kind, v) in
-                [("total", g.total), ("guaranteed", g.guaranteed), ("burst", g.burst), ("free", g.free)]
-            {
+            for (kind, v) in [
+                ("total", g.total),
+                ("guaranteed", g.guaranteed),
+                ("burst", g.burst),
+                ("free", g.free),
+                ("swapped_to_host", g.swapped),
+            ] {
                 self.gpu_memory
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                     .set(v as i64);

@@ -8,6 +8,12 @@
 //! granted in order as memory comes back; the head is never bypassed (no starvation),
 //! and every waiter gives up at its deadline (no deadlock: a waiter holding burst memory
 //! cannot block the others beyond its own timeout).
+//!
+//! The swap resolver takes turns: when the burst at the head of a GPU's queue uses it
+//! and does not fit, holders of burst memory that also use swap, have been resident for
+//! their quantum and fit under the node's host-RAM cap are asked to move their burst
+//! memory to host RAM. They come back when they ask (a gated call) or when memory is
+//! free again; a swap-in waits without deadline, ahead of nobody (FIFO).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -56,10 +62,74 @@ pub struct Victim {
     pub why: String,
 }
 
+/// A holder chosen to swap its burst memory out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapVictim {
+    /// Its connection.
+    pub conn: ConnId,
+    /// The GPU.
+    pub device: DeviceId,
+    /// Its PID.
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// Burst bytes it holds there (what it is expected to move to host RAM).
+    pub bytes: u64,
+}
+
+/// Where a member's burst memory is.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Residency {
+    #[default]
+    Resident,
+    /// Told to swap out; the answer is awaited.
+    SwappingOut,
+    /// Its burst memory is in host RAM.
+    Swapped,
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 struct Member {
     held: u64,
     granted: u64,
+    /// Bytes in host RAM while swapped out.
+    host_bytes: u64,
+    residency: Residency,
+    /// Since when it holds burst memory on the device: its quantum counts from here.
+    resident_since: Option<Instant>,
+    /// Since when it is swapped out (or being swapped out).
+    swapped_since: Option<Instant>,
+    /// Told that memory is free to come back (once per swap-out).
+    resume_sent: bool,
+    /// Time spent in waits already answered.
+    waited: Duration,
+    /// Time spent swapped out, swap-ins already done.
+    swapped_for: Duration,
+}
+
+/// How far away a swap-in's deadline is: it waits until memory comes back.
+const NO_DEADLINE: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+impl Member {
+    fn grant(&mut self, bytes: u64, now: Instant) {
+        if self.granted == 0 && self.residency == Residency::Resident {
+            self.resident_since = Some(now);
+        }
+        self.granted += bytes;
+    }
+
+    fn new(held: u64, granted: u64, host_bytes: u64, now: Instant) -> Member {
+        let swapped = host_bytes > 0;
+        Member {
+            held,
+            granted,
+            host_bytes,
+            residency: if swapped { Residency::Swapped } else { Residency::Resident },
+            resident_since: (granted > 0).then_some(now),
+            swapped_since: swapped.then_some(now),
+            ..Member::default()
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -80,6 +150,8 @@ struct Waiter {
     conn: ConnId,
     group: String,
     seq: u64,
+    /// A swap-in: it waits without deadline.
+    resume: bool,
     bytes: u64,
     preferred: u64,
     since: Instant,
@@ -179,6 +251,7 @@ impl Policy {
         limit: u64,
         held: u64,
         granted: u64,
+        host_bytes: u64,
     ) -> Result<(), String> {
         let peer = self.peers.get(&conn).ok_or("Register before Hello")?.clone();
         let gpu = self
@@ -206,7 +279,7 @@ impl Policy {
         if (group.request, group.limit) != (request, limit) {
             tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
         }
-        group.members.insert(conn, Member { held, granted });
+        group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
         Ok(())
     }
 
@@ -220,6 +293,7 @@ impl Policy {
         bytes: u64,
         preferred: u64,
         held: u64,
+        resume: bool,
         now: Instant,
     ) -> Outcome {
         let Some(peer) = self.peers.get(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
@@ -239,17 +313,18 @@ impl Policy {
         }
         if gpu.queue.is_empty() && free >= bytes {
             let grant = preferred.min(free).min(room).max(bytes);
-            member.granted += grant;
+            member.grant(grant, now);
             return Outcome::Granted(grant);
         }
         gpu.queue.push_back(Waiter {
             conn,
             group: group_name,
             seq,
+            resume,
             bytes,
             preferred,
             since: now,
-            deadline: now + timeout,
+            deadline: if resume { now + NO_DEADLINE } else { now + timeout },
         });
         Outcome::Queued
     }
@@ -293,9 +368,11 @@ impl Policy {
         let mut answers = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
             let before = gpu.queue.len();
+            let mut expired = Vec::new();
             gpu.queue.retain(|w| {
                 let keep = w.deadline > now;
                 if !keep {
+                    expired.push((w.group.clone(), w.conn, now - w.since));
                     answers.push(Answer {
                         conn: w.conn,
                         seq: w.seq,
@@ -306,11 +383,20 @@ impl Policy {
                 }
                 keep
             });
+            for (group, conn, waited) in expired {
+                Self::credit_wait(gpu, &group, conn, waited);
+            }
             if gpu.queue.len() != before {
                 answers.extend(Self::drain(device, gpu, now));
             }
         }
         answers
+    }
+
+    fn credit_wait(gpu: &mut Gpu, group: &str, conn: ConnId, waited: Duration) {
+        if let Some(m) = gpu.groups.get_mut(group).and_then(|g| g.members.get_mut(&conn)) {
+            m.waited += waited;
+        }
     }
 
     fn drain(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<Answer> {
@@ -321,6 +407,7 @@ impl Policy {
             if group_room.is_none_or(|room| room < head.bytes) {
                 // Its group can no longer take it (it changed meanwhile): answer now.
                 if let Some(w) = gpu.queue.pop_front() {
+                    Self::credit_wait(gpu, &w.group, w.conn, now - w.since);
                     answers.push(Answer {
                         conn: w.conn,
                         seq: w.seq,
@@ -337,6 +424,7 @@ impl Policy {
                     // whose out-of-memory error makes it free what it holds.
                     if let Some(pos) = gpu.queue.iter().position(|w| w.conn == victim) {
                         if let Some(w) = gpu.queue.remove(pos) {
+                            Self::credit_wait(gpu, &w.group, w.conn, now - w.since);
                             answers.push(Answer {
                                 conn: w.conn,
                                 seq: w.seq,
@@ -353,7 +441,8 @@ impl Policy {
             let Some(w) = gpu.queue.pop_front() else { break };
             let grant = w.preferred.min(gpu.free()).min(group_room.unwrap_or(0)).max(w.bytes);
             if let Some(m) = gpu.groups.get_mut(&w.group).and_then(|g| g.members.get_mut(&w.conn)) {
-                m.granted += grant;
+                m.grant(grant, now);
+                m.waited += now - w.since;
             }
             answers.push(Answer {
                 conn: w.conn,
@@ -367,7 +456,7 @@ impl Policy {
     }
 
     /// If every holder of burst memory on `gpu` is waiting for more, the waiting holder
-    /// with the largest grant.
+    /// with the largest grant (never a swap-in: refusing it would not free anything).
     fn deadlocked(gpu: &Gpu) -> Option<ConnId> {
         let mut holders = gpu
             .groups
@@ -377,10 +466,8 @@ impl Policy {
         holders.peek()?;
         let mut victim = None;
         for (conn, granted) in holders {
-            if !gpu.queue.iter().any(|w| w.conn == conn) {
-                return None;
-            }
-            if victim.is_none_or(|(_, g)| granted > g) {
+            let Some(waiting) = gpu.queue.iter().find(|w| w.conn == conn) else { return None };
+            if !waiting.resume && victim.is_none_or(|(_, g)| granted > g) {
                 victim = Some((conn, granted));
             }
         }
@@ -397,7 +484,7 @@ impl Policy {
         bytes: u64,
         now: Instant,
     ) -> Vec<Answer> {
-        match self.acquire(conn, device, seq, bytes, bytes, 0, now) {
+        match self.acquire(conn, device, seq, bytes, bytes, 0, false, now) {
             Outcome::Queued => self.settle(device, now),
             _ => Vec::new(),
         }
@@ -492,8 +579,158 @@ impl Policy {
         out
     }
 
+    /// Host RAM holding swapped-out memory now, plus what swaps under way will add.
+    pub fn host_committed(&self) -> u64 {
+        self.gpus
+            .values()
+            .flat_map(|g| g.groups.values())
+            .flat_map(|g| g.members.values())
+            .map(|m| if m.residency == Residency::SwappingOut { m.granted } else { m.host_bytes })
+            .sum()
+    }
+
+    /// The swap resolver: for each GPU whose first waiting burst uses swap and does not
+    /// fit, the holders to swap out (marked as swapping out). Candidates also use swap,
+    /// belong to another group, do not wait themselves, have held their burst memory for
+    /// at least `quantum`, and fit under `swap_limit` bytes of host RAM; the longest
+    /// resident go first. A GPU with a swap-out under way gets no new one; a burst no set
+    /// of candidates can serve is left to wait.
+    pub fn swap_victims(&mut self, now: Instant, quantum: Duration, swap_limit: u64) -> Vec<SwapVictim> {
+        let mut host = self.host_committed();
+        let mut chosen = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            let members = || gpu.groups.values().flat_map(|g| g.members.values());
+            if members().any(|m| m.residency == Residency::SwappingOut) {
+                continue;
+            }
+            let Some(head) = gpu.queue.front() else { continue };
+            let free = gpu.free();
+            if free >= head.bytes || self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap) {
+                continue;
+            }
+            let mut candidates: Vec<(Instant, ConnId, String, u64)> = Vec::new();
+            for (name, group) in &gpu.groups {
+                if *name == head.group {
+                    continue;
+                }
+                for (&conn, m) in &group.members {
+                    let swappable = m.granted > 0
+                        && m.residency == Residency::Resident
+                        && self.peers.get(&conn).is_some_and(|p| p.resolver == Resolver::Swap)
+                        && !gpu.queue.iter().any(|w| w.conn == conn);
+                    let since = m.resident_since.unwrap_or(now);
+                    if swappable && now.saturating_duration_since(since) >= quantum {
+                        candidates.push((since, conn, name.clone(), m.granted));
+                    }
+                }
+            }
+            candidates.sort();
+            let (mut room, mut set) = (free, Vec::new());
+            for (_, conn, group, bytes) in candidates {
+                if room >= head.bytes {
+                    break;
+                }
+                if host.saturating_add(bytes) > swap_limit {
+                    continue;
+                }
+                host += bytes;
+                room += bytes;
+                set.push((conn, group, bytes));
+            }
+            if room < head.bytes {
+                continue;
+            }
+            for (conn, group, bytes) in set {
+                if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
+                    m.residency = Residency::SwappingOut;
+                    m.swapped_since = Some(now);
+                }
+                let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
+                chosen.push(SwapVictim { conn, device, pid, group, bytes });
+            }
+        }
+        chosen
+    }
+
+    fn member_mut(&mut self, conn: ConnId, device: &DeviceId) -> Option<(&mut Gpu, String)> {
+        let group = self.peers.get(&conn)?.group.clone();
+        let gpu = self.gpus.get_mut(device)?;
+        gpu.groups.get(&group)?.members.get(&conn)?;
+        Some((gpu, group))
+    }
+
+    /// A process swapped its burst memory out: `released` bytes of its grant come back
+    /// (and go to the waiters); `host_bytes` stay in host RAM until it swaps back in.
+    pub fn swapped_out(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        released: u64,
+        host_bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
+        let Some((gpu, group)) = self.member_mut(conn, &device) else { return Vec::new() };
+        if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
+            m.granted = m.granted.saturating_sub(released);
+            m.held = held;
+            m.host_bytes += host_bytes;
+            m.resume_sent = false;
+            if m.host_bytes > 0 {
+                m.residency = Residency::Swapped;
+                m.swapped_since.get_or_insert(now);
+            } else {
+                // Nothing could be swapped: its quantum starts again, so it is not asked at once.
+                m.residency = Residency::Resident;
+                m.swapped_since = None;
+                m.resident_since = Some(now);
+            }
+        }
+        Self::drain(device, gpu, now)
+    }
+
+    /// A process's swapped-out memory (`bytes` of it) is back on the device, or was freed.
+    pub fn swapped_in(&mut self, conn: ConnId, device: DeviceId, bytes: u64, held: u64, now: Instant) {
+        let Some((gpu, group)) = self.member_mut(conn, &device) else { return };
+        if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
+            m.held = held;
+            m.host_bytes = m.host_bytes.saturating_sub(bytes);
+            if m.host_bytes == 0 {
+                if let Some(since) = m.swapped_since.take() {
+                    m.swapped_for += now.saturating_duration_since(since);
+                }
+                m.residency = Residency::Resident;
+                m.resident_since = Some(now);
+            }
+        }
+    }
+
+    /// Swapped-out processes that may come back because memory is free and nobody waits
+    /// on their GPU: at most as many as the free memory holds, each told once.
+    pub fn resume_candidates(&mut self) -> Vec<(ConnId, DeviceId)> {
+        let mut out = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            if !gpu.queue.is_empty() {
+                continue;
+            }
+            let mut free = gpu.free();
+            for group in gpu.groups.values_mut() {
+                let room = (group.limit - group.request).saturating_sub(group.granted());
+                for (&conn, m) in group.members.iter_mut() {
+                    if m.residency == Residency::Swapped && !m.resume_sent && m.host_bytes <= free.min(room) {
+                        free -= m.host_bytes;
+                        m.resume_sent = true;
+                        out.push((conn, device));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// The status document.
     pub fn status(&self) -> Status {
+        let now = Instant::now();
         let gpus = self
             .gpus
             .iter()
@@ -502,7 +739,15 @@ impl Policy {
                 for (name, group) in &gpu.groups {
                     for (conn, m) in &group.members {
                         let Some(peer) = self.peers.get(conn) else { continue };
-                        let waiting = gpu.queue.iter().any(|w| w.conn == *conn);
+                        let waiting = gpu.queue.iter().find(|w| w.conn == *conn);
+                        let state = match (m.residency, waiting) {
+                            (Residency::Swapped | Residency::SwappingOut, _) => "swapped",
+                            (Residency::Resident, Some(_)) => "waiting",
+                            (Residency::Resident, None) => "running",
+                        };
+                        let waited = m.waited + waiting.map_or(Duration::ZERO, |w| now - w.since);
+                        let swapped = m.swapped_for
+                            + m.swapped_since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
                         processes.push(ProcessStatus {
                             pid: peer.pid,
                             group: name.clone(),
@@ -513,7 +758,10 @@ impl Policy {
                             granted: m.granted,
                             priority: peer.priority,
                             resolver: peer.resolver.to_string(),
-                            state: if waiting { "waiting" } else { "running" }.to_owned(),
+                            state: state.to_owned(),
+                            host_bytes: m.host_bytes,
+                            waited_ms: waited.as_millis() as u64,
+                            swapped_ms: swapped.as_millis() as u64,
                         });
                     }
                 }
@@ -524,6 +772,7 @@ impl Policy {
                     burst: gpu.burst(),
                     free: gpu.free(),
                     waiting: gpu.queue.len(),
+                    swapped: gpu.groups.values().flat_map(|g| g.members.values()).map(|m| m.host_bytes).sum(),
                     processes,
                 }
             })
@@ -561,15 +810,18 @@ mod tests {
             [(1, "low", 0, now), (2, "high", 20, t0), (3, "idle", 10, t0), (4, "small", 0, now)]
         {
             p.hello(conn, Peer { priority: prio, last_active: active, ..peer(group, 60_000) });
-            p.register(conn, GPU, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0).unwrap();
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0, 0).unwrap();
         }
         p.hello(5, Peer { priority: 10, resolver: Resolver::Priority, ..peer("vip", 60_000) });
-        p.register(5, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0).unwrap();
+        p.register(5, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, 0).unwrap();
         // 16 - 9 guaranteed = 7 GiB to lend: low 3, high 2, idle 1, small 1.
         for (conn, gib) in [(1, 3), (2, 2), (3, 1), (4, 1)] {
-            assert!(matches!(p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, now), Outcome::Granted(_)));
+            assert!(matches!(
+                p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, false, now),
+                Outcome::Granted(_)
+            ));
         }
-        assert_eq!(p.acquire(5, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(5, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
         let v = p.priority_victims(now, Duration::from_secs(300), &[]);
         assert_eq!(v.len(), 1, "one holder of 3 GiB is enough: {v:?}");
         assert_eq!((v[0].conn, v[0].bytes), (1, 3 * GIB));
@@ -585,7 +837,7 @@ mod tests {
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);
         for &(conn, group, request, limit) in groups {
             p.hello(conn, peer(group, 1000));
-            p.register(conn, GPU, 16 * GIB, request, limit, 0, 0).unwrap();
+            p.register(conn, GPU, 16 * GIB, request, limit, 0, 0, 0).unwrap();
         }
         p
     }
@@ -594,12 +846,12 @@ mod tests {
     fn requests_are_guaranteed_and_admission_refuses_what_does_not_fit() {
         let mut p = policy_with(&[(1, "a", 6 * GIB, 8 * GIB), (2, "b", 6 * GIB, 8 * GIB)]);
         p.hello(3, peer("c", 1000));
-        let err = p.register(3, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0).unwrap_err();
+        let err = p.register(3, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0, 0).unwrap_err();
         assert!(err.contains("GPUFRAC_MEMORY_REQUEST") && err.contains("does not fit"), "{err}");
-        p.register(3, GPU, 16 * GIB, 4 * GIB, 4 * GIB, 0, 0).unwrap();
+        p.register(3, GPU, 16 * GIB, 4 * GIB, 4 * GIB, 0, 0, 0).unwrap();
         // A second member of an admitted group joins without a new guarantee.
         p.hello(4, peer("a", 1000));
-        p.register(4, GPU, 16 * GIB, 6 * GIB, 8 * GIB, 0, 0).unwrap();
+        p.register(4, GPU, 16 * GIB, 6 * GIB, 8 * GIB, 0, 0, 0).unwrap();
         assert_eq!(p.status().gpus[0].guaranteed, 16 * GIB);
     }
 
@@ -612,9 +864,13 @@ mod tests {
             (3, "c", 4 * GIB, 12 * GIB),
         ]);
         // 4 GiB unreserved.
-        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Granted(3 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, now), Outcome::Queued);
-        assert_eq!(p.acquire(3, GPU, 1, GIB / 2, GIB / 2, 0, now), Outcome::Queued, "no bypassing the head");
+        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        assert_eq!(
+            p.acquire(3, GPU, 1, GIB / 2, GIB / 2, 0, false, now),
+            Outcome::Queued,
+            "no bypassing the head"
+        );
         assert_eq!(p.status().gpus[0].processes.iter().filter(|s| s.state == "waiting").count(), 2);
         let answers = p.release(1, GPU, GIB + GIB / 2, 0, now + Duration::from_millis(5));
         assert_eq!(answers.len(), 2);
@@ -629,22 +885,22 @@ mod tests {
     fn grants_never_pass_the_limit_or_the_gpu() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 2 * GIB, 3 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Denied(Denial::OverLimit));
         assert_eq!(
-            p.acquire(1, GPU, 2, GIB / 2, 4 * GIB, 0, now),
+            p.acquire(1, GPU, 2, GIB / 2, 4 * GIB, 0, false, now),
             Outcome::Granted(GIB),
             "a chunk, capped by the limit"
         );
-        assert_eq!(p.acquire(1, GPU, 3, 1, 1, 0, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(p.acquire(1, GPU, 3, 1, 1, 0, false, now), Outcome::Denied(Denial::OverLimit));
     }
 
     #[test]
     fn waiters_time_out_and_unblock_the_queue() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, now), Outcome::Granted(8 * GIB));
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
         p.hello(2, Peer { wait_timeout: Duration::from_millis(10), ..peer("b", 10) });
-        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 4 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
         assert!(p.expire(now + Duration::from_millis(5)).is_empty());
         let answers = p.expire(now + Duration::from_millis(11));
         assert_eq!(answers.len(), 1);
@@ -655,8 +911,8 @@ mod tests {
     fn a_disconnected_holder_frees_its_grant_for_the_waiter() {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, now), Outcome::Granted(8 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, 6 * GIB, 6 * GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
         let answers = p.disconnect(1, now);
         assert_eq!((answers[0].conn, answers[0].result), (2, Ok(6 * GIB)));
         // Group a had no other member: its request is free again.
@@ -668,9 +924,9 @@ mod tests {
         let now = Instant::now();
         let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
         // 8 GiB to lend: a takes 5, b takes 3; then both want more.
-        assert_eq!(p.acquire(1, GPU, 1, 5 * GIB, 5 * GIB, 0, now), Outcome::Granted(5 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, now), Outcome::Granted(3 * GIB));
-        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, now), Outcome::Queued);
+        assert_eq!(p.acquire(1, GPU, 1, 5 * GIB, 5 * GIB, 0, false, now), Outcome::Granted(5 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, false, now), Outcome::Queued);
         let answers = p.acquire_answers(1, GPU, 2, GIB, now);
         // a holds the most and is refused at once; b still waits for a to give back.
         assert_eq!(answers.len(), 1);
@@ -683,9 +939,67 @@ mod tests {
     fn re_registration_after_a_restart_rebuilds_what_was_held() {
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);
         p.hello(1, peer("a", 1000));
-        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 10 * GIB, 6 * GIB).unwrap();
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 10 * GIB, 6 * GIB, 0).unwrap();
         let s = &p.status().gpus[0];
         assert_eq!((s.guaranteed, s.burst, s.free), (4 * GIB, 6 * GIB, 6 * GIB));
         assert_eq!(s.processes[0].held, 10 * GIB);
+    }
+
+    #[test]
+    fn swap_takes_turns_within_the_quantum_and_the_host_ram_cap() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group, resolver) in
+            [(1, "old", Resolver::Swap), (2, "waiter", Resolver::Wait), (3, "new", Resolver::Swap)]
+        {
+            p.hello(conn, Peer { resolver, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        }
+        // 10 GiB to lend: old holds 6 (since long ago), waiter 3, new 1 (just now).
+        let long_ago = now - Duration::from_secs(60);
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, long_ago), Outcome::Granted(6 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+        let quantum = Duration::from_secs(10);
+        // A wait-resolver burst never swaps anyone out.
+        assert_eq!(p.acquire(2, GPU, 2, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.swap_victims(now, quantum, u64::MAX).is_empty());
+        p.disconnect(2, now);
+        // new wants 6 GiB (5 are free): only old is past its quantum; the waiter's own
+        // group is never chosen.
+        assert_eq!(p.acquire(3, GPU, 2, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.swap_victims(now, quantum, 5 * GIB).is_empty(), "6 GiB do not fit a 5 GiB host-RAM cap");
+        let v = p.swap_victims(now, quantum, 64 * GIB);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].conn, v[0].bytes), (1, 6 * GIB));
+        assert!(p.swap_victims(now, quantum, 64 * GIB).is_empty(), "one swap-out at a time per GPU");
+        assert_eq!(state(&p, 1), "swapped");
+        // old answers: 6 GiB in host RAM, its grant back; new is served.
+        let answers = p.swapped_out(1, GPU, 6 * GIB, 6 * GIB, 2 * GIB, now);
+        assert_eq!((answers[0].conn, answers[0].result), (3, Ok(6 * GIB)));
+        assert_eq!(p.host_committed(), 6 * GIB);
+        // old wants back in: it waits without deadline, and new is swapped out only after its quantum.
+        assert_eq!(p.acquire(1, GPU, 2, 6 * GIB, 6 * GIB, 0, true, now), Outcome::Queued);
+        assert!(p.expire(now + Duration::from_secs(3600)).is_empty(), "a swap-in has no deadline");
+        assert!(p.swap_victims(now + Duration::from_secs(5), quantum, 64 * GIB).is_empty());
+        let v = p.swap_victims(now + Duration::from_secs(11), quantum, 64 * GIB);
+        assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![3]);
+        let answers = p.swapped_out(3, GPU, 7 * GIB, 7 * GIB, 2 * GIB, now + Duration::from_secs(12));
+        assert_eq!((answers[0].conn, answers[0].result), (1, Ok(6 * GIB)));
+        p.swapped_in(1, GPU, 6 * GIB, 8 * GIB, now + Duration::from_secs(13));
+        assert_eq!(state(&p, 1), "running");
+        let s = p.status();
+        let old = s.gpus[0].processes.iter().find(|x| x.group == "old").unwrap();
+        assert_eq!(old.swapped_ms, 13_000);
+        assert_eq!(s.gpus[0].swapped, 7 * GIB, "new's memory is in host RAM now");
+        // Memory frees: new is told it may come back, once.
+        p.release(1, GPU, 6 * GIB, 2 * GIB, now);
+        assert_eq!(p.resume_candidates(), vec![(3, GPU)]);
+        assert!(p.resume_candidates().is_empty());
+    }
+
+    fn state(p: &Policy, conn: ConnId) -> String {
+        let group = p.peer(conn).unwrap().group.clone();
+        p.status().gpus[0].processes.iter().find(|x| x.group == group).unwrap().state.clone()
     }
 }

@@ -45,18 +45,28 @@ impl Terminator for Signals {
     }
 }
 
-/// The priority resolver's settings.
+/// The priority and swap resolvers' settings.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
     /// A holder idle this long may be ended for an equal-priority burst (`--idle-timeout`).
     pub idle_timeout: Duration,
     /// Between SIGTERM and SIGKILL (`--kill-grace`).
     pub kill_grace: Duration,
+    /// How long a holder keeps its burst memory before a swap burst may swap it out
+    /// (`--swap-quantum`).
+    pub swap_quantum: Duration,
+    /// Most host RAM, in bytes, holding swapped-out memory on the node (`--swap-limit`).
+    pub swap_limit: u64,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { idle_timeout: Duration::from_secs(300), kill_grace: Duration::from_secs(10) }
+        Options {
+            idle_timeout: Duration::from_secs(300),
+            kill_grace: Duration::from_secs(10),
+            swap_quantum: Duration::from_secs(10),
+            swap_limit: u64::MAX,
+        }
     }
 }
 
@@ -147,6 +157,21 @@ impl Shared {
         }
     }
 
+    /// The swap resolver: asks the chosen holders to swap out, and swapped-out processes
+    /// to come back when memory is free.
+    fn resolve_swap(&self) {
+        let victims =
+            self.policy().swap_victims(Instant::now(), self.options.swap_quantum, self.options.swap_limit);
+        for v in victims {
+            tracing::info!(pid = v.pid, group = %v.group, gpu = %uuid_string(&v.device), bytes = v.bytes, "asking a holder of burst memory to swap out for a swap burst");
+            self.send(v.conn, &Reply::SwapOut { device: v.device });
+        }
+        let resumable = self.policy().resume_candidates();
+        for (conn, device) in resumable {
+            self.send(conn, &Reply::Resume { device });
+        }
+    }
+
     /// While bursts wait, holders of grants are asked to give back what they do not use.
     fn ask_to_give_back(&self) {
         let holders = self.policy().contended_holders();
@@ -224,6 +249,7 @@ async fn expire_waiters(shared: Arc<Shared>) {
             shared.ask_to_give_back();
             shared.resolve_priority();
         }
+        shared.resolve_swap();
     }
 }
 
@@ -356,11 +382,12 @@ fn on_frame(
         };
     }
     match request {
-        Request::Register { device, total, request, limit, held, granted } => {
-            let result = shared.policy().register(conn, device, total, request, limit, held, granted);
+        Request::Register { device, total, request, limit, held, granted, swapped } => {
+            let result =
+                shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
             match result {
                 Ok(()) => {
-                    tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, "registered");
+                    tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
                     reply(out, &Reply::Registered { device });
                 }
                 Err(reason) => {
@@ -370,8 +397,9 @@ fn on_frame(
                 }
             }
         }
-        Request::Acquire { seq, device, bytes, preferred, held } => {
-            let outcome = shared.policy().acquire(conn, device, seq, bytes, preferred, held, Instant::now());
+        Request::Acquire { seq, device, bytes, preferred, held, resume } => {
+            let outcome =
+                shared.policy().acquire(conn, device, seq, bytes, preferred, held, resume, Instant::now());
             let gpu = shared.label(&device);
             match outcome {
                 Outcome::Granted(granted) => {
@@ -386,6 +414,7 @@ fn on_frame(
                     shared.deliver(answers);
                     shared.ask_to_give_back();
                     shared.resolve_priority();
+                    shared.resolve_swap();
                 }
                 Outcome::Denied(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: format!("{reason:?}") }).inc();
@@ -399,6 +428,22 @@ fn on_frame(
             if !answers.is_empty() {
                 shared.deliver(answers);
             }
+        }
+        Request::SwappedOut { device, released, host_bytes, held, micros } => {
+            let gpu = shared.label(&device);
+            let took = Duration::from_micros(micros);
+            tracing::info!(pid, gpu = %gpu.gpu, host_bytes, released, ms = took.as_millis() as u64, "swapped out");
+            shared.metrics.count_swap(&gpu, "out", host_bytes, took);
+            let answers =
+                shared.policy().swapped_out(conn, device, released, host_bytes, held, Instant::now());
+            shared.deliver(answers);
+        }
+        Request::SwappedIn { device, bytes, held, micros } => {
+            let gpu = shared.label(&device);
+            let took = Duration::from_micros(micros);
+            tracing::info!(pid, gpu = %gpu.gpu, bytes, ms = took.as_millis() as u64, "swapped in");
+            shared.metrics.count_swap(&gpu, "in", bytes, took);
+            shared.policy().swapped_in(conn, device, bytes, held, Instant::now());
         }
         other => return Err(format!("unexpected {other:?} after Hello")),
     }

@@ -24,6 +24,22 @@ struct Args {
     /// Priority resolver: time between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s")]
     kill_grace: String,
+    /// Swap resolver: how long a holder keeps its burst memory on the GPU before a swap
+    /// burst may move it to host RAM (turns are taken in quanta of this length).
+    #[arg(long, default_value = "10s")]
+    swap_quantum: String,
+    /// Swap resolver: most host RAM for swapped-out memory on this node, as a size
+    /// (64GiB) or a share of the node's RAM (50%); 0 turns swapping off. Past it, swap
+    /// bursts wait.
+    #[arg(long, default_value = "50%")]
+    swap_limit: String,
+}
+
+/// The node's physical memory.
+fn host_memory() -> u64 {
+    // SAFETY: sysconf has no memory preconditions.
+    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
 }
 
 fn main() {
@@ -70,7 +86,10 @@ fn run(args: Args) -> Result<()> {
     let options = server::Options {
         idle_timeout: gpufrac_common::parse_duration("--idle-timeout", &args.idle_timeout)?,
         kill_grace: gpufrac_common::parse_duration("--kill-grace", &args.kill_grace)?,
+        swap_quantum: gpufrac_common::parse_duration("--swap-quantum", &args.swap_quantum)?,
+        swap_limit: gpufrac_common::parse_size("--swap-limit", &args.swap_limit)?.resolve(host_memory()),
     };
+    tracing::info!(swap_limit = options.swap_limit, quantum = ?options.swap_quantum, "swap resolver");
     let listener = bind(&args.socket)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let socket = args.socket.clone();

@@ -1,0 +1,496 @@
+//! The swap resolver's half in the shim. In a group whose resolver is `swap`, every
+//! linear allocation that lies wholly above the group's request (a burst) is backed by
+//! the VMM API: an address range is reserved, physical memory created and mapped there.
+//! When the arbiter asks this process to make room, a worker thread closes the gate
+//! (launches, copies and sets wait; calls inside finish), synchronizes every context,
+//! copies each burst allocation to pinned host memory, unmaps and releases its physical
+//! memory and keeps the address range. The process needs not cooperate: it may sleep or
+//! compute on the CPU. On its next gated call (or when the arbiter says memory is free)
+//! the worker asks for the memory back, waits as long as it takes, maps new physical
+//! memory at the same addresses, copies the data back and opens the gate: the program's
+//! pointers never change. The host copies live in this process, so nothing is lost if the
+//! arbiter dies meanwhile, and they are freed with the process.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{DeviceId, Request};
+
+use crate::arbiter::Client;
+use crate::driver::call;
+use crate::ffi::{CUdeviceptr, Status, SUCCESS};
+use crate::hooks::call_real;
+use crate::state::{Charge, Enforcer, Slice};
+
+/// `CUmemAllocationProp`: pinned device memory on one device.
+#[repr(C)]
+struct AllocationProp {
+    kind: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: i32,
+    win32_metadata: *mut c_void,
+    compression: u8,
+    gpu_direct_rdma: u8,
+    usage: u16,
+    reserved: [u8; 4],
+}
+
+impl AllocationProp {
+    fn device(ordinal: usize) -> AllocationProp {
+        AllocationProp {
+            kind: 1,          // CU_MEM_ALLOCATION_TYPE_PINNED
+            handle_types: 0,  // CU_MEM_HANDLE_TYPE_NONE
+            location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
+            location_id: ordinal as i32,
+            win32_metadata: std::ptr::null_mut(),
+            compression: 0,
+            gpu_direct_rdma: 0,
+            usage: 0,
+            reserved: [0; 4],
+        }
+    }
+}
+
+/// `CUmemAccessDesc`: read-write access from one device.
+#[repr(C)]
+struct AccessDesc {
+    location_type: u32,
+    location_id: i32,
+    flags: u32,
+}
+
+/// One VMM-backed burst allocation.
+#[derive(Debug)]
+struct Backing {
+    /// Reserved, mapped and charged bytes (the request rounded to the granularity).
+    size: u64,
+    ordinal: usize,
+    /// The ledger's device index.
+    device: usize,
+    /// The context it was allocated in (copies run there).
+    context: u64,
+    /// The physical allocation while resident; 0 while swapped out.
+    handle: u64,
+    /// The host copy while swapped out; 0 while resident.
+    host: usize,
+    /// The host copy is pinned (`cuMemAllocHost`), not `malloc`ed.
+    pinned: bool,
+}
+
+#[derive(Default)]
+struct Book {
+    /// By address.
+    backings: BTreeMap<CUdeviceptr, Backing>,
+    /// Host bytes per ledger device while swapped out.
+    swapped: BTreeMap<usize, u64>,
+}
+
+static BOOK: Mutex<Book> = Mutex::new(Book { backings: BTreeMap::new(), swapped: BTreeMap::new() });
+/// Some allocation is VMM-backed: frees must look in the book.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Granularity per CUDA ordinal (0: not asked yet).
+static GRANULARITY: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
+
+fn book() -> MutexGuard<'static, Book> {
+    BOOK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the worker is asked to do.
+enum Command {
+    /// The arbiter wants this device's burst memory.
+    SwapOut(DeviceId),
+    /// Memory is free again (the arbiter says) or a call waits at the gate.
+    ComeBack,
+}
+
+static WORKER: OnceLock<Mutex<Sender<Command>>> = OnceLock::new();
+
+fn tell(command: Command) {
+    if let Some(tx) = WORKER.get() {
+        let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(command);
+    }
+}
+
+/// A call waits at the closed gate: the process wants its memory back.
+pub(crate) fn wanted() {
+    if swapped_out() {
+        tell(Command::ComeBack);
+    }
+}
+
+/// The arbiter pushed `SwapOut` for `device`.
+pub(crate) fn swap_out_requested(device: DeviceId) {
+    tell(Command::SwapOut(device));
+}
+
+/// The arbiter pushed `Resume`: memory is free again.
+pub(crate) fn resume_offered() {
+    tell(Command::ComeBack);
+}
+
+fn swapped_out() -> bool {
+    book().swapped.values().any(|&b| b > 0)
+}
+
+/// Host bytes kept for ledger device `device` (for re-registration after an arbiter restart).
+pub(crate) fn host_bytes(device: usize) -> u64 {
+    book().swapped.get(&device).copied().unwrap_or(0)
+}
+
+/// Starts the worker that performs swaps (at `cuInit`, for groups using swap).
+pub(crate) fn start(e: &'static Enforcer, client: Arc<Client>) -> Result<(), String> {
+    let (tx, rx) = channel();
+    if WORKER.set(Mutex::new(tx)).is_err() {
+        return Ok(());
+    }
+    std::thread::Builder::new()
+        .name("gpufrac-swap".into())
+        .spawn(move || worker(e, client, rx))
+        .map(|_| ())
+        .map_err(|e| format!("gpufrac: cannot start the swap thread: {e}"))
+}
+
+fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
+    while let Ok(command) = rx.recv() {
+        match command {
+            Command::SwapOut(uuid) => {
+                let Some(slice) = e.slice_by_uuid(&uuid) else { continue };
+                let out = swap_out(e, &slice);
+                tracing::info!(
+                    host_bytes = out.host_bytes,
+                    released = out.released,
+                    ms = out.took.as_millis() as u64,
+                    "swapped burst memory out to host RAM"
+                );
+                client.send(&Request::SwappedOut {
+                    device: uuid,
+                    released: out.released,
+                    host_bytes: out.host_bytes,
+                    held: e.ledger.held_by_me(slice.ledger),
+                    micros: out.took.as_micros() as u64,
+                });
+            }
+            Command::ComeBack => {
+                // Several calls may have asked; one swap-in serves them all.
+                while let Ok(Command::ComeBack) = rx.try_recv() {}
+                come_back(e, &client);
+            }
+        }
+    }
+}
+
+/// Asks for each swapped-out device's memory, without deadline, and swaps it in.
+fn come_back(e: &'static Enforcer, client: &Client) {
+    let swapped: Vec<(usize, u64)> =
+        book().swapped.iter().filter(|(_, &b)| b > 0).map(|(&d, &b)| (d, b)).collect();
+    for (device, bytes) in swapped {
+        let Some(slice) = e.slice_by_ledger(device) else { continue };
+        let granted = loop {
+            let held = e.ledger.held_by_me(device);
+            // The arbiter keeps a swap-in waiting without deadline; this timeout only
+            // bounds one round trip (it is asked again if the arbiter went away).
+            match client.acquire(slice.uuid, bytes, bytes, held, Duration::from_secs(3600), true) {
+                Some(granted) => break granted,
+                None => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        e.ledger.add_granted(device, granted);
+        let (moved, took) = swap_in(e, &slice);
+        tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
+        client.send(&Request::SwappedIn {
+            device: slice.uuid,
+            bytes: moved,
+            held: e.ledger.held_by_me(device),
+            micros: took.as_micros() as u64,
+        });
+    }
+}
+
+/// The allocation granularity of device `ordinal`.
+fn granularity(ordinal: usize) -> u64 {
+    let slot = &GRANULARITY[ordinal.min(63)];
+    let known = slot.load(Ordering::Relaxed);
+    if known != 0 {
+        return known;
+    }
+    let prop = AllocationProp::device(ordinal);
+    let mut g = 0usize;
+    let status =
+        call!(cuMemGetAllocationGranularity(&mut g, (&prop as *const AllocationProp).cast(), 0), 801);
+    let g = if status == SUCCESS && g > 0 { g as u64 } else { 2 << 20 };
+    slot.store(g, Ordering::Relaxed);
+    g
+}
+
+/// Whether an allocation charged as `charge` is backed by the VMM API (swappable): the
+/// group uses swap, has an arbiter, and the allocation lies wholly above the request.
+pub(crate) fn backs(e: &Enforcer, charge: &Charge) -> bool {
+    e.config.resolver == gpufrac_common::Resolver::Swap && e.arbiter.get().is_some() && charge.whole_burst
+}
+
+/// Allocates `charge.bytes` on device `ordinal` in context `context` as a VMM-backed
+/// burst, writing the address to `out`. The charge is topped up to the rounded size.
+pub(crate) fn allocate(
+    e: &Enforcer,
+    ordinal: usize,
+    context: u64,
+    mut charge: Charge,
+    out: *mut CUdeviceptr,
+) -> Status {
+    let g = granularity(ordinal);
+    let size = charge.bytes.div_ceil(g) * g;
+    if size > charge.bytes {
+        match e.charge(ordinal, size - charge.bytes) {
+            Ok(_) => charge.bytes = size,
+            Err(status) => {
+                e.release(charge.device, charge.bytes);
+                return status;
+            }
+        }
+    }
+    let mut addr: u64 = 0;
+    let mut status = call!(cuMemAddressReserve(&mut addr, size as usize, g as usize, 0, 0), 801);
+    if status == SUCCESS {
+        match map_new(e, ordinal, addr, size) {
+            Ok(handle) => {
+                book().backings.insert(
+                    addr,
+                    Backing { size, ordinal, device: charge.device, context, handle, host: 0, pinned: false },
+                );
+                ACTIVE.store(true, Ordering::Release);
+                // SAFETY: `out` is the caller's out-pointer, checked non-null.
+                unsafe { out.write(addr) };
+                return SUCCESS;
+            }
+            Err(s) => {
+                status = s;
+                call!(cuMemAddressFree(addr, size as usize), 801);
+            }
+        }
+    }
+    e.release(charge.device, charge.bytes);
+    status
+}
+
+/// Creates `size` bytes of physical memory on `ordinal` and maps it read-write at `addr`.
+fn map_new(e: &Enforcer, ordinal: usize, addr: u64, size: u64) -> Result<u64, Status> {
+    let prop = AllocationProp::device(ordinal);
+    let mut handle = 0u64;
+    let status = e.physical(|| {
+        call_real!(cuMemCreate(&mut handle, size as usize, (&prop as *const AllocationProp).cast(), 0))
+    });
+    if status != SUCCESS {
+        return Err(status);
+    }
+    let access = AccessDesc { location_type: 1, location_id: ordinal as i32, flags: 3 };
+    let mut status = call_real!(cuMemMap(addr, size as usize, 0, handle, 0));
+    if status == SUCCESS {
+        status = call!(cuMemSetAccess(addr, size as usize, (&access as *const AccessDesc).cast(), 1), 801);
+        if status != SUCCESS {
+            call_real!(cuMemUnmap(addr, size as usize));
+        }
+    }
+    if status != SUCCESS {
+        call_real!(cuMemRelease(handle));
+        return Err(status);
+    }
+    Ok(handle)
+}
+
+/// Frees a VMM-backed allocation at `addr`; `None` if it is not one. An async free
+/// (`stream`) first waits for the stream's work, which may still use the memory.
+pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>) -> Option<Status> {
+    if !ACTIVE.load(Ordering::Acquire) {
+        return None;
+    }
+    let mut book = book();
+    let b = book.backings.remove(&addr)?;
+    if let Some(stream) = stream {
+        call!(cuStreamSynchronize(stream), 801);
+    }
+    let mut came_back = 0;
+    if b.handle != 0 {
+        call_real!(cuMemUnmap(addr, b.size as usize));
+        call_real!(cuMemRelease(b.handle));
+    } else {
+        free_host(b.host, b.pinned);
+        if let Some(swapped) = book.swapped.get_mut(&b.device) {
+            *swapped = swapped.saturating_sub(b.size);
+        }
+        came_back = b.size;
+    }
+    let still_swapped = book.swapped.values().any(|&v| v > 0);
+    drop(book);
+    call!(cuMemAddressFree(addr, b.size as usize), 801);
+    if b.handle != 0 {
+        e.release(b.device, b.size);
+    } else {
+        // Freed while in host RAM: the arbiter counts less host RAM.
+        if let (Some(client), Some(slice)) = (e.arbiter.get(), e.slice_by_ledger(b.device)) {
+            client.send(&Request::SwappedIn {
+                device: slice.uuid,
+                bytes: came_back,
+                held: e.ledger.held_by_me(b.device),
+                micros: 0,
+            });
+        }
+        if !still_swapped {
+            crate::gate::open();
+        }
+    }
+    Some(SUCCESS)
+}
+
+/// What a swap-out did.
+struct SwappedOut {
+    host_bytes: u64,
+    released: u64,
+    took: Duration,
+}
+
+/// Runs `f` with `context` current on this thread.
+fn in_context(context: u64, f: impl FnOnce() -> Status) -> Status {
+    let pushed = call!(cuCtxPushCurrent_v2(context as *mut c_void), 801);
+    let status = f();
+    if pushed == SUCCESS {
+        let mut popped = std::ptr::null_mut();
+        call!(cuCtxPopCurrent_v2(&mut popped), 801);
+    }
+    status
+}
+
+fn alloc_host(size: u64) -> Option<(usize, bool)> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    if call!(cuMemAllocHost_v2(&mut p, size as usize), 801) == SUCCESS && !p.is_null() {
+        return Some((p as usize, true));
+    }
+    // SAFETY: malloc has no preconditions; a null result is handled.
+    let p = unsafe { libc::malloc(size as usize) };
+    (!p.is_null()).then_some((p as usize, false))
+}
+
+fn free_host(host: usize, pinned: bool) {
+    if host == 0 {
+        return;
+    }
+    if pinned {
+        call!(cuMemFreeHost(host as *mut c_void), 801);
+    } else {
+        // SAFETY: `host` came from malloc in alloc_host and is freed once.
+        unsafe { libc::free(host as *mut c_void) };
+    }
+}
+
+/// Moves this process's burst allocations on `slice`'s device to host RAM.
+fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
+    let started = Instant::now();
+    let mut book = book();
+    let mut resident: Vec<CUdeviceptr> = book
+        .backings
+        .iter()
+        .filter(|(_, b)| b.device == slice.ledger && b.handle != 0)
+        .map(|(&a, _)| a)
+        .collect();
+    let mut host_bytes = 0;
+    if !resident.is_empty() {
+        crate::gate::close();
+        // Queued kernels and copies may still use the memory.
+        let mut contexts: Vec<u64> =
+            resident.iter().filter_map(|a| book.backings.get(a)).map(|b| b.context).collect();
+        contexts.sort_unstable();
+        contexts.dedup();
+        for ctx in contexts {
+            let status = in_context(ctx, || call!(cuCtxSynchronize(), 801));
+            if status != SUCCESS {
+                tracing::warn!(
+                    status,
+                    "cuCtxSynchronize failed before a swap-out; swapping what can be copied"
+                );
+            }
+        }
+        resident.sort_unstable();
+        for addr in resident {
+            let Some(b) = book.backings.get_mut(&addr) else { continue };
+            let Some((host, pinned)) = alloc_host(b.size) else {
+                tracing::warn!(bytes = b.size, "no host memory for a swap-out; the rest stays on the GPU");
+                break;
+            };
+            let size = b.size as usize;
+            let copied =
+                in_context(b.context, || call_real!(cuMemcpyDtoH_v2(host as *mut c_void, addr, size)));
+            if copied != SUCCESS {
+                tracing::warn!(
+                    status = copied,
+                    "copying burst memory to the host failed; it stays on the GPU"
+                );
+                free_host(host, pinned);
+                continue;
+            }
+            call_real!(cuMemUnmap(addr, size));
+            call_real!(cuMemRelease(b.handle));
+            (b.handle, b.host, b.pinned) = (0, host, pinned);
+            e.ledger.release(b.device, b.size);
+            host_bytes += b.size;
+        }
+        *book.swapped.entry(slice.ledger).or_default() += host_bytes;
+        if host_bytes == 0 && !book.swapped.values().any(|&v| v > 0) {
+            crate::gate::open();
+        }
+    }
+    drop(book);
+    // Give back the grant beyond what the group still holds above its request.
+    let allowed = slice.request + e.ledger.group_granted(slice.ledger);
+    let surplus = allowed.saturating_sub(e.ledger.held_fast(slice.ledger));
+    let released = e.ledger.take_granted(slice.ledger, surplus);
+    SwappedOut { host_bytes, released, took: started.elapsed() }
+}
+
+/// Maps new physical memory at every swapped-out address of `slice`'s device and copies
+/// the data back; opens the gate when nothing is swapped out any more. Returns the bytes
+/// moved and the time taken. A driver that has no memory yet is asked again until it
+/// has: the process waits, it is never left with unmapped memory.
+fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
+    let started = Instant::now();
+    let mut book = book();
+    let swapped: Vec<CUdeviceptr> = book
+        .backings
+        .iter()
+        .filter(|(_, b)| b.device == slice.ledger && b.handle == 0)
+        .map(|(&a, _)| a)
+        .collect();
+    let mut moved = 0;
+    for addr in swapped {
+        let Some(b) = book.backings.get_mut(&addr) else { continue };
+        e.ledger.force_charge(b.device, b.size);
+        let handle = loop {
+            match map_new(e, b.ordinal, addr, b.size) {
+                Ok(h) => break h,
+                Err(status) => {
+                    tracing::warn!(status, bytes = b.size, "swap-in: no device memory yet; retrying");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        };
+        let size = b.size as usize;
+        let host = b.host;
+        let status = in_context(b.context, || call_real!(cuMemcpyHtoD_v2(addr, host as *const c_void, size)));
+        if status != SUCCESS {
+            tracing::error!(status, "swap-in: copying back to the device failed");
+        }
+        free_host(b.host, b.pinned);
+        (b.handle, b.host) = (handle, 0);
+        moved += b.size;
+    }
+    if let Some(s) = book.swapped.get_mut(&slice.ledger) {
+        *s = s.saturating_sub(moved);
+    }
+    if !book.swapped.values().any(|&v| v > 0) {
+        crate::gate::open();
+    }
+    (moved, started.elapsed())
+}
