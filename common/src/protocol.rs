@@ -97,28 +97,35 @@ pub enum Request {
         /// The count.
         count: u64,
     },
-    /// The answer to `SwapOut`: the burst memory is in host RAM and `released` bytes of
-    /// the grant are given back.
+    /// The answer to `SwapOut`: burst memory went to host RAM. Every field but `bytes`
+    /// and `micros` is the process's state now (not a change), so a message repeated
+    /// after a reconnect does no harm.
     SwappedOut {
         /// The device.
         device: DeviceId,
-        /// Grant given back.
-        released: u64,
-        /// Bytes now kept in host RAM.
+        /// Bytes moved to host RAM by this swap.
+        bytes: u64,
+        /// Burst bytes it is granted now.
+        granted: u64,
+        /// Bytes it keeps in host RAM now.
         host_bytes: u64,
-        /// Bytes this process still holds on the device.
+        /// Bytes it holds on the device now.
         held: u64,
         /// How long the swap took, in microseconds.
         micros: u64,
     },
-    /// The swapped-out memory is back on the device (after a granted `resume`), or was
-    /// freed while swapped out.
+    /// Swapped-out memory came back to the device (after a granted `resume`) or was
+    /// freed while in host RAM; fields as in `SwappedOut`.
     SwappedIn {
         /// The device.
         device: DeviceId,
-        /// Bytes copied back from host RAM.
+        /// Bytes moved back to the device by this swap.
         bytes: u64,
-        /// Bytes this process holds on the device now.
+        /// Burst bytes it is granted now.
+        granted: u64,
+        /// Bytes it still keeps in host RAM.
+        host_bytes: u64,
+        /// Bytes it holds on the device now.
         held: u64,
         /// How long the swap took, in microseconds.
         micros: u64,
@@ -373,12 +380,20 @@ impl Request {
             Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
             Request::Status => Writer::new(5),
             Request::Activity { count } => Writer::new(6).u64(*count),
-            Request::SwappedOut { device, released, host_bytes, held, micros } => {
-                Writer::new(7).device(device).u64(*released).u64(*host_bytes).u64(*held).u64(*micros)
-            }
-            Request::SwappedIn { device, bytes, held, micros } => {
-                Writer::new(8).device(device).u64(*bytes).u64(*held).u64(*micros)
-            }
+            Request::SwappedOut { device, bytes, granted, host_bytes, held, micros } => Writer::new(7)
+                .device(device)
+                .u64(*bytes)
+                .u64(*granted)
+                .u64(*host_bytes)
+                .u64(*held)
+                .u64(*micros),
+            Request::SwappedIn { device, bytes, granted, host_bytes, held, micros } => Writer::new(8)
+                .device(device)
+                .u64(*bytes)
+                .u64(*granted)
+                .u64(*host_bytes)
+                .u64(*held)
+                .u64(*micros),
         }
         .finish()
     }
@@ -422,14 +437,20 @@ impl Request {
             6 => Request::Activity { count: r.u64()? },
             7 => Request::SwappedOut {
                 device: r.device()?,
-                released: r.u64()?,
+                bytes: r.u64()?,
+                granted: r.u64()?,
                 host_bytes: r.u64()?,
                 held: r.u64()?,
                 micros: r.u64()?,
             },
-            8 => {
-                Request::SwappedIn { device: r.device()?, bytes: r.u64()?, held: r.u64()?, micros: r.u64()? }
-            }
+            8 => Request::SwappedIn {
+                device: r.device()?,
+                bytes: r.u64()?,
+                granted: r.u64()?,
+                host_bytes: r.u64()?,
+                held: r.u64()?,
+                micros: r.u64()?,
+            },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -551,12 +572,20 @@ mod tests {
         round_trip_request(Request::Activity { count: 42 });
         round_trip_request(Request::SwappedOut {
             device: [1; 16],
-            released: 1 << 30,
+            bytes: 1 << 30,
+            granted: 5,
             host_bytes: 1 << 30,
             held: 3,
             micros: 12,
         });
-        round_trip_request(Request::SwappedIn { device: [1; 16], bytes: 1 << 30, held: 9, micros: 40 });
+        round_trip_request(Request::SwappedIn {
+            device: [1; 16],
+            bytes: 1 << 30,
+            granted: 1 << 30,
+            host_bytes: 0,
+            held: 9,
+            micros: 40,
+        });
         for reply in [
             Reply::Welcome { version: 1 },
             Reply::Registered { device: [2; 16] },

@@ -251,6 +251,15 @@ impl Client {
         self.connected.load(Ordering::Acquire) && self.write(&request.encode())
     }
 
+    /// Sends `request`, waiting for the arbiter to be back if it is away. For messages
+    /// that state where things are (not changes), which may harmlessly arrive again.
+    pub(crate) fn send_until_delivered(&self, request: &Request) {
+        let frame = request.encode();
+        while !(self.connected.load(Ordering::Acquire) && self.write(&frame)) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn write(&self, frame: &[u8]) -> bool {
         let mut writer = lock(&self.writer);
         let written = writer.as_mut().is_some_and(|w| w.write_all(frame).is_ok());

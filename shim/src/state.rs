@@ -301,7 +301,9 @@ impl Enforcer {
         let ledger_of: Vec<([u8; 16], usize)> = slices.iter().map(|s| (s.uuid, s.ledger)).collect();
         let usage = Box::new(move |device: &[u8; 16]| {
             ledger_of.iter().find(|(u, _)| u == device).map_or((0, 0, 0), |&(_, dev)| {
-                (self.ledger.held_by_me(dev), self.ledger.my_granted(dev), crate::swap::host_bytes(dev))
+                // Host bytes first: it waits for a swap under way to finish.
+                let swapped = crate::swap::host_bytes(dev);
+                (self.ledger.held_by_me(dev), self.ledger.my_granted(dev), swapped)
             })
         });
         let pushed = Box::new(move |command: &Reply| match command {

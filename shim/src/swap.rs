@@ -161,22 +161,11 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
             Command::SwapOut(uuid) => {
                 let Some(slice) = e.slice_by_uuid(&uuid) else { continue };
                 let out = swap_out(e, &slice);
-                tracing::info!(
-                    host_bytes = out.host_bytes,
-                    released = out.released,
-                    ms = out.took.as_millis() as u64,
-                    "swapped burst memory out to host RAM"
-                );
-                client.send(&Request::SwappedOut {
-                    device: uuid,
-                    released: out.released,
-                    host_bytes: out.host_bytes,
-                    held: e.ledger.held_by_me(slice.ledger),
-                    micros: out.took.as_micros() as u64,
-                });
+                tracing::info!(bytes = out.bytes, ms = out.took.as_millis() as u64, "swapped burst memory out to host RAM");
+                client.send_until_delivered(&report(e, &slice, true, out.bytes, out.took));
             }
             Command::ComeBack => {
-                // Several calls may have asked; one swap-in serves them all.
+                // Several calls may have asked: one swap-in serves them all.
                 while let Ok(Command::ComeBack) = rx.try_recv() {}
                 come_back(e, &client);
             }
@@ -202,12 +191,20 @@ fn come_back(e: &'static Enforcer, client: &Client) {
         e.ledger.add_granted(device, granted);
         let (moved, took) = swap_in(e, &slice);
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
-        client.send(&Request::SwappedIn {
-            device: slice.uuid,
-            bytes: moved,
-            held: e.ledger.held_by_me(device),
-            micros: took.as_micros() as u64,
-        });
+        client.send_until_delivered(&report(e, &slice, false, moved, took));
+    }
+}
+
+/// Where this process's burst memory on `slice`'s device is now, after moving `bytes`.
+fn report(e: &Enforcer, slice: &Slice, out: bool, bytes: u64, took: Duration) -> Request {
+    let _consistent = book();
+    let (device, micros) = (slice.uuid, took.as_micros() as u64);
+    let host_bytes = _consistent.swapped.get(&slice.ledger).copied().unwrap_or(0);
+    let (granted, held) = (e.ledger.my_granted(slice.ledger), e.ledger.held_by_me(slice.ledger));
+    if out {
+        Request::SwappedOut { device, bytes, granted, host_bytes, held, micros }
+    } else {
+        Request::SwappedIn { device, bytes, granted, host_bytes, held, micros }
     }
 }
 
@@ -313,7 +310,6 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
     if let Some(stream) = stream {
         call!(cuStreamSynchronize(stream), 801);
     }
-    let mut came_back = 0;
     if b.handle != 0 {
         call_real!(cuMemUnmap(addr, b.size as usize));
         call_real!(cuMemRelease(b.handle));
@@ -322,7 +318,6 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
         if let Some(swapped) = book.swapped.get_mut(&b.device) {
             *swapped = swapped.saturating_sub(b.size);
         }
-        came_back = b.size;
     }
     let still_swapped = book.swapped.values().any(|&v| v > 0);
     drop(book);
@@ -330,14 +325,10 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
     if b.handle != 0 {
         e.release(b.device, b.size);
     } else {
-        // Freed while in host RAM: the arbiter counts less host RAM.
+        // Freed while in host RAM: the arbiter counts less host RAM. Not waited for: a
+        // message lost now is corrected by the next one or the next registration.
         if let (Some(client), Some(slice)) = (e.arbiter.get(), e.slice_by_ledger(b.device)) {
-            client.send(&Request::SwappedIn {
-                device: slice.uuid,
-                bytes: came_back,
-                held: e.ledger.held_by_me(b.device),
-                micros: 0,
-            });
+            client.send(&report(e, &slice, false, 0, Duration::ZERO));
         }
         if !still_swapped {
             crate::gate::open();
@@ -348,8 +339,7 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
 
 /// What a swap-out did.
 struct SwappedOut {
-    host_bytes: u64,
-    released: u64,
+    bytes: u64,
     took: Duration,
 }
 
@@ -442,12 +432,13 @@ fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
             crate::gate::open();
         }
     }
-    drop(book);
-    // Give back the grant beyond what the group still holds above its request.
+    // Give back the grant beyond what the group still holds above its request (before
+    // the book is unlocked, so that a re-registration sees ledger and book agree).
     let allowed = slice.request + e.ledger.group_granted(slice.ledger);
     let surplus = allowed.saturating_sub(e.ledger.held_fast(slice.ledger));
-    let released = e.ledger.take_granted(slice.ledger, surplus);
-    SwappedOut { host_bytes, released, took: started.elapsed() }
+    e.ledger.take_granted(slice.ledger, surplus);
+    drop(book);
+    SwappedOut { bytes: host_bytes, took: started.elapsed() }
 }
 
 /// Maps new physical memory at every swapped-out address of `slice`'s device and copies

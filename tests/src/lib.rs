@@ -296,6 +296,8 @@ pub struct ChildProcess {
     /// Every stdout line received so far, for diagnostics.
     stdout_seen: Vec<String>,
     stdout_closed: bool,
+    /// A line read by `silent_for`, not yet returned.
+    pending: Option<String>,
     stderr: Arc<StderrBuffer>,
     stderr_done: Receiver<()>,
     status: Option<ExitStatus>,
@@ -356,6 +358,7 @@ impl ChildProcess {
             lines,
             stdout_seen: Vec::new(),
             stdout_closed: false,
+            pending: None,
             stderr,
             stderr_done,
             status: None,
@@ -405,6 +408,9 @@ impl ChildProcess {
     /// The next line the child prints, or `None` once its stdout is closed. Panics, with
     /// the child's diagnostics, if no line comes within `timeout`.
     pub fn next_line(&mut self, timeout: Duration) -> Option<String> {
+        if let Some(line) = self.pending.take() {
+            return Some(line);
+        }
         if self.stdout_closed {
             return None;
         }
@@ -421,6 +427,23 @@ impl ChildProcess {
                 let d = self.diagnostics();
                 panic!("no output within {timeout:?} from {d}");
             }
+        }
+    }
+
+    /// Whether the child stays silent for `period` (a line printed meanwhile is kept for
+    /// the next read).
+    pub fn silent_for(&mut self, period: Duration) -> bool {
+        match self.lines.recv_timeout(period) {
+            Ok(line) => {
+                self.stdout_seen.push(line.clone());
+                self.pending = Some(line);
+                false
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                self.stdout_closed = true;
+                false
+            }
+            Err(RecvTimeoutError::Timeout) => true,
         }
     }
 
@@ -695,6 +718,35 @@ impl Arbiter {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         self.child.wait().expect("wait for the arbiter")
+    }
+}
+
+/// Group ledgers live in /dev/shm by name: a group name unique to this test process and call.
+pub fn unique(group: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{group}-{}-{n}", std::process::id())
+}
+
+/// What `gpufrac status` shows.
+pub fn status(arbiter: &Arbiter) -> gpufrac_daemon::status::Status {
+    gpufrac_daemon::status::fetch(arbiter.socket()).expect("gpufrac status")
+}
+
+/// Polls the status until `cond` holds; fails the test after [`TIMEOUT`].
+pub fn wait_for(
+    arbiter: &Arbiter,
+    what: &str,
+    cond: impl Fn(&gpufrac_daemon::status::Status) -> bool,
+) -> gpufrac_daemon::status::Status {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let s = status(arbiter);
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}\n{}", arbiter.log_text());
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -8,18 +8,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpufrac_daemon::status::{fetch, Status};
+use gpufrac_daemon::status::Status;
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{artifact, compile_c, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT};
 
 const CHUNK: u64 = 32 * MIB;
-
-/// Group ledgers live in /dev/shm by name: names must not collide across tests.
-fn unique(group: &str) -> String {
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{group}-{}-{n}", std::process::id())
-}
 
 fn gpu() -> SimGpu {
     SimGpu::new("4GiB").with_context_overhead("64MiB")
@@ -52,22 +45,6 @@ fn server_with(
         .env("GPUFRAC_LOG", "warn")
         .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
     ChildProcess::spawn(&mut cmd)
-}
-
-fn status(arbiter: &Arbiter) -> Status {
-    fetch(arbiter.socket()).expect("gpufrac status")
-}
-
-fn wait_for(arbiter: &Arbiter, what: &str, cond: impl Fn(&Status) -> bool) -> Status {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        let s = status(arbiter);
-        if cond(&s) {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}\n{}", arbiter.log_text());
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn state_of<'a>(s: &'a Status, group: &str) -> Option<&'a str> {

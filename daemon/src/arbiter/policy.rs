@@ -659,50 +659,35 @@ impl Policy {
         Some((gpu, group))
     }
 
-    /// A process swapped its burst memory out: `released` bytes of its grant come back
-    /// (and go to the waiters); `host_bytes` stay in host RAM until it swaps back in.
-    pub fn swapped_out(
+    /// A process reports where its burst memory is after a swap (out or in) or a free
+    /// of swapped-out memory: what it is granted, keeps in host RAM and holds now. Memory
+    /// it gave back goes to the waiters.
+    pub fn swapped(
         &mut self,
         conn: ConnId,
         device: DeviceId,
-        released: u64,
+        granted: u64,
         host_bytes: u64,
         held: u64,
         now: Instant,
     ) -> Vec<Answer> {
         let Some((gpu, group)) = self.member_mut(conn, &device) else { return Vec::new() };
         if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
-            m.granted = m.granted.saturating_sub(released);
-            m.held = held;
-            m.host_bytes += host_bytes;
+            (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
             m.resume_sent = false;
-            if m.host_bytes > 0 {
+            if host_bytes > 0 {
                 m.residency = Residency::Swapped;
                 m.swapped_since.get_or_insert(now);
             } else {
-                // Nothing could be swapped: its quantum starts again, so it is not asked at once.
+                if let Some(since) = m.swapped_since.take() {
+                    m.swapped_for += now.saturating_duration_since(since);
+                }
+                // Resident again (or nothing could be swapped): its quantum starts now.
                 m.residency = Residency::Resident;
-                m.swapped_since = None;
                 m.resident_since = Some(now);
             }
         }
         Self::drain(device, gpu, now)
-    }
-
-    /// A process's swapped-out memory (`bytes` of it) is back on the device, or was freed.
-    pub fn swapped_in(&mut self, conn: ConnId, device: DeviceId, bytes: u64, held: u64, now: Instant) {
-        let Some((gpu, group)) = self.member_mut(conn, &device) else { return };
-        if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
-            m.held = held;
-            m.host_bytes = m.host_bytes.saturating_sub(bytes);
-            if m.host_bytes == 0 {
-                if let Some(since) = m.swapped_since.take() {
-                    m.swapped_for += now.saturating_duration_since(since);
-                }
-                m.residency = Residency::Resident;
-                m.resident_since = Some(now);
-            }
-        }
     }
 
     /// Swapped-out processes that may come back because memory is free and nobody waits
@@ -975,7 +960,7 @@ mod tests {
         assert!(p.swap_victims(now, quantum, 64 * GIB).is_empty(), "one swap-out at a time per GPU");
         assert_eq!(state(&p, 1), "swapped");
         // old answers: 6 GiB in host RAM, its grant back; new is served.
-        let answers = p.swapped_out(1, GPU, 6 * GIB, 6 * GIB, 2 * GIB, now);
+        let answers = p.swapped(1, GPU, 0, 6 * GIB, 2 * GIB, now);
         assert_eq!((answers[0].conn, answers[0].result), (3, Ok(6 * GIB)));
         assert_eq!(p.host_committed(), 6 * GIB);
         // old wants back in: it waits without deadline, and new is swapped out only after its quantum.
@@ -984,9 +969,9 @@ mod tests {
         assert!(p.swap_victims(now + Duration::from_secs(5), quantum, 64 * GIB).is_empty());
         let v = p.swap_victims(now + Duration::from_secs(11), quantum, 64 * GIB);
         assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![3]);
-        let answers = p.swapped_out(3, GPU, 7 * GIB, 7 * GIB, 2 * GIB, now + Duration::from_secs(12));
+        let answers = p.swapped(3, GPU, 0, 7 * GIB, 2 * GIB, now + Duration::from_secs(12));
         assert_eq!((answers[0].conn, answers[0].result), (1, Ok(6 * GIB)));
-        p.swapped_in(1, GPU, 6 * GIB, 8 * GIB, now + Duration::from_secs(13));
+        p.swapped(1, GPU, 6 * GIB, 0, 8 * GIB, now + Duration::from_secs(13));
         assert_eq!(state(&p, 1), "running");
         let s = p.status();
         let old = s.gpus[0].processes.iter().find(|x| x.group == "old").unwrap();

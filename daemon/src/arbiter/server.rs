@@ -429,21 +429,17 @@ fn on_frame(
                 shared.deliver(answers);
             }
         }
-        Request::SwappedOut { device, released, host_bytes, held, micros } => {
+        Request::SwappedOut { device, bytes, granted, host_bytes, held, micros }
+        | Request::SwappedIn { device, bytes, granted, host_bytes, held, micros } => {
+            let direction = if matches!(request, Request::SwappedOut { .. }) { "out" } else { "in" };
             let gpu = shared.label(&device);
             let took = Duration::from_micros(micros);
-            tracing::info!(pid, gpu = %gpu.gpu, host_bytes, released, ms = took.as_millis() as u64, "swapped out");
-            shared.metrics.count_swap(&gpu, "out", host_bytes, took);
-            let answers =
-                shared.policy().swapped_out(conn, device, released, host_bytes, held, Instant::now());
+            tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, "swapped {direction}");
+            if bytes > 0 {
+                shared.metrics.count_swap(&gpu, direction, bytes, took);
+            }
+            let answers = shared.policy().swapped(conn, device, granted, host_bytes, held, Instant::now());
             shared.deliver(answers);
-        }
-        Request::SwappedIn { device, bytes, held, micros } => {
-            let gpu = shared.label(&device);
-            let took = Duration::from_micros(micros);
-            tracing::info!(pid, gpu = %gpu.gpu, bytes, ms = took.as_millis() as u64, "swapped in");
-            shared.metrics.count_swap(&gpu, "in", bytes, took);
-            shared.policy().swapped_in(conn, device, bytes, held, Instant::now());
         }
         other => return Err(format!("unexpected {other:?} after Hello")),
     }

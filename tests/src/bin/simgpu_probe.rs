@@ -3,7 +3,7 @@
 //! asserts it; exit status 0 means every assertion held.
 //!
 //! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `nvml`, `slice`, `nvml-only`,
-//! `hold <bytes>`.
+//! `hold <bytes>`, `hold-bursts <base> <burst> <count>`.
 
 use std::ffi::c_void;
 use std::io::{BufRead, Write};
@@ -386,6 +386,77 @@ fn hold(bytes: usize) {
     println!("DONE");
 }
 
+/// The pattern of word `i` of burst buffer `n` written by copies.
+fn pattern(n: usize, i: usize) -> u32 {
+    (n as u32).wrapping_mul(0x9E37_79B9) ^ (i as u32).wrapping_mul(0x85EB_CA6B) ^ 0x5A5A_5A5A
+}
+
+/// For the swap tests: holds `base` bytes, then `count` buffers of `burst` bytes; even
+/// ones written by copies (a pattern per word), odd ones by the async fill kernel queued
+/// behind a 300 ms kernel and not waited for. Prints `PTRS <addresses>` and `READY`, then
+/// obeys stdin lines: `check` reads every buffer back at the same addresses and prints
+/// `INTACT <bytes>` or `CORRUPT <buffer> <word>`; `copy` does one device-to-host copy
+/// (which waits at the gate while swapped out) and prints `COPIED <ms>`; `free` frees the
+/// bursts and prints `FREED`. Prints `DONE` and exits at end of input.
+fn hold_bursts(k: &Kernels, base: usize, burst: usize, count: usize) {
+    let mut base_ptr = 0u64;
+    ck!(sys::cuMemAlloc_v2(&mut base_ptr, base));
+    let mut stream = null_mut();
+    ck!(sys::cuStreamCreate(&mut stream, 0));
+    let words = burst / 4;
+    let mut ptrs = Vec::new();
+    for n in 0..count {
+        let mut p = 0u64;
+        ck!(sys::cuMemAlloc_v2(&mut p, burst));
+        if n % 2 == 0 {
+            let data: Vec<u32> = (0..words).map(|i| pattern(n, i)).collect();
+            ck!(sys::cuMemcpyHtoD_v2(p, data.as_ptr().cast(), burst));
+        } else {
+            sleep_us(k, stream, 300_000);
+            fill(k, stream, p, 0xC0DE_0000 + n as u32, words);
+        }
+        ptrs.push(p);
+    }
+    let list: Vec<String> = ptrs.iter().map(|p| format!("{p:#x}")).collect();
+    println!("PTRS {}", list.join(" "));
+    println!("READY {}", free_bytes());
+    std::io::stdout().flush().ok();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap_or_default().trim() {
+            "check" => {
+                let mut verdict = format!("INTACT {}", count * burst);
+                'all: for (n, &p) in ptrs.iter().enumerate() {
+                    let got = read_u32s(p, words);
+                    for (i, &w) in got.iter().enumerate() {
+                        let want = if n % 2 == 0 { pattern(n, i) } else { 0xC0DE_0000 + n as u32 };
+                        if w != want {
+                            verdict = format!("CORRUPT {n} {i}");
+                            break 'all;
+                        }
+                    }
+                }
+                println!("{verdict}");
+            }
+            "copy" => {
+                let started = std::time::Instant::now();
+                let mut word = 0u32;
+                ck!(sys::cuMemcpyDtoH_v2((&mut word as *mut u32).cast(), ptrs[0], 4));
+                println!("COPIED {}", started.elapsed().as_millis());
+            }
+            "free" => {
+                for &p in &ptrs {
+                    ck!(sys::cuMemFree_v2(p));
+                }
+                ptrs.clear();
+                println!("FREED");
+            }
+            other => println!("UNKNOWN {other}"),
+        }
+        std::io::stdout().flush().ok();
+    }
+    println!("DONE");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("nvml-only") {
@@ -400,6 +471,10 @@ fn main() {
         Some("nvml") => nvml_view(),
         Some("slice") => slice_view(),
         Some("hold") => hold(args.get(2).and_then(|b| b.parse().ok()).expect("hold <bytes>")),
+        Some("hold-bursts") => {
+            let n = |i: usize| args.get(i).and_then(|b| b.parse().ok()).expect("hold-bursts <base> <burst> <count>");
+            hold_bursts(&k, n(2), n(3), n(4))
+        }
         other => {
             eprintln!("simgpu_probe: unknown subcommand {other:?}");
             std::process::exit(2);

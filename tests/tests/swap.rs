@@ -1,0 +1,148 @@
+//! The swap resolver with real processes on simgpu: a burst is served by swapping a
+//! sleeping holder's burst memory to host RAM; the holder's data (written by copies and
+//! by a queued async kernel) comes back bit for bit at the same addresses; a holder
+//! blocked on a copy while swapped out resumes when memory frees; an arbiter killed in
+//! the middle loses nothing; the host-RAM cap is honoured.
+
+use std::time::{Duration, Instant};
+
+use gpufrac_e2e::size::{mib, GIB, MIB};
+use gpufrac_e2e::{artifact, compile_c, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+
+const BURST: u64 = 256 * MIB;
+const BURSTS: u64 = 4;
+
+fn gpu() -> SimGpu {
+    SimGpu::new("4GiB").with_context_overhead("64MiB")
+}
+
+fn shim_env(cmd: &mut std::process::Command, arbiter: &Arbiter, group: &str, wait: &str) {
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
+        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
+        .env("GPUFRAC_RESOLVER", "swap")
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", group)
+        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+        .env("GPUFRAC_LOG", "warn");
+}
+
+/// A: its request held by a plain allocation, then 1 GiB of bursts (VMM-backed).
+fn holder(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> (ChildProcess, String) {
+    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    shim_env(&mut cmd, arbiter, group, "30s");
+    cmd.args(["hold-bursts", &GIB.to_string(), &BURST.to_string(), &BURSTS.to_string()]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    let ptrs = a.expect_line(&["PTRS"], TIMEOUT);
+    a.ready();
+    (a, ptrs)
+}
+
+/// B: allocates 2.5 GiB in 32 MiB steps; its burst only fits if A's is swapped out.
+fn requester(gpu: &SimGpu, arbiter: &Arbiter, group: &str, wait: &str) -> ChildProcess {
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim_env(&mut cmd, arbiter, group, wait);
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(2560 * MIB).to_string()]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+fn process<'a>(
+    s: &'a gpufrac_daemon::status::Status,
+    group: &str,
+) -> Option<&'a gpufrac_daemon::status::ProcessStatus> {
+    s.gpus[0].processes.iter().find(|p| p.group == group)
+}
+
+fn state(s: &gpufrac_daemon::status::Status, group: &str) -> String {
+    process(s, group).map_or_else(|| "gone".into(), |p| p.state.clone())
+}
+
+fn check_intact(a: &mut ChildProcess) {
+    a.write_stdin("check\n");
+    let verdict = a.expect_line(&["INTACT", "CORRUPT"], TIMEOUT);
+    assert_eq!(verdict, format!("INTACT {}", BURST * BURSTS), "the holder's data after swapping back in");
+}
+
+#[test]
+fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("s.sock"), &["--swap-quantum", "1s"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, ptrs) = holder(&gpu, &arbiter, &ga);
+    // A has held its burst for a quantum; it sleeps (reads stdin) from here on.
+    std::thread::sleep(Duration::from_millis(1100));
+    let started = Instant::now();
+    let mut b = requester(&gpu, &arbiter, &gb, "30s");
+    let rb = b.ready();
+    assert_eq!(rb[0], 2560 * MIB, "B got its whole burst ({})", mib(rb[0]));
+    assert!(started.elapsed() < Duration::from_secs(10), "served within seconds: {:?}", started.elapsed());
+    wait_for(&arbiter, "A's swap-out answered", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    let s = status(&arbiter);
+    let pa = process(&s, &ga).expect("A registered");
+    assert_eq!((pa.state.as_str(), pa.host_bytes), ("swapped", BURST * BURSTS), "{s:?}");
+    assert_eq!(s.gpus[0].swapped, BURST * BURSTS);
+
+    // A copy while swapped out waits at the gate and asks to come back; B keeps the
+    // memory for its quantum, unless it exits first and memory frees.
+    a.write_stdin("copy\n");
+    assert!(a.silent_for(Duration::from_millis(500)), "a swapped-out process must not copy");
+    b.close_stdin();
+    b.finish();
+    a.expect_line(&["COPIED"], TIMEOUT);
+    let s = wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
+    let pa = process(&s, &ga).unwrap();
+    assert!(pa.swapped_ms >= 500, "time swapped out is shown: {pa:?}");
+    assert_eq!(pa.host_bytes, 0);
+    check_intact(&mut a);
+    a.write_stdin("free\n");
+    a.expect_line(&["FREED"], TIMEOUT);
+    assert!(ptrs.starts_with("PTRS 0x"), "{ptrs}");
+    a.close_stdin();
+    a.finish();
+    let log = arbiter.log_text();
+    assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
+}
+
+#[test]
+fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
+    let gpu = gpu();
+    let socket = gpu.lib_dir().join("k.sock");
+    let args = ["--swap-quantum", "0s"];
+    let mut arbiter = Arbiter::start_at(&gpu, socket.clone(), &args);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, _) = holder(&gpu, &arbiter, &ga);
+    let mut b = requester(&gpu, &arbiter, &gb, "60s");
+    // The moment A is chosen (its swap-out under way or just done), the arbiter dies.
+    wait_for(&arbiter, "A chosen to swap out", |s| state(s, &ga) == "swapped");
+    arbiter.kill();
+    let arbiter = Arbiter::start_at(&gpu, socket, &args);
+    assert_eq!(b.ready()[0], 2560 * MIB, "B's burst is served by the restarted arbiter");
+    let s = wait_for(&arbiter, "A known as swapped", |s| state(s, &ga) == "swapped");
+    assert_eq!(process(&s, &ga).unwrap().host_bytes, BURST * BURSTS, "re-registered with its host copy");
+    // B leaves: memory is free, A is told it may come back, and does without any call.
+    b.close_stdin();
+    b.finish();
+    wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
+    check_intact(&mut a);
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn the_host_ram_cap_is_honoured_and_the_burst_waits_instead() {
+    let gpu = gpu();
+    let arbiter =
+        Arbiter::start_at(&gpu, gpu.lib_dir().join("c.sock"), &["--swap-quantum", "0s", "--swap-limit", "512MiB"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, _) = holder(&gpu, &arbiter, &ga);
+    let mut b = requester(&gpu, &arbiter, &gb, "1s");
+    let rb = b.ready();
+    assert!(rb[0] < 2560 * MIB, "1 GiB does not fit a 512 MiB cap: B waits and times out ({})", mib(rb[0]));
+    assert_eq!(state(&status(&arbiter), &ga), "running");
+    assert!(!arbiter.log_text().contains("swap out"), "{}", arbiter.log_text());
+    b.close_stdin();
+    b.finish();
+    check_intact(&mut a);
+    a.close_stdin();
+    a.finish();
+}
