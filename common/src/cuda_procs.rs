@@ -164,6 +164,19 @@ procs! {
     "cuMemsetD8Async": [3020 => "cuMemsetD8Async"] ptds "cuMemsetD8Async_ptsz";
     "cuMemsetD16Async": [3020 => "cuMemsetD16Async"] ptds "cuMemsetD16Async_ptsz";
     "cuMemsetD32Async": [3020 => "cuMemsetD32Async"] ptds "cuMemsetD32Async_ptsz";
+    "cuMemcpy2D": [3020 => "cuMemcpy2D_v2"] ptds "cuMemcpy2D_v2_ptds";
+    "cuMemcpy2DUnaligned": [3020 => "cuMemcpy2DUnaligned_v2"] ptds "cuMemcpy2DUnaligned_v2_ptds";
+    "cuMemcpy2DAsync": [3020 => "cuMemcpy2DAsync_v2"] ptds "cuMemcpy2DAsync_v2_ptsz";
+    "cuMemcpy3D": [3020 => "cuMemcpy3D_v2"] ptds "cuMemcpy3D_v2_ptds";
+    "cuMemcpy3DAsync": [3020 => "cuMemcpy3DAsync_v2"] ptds "cuMemcpy3DAsync_v2_ptsz";
+    "cuMemcpyPeer": [4000 => "cuMemcpyPeer"] ptds "cuMemcpyPeer_ptds";
+    "cuMemcpyPeerAsync": [4000 => "cuMemcpyPeerAsync"] ptds "cuMemcpyPeerAsync_ptsz";
+    "cuMemsetD2D8": [3020 => "cuMemsetD2D8_v2"] ptds "cuMemsetD2D8_v2_ptds";
+    "cuMemsetD2D16": [3020 => "cuMemsetD2D16_v2"] ptds "cuMemsetD2D16_v2_ptds";
+    "cuMemsetD2D32": [3020 => "cuMemsetD2D32_v2"] ptds "cuMemsetD2D32_v2_ptds";
+    "cuMemsetD2D8Async": [3020 => "cuMemsetD2D8Async"] ptds "cuMemsetD2D8Async_ptsz";
+    "cuMemsetD2D16Async": [3020 => "cuMemsetD2D16Async"] ptds "cuMemsetD2D16Async_ptsz";
+    "cuMemsetD2D32Async": [3020 => "cuMemsetD2D32Async"] ptds "cuMemsetD2D32Async_ptsz";
     // Streams and events.
     "cuStreamCreate": [2000 => "cuStreamCreate"];
     "cuStreamCreateWithPriority": [5050 => "cuStreamCreateWithPriority"];
@@ -187,6 +200,9 @@ procs! {
     "cuModuleUnload": [2000 => "cuModuleUnload"];
     "cuModuleGetFunction": [2000 => "cuModuleGetFunction"];
     "cuLaunchKernel": [4000 => "cuLaunchKernel"] ptds "cuLaunchKernel_ptsz";
+    "cuLaunchKernelEx": [11060 => "cuLaunchKernelEx"] ptds "cuLaunchKernelEx_ptsz";
+    "cuLaunchCooperativeKernel": [9000 => "cuLaunchCooperativeKernel"] ptds "cuLaunchCooperativeKernel_ptsz";
+    "cuGraphLaunch": [10000 => "cuGraphLaunch"] ptds "cuGraphLaunch_ptsz";
 }
 
 #[cfg(test)]

@@ -208,5 +208,39 @@ hooks! {
         cuMemsetD16Async_ptsz(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
         cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
         cuMemsetD32Async_ptsz(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
+        cuMemcpy2D_v2(copy: *const c_void);
+        cuMemcpy2D_v2_ptds(copy: *const c_void);
+        cuMemcpy2DUnaligned_v2(copy: *const c_void);
+        cuMemcpy2DUnaligned_v2_ptds(copy: *const c_void);
+        cuMemcpy2DAsync_v2(copy: *const c_void, stream: Ptr);
+        cuMemcpy2DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
+        cuMemcpy3D_v2(copy: *const c_void);
+        cuMemcpy3D_v2_ptds(copy: *const c_void);
+        cuMemcpy3DAsync_v2(copy: *const c_void, stream: Ptr);
+        cuMemcpy3DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
+        cuMemcpyPeer(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
+        cuMemcpyPeer_ptds(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
+        cuMemcpyPeerAsync(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
+        cuMemcpyPeerAsync_ptsz(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
+        cuMemsetD2D8_v2(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
+        cuMemsetD2D8_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
+        cuMemsetD2D16_v2(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
+        cuMemsetD2D16_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
+        cuMemsetD2D32_v2(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
+        cuMemsetD2D32_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
+        cuMemsetD2D8Async(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
+        cuMemsetD2D8Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
+        cuMemsetD2D16Async(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
+        cuMemsetD2D16Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
+        cuMemsetD2D32Async(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
+        cuMemsetD2D32Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
+        cuLaunchKernelEx(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
+        cuLaunchKernelEx_ptsz(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
+        cuLaunchCooperativeKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
+            shared: c_uint, stream: Ptr, params: *mut Ptr);
+        cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
+            shared: c_uint, stream: Ptr, params: *mut Ptr);
+        cuGraphLaunch(exec: Ptr, stream: Ptr);
+        cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr);
     }
 }

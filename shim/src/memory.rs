@@ -54,7 +54,10 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, mut real: impl FnMut() 
         Ok(c) => c,
         Err(status) => return status,
     };
-    if matches!(path, Path::Linear | Path::Pooled) && !out.is_null() && crate::swap::backs(e, &charge) {
+    if matches!(path, Path::Linear | Path::Pooled)
+        && !out.is_null()
+        && crate::swap::backs(e, ordinal, &charge)
+    {
         return crate::swap::allocate(e, ordinal, e.contexts.handle(id), charge, out);
     }
     let status = e.physical(&mut real);

@@ -181,6 +181,18 @@ pub(crate) struct Enforcer {
     pub vmm: Mutex<crate::memory::VmmBook>,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
+    /// Per ledger device: bytes that threads are asking the arbiter for right now. A
+    /// grant that arrives for them is not "unused" and is not given back on reclaim.
+    pending: [AtomicU64; crate::ledger::MAX_DEVICES],
+}
+
+/// Counts bytes as pending while a thread waits for the arbiter.
+struct Pending<'a>(&'a AtomicU64, u64);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
+    }
 }
 
 /// A charge taken before calling the driver, given back if the call fails.
@@ -215,6 +227,7 @@ impl Enforcer {
             contexts: Contexts::new(),
             vmm: Mutex::new(Default::default()),
             arbiter: OnceLock::new(),
+            pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
     }
 
@@ -364,6 +377,7 @@ impl Enforcer {
     pub(crate) fn charge(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
         let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
         let dev = slice.ledger;
+        let mut pending = None;
         loop {
             // With an arbiter the group may hold its request plus what it was granted.
             let arbiter = self.arbiter.get();
@@ -394,6 +408,10 @@ impl Enforcer {
             };
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
             let preferred = need.max(Self::chunk(&slice));
+            if pending.is_none() {
+                self.pending[dev].fetch_add(bytes, Ordering::AcqRel);
+                pending = Some(Pending(&self.pending[dev], bytes));
+            }
             match client.acquire(
                 slice.uuid,
                 need,
@@ -433,8 +451,8 @@ impl Enforcer {
         let Some(client) = self.arbiter.get() else { return };
         let device = slice.ledger;
         let allowed = slice.request + self.ledger.group_granted(device);
-        let unused = allowed.saturating_sub(self.ledger.held_fast(device));
-        let give = unused.saturating_sub(slack);
+        let in_use = self.ledger.held_fast(device) + self.pending[device].load(Ordering::Acquire);
+        let give = allowed.saturating_sub(in_use).saturating_sub(slack);
         if give > 0 {
             let taken = self.ledger.take_granted(device, give);
             if taken > 0 {

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -161,7 +161,11 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
             Command::SwapOut(uuid) => {
                 let Some(slice) = e.slice_by_uuid(&uuid) else { continue };
                 let out = swap_out(e, &slice);
-                tracing::info!(bytes = out.bytes, ms = out.took.as_millis() as u64, "swapped burst memory out to host RAM");
+                tracing::info!(
+                    bytes = out.bytes,
+                    ms = out.took.as_millis() as u64,
+                    "swapped burst memory out to host RAM"
+                );
                 client.send_until_delivered(&report(e, &slice, true, out.bytes, out.took));
             }
             Command::ComeBack => {
@@ -226,8 +230,13 @@ fn granularity(ordinal: usize) -> u64 {
 
 /// Whether an allocation charged as `charge` is backed by the VMM API (swappable): the
 /// group uses swap, has an arbiter, and the allocation lies wholly above the request.
-pub(crate) fn backs(e: &Enforcer, charge: &Charge) -> bool {
-    e.config.resolver == gpufrac_common::Resolver::Swap && e.arbiter.get().is_some() && charge.whole_burst
+/// Allocations smaller than the granularity stay plain: rounding them up would waste
+/// more than swapping them saves.
+pub(crate) fn backs(e: &Enforcer, ordinal: usize, charge: &Charge) -> bool {
+    e.config.resolver == gpufrac_common::Resolver::Swap
+        && e.arbiter.get().is_some()
+        && charge.whole_burst
+        && charge.bytes >= granularity(ordinal)
 }
 
 /// Allocates `charge.bytes` on device `ordinal` in context `context` as a VMM-backed
@@ -250,12 +259,15 @@ pub(crate) fn allocate(
             }
         }
     }
+    // The book stays locked until the allocation is in it, so that a swap-out either
+    // sees it or runs before it exists.
+    let mut book = book();
     let mut addr: u64 = 0;
     let mut status = call!(cuMemAddressReserve(&mut addr, size as usize, g as usize, 0, 0), 801);
     if status == SUCCESS {
         match map_new(e, ordinal, addr, size) {
             Ok(handle) => {
-                book().backings.insert(
+                book.backings.insert(
                     addr,
                     Backing { size, ordinal, device: charge.device, context, handle, host: 0, pinned: false },
                 );
@@ -270,6 +282,7 @@ pub(crate) fn allocate(
             }
         }
     }
+    drop(book);
     e.release(charge.device, charge.bytes);
     status
 }
@@ -364,6 +377,15 @@ fn alloc_host(size: u64) -> Option<(usize, bool)> {
     (!p.is_null()).then_some((p as usize, false))
 }
 
+/// Touches every page of a fresh host buffer, so that the copy into it does not stop
+/// at each page (pinned memory is already resident: this costs little there).
+fn prefault(host: usize, size: usize) {
+    for offset in (0..size).step_by(4096) {
+        // SAFETY: `host` is a writable buffer of `size` bytes that nobody reads yet.
+        unsafe { std::ptr::write_volatile((host + offset) as *mut u8, 0) };
+    }
+}
+
 fn free_host(host: usize, pinned: bool) {
     if host == 0 {
         return;
@@ -404,29 +426,65 @@ fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
             }
         }
         resident.sort_unstable();
-        for addr in resident {
-            let Some(b) = book.backings.get_mut(&addr) else { continue };
-            let Some((host, pinned)) = alloc_host(b.size) else {
-                tracing::warn!(bytes = b.size, "no host memory for a swap-out; the rest stays on the GPU");
-                break;
-            };
-            let size = b.size as usize;
-            let copied =
-                in_context(b.context, || call_real!(cuMemcpyDtoH_v2(host as *mut c_void, addr, size)));
-            if copied != SUCCESS {
-                tracing::warn!(
-                    status = copied,
-                    "copying burst memory to the host failed; it stays on the GPU"
-                );
-                free_host(host, pinned);
-                continue;
+        let sizes: Vec<u64> = resident.iter().filter_map(|a| book.backings.get(a)).map(|b| b.size).collect();
+        let stop = AtomicBool::new(false);
+        // Three stages on their own threads: host buffers are made ready (faulted in) one
+        // ahead of the copy, and device memory is released behind it.
+        std::thread::scope(|scope| {
+            let (ready_tx, ready_rx) = sync_channel::<Option<(usize, bool)>>(1);
+            let (done_tx, done_rx) = channel::<(u64, usize, u64)>();
+            let stop = &stop;
+            scope.spawn(move || {
+                for size in sizes {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let host = alloc_host(size).inspect(|&(h, _)| prefault(h, size as usize));
+                    if let Err(unsent) = ready_tx.send(host) {
+                        if let Some((h, pinned)) = unsent.0 {
+                            free_host(h, pinned);
+                        }
+                        break;
+                    }
+                }
+            });
+            scope.spawn(move || {
+                for (addr, size, handle) in done_rx {
+                    call_real!(cuMemUnmap(addr, size));
+                    call_real!(cuMemRelease(handle));
+                }
+            });
+            for addr in resident {
+                let Some(b) = book.backings.get_mut(&addr) else { continue };
+                let Ok(Some((host, pinned))) = ready_rx.recv() else {
+                    tracing::warn!(
+                        bytes = b.size,
+                        "no host memory for a swap-out; the rest stays on the GPU"
+                    );
+                    break;
+                };
+                let size = b.size as usize;
+                let copied =
+                    in_context(b.context, || call_real!(cuMemcpyDtoH_v2(host as *mut c_void, addr, size)));
+                if copied != SUCCESS {
+                    tracing::warn!(
+                        status = copied,
+                        "copying burst memory to the host failed; it stays on the GPU"
+                    );
+                    free_host(host, pinned);
+                    continue;
+                }
+                let _ = done_tx.send((addr, size, b.handle));
+                (b.handle, b.host, b.pinned) = (0, host, pinned);
+                e.ledger.release(b.device, b.size);
+                host_bytes += b.size;
             }
-            call_real!(cuMemUnmap(addr, size));
-            call_real!(cuMemRelease(b.handle));
-            (b.handle, b.host, b.pinned) = (0, host, pinned);
-            e.ledger.release(b.device, b.size);
-            host_bytes += b.size;
-        }
+            // Buffers made ready beyond where the copies stopped are given back.
+            stop.store(true, Ordering::Release);
+            for (h, pinned) in ready_rx.iter().flatten() {
+                free_host(h, pinned);
+            }
+        });
         *book.swapped.entry(slice.ledger).or_default() += host_bytes;
         if host_bytes == 0 && !book.swapped.values().any(|&v| v > 0) {
             crate::gate::open();
@@ -455,28 +513,44 @@ fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
         .map(|(&a, _)| a)
         .collect();
     let mut moved = 0;
-    for addr in swapped {
-        let Some(b) = book.backings.get_mut(&addr) else { continue };
-        e.ledger.force_charge(b.device, b.size);
-        let handle = loop {
-            match map_new(e, b.ordinal, addr, b.size) {
-                Ok(h) => break h,
-                Err(status) => {
-                    tracing::warn!(status, bytes = b.size, "swap-in: no device memory yet; retrying");
-                    std::thread::sleep(Duration::from_millis(200));
-                }
+    // Host copies are freed on another thread while the next one is copied back.
+    std::thread::scope(|scope| {
+        let (freed_tx, freed_rx) = channel::<(usize, bool)>();
+        scope.spawn(move || {
+            for (host, pinned) in freed_rx {
+                free_host(host, pinned);
             }
-        };
-        let size = b.size as usize;
-        let host = b.host;
-        let status = in_context(b.context, || call_real!(cuMemcpyHtoD_v2(addr, host as *const c_void, size)));
-        if status != SUCCESS {
-            tracing::error!(status, "swap-in: copying back to the device failed");
+        });
+        for addr in swapped {
+            let Some(b) = book.backings.get_mut(&addr) else { continue };
+            e.ledger.force_charge(b.device, b.size);
+            let handle = loop {
+                match map_new(e, b.ordinal, addr, b.size) {
+                    Ok(h) => break h,
+                    Err(status) => {
+                        tracing::warn!(status, bytes = b.size, "swap-in: no device memory yet; retrying");
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+            };
+            let (size, host) = (b.size as usize, b.host);
+            let status =
+                in_context(b.context, || call_real!(cuMemcpyHtoD_v2(addr, host as *const c_void, size)));
+            if status == SUCCESS {
+                let _ = freed_tx.send((b.host, b.pinned));
+            } else {
+                // The context is broken (a sticky error): keep the host copy, it is all
+                // there is of the data.
+                tracing::error!(
+                    status,
+                    addr,
+                    "swap-in: copying back to the device failed; the host copy is kept"
+                );
+            }
+            (b.handle, b.host) = (handle, 0);
+            moved += b.size;
         }
-        free_host(b.host, b.pinned);
-        (b.handle, b.host) = (handle, 0);
-        moved += b.size;
-    }
+    });
     if let Some(s) = book.swapped.get_mut(&slice.ledger) {
         *s = s.saturating_sub(moved);
     }

@@ -131,8 +131,11 @@ fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
 #[test]
 fn the_host_ram_cap_is_honoured_and_the_burst_waits_instead() {
     let gpu = gpu();
-    let arbiter =
-        Arbiter::start_at(&gpu, gpu.lib_dir().join("c.sock"), &["--swap-quantum", "0s", "--swap-limit", "512MiB"]);
+    let arbiter = Arbiter::start_at(
+        &gpu,
+        gpu.lib_dir().join("c.sock"),
+        &["--swap-quantum", "0s", "--swap-limit", "512MiB"],
+    );
     let (ga, gb) = (unique("holder"), unique("burst"));
     let (mut a, _) = holder(&gpu, &arbiter, &ga);
     let mut b = requester(&gpu, &arbiter, &gb, "1s");

@@ -163,6 +163,8 @@ struct Gpu {
     total: u64,
     groups: BTreeMap<String, Group>,
     queue: VecDeque<Waiter>,
+    /// When a burst was last granted or queued here.
+    last_busy: Instant,
 }
 
 impl Gpu {
@@ -222,7 +224,15 @@ impl Policy {
         Policy {
             gpus: gpus
                 .iter()
-                .map(|&(id, total)| (id, Gpu { total, groups: BTreeMap::new(), queue: VecDeque::new() }))
+                .map(|&(id, total)| {
+                    let gpu = Gpu {
+                        total,
+                        groups: BTreeMap::new(),
+                        queue: VecDeque::new(),
+                        last_busy: Instant::now(),
+                    };
+                    (id, gpu)
+                })
                 .collect(),
             peers: HashMap::new(),
         }
@@ -311,6 +321,7 @@ impl Policy {
         if bytes > room {
             return Outcome::Denied(Denial::OverLimit);
         }
+        gpu.last_busy = now;
         if gpu.queue.is_empty() && free >= bytes {
             let grant = preferred.min(free).min(room).max(bytes);
             member.grant(grant, now);
@@ -436,23 +447,35 @@ impl Policy {
                         }
                     }
                 }
-                break;
+                // A swap-in that fits goes ahead: its process is held at its gate, possibly
+                // with memory the head needs, and comes back with nothing new to lend.
+                let free = gpu.free();
+                let Some(pos) = gpu.queue.iter().position(|w| w.resume && w.bytes <= free) else { break };
+                let Some(w) = gpu.queue.remove(pos) else { break };
+                let room =
+                    gpu.groups.get(&w.group).map_or(0, |g| (g.limit - g.request).saturating_sub(g.granted()));
+                let grant = w.bytes.min(room);
+                answers.push(Self::grant_waiter(gpu, device, w, grant, now));
+                continue;
             }
             let Some(w) = gpu.queue.pop_front() else { break };
             let grant = w.preferred.min(gpu.free()).min(group_room.unwrap_or(0)).max(w.bytes);
-            if let Some(m) = gpu.groups.get_mut(&w.group).and_then(|g| g.members.get_mut(&w.conn)) {
-                m.grant(grant, now);
-                m.waited += now - w.since;
-            }
-            answers.push(Answer {
-                conn: w.conn,
-                seq: w.seq,
-                device,
-                waited: now - w.since,
-                result: Ok(grant),
-            });
+            answers.push(Self::grant_waiter(gpu, device, w, grant, now));
         }
         answers
+    }
+
+    fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
+        if let Some(m) = gpu.groups.get_mut(&w.group).and_then(|g| g.members.get_mut(&w.conn)) {
+            m.grant(grant, now);
+            m.waited += now - w.since;
+            // A holder that had to wait has not had its turn yet: its quantum starts now.
+            if m.residency == Residency::Resident {
+                m.resident_since = Some(now);
+            }
+        }
+        gpu.last_busy = now;
+        Answer { conn: w.conn, seq: w.seq, device, waited: now - w.since, result: Ok(grant) }
     }
 
     /// If every holder of burst memory on `gpu` is waiting for more, the waiting holder
@@ -690,12 +713,13 @@ impl Policy {
         Self::drain(device, gpu, now)
     }
 
-    /// Swapped-out processes that may come back because memory is free and nobody waits
-    /// on their GPU: at most as many as the free memory holds, each told once.
-    pub fn resume_candidates(&mut self) -> Vec<(ConnId, DeviceId)> {
+    /// Swapped-out processes that may come back because memory is free and no burst was
+    /// asked for on their GPU for `settle`: at most as many as the free memory holds,
+    /// each told once.
+    pub fn resume_candidates(&mut self, now: Instant, settle: Duration) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
-            if !gpu.queue.is_empty() {
+            if !gpu.queue.is_empty() || now.saturating_duration_since(gpu.last_busy) < settle {
                 continue;
             }
             let mut free = gpu.free();
@@ -979,8 +1003,10 @@ mod tests {
         assert_eq!(s.gpus[0].swapped, 7 * GIB, "new's memory is in host RAM now");
         // Memory frees: new is told it may come back, once.
         p.release(1, GPU, 6 * GIB, 2 * GIB, now);
-        assert_eq!(p.resume_candidates(), vec![(3, GPU)]);
-        assert!(p.resume_candidates().is_empty());
+        let later = Instant::now() + Duration::from_secs(14);
+        assert!(p.resume_candidates(later, Duration::from_secs(60)).is_empty(), "not before memory settles");
+        assert_eq!(p.resume_candidates(later, Duration::ZERO), vec![(3, GPU)]);
+        assert!(p.resume_candidates(later, Duration::ZERO).is_empty());
     }
 
     fn state(p: &Policy, conn: ConnId) -> String {

@@ -166,7 +166,10 @@ impl Shared {
             tracing::info!(pid = v.pid, group = %v.group, gpu = %uuid_string(&v.device), bytes = v.bytes, "asking a holder of burst memory to swap out for a swap burst");
             self.send(v.conn, &Reply::SwapOut { device: v.device });
         }
-        let resumable = self.policy().resume_candidates();
+        // Memory counts as free again once no burst was asked for during a quantum (at
+        // most a second), so a process in the middle of a burst is not raced.
+        let settle = self.options.swap_quantum.min(Duration::from_secs(1));
+        let resumable = self.policy().resume_candidates(Instant::now(), settle);
         for (conn, device) in resumable {
             self.send(conn, &Reply::Resume { device });
         }
@@ -434,7 +437,7 @@ fn on_frame(
             let direction = if matches!(request, Request::SwappedOut { .. }) { "out" } else { "in" };
             let gpu = shared.label(&device);
             let took = Duration::from_micros(micros);
-            tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, "swapped {direction}");
+            tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, us = micros, "swapped {direction}");
             if bytes > 0 {
                 shared.metrics.count_swap(&gpu, direction, bytes, took);
             }

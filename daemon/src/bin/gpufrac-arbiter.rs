@@ -87,7 +87,10 @@ fn run(args: Args) -> Result<()> {
         idle_timeout: gpufrac_common::parse_duration("--idle-timeout", &args.idle_timeout)?,
         kill_grace: gpufrac_common::parse_duration("--kill-grace", &args.kill_grace)?,
         swap_quantum: gpufrac_common::parse_duration("--swap-quantum", &args.swap_quantum)?,
-        swap_limit: gpufrac_common::parse_size("--swap-limit", &args.swap_limit)?.resolve(host_memory()),
+        swap_limit: match args.swap_limit.trim() {
+            "0" => 0,
+            limit => gpufrac_common::parse_size("--swap-limit", limit)?.resolve(host_memory()),
+        },
     };
     tracing::info!(swap_limit = options.swap_limit, quantum = ?options.swap_quantum, "swap resolver");
     let listener = bind(&args.socket)?;

@@ -42,6 +42,13 @@ struct Args {
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Memory held from after the model is loaded to the end (a KV cache, say), filled
+    /// with a known value and verified before exiting.
+    #[arg(long)]
+    keep: Option<String>,
+    /// Time to sit idle (no GPU work) after the batches, before the final checks.
+    #[arg(long, default_value = "0ms")]
+    idle: String,
 }
 
 const KERNELS_PTX: &str = "// simgpu built-in kernels: simgpu_fill_u32, simgpu_checksum_u32, simgpu_sleep_us";
@@ -88,6 +95,8 @@ fn run(args: &Args) -> Result<()> {
     let model_bytes = bytes("--model", &args.model)?;
     let batches = args.batches.split(',').map(|b| bytes("--batches", b)).collect::<Result<Vec<_>>>()?;
     let compute_us = gpufrac_common::parse_duration("--compute", &args.compute)?.as_micros() as u64;
+    let keep_bytes = args.keep.as_deref().map(|k| bytes("--keep", k)).transpose()?.unwrap_or(0);
+    let idle = gpufrac_common::parse_duration("--idle", &args.idle)?;
     let name = &args.name;
 
     let ctx = CudaContext::new(args.device).context("creating a CUDA context")?;
@@ -107,6 +116,15 @@ fn run(args: &Args) -> Result<()> {
     let mut sum = stream.alloc_zeros::<u64>(1)?;
     fill_and_verify(&stream, &k, &mut model, 0x600d, &mut sum)?;
     println!("{name} model-loaded bytes={model_bytes} ms={}", started.elapsed().as_millis());
+    let mut kept = match keep_bytes {
+        0 => None,
+        n => {
+            let mut buf = stream.alloc_zeros::<u32>(n / 4).context("allocating the kept memory")?;
+            fill_and_verify(&stream, &k, &mut buf, 0xcafe, &mut sum)?;
+            println!("{name} holding bytes={n}");
+            Some(buf)
+        }
+    };
 
     let mut served = 0;
     let mut oom = 0;
@@ -145,7 +163,27 @@ fn run(args: &Args) -> Result<()> {
             Err(e) => return Err(e),
         }
     }
-    // The model must have survived every batch untouched.
+    if !idle.is_zero() {
+        println!("{name} idle ms={}", idle.as_millis());
+        std::thread::sleep(idle);
+    }
+    // The kept memory and the model must have survived everything untouched.
+    if let Some(buf) = kept.as_mut() {
+        let count = buf.len();
+        // SAFETY: as in fill_and_verify.
+        unsafe {
+            stream.launch_builder(&k.checksum).arg(&*buf).arg(&count).arg(&mut sum).launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1, 1, 1),
+                shared_mem_bytes: 0,
+            })?;
+        }
+        let got = stream.clone_dtoh(&sum)?[0];
+        if got != count as u64 * 0xcafe {
+            bail!("kept memory corrupted: checksum {got}");
+        }
+        println!("{name} kept-memory-intact bytes={keep_bytes}");
+    }
     let count = model.len();
     // SAFETY: as in fill_and_verify.
     unsafe {

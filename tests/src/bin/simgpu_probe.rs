@@ -3,7 +3,7 @@
 //! asserts it; exit status 0 means every assertion held.
 //!
 //! Subcommands: `async-order`, `vmm-remap`, `pool-release`, `nvml`, `slice`, `nvml-only`,
-//! `hold <bytes>`, `hold-bursts <base> <burst> <count>`.
+//! `hold <bytes>`, `hold-bursts <base> <burst> <count>`, `timed-alloc <base> <burst>`.
 
 use std::ffi::c_void;
 use std::io::{BufRead, Write};
@@ -457,6 +457,24 @@ fn hold_bursts(k: &Kernels, base: usize, burst: usize, count: usize) {
     println!("DONE");
 }
 
+/// For the resolver benchmark: holds `base` bytes, then times one allocation of `burst`
+/// bytes (which may wait for the arbiter) and prints `GRANTED <µs>` (or `REFUSED <µs>`);
+/// holds it until stdin closes, then prints `DONE`.
+fn timed_alloc(base: usize, burst: usize) {
+    let mut base_ptr = 0u64;
+    ck!(sys::cuMemAlloc_v2(&mut base_ptr, base));
+    let started = std::time::Instant::now();
+    let mut ptr = 0u64;
+    // SAFETY: a valid out-pointer.
+    let status = unsafe { sys::cuMemAlloc_v2(&mut ptr, burst) };
+    let us = started.elapsed().as_micros();
+    let verdict = if status == CUresult::CUDA_SUCCESS { "GRANTED" } else { "REFUSED" };
+    println!("{verdict} {us}");
+    std::io::stdout().flush().ok();
+    let _ = std::io::stdin().lock().lines().count();
+    println!("DONE");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("nvml-only") {
@@ -471,8 +489,14 @@ fn main() {
         Some("nvml") => nvml_view(),
         Some("slice") => slice_view(),
         Some("hold") => hold(args.get(2).and_then(|b| b.parse().ok()).expect("hold <bytes>")),
+        Some("timed-alloc") => {
+            let n = |i: usize| args.get(i).and_then(|b| b.parse().ok()).expect("timed-alloc <base> <burst>");
+            timed_alloc(n(2), n(3))
+        }
         Some("hold-bursts") => {
-            let n = |i: usize| args.get(i).and_then(|b| b.parse().ok()).expect("hold-bursts <base> <burst> <count>");
+            let n = |i: usize| {
+                args.get(i).and_then(|b| b.parse().ok()).expect("hold-bursts <base> <burst> <count>")
+            };
             hold_bursts(&k, n(2), n(3), n(4))
         }
         other => {
