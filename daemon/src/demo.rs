@@ -401,7 +401,7 @@ fn acts(config: &DemoConfig) -> Vec<Act> {
     let sleeper = Server {
         resolver: "swap",
         limit: "2560MiB",
-        ..Server::new("chat-a", &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "6s"])
+        ..Server::new("chat-a", &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "8s"])
     };
     let busy = Server {
         resolver: "swap",

@@ -241,13 +241,19 @@ fn metrics_are_served_over_http() {
 }
 
 #[test]
-fn the_demo_serves_every_batch_without_out_of_memory() {
+fn the_demo_shows_all_three_resolvers_without_out_of_memory() {
     let out =
         Command::new(artifact("gpufrac")).args(["demo", "--steps", "3"]).output().expect("gpufrac demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("servers on one GPU:     3"), "{stdout}");
-    assert!(stdout.contains("batches served:         9"), "{stdout}");
+    assert!(stdout.contains("wait: 9 batches served"), "{stdout}");
+    assert!(
+        stdout.contains("priority: 1 idle lower-priority holder ended, production served 2 batches"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("kept caches verified intact") && stdout.contains("1 of 1"), "{stdout}");
+    assert!(!stdout.contains("swap: 0 swapped"), "the swap act swapped: {stdout}");
     assert!(stdout.contains("out-of-memory errors:   0"), "{stdout}");
 }
 

@@ -149,3 +149,22 @@ fn the_host_ram_cap_is_honoured_and_the_burst_waits_instead() {
     a.close_stdin();
     a.finish();
 }
+
+#[test]
+fn a_swapped_out_process_that_exits_frees_its_host_copy() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("e.sock"), &["--swap-quantum", "0s"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, _) = holder(&gpu, &arbiter, &ga);
+    let mut b = requester(&gpu, &arbiter, &gb, "30s");
+    assert_eq!(b.ready()[0], 2560 * MIB);
+    let s = wait_for(&arbiter, "A swapped out", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    assert_eq!(s.gpus[0].swapped, BURST * BURSTS);
+    // A exits while swapped out (end of input: it never touches its memory again).
+    a.close_stdin();
+    a.finish();
+    let s = wait_for(&arbiter, "A gone", |s| process(s, &ga).is_none());
+    assert_eq!(s.gpus[0].swapped, 0, "no host RAM is counted for a process that is gone");
+    b.close_stdin();
+    b.finish();
+}

@@ -1009,6 +1009,29 @@ mod tests {
         assert!(p.resume_candidates(later, Duration::ZERO).is_empty());
     }
 
+    #[test]
+    fn a_swap_in_that_fits_goes_ahead_of_a_head_that_does_not() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 0, 0, 0).unwrap();
+        }
+        // 12 GiB to lend: b holds 11, a (swapped out) wants 6 back, b is swapped out of 1 GiB.
+        assert_eq!(p.acquire(2, GPU, 1, 11 * GIB, 11 * GIB, 0, false, now), Outcome::Granted(11 * GIB));
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 2 * GIB, 0, 6 * GIB).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, true, now), Outcome::Queued);
+        p.swapped(2, GPU, 10 * GIB, GIB, 12 * GIB, now);
+        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, true, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert_eq!(
+            (answers[0].conn, answers[0].result),
+            (2, Ok(GIB)),
+            "b's small swap-in fits and goes first"
+        );
+    }
+
     fn state(p: &Policy, conn: ConnId) -> String {
         let group = p.peer(conn).unwrap().group.clone();
         p.status().gpus[0].processes.iter().find(|x| x.group == group).unwrap().state.clone()
