@@ -1,10 +1,14 @@
 //! The gate every launch, copy and set passes. It counts what passes (the activity count
-//! that tells the arbiter whether a process is idle) and which calls are inside, so that
-//! a swap-out can close it: new calls wait, calls already inside finish, then the swap
-//! proceeds. Passing costs two uncontended atomic additions and one load; closing and
-//! waiting are the cold path.
+//! that tells the arbiter whether a process is idle) and, in a process that may be
+//! swapped out (resolver `swap`), which calls are inside, so that a swap-out can close
+//! it: new calls wait, calls already inside finish, then the swap proceeds. Passing costs
+//! a relaxed load and store in other processes, and two atomic additions and a load in
+//! swappable ones; closing and waiting are the cold path.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{
+    AtomicBool, AtomicU64,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::time::Duration;
 
 /// Calls that entered (including ones that found the gate closed and stepped back).
@@ -12,26 +16,41 @@ static ENTERED: AtomicU64 = AtomicU64::new(0);
 /// Calls that left.
 static LEFT: AtomicU64 = AtomicU64::new(0);
 static CLOSED: AtomicBool = AtomicBool::new(false);
+/// Calls inside are tracked (set once, before the first swappable allocation).
+static TRACKED: AtomicBool = AtomicBool::new(false);
+
+/// Tracks the calls inside from now on: the process may be swapped out.
+pub(crate) fn track() {
+    TRACKED.store(true, SeqCst);
+}
 
 /// A call inside the gate; leaving is counted when it drops.
-pub(crate) struct Pass(());
+pub(crate) struct Pass(bool);
 
 impl Drop for Pass {
     #[inline(always)]
     fn drop(&mut self) {
-        LEFT.fetch_add(1, SeqCst);
+        if self.0 {
+            LEFT.fetch_add(1, SeqCst);
+        }
     }
 }
 
 /// Enters the gate, waiting while it is closed.
 #[inline(always)]
 pub(crate) fn enter() -> Pass {
+    if !TRACKED.load(Relaxed) {
+        // Nobody ever closes this gate: only the activity count moves. Concurrent
+        // bumps may be lost, which idle detection tolerates (it asks whether it moved).
+        ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
+        return Pass(false);
+    }
     loop {
         // Counting in before looking at CLOSED (both sequentially consistent) means a
         // closer that set CLOSED either sees this call in its count or is seen by it.
         ENTERED.fetch_add(1, SeqCst);
         if !CLOSED.load(SeqCst) {
-            return Pass(());
+            return Pass(true);
         }
         LEFT.fetch_add(1, SeqCst);
         parking::wait_open(&CLOSED);
@@ -54,7 +73,7 @@ pub(crate) fn open() {
 
 /// A count of launches, copies and sets: a process whose count stands still is idle.
 pub fn activity() -> u64 {
-    ENTERED.load(std::sync::atomic::Ordering::Relaxed)
+    ENTERED.load(Relaxed)
 }
 
 mod parking {
@@ -96,6 +115,7 @@ mod tests {
 
     #[test]
     fn closing_waits_for_calls_inside_and_holds_new_ones_until_opened() {
+        track();
         let inside = enter();
         let closed = Arc::new(AtomicBool::new(false));
         let closer = {

@@ -148,6 +148,8 @@ pub(crate) fn start(e: &'static Enforcer, client: Arc<Client>) -> Result<(), Str
     if WORKER.set(Mutex::new(tx)).is_err() {
         return Ok(());
     }
+    // Before any swappable allocation exists (cuInit): no call can be inside untracked.
+    crate::gate::track();
     std::thread::Builder::new()
         .name("gpufrac-swap".into())
         .spawn(move || worker(e, client, rx))

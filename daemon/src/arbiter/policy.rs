@@ -489,7 +489,7 @@ impl Policy {
         holders.peek()?;
         let mut victim = None;
         for (conn, granted) in holders {
-            let Some(waiting) = gpu.queue.iter().find(|w| w.conn == conn) else { return None };
+            let waiting = gpu.queue.iter().find(|w| w.conn == conn)?;
             if !waiting.resume && victim.is_none_or(|(_, g)| granted > g) {
                 victim = Some((conn, granted));
             }
