@@ -515,26 +515,39 @@ fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
         .map(|(&a, _)| a)
         .collect();
     let mut moved = 0;
-    // Host copies are freed on another thread while the next one is copied back.
+    let plan: Vec<(CUdeviceptr, u64, usize, usize)> = swapped
+        .iter()
+        .filter_map(|a| book.backings.get(a).map(|b| (*a, b.size, b.ordinal, b.device)))
+        .collect();
+    // Three stages on their own threads: device memory is created and mapped one ahead
+    // of the copy back, and host copies are freed behind it.
     std::thread::scope(|scope| {
+        let (mapped_tx, mapped_rx) = sync_channel::<(CUdeviceptr, u64)>(1);
         let (freed_tx, freed_rx) = channel::<(usize, bool)>();
+        scope.spawn(move || {
+            for (addr, size, ordinal, device) in plan {
+                e.ledger.force_charge(device, size);
+                let handle = loop {
+                    match map_new(e, ordinal, addr, size) {
+                        Ok(h) => break h,
+                        Err(status) => {
+                            tracing::warn!(status, bytes = size, "swap-in: no device memory yet; retrying");
+                            std::thread::sleep(Duration::from_millis(200));
+                        }
+                    }
+                };
+                if mapped_tx.send((addr, handle)).is_err() {
+                    break;
+                }
+            }
+        });
         scope.spawn(move || {
             for (host, pinned) in freed_rx {
                 free_host(host, pinned);
             }
         });
-        for addr in swapped {
+        for (addr, handle) in mapped_rx {
             let Some(b) = book.backings.get_mut(&addr) else { continue };
-            e.ledger.force_charge(b.device, b.size);
-            let handle = loop {
-                match map_new(e, b.ordinal, addr, b.size) {
-                    Ok(h) => break h,
-                    Err(status) => {
-                        tracing::warn!(status, bytes = b.size, "swap-in: no device memory yet; retrying");
-                        std::thread::sleep(Duration::from_millis(200));
-                    }
-                }
-            };
             let (size, host) = (b.size as usize, b.host);
             let status =
                 in_context(b.context, || call_real!(cuMemcpyHtoD_v2(addr, host as *const c_void, size)));

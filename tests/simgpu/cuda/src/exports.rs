@@ -243,6 +243,12 @@ unsupported! {
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy, cuLibraryLoadData, cuLibraryGetKernel,
     cuLibraryUnload, cuKernelGetFunction, cuEventRecordWithFlags, cuMemsetD2D8_v2, cuDeviceGetLuid,
     cuDeviceGetP2PAttribute, cuCtxResetPersistingL2Cache, cuProfilerStart, cuProfilerStop,
+    cuMemcpy2D_v2_ptds, cuMemcpy2DUnaligned_v2, cuMemcpy2DUnaligned_v2_ptds, cuMemcpy2DAsync_v2_ptsz,
+    cuMemcpy3D_v2_ptds, cuMemcpy3DAsync_v2_ptsz, cuMemcpyPeer_ptds, cuMemcpyPeerAsync_ptsz,
+    cuMemsetD2D8_v2_ptds, cuMemsetD2D16_v2, cuMemsetD2D16_v2_ptds, cuMemsetD2D32_v2, cuMemsetD2D32_v2_ptds,
+    cuMemsetD2D8Async, cuMemsetD2D8Async_ptsz, cuMemsetD2D16Async, cuMemsetD2D16Async_ptsz,
+    cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, cuLaunchKernelEx_ptsz, cuLaunchCooperativeKernel_ptsz,
+    cuGraphLaunch_ptsz,
 }
 
 #[cfg(test)]
