@@ -66,7 +66,14 @@ fn check_intact(a: &mut ChildProcess) {
 #[test]
 fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched() {
     let gpu = gpu();
-    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("s.sock"), &["--swap-quantum", "1s"]);
+    // A port the system just handed out and took back: free, barring a rare race.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = format!("127.0.0.1:{port}");
+    let arbiter = Arbiter::start_at(
+        &gpu,
+        gpu.lib_dir().join("s.sock"),
+        &["--swap-quantum", "1s", "--metrics", &metrics],
+    );
     let (ga, gb) = (unique("holder"), unique("burst"));
     let (mut a, ptrs) = holder(&gpu, &arbiter, &ga);
     // A has held its burst for a quantum; it sleeps (reads stdin) from here on.
@@ -101,6 +108,23 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     a.finish();
     let log = arbiter.log_text();
     assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
+    let body = scrape(&metrics);
+    for direction in ["out", "in"] {
+        let swaps = format!("gpufrac_swaps_total{{gpu=\"{}\",direction=\"{direction}\"}} 1", s.gpus[0].uuid);
+        assert!(body.contains(&swaps), "{swaps} missing:\n{body}");
+        let bytes = format!("direction=\"{direction}\"}} {}", BURST * BURSTS);
+        assert!(body.contains("gpufrac_swap_bytes_total") && body.contains(&bytes), "{bytes}:\n{body}");
+    }
+    assert!(body.contains("gpufrac_swap_seconds_bucket{"), "{body}");
+}
+
+fn scrape(address: &str) -> String {
+    use std::io::{Read, Write};
+    let mut http = std::net::TcpStream::connect(address).expect("metrics port");
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut body = String::new();
+    http.read_to_string(&mut body).unwrap();
+    body
 }
 
 #[test]
