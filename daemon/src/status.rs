@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 pub struct Status {
     /// Every GPU the arbiter manages.
     pub gpus: Vec<GpuStatus>,
+    /// Host RAM the node allows for swapped-out memory (`--swap-limit`), in bytes.
+    #[serde(default)]
+    pub swap_limit: u64,
 }
 
 /// One GPU.
@@ -114,6 +117,9 @@ impl Status {
         if self.gpus.is_empty() {
             out.push_str("no GPUs\n");
         }
+        let swapped: u64 = self.gpus.iter().map(|g| g.swapped).sum();
+        let cap = if self.swap_limit == u64::MAX { "no limit".to_owned() } else { gib(self.swap_limit) };
+        let _ = writeln!(out, "host RAM for swapped-out memory: {} of {cap}", gib(swapped));
         for g in &self.gpus {
             let _ = writeln!(
                 out,

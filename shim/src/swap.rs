@@ -185,13 +185,20 @@ fn come_back(e: &'static Enforcer, client: &Client) {
         book().swapped.iter().filter(|(_, &b)| b > 0).map(|(&d, &b)| (d, b)).collect();
     for (device, bytes) in swapped {
         let Some(slice) = e.slice_by_ledger(device) else { continue };
+        let mut asked = 0u32;
         let granted = loop {
             let held = e.ledger.held_by_me(device);
             // The arbiter keeps a swap-in waiting without deadline; this timeout only
             // bounds one round trip (it is asked again if the arbiter went away).
             match client.acquire(slice.uuid, bytes, bytes, held, Duration::from_secs(3600), true) {
                 Some(granted) => break granted,
-                None => std::thread::sleep(Duration::from_millis(100)),
+                None => {
+                    asked += 1;
+                    if asked == 1 || asked % 600 == 0 {
+                        tracing::warn!(bytes, asked, "the arbiter did not grant the swap-in; asking again");
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
             }
         };
         e.ledger.add_granted(device, granted);

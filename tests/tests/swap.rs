@@ -88,6 +88,17 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     let pa = process(&s, &ga).expect("A registered");
     assert_eq!((pa.state.as_str(), pa.host_bytes), ("swapped", BURST * BURSTS), "{s:?}");
     assert_eq!(s.gpus[0].swapped, BURST * BURSTS);
+    let table = std::process::Command::new(artifact("gpufrac"))
+        .arg("status")
+        .arg("--socket")
+        .arg(arbiter.socket())
+        .output()
+        .expect("gpufrac status");
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains("host RAM for swapped-out memory: 1.00GiB of") && table.contains("swapped"),
+        "{table}"
+    );
 
     // A copy while swapped out waits at the gate and asks to come back; B keeps the
     // memory for its quantum, unless it exits first and memory frees.

@@ -786,7 +786,7 @@ impl Policy {
                 }
             })
             .collect();
-        Status { gpus }
+        Status { gpus, swap_limit: 0 }
     }
 }
 

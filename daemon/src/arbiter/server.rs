@@ -118,7 +118,7 @@ impl Shared {
 
     /// The status document.
     pub fn status(&self) -> Status {
-        self.policy().status()
+        Status { swap_limit: self.options.swap_limit, ..self.policy().status() }
     }
 
     fn send(&self, conn: ConnId, reply: &Reply) {
