@@ -194,7 +194,7 @@ fn come_back(e: &'static Enforcer, client: &Client) {
                 Some(granted) => break granted,
                 None => {
                     asked += 1;
-                    if asked == 1 || asked % 600 == 0 {
+                    if asked == 1 || asked.is_multiple_of(600) {
                         tracing::warn!(bytes, asked, "the arbiter did not grant the swap-in; asking again");
                     }
                     std::thread::sleep(Duration::from_millis(100));
