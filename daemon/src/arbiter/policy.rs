@@ -379,23 +379,11 @@ impl Policy {
         let mut answers = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
             let before = gpu.queue.len();
-            let mut expired = Vec::new();
-            gpu.queue.retain(|w| {
-                let keep = w.deadline > now;
-                if !keep {
-                    expired.push((w.group.clone(), w.conn, now - w.since));
-                    answers.push(Answer {
-                        conn: w.conn,
-                        seq: w.seq,
-                        device,
-                        waited: now - w.since,
-                        result: Err(Denial::Timeout),
-                    });
-                }
-                keep
-            });
-            for (group, conn, waited) in expired {
-                Self::credit_wait(gpu, &group, conn, waited);
+            let (expired, kept): (VecDeque<Waiter>, VecDeque<Waiter>) =
+                std::mem::take(&mut gpu.queue).into_iter().partition(|w| w.deadline <= now);
+            gpu.queue = kept;
+            for w in expired {
+                answers.push(Self::deny_waiter(gpu, device, w, Denial::Timeout, now));
             }
             if gpu.queue.len() != before {
                 answers.extend(Self::drain(device, gpu, now));
@@ -418,14 +406,7 @@ impl Policy {
             if group_room.is_none_or(|room| room < head.bytes) {
                 // Its group can no longer take it (it changed meanwhile): answer now.
                 if let Some(w) = gpu.queue.pop_front() {
-                    Self::credit_wait(gpu, &w.group, w.conn, now - w.since);
-                    answers.push(Answer {
-                        conn: w.conn,
-                        seq: w.seq,
-                        device,
-                        waited: now - w.since,
-                        result: Err(Denial::OverLimit),
-                    });
+                    answers.push(Self::deny_waiter(gpu, device, w, Denial::OverLimit, now));
                 }
                 continue;
             }
@@ -435,14 +416,7 @@ impl Policy {
                     // whose out-of-memory error makes it free what it holds.
                     if let Some(pos) = gpu.queue.iter().position(|w| w.conn == victim) {
                         if let Some(w) = gpu.queue.remove(pos) {
-                            Self::credit_wait(gpu, &w.group, w.conn, now - w.since);
-                            answers.push(Answer {
-                                conn: w.conn,
-                                seq: w.seq,
-                                device,
-                                waited: now - w.since,
-                                result: Err(Denial::Deadlock),
-                            });
+                            answers.push(Self::deny_waiter(gpu, device, w, Denial::Deadlock, now));
                             continue;
                         }
                     }
@@ -463,6 +437,11 @@ impl Policy {
             answers.push(Self::grant_waiter(gpu, device, w, grant, now));
         }
         answers
+    }
+
+    fn deny_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, reason: Denial, now: Instant) -> Answer {
+        Self::credit_wait(gpu, &w.group, w.conn, now - w.since);
+        Answer { conn: w.conn, seq: w.seq, device, waited: now - w.since, result: Err(reason) }
     }
 
     fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
