@@ -77,12 +77,14 @@ macro_rules! hooks {
             $(
                 #[cfg_attr(not(test), no_mangle)]
                 pub extern "C" fn $gname($($garg: $gty),*) -> Status {
-                    let _inside = crate::gate::enter();
-                    crate::ffi::guard(Lib::Cuda, || match real::$gname() {
-                        // SAFETY: forwarding the caller's arguments unchanged to the real
-                        // function of the same signature.
-                        Some(f) => unsafe { f($($garg),*) },
-                        None => Lib::Cuda.missing(),
+                    crate::ffi::guard(Lib::Cuda, || {
+                        let _inside = crate::gate::enter();
+                        match real::$gname() {
+                            // SAFETY: forwarding the caller's arguments unchanged to the
+                            // real function of the same signature.
+                            Some(f) => unsafe { f($($garg),*) },
+                            None => Lib::Cuda.missing(),
+                        }
                     })
                 }
             )*
