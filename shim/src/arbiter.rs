@@ -269,6 +269,11 @@ impl Client {
         written
     }
 
+    /// Whether the arbiter answers now.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
     /// Whether bursts wait on `device` (so this process should keep no slack).
     pub(crate) fn contended(&self, device: &DeviceId) -> bool {
         lock(&self.contended).get(device).is_some_and(|until| Instant::now() < *until)

@@ -188,14 +188,25 @@ fn come_back(e: &'static Enforcer, client: &Client) {
         let mut asked = 0u32;
         let granted = loop {
             let held = e.ledger.held_by_me(device);
-            // The arbiter keeps a swap-in waiting without deadline; this timeout only
-            // bounds one round trip (it is asked again if the arbiter went away).
-            match client.acquire(slice.uuid, bytes, bytes, held, Duration::from_secs(3600), true) {
+            // The arbiter keeps a swap-in waiting without deadline, so while it is there
+            // the timeout only bounds one round trip. While it is away, the process
+            // waits GPUFRAC_WAIT_TIMEOUT for it, then comes back on its own if the device
+            // has the memory free (as a process without an arbiter takes its bursts).
+            let away = !client.is_connected();
+            let timeout = if away { e.config.wait_timeout } else { Duration::from_secs(3600) };
+            match client.acquire(slice.uuid, bytes, bytes, held, timeout, true) {
                 Some(granted) => break granted,
+                None if away && !client.is_connected() && device_has_room(&slice, bytes) => {
+                    tracing::warn!(
+                        bytes,
+                        "the arbiter is away: swapping back in on the device's free memory"
+                    );
+                    break bytes;
+                }
                 None => {
                     asked += 1;
                     if asked == 1 || asked.is_multiple_of(600) {
-                        tracing::warn!(bytes, asked, "the arbiter did not grant the swap-in; asking again");
+                        tracing::warn!(bytes, asked, "the swap-in was not granted yet; asking again");
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }
@@ -206,6 +217,17 @@ fn come_back(e: &'static Enforcer, client: &Client) {
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
         client.send_until_delivered(&report(e, &slice, false, moved, took));
     }
+}
+
+/// Whether the device of `slice` has `bytes` free now, as the driver counts (read in the
+/// context of one of its swapped-out allocations).
+fn device_has_room(slice: &Slice, bytes: u64) -> bool {
+    let Some(context) = book().backings.values().find(|b| b.device == slice.ledger).map(|b| b.context) else {
+        return false;
+    };
+    let (mut free, mut total) = (0usize, 0usize);
+    let status = in_context(context, || call_real!(cuMemGetInfo_v2(&mut free, &mut total)));
+    status == SUCCESS && free as u64 >= bytes
 }
 
 /// Where this process's burst memory on `slice`'s device is now, after moving `bytes`.

@@ -2,7 +2,8 @@
 //! sleeping holder's burst memory to host RAM; the holder's data (written by copies and
 //! by a queued async kernel) comes back bit for bit at the same addresses; a holder
 //! blocked on a copy while swapped out resumes when memory frees; an arbiter killed in
-//! the middle loses nothing; the host-RAM cap is honoured.
+//! the middle loses nothing, and without an arbiter a swapped process comes back on its
+//! own when the device has room; the host-RAM cap is honoured.
 
 use std::time::{Duration, Instant};
 
@@ -29,8 +30,13 @@ fn shim_env(cmd: &mut std::process::Command, arbiter: &Arbiter, group: &str, wai
 
 /// A: its request held by a plain allocation, then 1 GiB of bursts (VMM-backed).
 fn holder(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> (ChildProcess, String) {
+    holder_waiting(gpu, arbiter, group, "30s")
+}
+
+/// `holder` with its `GPUFRAC_WAIT_TIMEOUT`.
+fn holder_waiting(gpu: &SimGpu, arbiter: &Arbiter, group: &str, wait: &str) -> (ChildProcess, String) {
     let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
-    shim_env(&mut cmd, arbiter, group, "30s");
+    shim_env(&mut cmd, arbiter, group, wait);
     cmd.args(["hold-bursts", &GIB.to_string(), &BURST.to_string(), &BURSTS.to_string()]);
     let mut a = ChildProcess::spawn(&mut cmd);
     let ptrs = a.expect_line(&["PTRS"], TIMEOUT);
@@ -202,4 +208,31 @@ fn a_swapped_out_process_that_exits_frees_its_host_copy() {
     assert_eq!(s.gpus[0].swapped, 0, "no host RAM is counted for a process that is gone");
     b.close_stdin();
     b.finish();
+}
+
+#[test]
+fn without_the_arbiter_a_swapped_process_comes_back_when_the_device_has_room() {
+    let gpu = gpu();
+    let mut arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("g.sock"), &["--swap-quantum", "0s"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, _) = holder_waiting(&gpu, &arbiter, &ga, "2s");
+    let mut b = requester(&gpu, &arbiter, &gb, "30s");
+    assert_eq!(b.ready()[0], 2560 * MIB);
+    wait_for(&arbiter, "A swapped out", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    // The arbiter dies for good; B leaves, so the device has room again.
+    arbiter.kill();
+    b.close_stdin();
+    b.finish();
+    // A's copy waits for the arbiter GPUFRAC_WAIT_TIMEOUT (2 s), then A comes back alone.
+    let started = Instant::now();
+    a.write_stdin("copy\n");
+    a.expect_line(&["COPIED"], TIMEOUT);
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "waited for the arbiter first: {:?}",
+        started.elapsed()
+    );
+    check_intact(&mut a);
+    a.close_stdin();
+    a.finish();
 }
