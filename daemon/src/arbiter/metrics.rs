@@ -151,16 +151,21 @@ impl Metrics {
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                     .set(v as i64);
             }
-            let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64)> = Default::default();
+            let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64, u64)> = Default::default();
             for p in &g.processes {
-                let e = groups.entry(&p.group).or_insert((p.request, p.limit, 0, 0));
+                let e = groups.entry(&p.group).or_insert((p.request, p.limit, 0, 0, 0));
                 e.2 += p.held;
                 e.3 += p.granted;
+                e.4 += p.host_bytes;
             }
-            for (group, (request, limit, held, granted)) in groups {
-                for (kind, v) in
-                    [("request", request), ("limit", limit), ("held", held), ("granted", granted)]
-                {
+            for (group, (request, limit, held, granted, host)) in groups {
+                for (kind, v) in [
+                    ("request", request),
+                    ("limit", limit),
+                    ("held", held),
+                    ("granted", granted),
+                    ("swapped_to_host", host),
+                ] {
                     let labels =
                         GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(v as i64);
