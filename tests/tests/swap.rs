@@ -236,3 +236,17 @@ fn without_the_arbiter_a_swapped_process_comes_back_when_the_device_has_room() {
     a.close_stdin();
     a.finish();
 }
+
+#[test]
+fn bad_swap_flags_are_refused_naming_the_flag() {
+    for (flag, value) in [("--swap-limit", "lots"), ("--swap-quantum", "5parsecs"), ("--swap-limit", "150%")]
+    {
+        let out = std::process::Command::new(artifact("gpufrac-arbiter"))
+            .args(["--socket", "/nonexistent/arbiter.sock", flag, value])
+            .output()
+            .expect("gpufrac-arbiter");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} accepted");
+        assert!(stderr.contains(&format!("invalid {flag}=\"{value}\"")), "{stderr}");
+    }
+}

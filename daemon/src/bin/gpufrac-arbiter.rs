@@ -76,13 +76,7 @@ fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener> {
 }
 
 fn run(args: Args) -> Result<()> {
-    let gpus = gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
-    if gpus.is_empty() {
-        bail!("NVML reports no GPU on this node");
-    }
-    for (id, total) in &gpus {
-        tracing::info!(gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id), total, "managing GPU");
-    }
+    // Flags first: a bad one is reported whatever the node has.
     let options = server::Options {
         idle_timeout: gpufrac_common::parse_duration("--idle-timeout", &args.idle_timeout)?,
         kill_grace: gpufrac_common::parse_duration("--kill-grace", &args.kill_grace)?,
@@ -92,6 +86,13 @@ fn run(args: Args) -> Result<()> {
             limit => gpufrac_common::parse_size("--swap-limit", limit)?.resolve(host_memory()),
         },
     };
+    let gpus = gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
+    if gpus.is_empty() {
+        bail!("NVML reports no GPU on this node");
+    }
+    for (id, total) in &gpus {
+        tracing::info!(gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id), total, "managing GPU");
+    }
     tracing::info!(swap_limit = options.swap_limit, quantum = ?options.swap_quantum, "swap resolver");
     let listener = bind(&args.socket)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
