@@ -248,14 +248,14 @@ impl Client {
     /// Sends `request` if connected (no answer). What is lost while the arbiter is away
     /// is rebuilt by the re-registration.
     pub(crate) fn send(&self, request: &Request) -> bool {
-        self.connected.load(Ordering::Acquire) && self.write(&request.encode())
+        self.is_connected() && self.write(&request.encode())
     }
 
     /// Sends `request`, waiting for the arbiter to be back if it is away. For messages
     /// that state where things are (not changes), which may harmlessly arrive again.
     pub(crate) fn send_until_delivered(&self, request: &Request) {
         let frame = request.encode();
-        while !(self.connected.load(Ordering::Acquire) && self.write(&frame)) {
+        while !(self.is_connected() && self.write(&frame)) {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
