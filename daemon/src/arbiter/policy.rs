@@ -107,6 +107,9 @@ struct Member {
     swapped_for: Duration,
 }
 
+/// How long a holder asked to swap out may take to answer before others are chosen.
+const SWAP_OUT_ANSWER: Duration = Duration::from_secs(60);
+
 /// How far away a swap-in's deadline is: it waits until memory comes back.
 const NO_DEADLINE: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
@@ -598,8 +601,23 @@ impl Policy {
     /// resident go first. A GPU with a swap-out under way gets no new one; a burst no set
     /// of candidates can serve is left to wait.
     pub fn swap_victims(&mut self, now: Instant, quantum: Duration, swap_limit: u64) -> Vec<SwapVictim> {
-        let mut host = self.host_committed();
         let mut chosen = Vec::new();
+        for gpu in self.gpus.values_mut() {
+            for (name, m) in
+                gpu.groups.iter_mut().flat_map(|(n, g)| g.members.values_mut().map(move |m| (n, m)))
+            {
+                let since = m.swapped_since.unwrap_or(now);
+                if m.residency == Residency::SwappingOut
+                    && now.saturating_duration_since(since) > SWAP_OUT_ANSWER
+                {
+                    // Stuck (a kernel that does not end?): others may be chosen meanwhile;
+                    // its answer, if it comes, still says where its memory is.
+                    tracing::warn!(group = %name, "no answer to a swap-out after {SWAP_OUT_ANSWER:?}");
+                    (m.residency, m.swapped_since, m.resident_since) = (Residency::Resident, None, Some(now));
+                }
+            }
+        }
+        let mut host = self.host_committed();
         for (&device, gpu) in self.gpus.iter_mut() {
             let members = || gpu.groups.values().flat_map(|g| g.members.values());
             if members().any(|m| m.residency == Residency::SwappingOut) {
@@ -1009,6 +1027,26 @@ mod tests {
             (2, Ok(GIB)),
             "b's small swap-in fits and goes first"
         );
+    }
+
+    #[test]
+    fn a_swap_out_left_unanswered_does_not_block_the_gpu_for_ever() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 600_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 0, 0, 0).unwrap();
+        }
+        let long_ago = now - Duration::from_secs(60);
+        assert_eq!(p.acquire(1, GPU, 1, 10 * GIB, 10 * GIB, 0, false, long_ago), Outcome::Granted(10 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        let quantum = Duration::from_secs(10);
+        assert_eq!(p.swap_victims(now, quantum, u64::MAX).len(), 1);
+        assert!(p.swap_victims(now + Duration::from_secs(30), quantum, u64::MAX).is_empty());
+        // No answer for over a minute: resident again, its quantum anew, then asked again.
+        assert!(p.swap_victims(now + Duration::from_secs(61), quantum, u64::MAX).is_empty());
+        assert_eq!(state(&p, 1), "running");
+        assert_eq!(p.swap_victims(now + Duration::from_secs(72), quantum, u64::MAX).len(), 1);
     }
 
     fn state(p: &Policy, conn: ConnId) -> String {
