@@ -78,12 +78,12 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     let arbiter = Arbiter::start_at(
         &gpu,
         gpu.lib_dir().join("s.sock"),
-        &["--swap-quantum", "1s", "--metrics", &metrics],
+        &["--swap-quantum", "3s", "--metrics", &metrics],
     );
     let (ga, gb) = (unique("holder"), unique("burst"));
     let (mut a, ptrs) = holder(&gpu, &arbiter, &ga);
     // A has held its burst for a quantum; it sleeps (reads stdin) from here on.
-    std::thread::sleep(Duration::from_millis(1100));
+    std::thread::sleep(Duration::from_millis(3100));
     let started = Instant::now();
     let mut b = requester(&gpu, &arbiter, &gb, "30s");
     let rb = b.ready();
@@ -109,13 +109,13 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     // A copy while swapped out waits at the gate and asks to come back; B keeps the
     // memory for its quantum, unless it exits first and memory frees.
     a.write_stdin("copy\n");
-    assert!(a.silent_for(Duration::from_millis(500)), "a swapped-out process must not copy");
+    assert!(a.silent_for(Duration::from_millis(300)), "a swapped-out process must not copy");
     b.close_stdin();
     b.finish();
     a.expect_line(&["COPIED"], TIMEOUT);
     let s = wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
     let pa = process(&s, &ga).unwrap();
-    assert!(pa.swapped_ms >= 500, "time swapped out is shown: {pa:?}");
+    assert!(pa.swapped_ms >= 300, "time swapped out is shown: {pa:?}");
     assert_eq!(pa.host_bytes, 0);
     check_intact(&mut a);
     a.write_stdin("free\n");
@@ -126,11 +126,15 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     let log = arbiter.log_text();
     assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
     let body = scrape(&metrics);
+    // At least A's swap out and in (B may have taken a turn too if it outlived its quantum).
     for direction in ["out", "in"] {
-        let swaps = format!("gpufrac_swaps_total{{gpu=\"{}\",direction=\"{direction}\"}} 1", s.gpus[0].uuid);
-        assert!(body.contains(&swaps), "{swaps} missing:\n{body}");
-        let bytes = format!("direction=\"{direction}\"}} {}", BURST * BURSTS);
-        assert!(body.contains("gpufrac_swap_bytes_total") && body.contains(&bytes), "{bytes}:\n{body}");
+        let labels = format!("{{gpu=\"{}\",direction=\"{direction}\"}} ", s.gpus[0].uuid);
+        let value = |name: &str| -> u64 {
+            let key = format!("{name}{labels}");
+            body.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+        };
+        assert!(value("gpufrac_swaps_total") >= 1, "{direction}:\n{body}");
+        assert!(value("gpufrac_swap_bytes_total") >= BURST * BURSTS, "{direction}:\n{body}");
     }
     assert!(body.contains("gpufrac_swap_seconds_bucket{"), "{body}");
 }
