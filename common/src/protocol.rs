@@ -97,13 +97,16 @@ pub enum Request {
         /// The count.
         count: u64,
     },
-    /// The answer to `SwapOut`: burst memory went to host RAM. Every field but `bytes`
-    /// and `micros` is the process's state now (not a change), so a message repeated
-    /// after a reconnect does no harm.
-    SwappedOut {
+    /// Where the process's burst memory is after a swap: out (the answer to `SwapOut`)
+    /// or in (after a granted `resume`, or swapped-out memory freed). Every field but
+    /// `bytes` and `micros` is its state now (not a change), so a message repeated after
+    /// a reconnect does no harm.
+    Swapped {
         /// The device.
         device: DeviceId,
-        /// Bytes moved to host RAM by this swap.
+        /// Which way this swap went.
+        direction: SwapDirection,
+        /// Bytes this swap moved.
         bytes: u64,
         /// Burst bytes it is granted now.
         granted: u64,
@@ -114,22 +117,25 @@ pub enum Request {
         /// How long the swap took, in microseconds.
         micros: u64,
     },
-    /// Swapped-out memory came back to the device (after a granted `resume`) or was
-    /// freed while in host RAM; fields as in `SwappedOut`.
-    SwappedIn {
-        /// The device.
-        device: DeviceId,
-        /// Bytes moved back to the device by this swap.
-        bytes: u64,
-        /// Burst bytes it is granted now.
-        granted: u64,
-        /// Bytes it still keeps in host RAM.
-        host_bytes: u64,
-        /// Bytes it holds on the device now.
-        held: u64,
-        /// How long the swap took, in microseconds.
-        micros: u64,
-    },
+}
+
+/// Which way a swap moved memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapDirection {
+    /// From the device to host RAM.
+    Out,
+    /// From host RAM back to the device.
+    In,
+}
+
+impl SwapDirection {
+    /// `out` or `in`, for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SwapDirection::Out => "out",
+            SwapDirection::In => "in",
+        }
+    }
 }
 
 /// Why an `Acquire` was denied.
@@ -192,7 +198,7 @@ pub enum Reply {
         device: DeviceId,
     },
     /// Pushed: a swap-resolver burst needs this process's burst memory on the device:
-    /// move it to host RAM and answer `SwappedOut`.
+    /// move it to host RAM and answer `Swapped` (out).
     SwapOut {
         /// The device.
         device: DeviceId,
@@ -380,20 +386,19 @@ impl Request {
             Request::Release { device, bytes, held } => Writer::new(4).device(device).u64(*bytes).u64(*held),
             Request::Status => Writer::new(5),
             Request::Activity { count } => Writer::new(6).u64(*count),
-            Request::SwappedOut { device, bytes, granted, host_bytes, held, micros } => Writer::new(7)
-                .device(device)
-                .u64(*bytes)
-                .u64(*granted)
-                .u64(*host_bytes)
-                .u64(*held)
-                .u64(*micros),
-            Request::SwappedIn { device, bytes, granted, host_bytes, held, micros } => Writer::new(8)
-                .device(device)
-                .u64(*bytes)
-                .u64(*granted)
-                .u64(*host_bytes)
-                .u64(*held)
-                .u64(*micros),
+            Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros } => {
+                Writer::new(7)
+                    .device(device)
+                    .u8(match direction {
+                        SwapDirection::Out => 0,
+                        SwapDirection::In => 1,
+                    })
+                    .u64(*bytes)
+                    .u64(*granted)
+                    .u64(*host_bytes)
+                    .u64(*held)
+                    .u64(*micros)
+            }
         }
         .finish()
     }
@@ -435,16 +440,13 @@ impl Request {
             4 => Request::Release { device: r.device()?, bytes: r.u64()?, held: r.u64()? },
             5 => Request::Status,
             6 => Request::Activity { count: r.u64()? },
-            7 => Request::SwappedOut {
+            7 => Request::Swapped {
                 device: r.device()?,
-                bytes: r.u64()?,
-                granted: r.u64()?,
-                host_bytes: r.u64()?,
-                held: r.u64()?,
-                micros: r.u64()?,
-            },
-            8 => Request::SwappedIn {
-                device: r.device()?,
+                direction: match r.u8()? {
+                    0 => SwapDirection::Out,
+                    1 => SwapDirection::In,
+                    _ => return Err(ProtocolError::BadValue("direction")),
+                },
                 bytes: r.u64()?,
                 granted: r.u64()?,
                 host_bytes: r.u64()?,
@@ -570,22 +572,17 @@ mod tests {
         round_trip_request(Request::Release { device: [1; 16], bytes: 4096, held: 0 });
         round_trip_request(Request::Status);
         round_trip_request(Request::Activity { count: 42 });
-        round_trip_request(Request::SwappedOut {
-            device: [1; 16],
-            bytes: 1 << 30,
-            granted: 5,
-            host_bytes: 1 << 30,
-            held: 3,
-            micros: 12,
-        });
-        round_trip_request(Request::SwappedIn {
-            device: [1; 16],
-            bytes: 1 << 30,
-            granted: 1 << 30,
-            host_bytes: 0,
-            held: 9,
-            micros: 40,
-        });
+        for direction in [SwapDirection::Out, SwapDirection::In] {
+            round_trip_request(Request::Swapped {
+                device: [1; 16],
+                direction,
+                bytes: 1 << 30,
+                granted: 5,
+                host_bytes: 1 << 30,
+                held: 3,
+                micros: 12,
+            });
+        }
         for reply in [
             Reply::Welcome { version: 1 },
             Reply::Registered { device: [2; 16] },

@@ -18,7 +18,7 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{DeviceId, Request};
+use gpufrac_common::protocol::{DeviceId, Request, SwapDirection};
 
 use crate::arbiter::Client;
 use crate::driver::call;
@@ -168,7 +168,7 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
                     ms = out.took.as_millis() as u64,
                     "swapped burst memory out to host RAM"
                 );
-                client.send_until_delivered(&report(e, &slice, true, out.bytes, out.took));
+                client.send_until_delivered(&report(e, &slice, SwapDirection::Out, out.bytes, out.took));
             }
             Command::ComeBack => {
                 // Several calls may have asked: one swap-in serves them all.
@@ -215,7 +215,7 @@ fn come_back(e: &'static Enforcer, client: &Client) {
         e.ledger.add_granted(device, granted);
         let (moved, took) = swap_in(e, &slice);
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
-        client.send_until_delivered(&report(e, &slice, false, moved, took));
+        client.send_until_delivered(&report(e, &slice, SwapDirection::In, moved, took));
     }
 }
 
@@ -231,16 +231,12 @@ fn device_has_room(slice: &Slice, bytes: u64) -> bool {
 }
 
 /// Where this process's burst memory on `slice`'s device is now, after moving `bytes`.
-fn report(e: &Enforcer, slice: &Slice, out: bool, bytes: u64, took: Duration) -> Request {
+fn report(e: &Enforcer, slice: &Slice, direction: SwapDirection, bytes: u64, took: Duration) -> Request {
     let _consistent = book();
     let (device, micros) = (slice.uuid, took.as_micros() as u64);
     let host_bytes = _consistent.swapped.get(&slice.ledger).copied().unwrap_or(0);
     let (granted, held) = (e.ledger.my_granted(slice.ledger), e.ledger.held_by_me(slice.ledger));
-    if out {
-        Request::SwappedOut { device, bytes, granted, host_bytes, held, micros }
-    } else {
-        Request::SwappedIn { device, bytes, granted, host_bytes, held, micros }
-    }
+    Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros }
 }
 
 /// The allocation granularity of device `ordinal`.
@@ -372,7 +368,7 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
         // Freed while in host RAM: the arbiter counts less host RAM. Not waited for: a
         // message lost now is corrected by the next one or the next registration.
         if let (Some(client), Some(slice)) = (e.arbiter.get(), e.slice_by_ledger(b.device)) {
-            client.send(&report(e, &slice, false, 0, Duration::ZERO));
+            client.send(&report(e, &slice, SwapDirection::In, 0, Duration::ZERO));
         }
         if !still_swapped {
             crate::gate::open();

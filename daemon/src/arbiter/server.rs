@@ -432,9 +432,8 @@ fn on_frame(
                 shared.deliver(answers);
             }
         }
-        Request::SwappedOut { device, bytes, granted, host_bytes, held, micros }
-        | Request::SwappedIn { device, bytes, granted, host_bytes, held, micros } => {
-            let direction = if matches!(request, Request::SwappedOut { .. }) { "out" } else { "in" };
+        Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros } => {
+            let direction = direction.as_str();
             let gpu = shared.label(&device);
             let took = Duration::from_micros(micros);
             tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, us = micros, "swapped {direction}");
