@@ -36,6 +36,7 @@ real_fns! {
     Cuda cuCtxPopCurrent_v2(*mut *mut c_void);
     Cuda cuCtxSynchronize();
     Cuda cuStreamSynchronize(*mut c_void);
+    Cuda cuStreamIsCapturing(*mut c_void, *mut c_int);
     Cuda cuMemAllocHost_v2(*mut *mut c_void, usize);
     Cuda cuMemFreeHost(*mut c_void);
     Cuda cuMemGetAllocationGranularity(*mut usize, *const c_void, c_uint);

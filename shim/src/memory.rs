@@ -47,7 +47,19 @@ fn settle(
 }
 
 /// The common shape of the linear allocation hooks.
-fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, mut real: impl FnMut() -> Status) -> Status {
+fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnMut() -> Status) -> Status {
+    stream_ordered(bytes, path, None, out, real)
+}
+
+/// `linear`, for an allocation ordered on `stream` when there is one: one made while the
+/// stream is being captured into a graph belongs to the graph and is never VMM-backed.
+fn stream_ordered(
+    bytes: u64,
+    path: Path,
+    stream: Option<Ptr>,
+    out: *mut CUdeviceptr,
+    mut real: impl FnMut() -> Status,
+) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     let Some(Current { id, ordinal }) = e.current() else { return real() };
     let charge = match e.charge(ordinal, bytes) {
@@ -57,6 +69,7 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, mut real: impl FnMut() 
     if matches!(path, Path::Linear | Path::Pooled)
         && !out.is_null()
         && crate::swap::backs(e, ordinal, &charge)
+        && !stream.is_some_and(crate::swap::capturing)
     {
         return crate::swap::allocate(e, ordinal, e.contexts.handle(id), charge, out);
     }
@@ -139,16 +152,16 @@ pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
     free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
 }
 
-fn pooled(size: usize, dptr: *mut CUdeviceptr, real: impl FnMut() -> Status) -> Status {
-    linear(size as u64, Path::Pooled, dptr, real)
+fn pooled(size: usize, dptr: *mut CUdeviceptr, stream: Ptr, real: impl FnMut() -> Status) -> Status {
+    stream_ordered(size as u64, Path::Pooled, Some(stream), dptr, real)
 }
 
 pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
-    pooled(size, dptr, || call_real!(cuMemAllocAsync(dptr, size, stream)))
+    pooled(size, dptr, stream, || call_real!(cuMemAllocAsync(dptr, size, stream)))
 }
 
 pub(crate) fn mem_alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
-    pooled(size, dptr, || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)))
+    pooled(size, dptr, stream, || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)))
 }
 
 pub(crate) fn mem_alloc_from_pool_async(
@@ -157,7 +170,7 @@ pub(crate) fn mem_alloc_from_pool_async(
     pool: Ptr,
     stream: Ptr,
 ) -> Status {
-    pooled(size, dptr, || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)))
+    pooled(size, dptr, stream, || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)))
 }
 
 pub(crate) fn mem_alloc_from_pool_async_ptsz(
@@ -166,7 +179,7 @@ pub(crate) fn mem_alloc_from_pool_async_ptsz(
     pool: Ptr,
     stream: Ptr,
 ) -> Status {
-    pooled(size, dptr, || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)))
+    pooled(size, dptr, stream, || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)))
 }
 
 /// An async free gives the charge back at the call: from then on the memory belongs to

@@ -292,6 +292,8 @@ impl Policy {
         if (group.request, group.limit) != (request, limit) {
             tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
         }
+        // What a re-registering process says it was lent cannot pass its group's limit.
+        let (granted, host_bytes) = (granted.min(group.limit - group.request), host_bytes.min(group.limit));
         group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
         Ok(())
     }
@@ -692,7 +694,10 @@ impl Policy {
         now: Instant,
     ) -> Vec<Answer> {
         let Some((gpu, group)) = self.member_mut(conn, &device) else { return Vec::new() };
-        if let Some(m) = gpu.groups.get_mut(&group).and_then(|g| g.members.get_mut(&conn)) {
+        let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
+        // A report cannot put more in the ledger than the group may hold.
+        let (granted, host_bytes) = (granted.min(g.limit - g.request), host_bytes.min(g.limit));
+        if let Some(m) = g.members.get_mut(&conn) {
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
             m.resume_sent = false;
             if host_bytes > 0 {
@@ -1047,6 +1052,18 @@ mod tests {
         assert!(p.swap_victims(now + Duration::from_secs(61), quantum, u64::MAX).is_empty());
         assert_eq!(state(&p, 1), "running");
         assert_eq!(p.swap_victims(now + Duration::from_secs(72), quantum, u64::MAX).len(), 1);
+    }
+
+    #[test]
+    fn reports_cannot_put_more_in_the_ledger_than_the_group_may_hold() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { resolver: Resolver::Swap, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 6 * GIB, 0, u64::MAX, u64::MAX).unwrap();
+        p.swapped(1, GPU, u64::MAX, u64::MAX, 0, now);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.burst, s.swapped), (4 * GIB, 6 * GIB));
+        assert_eq!(p.host_committed(), 6 * GIB);
     }
 
     fn state(p: &Policy, conn: ConnId) -> String {
