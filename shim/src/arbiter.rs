@@ -170,15 +170,16 @@ impl Client {
                 Ok(w) => *lock(&self.writer) = Some(w),
                 Err(_) => continue,
             }
-            self.connected.store(true, Ordering::Release);
-            // Bursts asked while the arbiter was away are asked again.
-            let again: Vec<Vec<u8>> = {
+            {
+                // Bursts asked while the arbiter was away are asked again. Under the lock
+                // `acquire` sends under, so each is sent exactly once on this connection:
+                // a burst asked twice would be granted twice.
                 let mut waiting = lock(&self.waiting);
+                self.connected.store(true, Ordering::Release);
                 waiting.retain(|_, w| !w.abandoned);
-                waiting.values().filter(|w| w.reply.is_none()).map(|w| w.frame.clone()).collect()
-            };
-            for frame in again {
-                self.write(&frame);
+                for w in waiting.values().filter(|w| w.reply.is_none()) {
+                    self.write(&w.frame);
+                }
             }
             loop {
                 let body = match read_frame(&mut reader, MAX_FRAME) {
@@ -211,7 +212,7 @@ impl Client {
                                 drop(waiting);
                                 self.answered.notify_all();
                             }
-                            None => {}
+                            None => tracing::warn!(seq, granted, "an answer to a burst nobody asked for"),
                         }
                     }
                     Ok(command @ Reply::Reclaim { device }) => {
@@ -293,10 +294,14 @@ impl Client {
     ) -> Option<u64> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let frame = Request::Acquire { seq, device, bytes, preferred, held, resume }.encode();
-        lock(&self.waiting)
-            .insert(seq, Waiting { frame: frame.clone(), device, reply: None, abandoned: false });
-        if self.connected.load(Ordering::Acquire) {
-            self.write(&frame);
+        {
+            // Sent here only if connected; otherwise the reader thread sends it when it
+            // connects. The lock makes it one or the other, never both.
+            let mut waiting = lock(&self.waiting);
+            if self.connected.load(Ordering::Acquire) {
+                self.write(&frame);
+            }
+            waiting.insert(seq, Waiting { frame, device, reply: None, abandoned: false });
         }
         // The arbiter answers at its own deadline; allow a little more for the reply.
         let deadline = Instant::now() + timeout + Duration::from_millis(500);

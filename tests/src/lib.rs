@@ -564,6 +564,14 @@ impl Drop for ChildProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+        // A failing test: every child's side of the story, not only the one it failed on.
+        if std::thread::panicking() {
+            let stderr = self.stderr_text();
+            let from =
+                (stderr.len().saturating_sub(4000)..stderr.len()).find(|&i| stderr.is_char_boundary(i));
+            let tail = &stderr[from.unwrap_or(stderr.len())..];
+            eprintln!("--- stderr of pid {} ---\n{tail}", self.child.id());
+        }
     }
 }
 
@@ -753,5 +761,9 @@ pub fn wait_for(
 impl Drop for Arbiter {
     fn drop(&mut self) {
         self.kill();
+        // A failing test: what the arbiter saw is the first thing to read.
+        if std::thread::panicking() {
+            eprintln!("--- log of the arbiter on {} ---\n{}", self.socket.display(), self.log_text());
+        }
     }
 }

@@ -42,7 +42,7 @@ fn server_with(
         .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
         .env("GPUFRAC_GROUP", group)
         .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .env("GPUFRAC_LOG", "warn")
+        .env("GPUFRAC_LOG", "debug")
         .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
     ChildProcess::spawn(&mut cmd)
 }
@@ -55,7 +55,7 @@ fn state_of<'a>(s: &'a Status, group: &str) -> Option<&'a str> {
 fn collision(gpu: &SimGpu, arbiter: &Arbiter, wait: &str) -> (ChildProcess, ChildProcess) {
     let mut a = server(gpu, arbiter, &unique("a"), 2560 * MIB, "30s");
     let ra = a.ready();
-    assert_eq!(ra[0], 2560 * MIB, "A gets its burst");
+    assert_eq!(ra[0], 2560 * MIB, "A gets its burst\n{}\n{}", a.diagnostics(), arbiter.log_text());
     let b = server(gpu, arbiter, &unique("b"), 2 * GIB, wait);
     (a, b)
 }

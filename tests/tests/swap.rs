@@ -25,7 +25,7 @@ fn shim_env(cmd: &mut std::process::Command, arbiter: &Arbiter, group: &str, wai
         .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
         .env("GPUFRAC_GROUP", group)
         .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .env("GPUFRAC_LOG", "warn");
+        .env("GPUFRAC_LOG", "info");
 }
 
 /// A: its request held by a plain allocation, then 1 GiB of bursts (VMM-backed).
