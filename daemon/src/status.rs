@@ -25,6 +25,10 @@ pub struct GpuStatus {
     pub burst: u64,
     /// What is left to grant.
     pub free: u64,
+    /// Memory used by processes NVML lists that are not registered with the arbiter
+    /// (programs without the shim; after a restart, shims not yet back): never lent.
+    #[serde(default)]
+    pub outside: u64,
     /// Processes waiting for a grant.
     pub waiting: usize,
     /// Bytes of its processes' burst memory swapped out to host RAM.
@@ -132,6 +136,9 @@ impl Status {
                 g.waiting,
                 gib(g.swapped)
             );
+            if g.outside > 0 {
+                let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
+            }
             let _ = writeln!(
                 out,
                 "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",

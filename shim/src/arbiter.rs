@@ -344,3 +344,24 @@ impl Client {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn writing_to_a_dead_arbiter_is_an_error_not_a_sigpipe() {
+        // Host programs often keep SIGPIPE's default action (end the process); the test
+        // runner ignores it, so restore the default around the write. std sends on Unix
+        // sockets with MSG_NOSIGNAL: the write fails with EPIPE and the process lives.
+        // SAFETY: changing a signal disposition has no preconditions.
+        let previous = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(theirs);
+        let result = (&ours).write_all(b"hello");
+        // SAFETY: as above, restoring what was there.
+        unsafe { libc::signal(libc::SIGPIPE, previous) };
+        assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EPIPE));
+    }
+}

@@ -153,6 +153,72 @@ fn an_arbiter_restarted_under_load_loses_no_accounting() {
 }
 
 #[test]
+fn a_restarted_arbiter_lends_nothing_a_holder_not_yet_back_still_holds() {
+    let gpu = gpu();
+    let mut arbiter = Arbiter::start(&gpu);
+    let mut a = server(&gpu, &arbiter, &unique("a"), 2560 * MIB, "30s");
+    a.ready();
+    // A is frozen (it cannot reconnect) while the arbiter restarts without it.
+    signal(&a, libc::SIGSTOP);
+    arbiter.kill();
+    let arbiter = Arbiter::start_at(&gpu, arbiter.socket().to_path_buf(), &[]);
+    let mut b = server(&gpu, &arbiter, &unique("b"), 2 * GIB, "30s");
+    // B's burst waits: A's 2.5 GiB is seen through NVML, not lent to B.
+    let s = wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
+    assert!(s.gpus[0].outside >= 2560 * MIB, "A's memory counts as outside ({})", mib(s.gpus[0].outside));
+    signal(&a, libc::SIGCONT);
+    let s = wait_for(&arbiter, "A back", |s| state_of(s, "a") == Some("running"));
+    assert_eq!(s.gpus[0].outside, 0, "A's memory is in the ledger again");
+    assert_eq!(state_of(&s, "b"), Some("waiting"), "B still waits for what A holds");
+    a.close_stdin();
+    a.finish();
+    assert_eq!(b.ready()[0], 2 * GIB, "B is served once A lets go");
+    b.close_stdin();
+    b.finish();
+}
+
+#[test]
+fn memory_held_by_a_program_without_the_shim_is_not_lent() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    // A program the shim is not preloaded into holds 2 GiB.
+    let mut outsider =
+        ChildProcess::spawn(gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false)).args([
+            "alloc",
+            &CHUNK.to_string(),
+            &(2 * GIB).to_string(),
+        ]));
+    assert_eq!(outsider.ready()[0], 2 * GIB);
+    let s = wait_for(&arbiter, "the outsider seen", |s| s.gpus[0].outside >= 2 * GIB);
+    assert_eq!(s.gpus[0].free, 4 * GIB - s.gpus[0].outside, "nothing of it is offered");
+    let table = Command::new(artifact("gpufrac"))
+        .arg("status")
+        .arg("--socket")
+        .arg(arbiter.socket())
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("used by processes outside gpufrac"), "{table}");
+    // A's burst to 2 GiB does not fit beside it: A waits instead of being lent memory
+    // the device does not have.
+    let mut a = server(&gpu, &arbiter, &unique("a"), 2 * GIB, "30s");
+    wait_for(&arbiter, "A waiting", |s| state_of(s, "a") == Some("waiting"));
+    // (Ended rather than told to finish: its own check that the device got everything
+    // back would see A's memory.)
+    outsider.kill();
+    outsider.wait(TIMEOUT);
+    assert_eq!(a.ready()[0], 2 * GIB, "A is served once the outsider is gone");
+    assert!(arbiter.log_text().contains("grant after wait"), "{}", arbiter.log_text());
+    a.close_stdin();
+    a.finish();
+}
+
+fn signal(child: &ChildProcess, signal: i32) {
+    // SAFETY: signalling our own child, which has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.pid() as i32, signal) }, 0);
+}
+
+#[test]
 fn garbage_on_the_socket_leaves_the_arbiter_serving() {
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);

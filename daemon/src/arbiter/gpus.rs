@@ -18,3 +18,46 @@ pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {
         })
         .collect()
 }
+
+/// The processes using memory on each GPU, `(pid, bytes)`: how the arbiter learns of
+/// memory used outside gpufrac (behind a trait so the policy is testable without NVML).
+pub trait ProcessList: Send + Sync {
+    /// Every managed GPU with what NVML lists on it; a GPU NVML cannot answer for is left
+    /// out (what was last known of it stays).
+    fn processes(&self) -> Vec<(DeviceId, Vec<(u32, u64)>)>;
+}
+
+/// [`ProcessList`] from NVML's compute processes. PIDs are the driver's (the host's), as
+/// the arbiter's are with `hostPID: true`; memory NVML cannot report counts as none.
+pub struct NvmlProcesses {
+    nvml: nvml_wrapper::Nvml,
+}
+
+impl NvmlProcesses {
+    /// Opens NVML.
+    pub fn open() -> Result<NvmlProcesses, String> {
+        let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("cannot initialise NVML: {e}"))?;
+        Ok(NvmlProcesses { nvml })
+    }
+}
+
+impl ProcessList for NvmlProcesses {
+    fn processes(&self) -> Vec<(DeviceId, Vec<(u32, u64)>)> {
+        let Ok(count) = self.nvml.device_count() else { return Vec::new() };
+        (0..count)
+            .filter_map(|i| {
+                let dev = self.nvml.device_by_index(i).ok()?;
+                let id = parse_uuid(&dev.uuid().ok()?)?;
+                let listed = dev.running_compute_processes().ok()?;
+                let used = listed
+                    .into_iter()
+                    .map(|p| match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => (p.pid, bytes),
+                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => (p.pid, 0),
+                    })
+                    .collect();
+                Some((id, used))
+            })
+            .collect()
+    }
+}

@@ -88,7 +88,7 @@ impl Metrics {
         });
         registry.register(
             "gpu_memory_bytes",
-            "GPU memory: total, guaranteed, burst, free; swapped_to_host is in host RAM",
+            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered); swapped_to_host is in host RAM",
             gpu_memory.clone(),
         );
         registry.register(
@@ -145,6 +145,7 @@ impl Metrics {
                 ("guaranteed", g.guaranteed),
                 ("burst", g.burst),
                 ("free", g.free),
+                ("outside", g.outside),
                 ("swapped_to_host", g.swapped),
             ] {
                 self.gpu_memory

@@ -168,6 +168,10 @@ struct Gpu {
     queue: VecDeque<Waiter>,
     /// When a burst was last granted or queued here.
     last_busy: Instant,
+    /// Processes NVML lists on this GPU that are not registered here, with the memory
+    /// they use: programs without the shim, or, after an arbiter restart, shims not yet
+    /// back. Their memory is never lent.
+    outside: Vec<(u32, u64)>,
 }
 
 impl Gpu {
@@ -177,8 +181,11 @@ impl Gpu {
     fn burst(&self) -> u64 {
         self.groups.values().map(Group::granted).sum()
     }
+    fn outside(&self) -> u64 {
+        self.outside.iter().map(|&(_, bytes)| bytes).sum()
+    }
     fn free(&self) -> u64 {
-        self.total.saturating_sub(self.guaranteed() + self.burst())
+        self.total.saturating_sub(self.guaranteed() + self.burst() + self.outside())
     }
 }
 
@@ -233,6 +240,7 @@ impl Policy {
                         groups: BTreeMap::new(),
                         queue: VecDeque::new(),
                         last_busy: Instant::now(),
+                        outside: Vec::new(),
                     };
                     (id, gpu)
                 })
@@ -295,7 +303,29 @@ impl Policy {
         // What a re-registering process says it was lent cannot pass its group's limit.
         let (granted, host_bytes) = (granted.min(group.limit - group.request), host_bytes.min(group.limit));
         group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
+        // Its memory is in the ledger now, no longer outside it.
+        gpu.outside.retain(|&(pid, _)| pid != peer.pid);
         Ok(())
+    }
+
+    /// What NVML lists on `device` now, `(pid, bytes used)`: the memory of processes not
+    /// registered here is kept out of what is lent. Returns the bursts that now fit.
+    pub fn observe_processes(
+        &mut self,
+        device: DeviceId,
+        listed: &[(u32, u64)],
+        now: Instant,
+    ) -> Vec<Answer> {
+        let Some(gpu) = self.gpus.get_mut(&device) else { return Vec::new() };
+        let registered: std::collections::HashSet<u32> = gpu
+            .groups
+            .values()
+            .flat_map(|g| g.members.keys())
+            .filter_map(|conn| self.peers.get(conn).map(|p| p.pid))
+            .collect();
+        gpu.outside =
+            listed.iter().copied().filter(|&(pid, bytes)| bytes > 0 && !registered.contains(&pid)).collect();
+        Self::drain(device, gpu, now)
     }
 
     /// Asks for at least `bytes` (`preferred` if there is room) of burst memory on `device`.
@@ -464,7 +494,12 @@ impl Policy {
 
     /// If every holder of burst memory on `gpu` is waiting for more, the waiting holder
     /// with the largest grant (never a swap-in: refusing it would not free anything).
+    /// Memory used outside gpufrac may still come back (a shim re-registering after a
+    /// restart, a program exiting): no deadlock is declared while there is some.
     fn deadlocked(gpu: &Gpu) -> Option<ConnId> {
+        if gpu.outside() > 0 {
+            return None;
+        }
         let mut holders = gpu
             .groups
             .values()
@@ -782,6 +817,7 @@ impl Policy {
                     guaranteed: gpu.guaranteed(),
                     burst: gpu.burst(),
                     free: gpu.free(),
+                    outside: gpu.outside(),
                     waiting: gpu.queue.len(),
                     swapped: gpu.groups.values().flat_map(|g| g.members.values()).map(|m| m.host_bytes).sum(),
                     processes,
@@ -842,6 +878,34 @@ mod tests {
         let conns: Vec<_> = v.iter().map(|v| v.conn).collect();
         assert!(!conns.contains(&2), "a higher-priority holder is never ended: {v:?}");
         assert!(v.is_empty(), "idle 1 + small 1 = 2 GiB cannot make 3 GiB fit: wait instead, got {v:?}");
+    }
+
+    #[test]
+    fn memory_used_outside_gpufrac_is_never_lent() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { pid: 100, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        p.acquire(1, GPU, 1, GIB, GIB, 0, false, now);
+        // NVML lists a: 5 GiB (registered: in the ledger already), 200: 6 GiB (no shim),
+        // and 300: 3 GiB (a shim not back yet after a restart).
+        let listed = [(100, 5 * GIB), (200, 6 * GIB), (300, 3 * GIB)];
+        assert!(p.observe_processes(GPU, &listed, now).is_empty());
+        let s = &p.status().gpus[0];
+        assert_eq!((s.outside, s.free), (9 * GIB, 2 * GIB), "16 - 4 guaranteed - 1 lent - 9 outside");
+        assert_eq!(p.acquire(1, GPU, 2, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
+        // a waits while holding a grant, and nobody else holds one: no deadlock is
+        // declared while memory outside may come back.
+        assert!(p.settle(GPU, now).is_empty());
+        // 300 re-registers: its memory moves from outside into the ledger.
+        p.hello(2, Peer { pid: 300, ..peer("b", 1000) });
+        p.register(2, GPU, 16 * GIB, 2 * GIB, 3 * GIB, 3 * GIB, GIB, 0).unwrap();
+        assert_eq!(p.status().gpus[0].outside, 6 * GIB);
+        // 200 exits: a's burst fits again and is granted.
+        let answers = p.observe_processes(GPU, &[(100, 5 * GIB), (300, 3 * GIB)], now);
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].result), (1, Ok(3 * GIB)));
+        assert_eq!(p.status().gpus[0].outside, 0);
     }
 
     fn policy_with(groups: &[(ConnId, &str, u64, u64)]) -> Policy {

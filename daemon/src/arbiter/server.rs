@@ -15,6 +15,7 @@ use tokio::net::unix::OwnedReadHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
+use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics, Refusal};
 use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy};
 use crate::status::Status;
@@ -25,6 +26,8 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 const TICK: Duration = Duration::from_millis(5);
 /// How often holders are reminded to give back unused grants while bursts wait.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
+/// How often NVML is asked which processes use memory (for memory used outside gpufrac).
+const OBSERVE_EVERY: Duration = Duration::from_millis(250);
 
 /// Ends processes chosen by the priority resolver. Behind a trait so that tests can
 /// record instead of signalling.
@@ -83,17 +86,26 @@ pub struct Shared {
     next_conn: AtomicU64,
     /// Metric labels per GPU, made once.
     labels: HashMap<DeviceId, GpuLabel>,
+    /// Where memory used outside gpufrac is learnt (NVML); none in tests and benches.
+    processes: Option<Box<dyn ProcessList>>,
 }
 
 impl Shared {
     /// The server state for GPUs `(uuid, memory)`.
     pub fn new(gpus: &[(DeviceId, u64)]) -> Arc<Shared> {
-        Shared::with(gpus, Options::default(), Box::new(Signals))
+        Shared::with(gpus, Options::default(), Box::new(Signals), None)
     }
 
-    /// The server state with resolver options and a way to end processes.
-    pub fn with(gpus: &[(DeviceId, u64)], options: Options, terminator: Box<dyn Terminator>) -> Arc<Shared> {
+    /// The server state with resolver options, a way to end processes and, if given, a
+    /// way to see the processes using each GPU.
+    pub fn with(
+        gpus: &[(DeviceId, u64)],
+        options: Options,
+        terminator: Box<dyn Terminator>,
+        processes: Option<Box<dyn ProcessList>>,
+    ) -> Arc<Shared> {
         Arc::new(Shared {
+            processes,
             options,
             terminator,
             ending: Mutex::new(HashMap::new()),
@@ -175,6 +187,16 @@ impl Shared {
         }
     }
 
+    /// Learns which processes use each GPU: memory of those not registered is not lent.
+    fn observe_processes(&self) {
+        let Some(list) = &self.processes else { return };
+        let now = Instant::now();
+        for (device, listed) in list.processes() {
+            let answers = self.policy().observe_processes(device, &listed, now);
+            self.deliver(answers);
+        }
+    }
+
     /// While bursts wait, holders of grants are asked to give back what they do not use.
     fn ask_to_give_back(&self) {
         let holders = self.policy().contended_holders();
@@ -215,6 +237,11 @@ pub async fn serve(
     shared: Arc<Shared>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    // Before the first burst: a restarted arbiter must not lend memory that shims not yet
+    // back still hold.
+    let observer = shared.clone();
+    let _ = tokio::task::spawn_blocking(move || observer.observe_processes()).await;
+    let watcher = tokio::spawn(watch_processes(shared.clone()));
     let ticker = tokio::spawn(expire_waiters(shared.clone()));
     let accept = async {
         loop {
@@ -234,6 +261,19 @@ pub async fn serve(
         _ = shutdown => {}
     }
     ticker.abort();
+    watcher.abort();
+}
+
+async fn watch_processes(shared: Arc<Shared>) {
+    if shared.processes.is_none() {
+        return;
+    }
+    let mut tick = tokio::time::interval(OBSERVE_EVERY);
+    loop {
+        tick.tick().await;
+        let observer = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || observer.observe_processes()).await;
+    }
 }
 
 async fn expire_waiters(shared: Arc<Shared>) {

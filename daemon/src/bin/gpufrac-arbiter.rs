@@ -98,7 +98,14 @@ fn run(args: Args) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let socket = args.socket.clone();
     runtime.block_on(async move {
-        let shared = server::Shared::with(&gpus, options, Box::new(server::Signals));
+        let processes: Option<Box<dyn gpus::ProcessList>> = match gpus::NvmlProcesses::open() {
+            Ok(list) => Some(Box::new(list)),
+            Err(e) => {
+                tracing::warn!("{e}: memory used outside gpufrac will not be seen");
+                None
+            }
+        };
+        let shared = server::Shared::with(&gpus, options, Box::new(server::Signals), processes);
         let listener = tokio::net::UnixListener::from_std(listener)?;
         if let Some(addr) = args.metrics {
             let tcp = tokio::net::TcpListener::bind(addr)
