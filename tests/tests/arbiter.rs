@@ -69,13 +69,7 @@ fn a_burst_into_lent_memory_waits_and_succeeds_when_it_is_freed() {
     let s = wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
     assert_eq!(s.gpus[0].waiting, 1);
     assert_eq!(s.gpus[0].guaranteed, 2 * GIB);
-    let table = Command::new(artifact("gpufrac"))
-        .arg("status")
-        .arg("--socket")
-        .arg(arbiter.socket())
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&table.stdout);
+    let table = status_table(&arbiter);
     assert!(table.contains("waiting") && table.contains("running"), "{table}");
     let json = Command::new(artifact("gpufrac"))
         .args(["status", "--json", "--socket"])
@@ -191,13 +185,7 @@ fn memory_held_by_a_program_without_the_shim_is_not_lent() {
     assert_eq!(outsider.ready()[0], 2 * GIB);
     let s = wait_for(&arbiter, "the outsider seen", |s| s.gpus[0].outside >= 2 * GIB);
     assert_eq!(s.gpus[0].free, 4 * GIB - s.gpus[0].outside, "nothing of it is offered");
-    let table = Command::new(artifact("gpufrac"))
-        .arg("status")
-        .arg("--socket")
-        .arg(arbiter.socket())
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&table.stdout);
+    let table = status_table(&arbiter);
     assert!(table.contains("used by processes outside gpufrac"), "{table}");
     // A's burst to 2 GiB does not fit beside it: A waits instead of being lent memory
     // the device does not have.
@@ -211,6 +199,17 @@ fn memory_held_by_a_program_without_the_shim_is_not_lent() {
     assert!(arbiter.log_text().contains("grant after wait"), "{}", arbiter.log_text());
     a.close_stdin();
     a.finish();
+}
+
+/// What `gpufrac status` prints.
+fn status_table(arbiter: &Arbiter) -> String {
+    let out = Command::new(artifact("gpufrac"))
+        .arg("status")
+        .arg("--socket")
+        .arg(arbiter.socket())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn signal(child: &ChildProcess, signal: i32) {
