@@ -136,6 +136,31 @@ impl<T: SharedPlain> SharedFile<T> {
         TableGuard { file: &self.file, locked, _local: local }
     }
 
+    /// Whether the file was removed from its folder since it was opened (by the last
+    /// member leaving): a process about to join must open the path again instead.
+    pub fn unlinked(&self, _table: &TableGuard<'_>) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.file.metadata().map(|m| m.nlink() == 0).unwrap_or(false)
+    }
+
+    /// Removes the file from its folder if no other process holds a slot below `count`.
+    /// Under the table lock, which joiners take before claiming a slot, so none can join
+    /// the removed file unawares (see [`SharedFile::unlinked`]).
+    pub fn remove_if_unused(&self, count: usize) -> io::Result<bool> {
+        let table = self.lock_table();
+        if !table.locked || (0..count.min(MAX_SLOTS)).any(|i| !self.is_own(i) && self.slot_alive(i)) {
+            return Ok(false);
+        }
+        // The path may name another file by now (ours removed by hand, a new one made).
+        use std::os::unix::fs::MetadataExt;
+        let (ours, named) = (self.file.metadata()?, std::fs::metadata(&self.path)?);
+        if (ours.dev(), ours.ino()) != (named.dev(), named.ino()) {
+            return Ok(false);
+        }
+        std::fs::remove_file(&self.path)?;
+        Ok(true)
+    }
+
     /// Claims the first free slot below `count` for this process; the caller holds the
     /// table lock. A slot is free when nobody holds its lock byte, whatever its record says.
     pub fn claim_slot(&self, count: usize, _table: &TableGuard<'_>) -> Option<usize> {

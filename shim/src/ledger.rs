@@ -108,6 +108,17 @@ impl Ledger {
 
     /// Joins (or starts) the ledger of `group`.
     pub fn join(group: &str) -> io::Result<Ledger> {
+        // A file its last member removed between our opening it and claiming a slot is
+        // opened again (created afresh): every live member shares one file.
+        for _ in 0..100 {
+            if let Some(ledger) = Self::try_join(group)? {
+                return Ok(ledger);
+            }
+        }
+        Err(io::Error::other(format!("the ledger of group {group} keeps being removed")))
+    }
+
+    fn try_join(group: &str) -> io::Result<Option<Ledger>> {
         let shm = SharedFile::<LedgerData>::open(&group_path(group), |shm| {
             let d = shm.get();
             let anyone = d.magic.load(Ordering::Acquire) == MAGIC
@@ -123,6 +134,9 @@ impl Ledger {
         })?;
         let me = {
             let table = shm.lock_table();
+            if shm.unlinked(&table) {
+                return Ok(None);
+            }
             let me = shm.claim_slot(MAX_MEMBERS, &table).ok_or_else(|| {
                 io::Error::other(format!("more than {MAX_MEMBERS} processes in group {group}"))
             })?;
@@ -134,7 +148,16 @@ impl Ledger {
             d.high_water.fetch_max(me as u32 + 1, Ordering::AcqRel);
             me
         };
-        Ok(Ledger { backing: Backing::Shared(shm), me })
+        Ok(Some(Ledger { backing: Backing::Shared(shm), me }))
+    }
+
+    /// This process is leaving (it exits): the last live member removes the group's
+    /// file, so groups that come and go leave nothing behind in /dev/shm.
+    pub fn leave(&self) {
+        if let Backing::Shared(shm) = &self.backing {
+            // At exit: no logging (its machinery may already be torn down).
+            let _ = shm.remove_if_unused(MAX_MEMBERS);
+        }
     }
 
     fn data(&self) -> &LedgerData {
@@ -315,6 +338,28 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_member_to_leave_removes_the_file_and_nobody_joins_a_removed_one() {
+        let group = format!("leave-test-{}", std::process::id());
+        let path = super::group_path(&group);
+        // Two members (two open file descriptions count as two processes).
+        let first = Ledger::join(&group).unwrap();
+        let second = Ledger::join(&group).unwrap();
+        first.leave();
+        assert!(path.exists(), "a member is left: the file stays");
+        drop(second);
+        first.leave();
+        assert!(!path.exists(), "the last member removes it");
+        // A file removed by hand and made again is not removed by a member of the old one.
+        let old = Ledger::join(&group).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let new = Ledger::join(&group).unwrap();
+        old.leave();
+        assert!(path.exists(), "the new file is not the old member's to remove");
+        new.leave();
+        assert!(!path.exists());
+    }
 
     #[test]
     fn charges_stay_within_the_limit_and_come_back() {

@@ -33,11 +33,36 @@ pub(crate) fn mode() -> &'static Mode {
     MODE.get_or_init(|| match Config::from_env() {
         Ok(None) => Mode::PassThrough,
         Ok(Some(config)) => match Enforcer::new(config) {
-            Ok(e) => Mode::Enforcing(Box::new(e)),
+            Ok(e) => {
+                if e.config.group.is_some() {
+                    leave_group_at_exit();
+                }
+                Mode::Enforcing(Box::new(e))
+            }
             Err(message) => Mode::Broken(message),
         },
         Err(e) => Mode::Broken(format!("gpufrac: {e}")),
     })
+}
+
+/// The process that joined the group's ledger (a forked child inherits the exit hook
+/// but is not a member).
+static MEMBER_PID: AtomicU32 = AtomicU32::new(0);
+
+fn leave_group_at_exit() {
+    extern "C" fn leave() {
+        // Nothing may unwind out of an exit handler into the host program.
+        let _ = std::panic::catch_unwind(|| {
+            if MEMBER_PID.load(Ordering::Relaxed) == std::process::id() {
+                if let Some(Mode::Enforcing(e)) = MODE.get() {
+                    e.ledger.leave();
+                }
+            }
+        });
+    }
+    MEMBER_PID.store(std::process::id(), Ordering::Relaxed);
+    // SAFETY: registering a function that takes and returns nothing and cannot unwind.
+    unsafe { libc::atexit(leave) };
 }
 
 /// Whether the shim does anything in this process.

@@ -729,6 +729,14 @@ impl Arbiter {
     }
 }
 
+/// Where the shim keeps the ledger of `group` (as `gpufrac::ledger::group_path` says).
+pub fn ledger_path(group: &str) -> PathBuf {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let dir = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    dir.join(format!("gpufrac-{uid}-{group}.ledger"))
+}
+
 /// Group ledgers live in /dev/shm by name: a group name unique to this test process and call.
 pub fn unique(group: &str) -> String {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);

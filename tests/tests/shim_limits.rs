@@ -144,10 +144,16 @@ fn processes_of_a_group_share_one_limit_and_each_context_counts() {
     assert_eq!(c.ready()[0], 256 * MIB);
     // Each checks that freeing brings free back to what it saw after its context: B's
     // view includes A, so B finishes first.
-    for p in [&mut c, &mut b, &mut a] {
+    let ledger = gpufrac_e2e::ledger_path(&group);
+    assert!(ledger.exists(), "{} is the group's ledger", ledger.display());
+    for p in [&mut c, &mut b] {
         p.close_stdin();
         p.finish();
     }
+    assert!(ledger.exists(), "A is still a member: the ledger stays");
+    a.close_stdin();
+    a.finish();
+    assert!(!ledger.exists(), "the last member to exit removes the group's ledger");
 }
 
 #[test]
