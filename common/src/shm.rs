@@ -146,9 +146,14 @@ impl<T: SharedPlain> SharedFile<T> {
     /// Removes the file from its folder if no other process holds a slot below `count`.
     /// Under the table lock, which joiners take before claiming a slot, so none can join
     /// the removed file unawares (see [`SharedFile::unlinked`]).
+    /// Never blocks (it runs at exit): if the table is busy, the file stays.
     pub fn remove_if_unused(&self, count: usize) -> io::Result<bool> {
-        let table = self.lock_table();
-        if !table.locked || (0..count.min(MAX_SLOTS)).any(|i| !self.is_own(i) && self.slot_alive(i)) {
+        let Ok(local) = self.local.try_lock() else { return Ok(false) };
+        if ofd(&self.file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE).is_err() {
+            return Ok(false);
+        }
+        let _table = TableGuard { file: &self.file, locked: true, _local: local };
+        if (0..count.min(MAX_SLOTS)).any(|i| !self.is_own(i) && self.slot_alive(i)) {
             return Ok(false);
         }
         // The path may name another file by now (ours removed by hand, a new one made).

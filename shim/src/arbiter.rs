@@ -21,6 +21,8 @@ pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64, u64) + Send + Sync
 /// Carries out a command the arbiter pushed (reclaim, swap out, resume).
 pub(crate) type PushFn = Box<dyn Fn(&Reply) + Send + Sync>;
 
+/// Longest a write to the arbiter may block before the connection is given up.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long after a reclaim request this process keeps no slack grant.
 const CONTENDED_FOR: Duration = Duration::from_secs(1);
 
@@ -166,9 +168,11 @@ impl Client {
                 }
                 continue;
             };
+            // Requests are written under the `waiting` lock: a write must not block for
+            // ever on an arbiter that stopped reading.
             match reader.try_clone() {
-                Ok(w) => *lock(&self.writer) = Some(w),
-                Err(_) => continue,
+                Ok(w) if w.set_write_timeout(Some(WRITE_TIMEOUT)).is_ok() => *lock(&self.writer) = Some(w),
+                _ => continue,
             }
             {
                 // Bursts asked while the arbiter was away are asked again. Under the lock
@@ -265,7 +269,11 @@ impl Client {
         let mut writer = lock(&self.writer);
         let written = writer.as_mut().is_some_and(|w| w.write_all(frame).is_ok());
         if !written {
-            *writer = None;
+            // Possibly half a frame went out: end the connection so that the reader
+            // reconnects and asks again what is pending, rather than go on garbled.
+            if let Some(w) = writer.take() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
         }
         written
     }

@@ -48,21 +48,31 @@ pub(crate) fn mode() -> &'static Mode {
 /// The process that joined the group's ledger (a forked child inherits the exit hook
 /// but is not a member).
 static MEMBER_PID: AtomicU32 = AtomicU32::new(0);
+/// This member forked: a child may share its ledger slot (same open file, same mapping),
+/// so it cannot tell whether it is the last one using the file.
+static FORKED: AtomicBool = AtomicBool::new(false);
 
 fn leave_group_at_exit() {
     extern "C" fn leave() {
         // Nothing may unwind out of an exit handler into the host program.
         let _ = std::panic::catch_unwind(|| {
-            if MEMBER_PID.load(Ordering::Relaxed) == std::process::id() {
+            if MEMBER_PID.load(Ordering::Relaxed) == std::process::id() && !FORKED.load(Ordering::Relaxed) {
                 if let Some(Mode::Enforcing(e)) = MODE.get() {
                     e.ledger.leave();
                 }
             }
         });
     }
+    extern "C" fn forked() {
+        FORKED.store(true, Ordering::Relaxed);
+    }
     MEMBER_PID.store(std::process::id(), Ordering::Relaxed);
-    // SAFETY: registering a function that takes and returns nothing and cannot unwind.
-    unsafe { libc::atexit(leave) };
+    // SAFETY: registering functions that take and return nothing and cannot unwind; the
+    // fork handler only stores an atomic (it runs in the parent after fork).
+    unsafe {
+        libc::pthread_atfork(None, Some(forked), None);
+        libc::atexit(leave);
+    }
 }
 
 /// Whether the shim does anything in this process.

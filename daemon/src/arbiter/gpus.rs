@@ -27,7 +27,7 @@ pub trait ProcessList: Send + Sync {
     fn processes(&self) -> Vec<(DeviceId, Vec<(u32, u64)>)>;
 }
 
-/// [`ProcessList`] from NVML's compute processes. PIDs are the driver's (the host's), as
+/// [`ProcessList`] from NVML's compute and graphics processes. PIDs are the driver's (the host's), as
 /// the arbiter's are with `hostPID: true`; memory NVML cannot report counts as none.
 pub struct NvmlProcesses {
     nvml: nvml_wrapper::Nvml,
@@ -48,15 +48,19 @@ impl ProcessList for NvmlProcesses {
             .filter_map(|i| {
                 let dev = self.nvml.device_by_index(i).ok()?;
                 let id = parse_uuid(&dev.uuid().ok()?)?;
-                let listed = dev.running_compute_processes().ok()?;
-                let used = listed
-                    .into_iter()
-                    .map(|p| match p.used_gpu_memory {
-                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => (p.pid, bytes),
-                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => (p.pid, 0),
-                    })
-                    .collect();
-                Some((id, used))
+                let mut listed = dev.running_compute_processes().ok()?;
+                // Graphics contexts hold memory too (a process may be in both lists).
+                listed.extend(dev.running_graphics_processes().unwrap_or_default());
+                let mut used: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+                for p in listed {
+                    let bytes = match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => bytes,
+                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
+                    };
+                    let entry = used.entry(p.pid).or_default();
+                    *entry = (*entry).max(bytes);
+                }
+                Some((id, used.into_iter().collect()))
             })
             .collect()
     }

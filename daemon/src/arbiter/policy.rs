@@ -172,7 +172,13 @@ struct Gpu {
     /// they use: programs without the shim, or, after an arbiter restart, shims not yet
     /// back. Their memory is never lent.
     outside: Vec<(u32, u64)>,
+    /// Until when memory outside gpufrac may be shims still coming back to a restarted
+    /// arbiter (their reconnect backoff is at most 2 s).
+    reconnecting_until: Instant,
 }
+
+/// How long after the arbiter starts memory outside gpufrac may be shims reconnecting.
+const RECONNECT_GRACE: Duration = Duration::from_secs(5);
 
 impl Gpu {
     fn guaranteed(&self) -> u64 {
@@ -185,7 +191,12 @@ impl Gpu {
         self.outside.iter().map(|&(_, bytes)| bytes).sum()
     }
     fn free(&self) -> u64 {
-        self.total.saturating_sub(self.guaranteed() + self.burst() + self.outside())
+        self.room().max(0) as u64
+    }
+    /// Memory left to lend, negative when memory outside gpufrac (which no admission
+    /// check bounds) overcommits the GPU: resolvers must free that much more first.
+    fn room(&self) -> i128 {
+        self.total as i128 - (self.guaranteed() + self.burst() + self.outside()) as i128
     }
 }
 
@@ -241,6 +252,7 @@ impl Policy {
                         queue: VecDeque::new(),
                         last_busy: Instant::now(),
                         outside: Vec::new(),
+                        reconnecting_until: Instant::now() + RECONNECT_GRACE,
                     };
                     (id, gpu)
                 })
@@ -446,7 +458,7 @@ impl Policy {
                 continue;
             }
             if gpu.free() < head.bytes {
-                if let Some(victim) = Self::deadlocked(gpu) {
+                if let Some(victim) = Self::deadlocked(gpu, now) {
                     // Nobody can give memory back: refuse the waiter holding the most,
                     // whose out-of-memory error makes it free what it holds.
                     if let Some(pos) = gpu.queue.iter().position(|w| w.conn == victim) {
@@ -494,10 +506,11 @@ impl Policy {
 
     /// If every holder of burst memory on `gpu` is waiting for more, the waiting holder
     /// with the largest grant (never a swap-in: refusing it would not free anything).
-    /// Memory used outside gpufrac may still come back (a shim re-registering after a
-    /// restart, a program exiting): no deadlock is declared while there is some.
-    fn deadlocked(gpu: &Gpu) -> Option<ConnId> {
-        if gpu.outside() > 0 {
+    /// Just after a restart, memory outside gpufrac is likely shims coming back with
+    /// what they hold: no deadlock is declared then (after it, a program without the shim
+    /// does not stop gpufrac's own holders from breaking a deadlock).
+    fn deadlocked(gpu: &Gpu, now: Instant) -> Option<ConnId> {
+        if gpu.outside() > 0 && now < gpu.reconnecting_until {
             return None;
         }
         let mut holders = gpu
@@ -581,16 +594,16 @@ impl Policy {
                     .collect();
                 // Fewest victims: the largest holders first.
                 candidates.sort_by_key(|c| std::cmp::Reverse(c.bytes));
-                let mut room = gpu.free();
+                let mut room = gpu.room();
                 let mut set = Vec::new();
                 for c in candidates {
-                    if room >= w.bytes {
+                    if room >= w.bytes as i128 {
                         break;
                     }
-                    room += c.bytes;
+                    room += c.bytes as i128;
                     set.push(c);
                 }
-                if room >= w.bytes {
+                if room >= w.bytes as i128 {
                     for v in set {
                         if !chosen.iter().any(|c| c.conn == v.conn) {
                             chosen.push(v);
@@ -682,19 +695,19 @@ impl Policy {
                 }
             }
             candidates.sort();
-            let (mut room, mut set) = (free, Vec::new());
+            let (mut room, mut set, needed) = (gpu.room(), Vec::new(), head.bytes as i128);
             for (_, conn, group, bytes) in candidates {
-                if room >= head.bytes {
+                if room >= needed {
                     break;
                 }
                 if host.saturating_add(bytes) > swap_limit {
                     continue;
                 }
                 host += bytes;
-                room += bytes;
+                room += bytes as i128;
                 set.push((conn, group, bytes));
             }
-            if room < head.bytes {
+            if room < needed {
                 continue;
             }
             for (conn, group, bytes) in set {
@@ -894,8 +907,8 @@ mod tests {
         let s = &p.status().gpus[0];
         assert_eq!((s.outside, s.free), (9 * GIB, 2 * GIB), "16 - 4 guaranteed - 1 lent - 9 outside");
         assert_eq!(p.acquire(1, GPU, 2, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
-        // a waits while holding a grant, and nobody else holds one: no deadlock is
-        // declared while memory outside may come back.
+        // a waits while holding a grant, and nobody else holds one: just after a start,
+        // no deadlock is declared (the memory outside may be shims coming back)...
         assert!(p.settle(GPU, now).is_empty());
         // 300 re-registers: its memory moves from outside into the ledger.
         p.hello(2, Peer { pid: 300, ..peer("b", 1000) });
@@ -906,6 +919,45 @@ mod tests {
         assert_eq!(answers.len(), 1);
         assert_eq!((answers[0].conn, answers[0].result), (1, Ok(3 * GIB)));
         assert_eq!(p.status().gpus[0].outside, 0);
+    }
+
+    #[test]
+    fn after_the_reconnect_grace_outside_memory_does_not_block_deadlock_breaking() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { pid: 101, ..peer("a", 60_000) });
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 16 * GIB, 0, 0, 0).unwrap();
+        p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now);
+        p.observe_processes(GPU, &[(200, 6 * GIB)], now);
+        // a holds 4 GiB lent and waits for 4 more: only a could give memory back.
+        assert_eq!(p.acquire(1, GPU, 2, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty(), "just after a start: maybe shims coming back");
+        let answers = p.settle(GPU, now + RECONNECT_GRACE + Duration::from_secs(1));
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].result), (1, Err(Denial::Deadlock)));
+    }
+
+    #[test]
+    fn resolvers_end_or_swap_nobody_who_cannot_make_room_beside_outside_memory() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { pid: 101, resolver: Resolver::Swap, ..peer("low", 60_000) });
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 8 * GIB, 0, 0, 0).unwrap();
+        p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now);
+        p.hello(2, Peer { pid: 102, priority: 10, resolver: Resolver::Priority, ..peer("high", 60_000) });
+        p.register(2, GPU, 16 * GIB, 4 * GIB, 8 * GIB, 0, 0, 0).unwrap();
+        // A program without the shim takes 8 GiB: 4 + 3 + 4 + 8 = 19 of 16 GiB committed.
+        p.observe_processes(GPU, &[(200, 8 * GIB)], now);
+        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        // Ending or swapping low's 3 GiB would only take the GPU from 3 GiB short to 0.
+        assert!(p.priority_victims(now, Duration::from_secs(300), &[]).is_empty());
+        p.peers.get_mut(&2).unwrap().resolver = Resolver::Swap;
+        assert!(p.swap_victims(now + Duration::from_secs(60), Duration::ZERO, u64::MAX).is_empty());
+        // With the outsider at 4 GiB, low's 3 GiB make 2 GiB fit (16 - 15 + 3 = 4).
+        p.observe_processes(GPU, &[(200, 4 * GIB)], now);
+        p.peers.get_mut(&2).unwrap().resolver = Resolver::Priority;
+        let v = p.priority_victims(now, Duration::from_secs(300), &[]);
+        assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
     }
 
     fn policy_with(groups: &[(ConnId, &str, u64, u64)]) -> Policy {

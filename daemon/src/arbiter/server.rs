@@ -269,6 +269,8 @@ async fn watch_processes(shared: Arc<Shared>) {
         return;
     }
     let mut tick = tokio::time::interval(OBSERVE_EVERY);
+    // After a slow NVML answer, wait a whole period rather than ask again at once.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let observer = shared.clone();
