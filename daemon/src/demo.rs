@@ -401,12 +401,14 @@ fn acts(config: &DemoConfig) -> Vec<Act> {
     let sleeper = Server {
         resolver: "swap",
         limit: "2560MiB",
-        ..Server::new("chat-a", &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "8s"])
+        ..Server::new("chat-a", &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "10s"])
     };
     let busy = Server {
         resolver: "swap",
         limit: "2560MiB",
-        after: Some(("chat-a".into(), "idle", Duration::from_millis(2200))),
+        // At once: chat-b's burst waits out chat-a's quantum if it comes sooner, and a
+        // slow start of chat-b (a loaded machine) still finds chat-a asleep.
+        after: Some(("chat-a".into(), "idle", Duration::from_millis(200))),
         ..Server::new(
             "chat-b",
             &["--model", "832MiB", "--batches", "1280MiB", "--steps", "3", "--compute", "30ms"],
