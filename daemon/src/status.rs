@@ -29,6 +29,10 @@ pub struct GpuStatus {
     /// (programs without the shim; after a restart, shims not yet back): never lent.
     #[serde(default)]
     pub outside: u64,
+    /// Lent memory being taken back because the guarantees need it (a request admitted
+    /// while its memory was lent out): nothing is lent until it is back.
+    #[serde(default)]
+    pub reclaiming: u64,
     /// Processes waiting for a grant.
     pub waiting: usize,
     /// Bytes of its processes' burst memory swapped out to host RAM.
@@ -138,6 +142,13 @@ impl Status {
             );
             if g.outside > 0 {
                 let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
+            }
+            if g.reclaiming > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {} of lent memory being taken back for the guarantees (nothing is lent meanwhile)",
+                    gib(g.reclaiming)
+                );
             }
             let _ = writeln!(
                 out,

@@ -88,7 +88,7 @@ impl Metrics {
         });
         registry.register(
             "gpu_memory_bytes",
-            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered); swapped_to_host is in host RAM",
+            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), reclaiming (lent memory being taken back for the guarantees); swapped_to_host is in host RAM",
             gpu_memory.clone(),
         );
         registry.register(
@@ -104,7 +104,7 @@ impl Metrics {
         registry.register("refusals", "Registrations and bursts refused", refusals.clone());
         registry.register(
             "terminations",
-            "Processes ended by the priority resolver, by reason",
+            "Processes ended by the arbiter, by reason: lower-priority or idle (priority bursts), guarantee (loans taken back)",
             terminations.clone(),
         );
         registry.register("swaps", "Swaps of burst memory to host RAM (out) and back (in)", swaps.clone());
@@ -146,6 +146,7 @@ impl Metrics {
                 ("burst", g.burst),
                 ("free", g.free),
                 ("outside", g.outside),
+                ("reclaiming", g.reclaiming),
                 ("swapped_to_host", g.swapped),
             ] {
                 self.gpu_memory

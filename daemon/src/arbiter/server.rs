@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics, Refusal};
-use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy};
+use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy, Victim};
 use crate::status::Status;
 
 /// Longest wait a shim may ask for.
@@ -139,33 +139,64 @@ impl Shared {
         }
     }
 
-    /// The priority resolver: ends the holders chosen for waiting priority bursts
-    /// (SIGTERM, then SIGKILL after the grace period); their memory comes back when their
-    /// connection closes.
-    fn resolve_priority(&self) {
-        let now = Instant::now();
+    /// Ends `victim`: SIGTERM now, SIGKILL after `--kill-grace` if it is still connected;
+    /// its memory comes back when its connection closes.
+    fn end(&self, ending: &mut HashMap<ConnId, (u32, Instant)>, victim: &Victim, reason: &str, now: Instant) {
+        self.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
+        self.terminator.signal(victim.pid, libc::SIGTERM);
+        ending.insert(victim.conn, (victim.pid, now));
+    }
+
+    /// Connections being ended: those past the grace period get SIGKILL; those gone are
+    /// forgotten. Returns the ones still under way.
+    fn ending(&self, now: Instant) -> MutexGuard<'_, HashMap<ConnId, (u32, Instant)>> {
         let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
-        // Past the grace period and still connected: SIGKILL.
         for (conn, (pid, since)) in ending.iter_mut() {
-            if now.duration_since(*since) >= self.options.kill_grace && self.policy().peer(*conn).is_some() {
+            if now.saturating_duration_since(*since) >= self.options.kill_grace
+                && self.policy().peer(*conn).is_some()
+            {
                 tracing::warn!(pid = *pid, "still running after --kill-grace: SIGKILL");
                 self.terminator.signal(*pid, libc::SIGKILL);
                 *since = now + Duration::from_secs(3600);
             }
         }
         ending.retain(|conn, _| self.policy().peer(*conn).is_some());
+        ending
+    }
+
+    /// The priority resolver: ends the holders chosen for waiting priority bursts.
+    fn resolve_priority(&self) {
+        let now = Instant::now();
+        let mut ending = self.ending(now);
         let spared: Vec<ConnId> = ending.keys().copied().collect();
         let victims = self.policy().priority_victims(now, self.options.idle_timeout, &spared);
         for v in victims {
             tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "terminating a holder of burst memory for a priority burst");
-            self.metrics
-                .terminations
-                .get_or_create(&Refusal {
-                    reason: if v.why.starts_with("idle") { "idle".into() } else { "lower-priority".into() },
-                })
-                .inc();
-            self.terminator.signal(v.pid, libc::SIGTERM);
-            ending.insert(v.conn, (v.pid, now));
+            let reason = if v.why.starts_with("idle") { "idle" } else { "lower-priority" };
+            self.end(&mut ending, &v, reason, now);
+        }
+    }
+
+    /// Takes loans back where the guarantees are owed memory: unused grants first, then
+    /// swap-outs, then ending holders (see `policy::reclaim`).
+    fn reclaim_guarantees(&self) {
+        let now = Instant::now();
+        let mut ending = self.ending(now);
+        let under_way: Vec<ConnId> = ending.keys().copied().collect();
+        let plan = self.policy().reclaim(now, &under_way, self.options.swap_limit);
+        if plan.is_empty() {
+            return;
+        }
+        for (conn, device) in &plan.give_back {
+            self.send(*conn, &Reply::Reclaim { device: *device });
+        }
+        for v in &plan.swap_out {
+            tracing::info!(pid = v.pid, group = %v.group, gpu = %uuid_string(&v.device), bytes = v.bytes, "asking a holder of burst memory to swap out for a guarantee");
+            self.send(v.conn, &Reply::SwapOut { device: v.device });
+        }
+        for v in &plan.end {
+            tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "ending a holder of burst memory for a guarantee");
+            self.end(&mut ending, v, "guarantee", now);
         }
     }
 
@@ -295,6 +326,7 @@ async fn expire_waiters(shared: Arc<Shared>) {
             shared.resolve_priority();
         }
         shared.resolve_swap();
+        shared.reclaim_guarantees();
     }
 }
 
@@ -434,6 +466,8 @@ fn on_frame(
                 Ok(()) => {
                     tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
                     reply(out, &Reply::Registered { device });
+                    // Its request may be lent out: take it back now.
+                    shared.reclaim_guarantees();
                 }
                 Err(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();

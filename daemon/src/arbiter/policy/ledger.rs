@@ -1,0 +1,224 @@
+//! Who holds what: admission of a group's request, registration (also after an arbiter
+//! restart), memory given back, processes gone, and memory used outside gpufrac.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Instant;
+
+use gpufrac_common::protocol::DeviceId;
+
+use super::{gib, uuid_string, Answer, ConnId, Group, Member, Policy};
+
+impl Policy {
+    /// Registers `conn` on a device. A new group is admitted if its request fits beside
+    /// the other groups' requests and the memory used outside gpufrac: memory lent out is
+    /// a loan and never keeps a request out (it is taken back, see `reclaim`). A process
+    /// re-registering after an arbiter restart keeps what it holds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        total: u64,
+        request: u64,
+        limit: u64,
+        held: u64,
+        granted: u64,
+        host_bytes: u64,
+    ) -> Result<(), String> {
+        let peer = self.peers.get(&conn).ok_or("Register before Hello")?.clone();
+        let gpu = self
+            .gpus
+            .get_mut(&device)
+            .ok_or_else(|| format!("GPU {} is not managed by this arbiter", uuid_string(&device)))?;
+        if total != gpu.total {
+            tracing::warn!(gpu = %uuid_string(&device), shim = total, arbiter = gpu.total, "shim and NVML disagree on the GPU's memory");
+        }
+        if limit < request {
+            return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
+        }
+        if !gpu.groups.contains_key(&peer.group) {
+            // What this very process already uses is not someone else's.
+            let outside: u64 =
+                gpu.outside.iter().filter(|&&(pid, _)| pid != peer.pid).map(|&(_, bytes)| bytes).sum();
+            let committed = gpu.guaranteed().saturating_add(outside);
+            // A process coming back with burst memory after a restart holds it already:
+            // refusing it would free nothing.
+            if granted == 0 && committed.saturating_add(request) > gpu.total {
+                let used_outside = if outside > 0 {
+                    format!(" and {} is used by processes outside gpufrac", gib(outside))
+                } else {
+                    String::new()
+                };
+                return Err(format!(
+                    "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
+                    gib(request),
+                    uuid_string(&device),
+                    gib(gpu.guaranteed()),
+                    gib(gpu.total),
+                ));
+            }
+            gpu.groups.insert(peer.group.clone(), Group { request, limit, members: BTreeMap::new() });
+        }
+        let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
+        if (group.request, group.limit) != (request, limit) {
+            tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
+        }
+        // What a re-registering process says it was lent cannot pass its group's limit.
+        let (granted, host_bytes) = (granted.min(group.room()), host_bytes.min(group.limit));
+        group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
+        // Its memory is in the ledger now, no longer outside it.
+        gpu.outside.retain(|&(pid, _)| pid != peer.pid);
+        Ok(())
+    }
+
+    /// What NVML lists on `device` now, `(pid, bytes used)`: the memory of processes not
+    /// registered here is kept out of what is lent. Returns the bursts that now fit.
+    pub fn observe_processes(
+        &mut self,
+        device: DeviceId,
+        listed: &[(u32, u64)],
+        now: Instant,
+    ) -> Vec<Answer> {
+        let Some(gpu) = self.gpus.get_mut(&device) else { return Vec::new() };
+        let registered: HashSet<u32> =
+            gpu.members().filter_map(|(_, conn, _)| self.peers.get(&conn).map(|p| p.pid)).collect();
+        gpu.outside =
+            listed.iter().copied().filter(|&(pid, bytes)| bytes > 0 && !registered.contains(&pid)).collect();
+        Self::drain(device, gpu, now)
+    }
+
+    /// Gives back burst memory; returns the queued bursts that now fit.
+    pub fn release(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        if let Some(m) = gpu.member_mut(&group, conn) {
+            m.granted = m.granted.saturating_sub(bytes);
+            m.held = held;
+        }
+        Self::drain(device, gpu, now)
+    }
+
+    /// A connection closed (the process exited or was killed): everything it held or
+    /// was lent comes back at once, and a group without members frees its request.
+    pub fn disconnect(&mut self, conn: ConnId, now: Instant) -> Vec<Answer> {
+        self.peers.remove(&conn);
+        let mut grants = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            gpu.queue.retain(|w| w.conn != conn);
+            for group in gpu.groups.values_mut() {
+                group.members.remove(&conn);
+            }
+            gpu.groups.retain(|_, g| !g.members.is_empty());
+            grants.extend(Self::drain(device, gpu, now));
+        }
+        grants
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::*;
+
+    #[test]
+    fn a_request_is_admitted_while_its_memory_is_lent_and_refused_only_beside_guarantees() {
+        let now = Instant::now();
+        // 4 GiB GPU: a has request 512 MiB / limit 3.5 GiB and has borrowed 3 GiB.
+        let mut p = Policy::new(&[(GPU, 4 * GIB)]);
+        p.hello(1, peer("a", 1000));
+        p.register(1, GPU, 4 * GIB, GIB / 2, 7 * GIB / 2, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
+        // b asks 2 GiB: 0.5 + 2 of 4 GiB are requests, so it is admitted; the GPU now
+        // owes b 1.5 GiB that is lent to a.
+        p.hello(2, peer("b", 1000));
+        p.register(2, GPU, 4 * GIB, 2 * GIB, 2 * GIB, 0, 0, 0).unwrap();
+        let s = &p.status().gpus[0];
+        assert_eq!((s.guaranteed, s.burst, s.free, s.reclaiming), (5 * GIB / 2, 3 * GIB, 0, 3 * GIB / 2));
+        // c asks 2 GiB: 4.5 GiB of requests do not fit 4 GiB, whatever is lent.
+        p.hello(3, peer("c", 1000));
+        let err = p.register(3, GPU, 4 * GIB, 2 * GIB, 2 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("GPUFRAC_MEMORY_REQUEST (2.00 GiB) does not fit"), "{err}");
+        assert!(err.contains("2.50 GiB of 4.00 GiB is guaranteed") && !err.contains("lent"), "{err}");
+    }
+
+    #[test]
+    fn memory_outside_gpufrac_counts_against_admission_but_not_the_process_own() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.observe_processes(GPU, &[(200, 10 * GIB), (300, GIB)], now);
+        p.hello(1, Peer { pid: 300, ..peer("a", 1000) });
+        let err = p.register(1, GPU, 16 * GIB, 7 * GIB, 7 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("10.00 GiB is used by processes outside gpufrac"), "{err}");
+        p.register(1, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.status().gpus[0].outside, 10 * GIB);
+    }
+
+    #[test]
+    fn requests_are_guaranteed_and_admission_refuses_what_does_not_fit() {
+        let mut p = policy_with(&[(1, "a", 6 * GIB, 8 * GIB), (2, "b", 6 * GIB, 8 * GIB)]);
+        p.hello(3, peer("c", 1000));
+        let err = p.register(3, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("GPUFRAC_MEMORY_REQUEST") && err.contains("does not fit"), "{err}");
+        p.register(3, GPU, 16 * GIB, 4 * GIB, 4 * GIB, 0, 0, 0).unwrap();
+        // A second member of an admitted group joins without a new guarantee.
+        p.hello(4, peer("a", 1000));
+        p.register(4, GPU, 16 * GIB, 6 * GIB, 8 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.status().gpus[0].guaranteed, 16 * GIB);
+    }
+
+    #[test]
+    fn a_disconnected_holder_frees_its_grant_for_the_waiter() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 4 * GIB, 16 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
+        let answers = p.disconnect(1, now);
+        assert_eq!((answers[0].conn, answers[0].result), (2, Ok(6 * GIB)));
+        // Group a had no other member: its request is free again.
+        assert_eq!(p.status().gpus[0].guaranteed, 4 * GIB);
+    }
+
+    #[test]
+    fn re_registration_after_a_restart_rebuilds_what_was_held() {
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, peer("a", 1000));
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 10 * GIB, 6 * GIB, 0).unwrap();
+        let s = &p.status().gpus[0];
+        assert_eq!((s.guaranteed, s.burst, s.free), (4 * GIB, 6 * GIB, 6 * GIB));
+        assert_eq!(s.processes[0].held, 10 * GIB);
+    }
+
+    #[test]
+    fn memory_used_outside_gpufrac_is_never_lent() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { pid: 100, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        p.acquire(1, GPU, 1, GIB, GIB, 0, false, now);
+        // NVML lists a: 5 GiB (registered: in the ledger already), 200: 6 GiB (no shim),
+        // and 300: 3 GiB (a shim not back yet after a restart).
+        let listed = [(100, 5 * GIB), (200, 6 * GIB), (300, 3 * GIB)];
+        assert!(p.observe_processes(GPU, &listed, now).is_empty());
+        let s = &p.status().gpus[0];
+        assert_eq!((s.outside, s.free), (9 * GIB, 2 * GIB), "16 - 4 guaranteed - 1 lent - 9 outside");
+        assert_eq!(p.acquire(1, GPU, 2, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
+        // a waits while holding a grant, and nobody else holds one: just after a start,
+        // no deadlock is declared (the memory outside may be shims coming back)...
+        assert!(p.settle(GPU, now).is_empty());
+        // 300 re-registers: its memory moves from outside into the ledger.
+        p.hello(2, Peer { pid: 300, ..peer("b", 1000) });
+        p.register(2, GPU, 16 * GIB, 2 * GIB, 3 * GIB, 3 * GIB, GIB, 0).unwrap();
+        assert_eq!(p.status().gpus[0].outside, 6 * GIB);
+        // 200 exits: a's burst fits again and is granted.
+        let answers = p.observe_processes(GPU, &[(100, 5 * GIB), (300, 3 * GIB)], now);
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].result), (1, Ok(3 * GIB)));
+        assert_eq!(p.status().gpus[0].outside, 0);
+    }
+}

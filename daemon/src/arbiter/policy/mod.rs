@@ -1,0 +1,417 @@
+//! The arbiter's decisions, as pure state: no sockets, no clock of its own (callers pass
+//! `now`), so every rule is unit-tested directly.
+//!
+//! The rule: per GPU, each group's **request is guaranteed** and memory above it is a
+//! **loan**. A group is admitted when its request fits beside the other groups' requests
+//! and the memory used outside gpufrac, whatever is lent out at the time. When a guarantee
+//! needs lent memory back, the loans are taken back at once ([`reclaim`]). Bursts are lent
+//! what no request reserves, never past a group's limit, in an order that can never
+//! deadlock ([`wait`]); the requester's resolver decides what else a colliding burst may
+//! do: end lower-priority or idle holders ([`priority`]) or move a holder's burst memory to
+//! host RAM ([`swap`]). [`ledger`] keeps who holds what.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{Denial, DeviceId};
+use gpufrac_common::Resolver;
+
+use crate::status::{GpuStatus, ProcessStatus, Status};
+
+mod ledger;
+mod priority;
+mod reclaim;
+mod swap;
+mod wait;
+
+pub use reclaim::Reclaim;
+
+/// A connection (one shim process).
+pub type ConnId = u64;
+
+/// Who is on a connection, from its `Hello` and socket.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// From `SO_PEERCRED`.
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// `namespace/name` or empty.
+    pub pod: String,
+    /// The group's resolver.
+    pub resolver: Resolver,
+    /// The group's priority.
+    pub priority: i32,
+    /// How long its bursts wait.
+    pub wait_timeout: Duration,
+    /// When its activity count last moved (or it connected).
+    pub last_active: Instant,
+    /// Its last activity count.
+    pub activity: u64,
+}
+
+/// A process chosen to be ended: for a priority burst, or to give a guarantee its memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victim {
+    /// Its connection.
+    pub conn: ConnId,
+    /// Its PID (from `SO_PEERCRED`).
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// Burst bytes it holds on the GPU.
+    pub bytes: u64,
+    /// Why it is chosen: `lower priority (0 < 10)`, `idle for 360s`, or for a guarantee.
+    pub why: String,
+}
+
+/// A holder chosen to swap its burst memory out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapVictim {
+    /// Its connection.
+    pub conn: ConnId,
+    /// The GPU.
+    pub device: DeviceId,
+    /// Its PID.
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// Burst bytes it holds there (what it is expected to move to host RAM).
+    pub bytes: u64,
+}
+
+/// Where a member's burst memory is.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Residency {
+    #[default]
+    Resident,
+    /// Told to swap out; the answer is awaited.
+    SwappingOut,
+    /// Its burst memory is in host RAM.
+    Swapped,
+}
+
+/// One process of a group on one GPU.
+#[derive(Debug, Default, Clone, Copy)]
+struct Member {
+    held: u64,
+    granted: u64,
+    /// Bytes in host RAM while swapped out.
+    host_bytes: u64,
+    residency: Residency,
+    /// Since when it holds burst memory on the device: its quantum counts from here.
+    resident_since: Option<Instant>,
+    /// Since when it is swapped out (or being swapped out).
+    swapped_since: Option<Instant>,
+    /// Told that memory is free to come back (once per swap-out).
+    resume_sent: bool,
+    /// Time spent in waits already answered.
+    waited: Duration,
+    /// Time spent swapped out, swap-ins already done.
+    swapped_for: Duration,
+}
+
+/// How far away a swap-in's deadline is: it waits until memory comes back.
+const NO_DEADLINE: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+impl Member {
+    fn grant(&mut self, bytes: u64, now: Instant) {
+        if self.granted == 0 && self.residency == Residency::Resident {
+            self.resident_since = Some(now);
+        }
+        self.granted += bytes;
+    }
+
+    fn new(held: u64, granted: u64, host_bytes: u64, now: Instant) -> Member {
+        let swapped = host_bytes > 0;
+        Member {
+            held,
+            granted,
+            host_bytes,
+            residency: if swapped { Residency::Swapped } else { Residency::Resident },
+            resident_since: (granted > 0).then_some(now),
+            swapped_since: swapped.then_some(now),
+            ..Member::default()
+        }
+    }
+}
+
+/// Processes sharing one request and limit on one GPU.
+#[derive(Debug)]
+struct Group {
+    request: u64,
+    limit: u64,
+    members: BTreeMap<ConnId, Member>,
+}
+
+impl Group {
+    fn granted(&self) -> u64 {
+        self.members.values().map(|m| m.granted).sum()
+    }
+    /// The burst range: what the group may borrow in all.
+    fn range(&self) -> u64 {
+        self.limit - self.request
+    }
+    /// What it may still borrow.
+    fn room(&self) -> u64 {
+        self.range().saturating_sub(self.granted())
+    }
+    /// Lent bytes its members hold but do not use (as last reported).
+    fn unused(&self) -> u64 {
+        let held: u64 = self.members.values().map(|m| m.held).sum();
+        self.granted().saturating_sub(held.saturating_sub(self.request))
+    }
+}
+
+/// A burst waiting in a GPU's queue.
+#[derive(Debug)]
+struct Waiter {
+    conn: ConnId,
+    group: String,
+    seq: u64,
+    /// A swap-in: it waits without deadline.
+    resume: bool,
+    bytes: u64,
+    preferred: u64,
+    since: Instant,
+    deadline: Instant,
+}
+
+/// One GPU's ledger.
+#[derive(Debug)]
+struct Gpu {
+    total: u64,
+    groups: BTreeMap<String, Group>,
+    queue: VecDeque<Waiter>,
+    /// When a burst was last granted or queued here.
+    last_busy: Instant,
+    /// Processes NVML lists on this GPU that are not registered here, with the memory
+    /// they use: programs without the shim, or, after an arbiter restart, shims not yet
+    /// back. Their memory is never lent.
+    outside: Vec<(u32, u64)>,
+    /// Until when memory outside gpufrac may be shims still coming back to a restarted
+    /// arbiter (their reconnect backoff is at most 2 s).
+    reconnecting_until: Instant,
+    /// Since when guarantees have been owed memory that is lent out.
+    short_since: Option<Instant>,
+}
+
+/// How long after the arbiter starts memory outside gpufrac may be shims reconnecting.
+const RECONNECT_GRACE: Duration = Duration::from_secs(5);
+
+impl Gpu {
+    fn guaranteed(&self) -> u64 {
+        self.groups.values().map(|g| g.request).sum()
+    }
+    fn burst(&self) -> u64 {
+        self.groups.values().map(Group::granted).sum()
+    }
+    fn outside(&self) -> u64 {
+        self.outside.iter().map(|&(_, bytes)| bytes).sum()
+    }
+    fn free(&self) -> u64 {
+        self.room().max(0) as u64
+    }
+    /// Memory left to lend; negative when guarantees are owed lent memory (a group was
+    /// admitted while its request was lent out) or memory outside gpufrac overcommits the
+    /// GPU: that much has to come back before anything is lent again.
+    fn room(&self) -> i128 {
+        self.total as i128 - self.guaranteed() as i128 - self.burst() as i128 - self.outside() as i128
+    }
+    /// What the guarantees are owed: lent memory that must come back.
+    fn shortfall(&self) -> u64 {
+        (-self.room()).clamp(0, u64::MAX as i128) as u64
+    }
+    fn members(&self) -> impl Iterator<Item = (&String, ConnId, &Member)> {
+        self.groups.iter().flat_map(|(name, g)| g.members.iter().map(move |(&c, m)| (name, c, m)))
+    }
+    fn member_mut(&mut self, group: &str, conn: ConnId) -> Option<&mut Member> {
+        self.groups.get_mut(group)?.members.get_mut(&conn)
+    }
+    fn waiter(&self, conn: ConnId) -> Option<&Waiter> {
+        self.queue.iter().find(|w| w.conn == conn)
+    }
+}
+
+/// What an `Acquire` gets at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Granted now, this many bytes.
+    Granted(u64),
+    /// Queued: a `Grant` or a timeout will follow.
+    Queued,
+    /// Refused.
+    Denied(Denial),
+}
+
+/// The answer to a queued burst, decided later.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// To whom.
+    pub conn: ConnId,
+    /// The request's sequence number.
+    pub seq: u64,
+    /// On which GPU.
+    pub device: DeviceId,
+    /// How long it waited.
+    pub waited: Duration,
+    /// Granted (`Ok(bytes)`) or denied.
+    pub result: Result<u64, Denial>,
+}
+
+/// The node's GPUs and who holds what on them.
+#[derive(Debug, Default)]
+pub struct Policy {
+    gpus: BTreeMap<DeviceId, Gpu>,
+    peers: HashMap<ConnId, Peer>,
+}
+
+pub use gpufrac_common::gpu_uuid::format as uuid_string;
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+impl Policy {
+    /// A policy for GPUs `(uuid, memory)`.
+    pub fn new(gpus: &[(DeviceId, u64)]) -> Policy {
+        let now = Instant::now();
+        Policy {
+            gpus: gpus
+                .iter()
+                .map(|&(id, total)| {
+                    let gpu = Gpu {
+                        total,
+                        groups: BTreeMap::new(),
+                        queue: VecDeque::new(),
+                        last_busy: now,
+                        outside: Vec::new(),
+                        reconnecting_until: now + RECONNECT_GRACE,
+                        short_since: None,
+                    };
+                    (id, gpu)
+                })
+                .collect(),
+            peers: HashMap::new(),
+        }
+    }
+
+    /// A connection said who it is.
+    pub fn hello(&mut self, conn: ConnId, peer: Peer) {
+        self.peers.insert(conn, peer);
+    }
+
+    /// The peer on `conn`, if it said hello.
+    pub fn peer(&self, conn: ConnId) -> Option<&Peer> {
+        self.peers.get(&conn)
+    }
+
+    /// The activity count of `conn` moved (or not).
+    pub fn activity(&mut self, conn: ConnId, count: u64, now: Instant) {
+        if let Some(p) = self.peers.get_mut(&conn) {
+            if p.activity != count {
+                p.activity = count;
+                p.last_active = now;
+            }
+        }
+    }
+
+    /// The GPU of `device` and the group of `conn` on it, if `conn` is a member there.
+    fn member_gpu(&mut self, conn: ConnId, device: &DeviceId) -> Option<(&mut Gpu, String)> {
+        let group = self.peers.get(&conn)?.group.clone();
+        let gpu = self.gpus.get_mut(device)?;
+        gpu.groups.get(&group)?.members.get(&conn)?;
+        Some((gpu, group))
+    }
+
+    /// The status document.
+    pub fn status(&self) -> Status {
+        let now = Instant::now();
+        let gpus = self
+            .gpus
+            .iter()
+            .map(|(id, gpu)| {
+                let mut processes = Vec::new();
+                for (name, conn, m) in gpu.members() {
+                    let Some(peer) = self.peers.get(&conn) else { continue };
+                    let Some(group) = gpu.groups.get(name) else { continue };
+                    let waiting = gpu.waiter(conn);
+                    let state = match (m.residency, waiting) {
+                        (Residency::Swapped | Residency::SwappingOut, _) => "swapped",
+                        (Residency::Resident, Some(_)) => "waiting",
+                        (Residency::Resident, None) => "running",
+                    };
+                    let waited = m.waited + waiting.map_or(Duration::ZERO, |w| now - w.since);
+                    let swapped = m.swapped_for
+                        + m.swapped_since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+                    processes.push(ProcessStatus {
+                        pid: peer.pid,
+                        group: name.clone(),
+                        pod: peer.pod.clone(),
+                        request: group.request,
+                        limit: group.limit,
+                        held: m.held,
+                        granted: m.granted,
+                        priority: peer.priority,
+                        resolver: peer.resolver.to_string(),
+                        state: state.to_owned(),
+                        host_bytes: m.host_bytes,
+                        waited_ms: waited.as_millis() as u64,
+                        swapped_ms: swapped.as_millis() as u64,
+                    });
+                }
+                GpuStatus {
+                    uuid: uuid_string(id),
+                    total: gpu.total,
+                    guaranteed: gpu.guaranteed(),
+                    burst: gpu.burst(),
+                    free: gpu.free(),
+                    outside: gpu.outside(),
+                    reclaiming: gpu.shortfall(),
+                    waiting: gpu.queue.len(),
+                    swapped: gpu.members().map(|(_, _, m)| m.host_bytes).sum(),
+                    processes,
+                }
+            })
+            .collect();
+        Status { gpus, swap_limit: 0 }
+    }
+}
+
+/// What the resolvers' unit tests share.
+#[cfg(test)]
+mod testing {
+    use super::*;
+
+    pub const GIB: u64 = 1 << 30;
+    pub const GPU: DeviceId = [7; 16];
+
+    pub fn peer(group: &str, timeout_ms: u64) -> Peer {
+        Peer {
+            pid: 100,
+            group: group.into(),
+            pod: String::new(),
+            resolver: Resolver::Wait,
+            priority: 0,
+            wait_timeout: Duration::from_millis(timeout_ms),
+            last_active: Instant::now(),
+            activity: 0,
+        }
+    }
+
+    /// A 16 GiB GPU with groups `(conn, name, request, limit)`, one member each.
+    pub fn policy_with(groups: &[(ConnId, &str, u64, u64)]) -> Policy {
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for &(conn, group, request, limit) in groups {
+            p.hello(conn, peer(group, 1000));
+            p.register(conn, GPU, 16 * GIB, request, limit, 0, 0, 0).unwrap();
+        }
+        p
+    }
+
+    /// The state `gpufrac status` shows for `conn`.
+    pub fn state(p: &Policy, conn: ConnId) -> String {
+        let group = p.peer(conn).unwrap().group.clone();
+        p.status().gpus[0].processes.iter().find(|x| x.group == group).unwrap().state.clone()
+    }
+}

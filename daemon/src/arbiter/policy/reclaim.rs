@@ -1,0 +1,253 @@
+//! Taking loans back for the guarantees. A group is admitted while its request is lent
+//! out (see `ledger`), and memory used outside gpufrac may grow: either way the GPU then
+//! owes its guarantees memory that borrowers hold. It is taken back at once, cheapest
+//! first: holders give back grants they do not use; then holders whose resolver is swap
+//! move their burst memory to host RAM (no quantum: a guarantee comes first); then holders
+//! of burst memory are ended, lowest priority first, then the one borrowing the most. Until
+//! the debt is paid nothing is lent, so bursts never block a request.
+
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::DeviceId;
+use gpufrac_common::Resolver;
+
+use super::{gib, ConnId, Policy, Residency, SwapVictim, Victim};
+
+/// How long holders have to give back grants they do not use before the debt is taken
+/// from memory in use (their answer takes milliseconds; what they use is known only as
+/// last reported, so it is not trusted longer).
+pub const GIVE_BACK_GRACE: Duration = Duration::from_millis(500);
+
+/// What to do now so that the guarantees get the memory they are owed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reclaim {
+    /// Holders to ask to give back what they do not use (`Reclaim`), once per debt.
+    pub give_back: Vec<(ConnId, DeviceId)>,
+    /// Holders to swap out (marked as swapping out).
+    pub swap_out: Vec<SwapVictim>,
+    /// Holders to end.
+    pub end: Vec<Victim>,
+}
+
+impl Reclaim {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.give_back.is_empty() && self.swap_out.is_empty() && self.end.is_empty()
+    }
+}
+
+impl Policy {
+    /// Plans how each GPU that owes its guarantees memory gets it back. `ending` are being
+    /// ended already (their memory is on its way back); swap-outs are under `swap_limit`
+    /// bytes of host RAM in all.
+    pub fn reclaim(&mut self, now: Instant, ending: &[ConnId], swap_limit: u64) -> Reclaim {
+        let mut plan = Reclaim::default();
+        let mut host = self.host_committed();
+        let mut swaps: Vec<(DeviceId, ConnId)> = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            let short = gpu.shortfall();
+            if short == 0 {
+                gpu.short_since = None;
+                continue;
+            }
+            let since = *gpu.short_since.get_or_insert_with(|| {
+                plan.give_back.extend(gpu.groups.values().flat_map(|g| {
+                    g.members.iter().filter(|(_, m)| m.granted > 0).map(|(&c, _)| (c, device))
+                }));
+                now
+            });
+            // Just after a restart memory outside gpufrac is likely shims coming back with
+            // what they hold: nothing is owed yet.
+            if gpu.outside() > 0 && now < gpu.reconnecting_until {
+                continue;
+            }
+            let on_its_way = |conn: ConnId, residency: Residency| {
+                ending.contains(&conn) || residency == Residency::SwappingOut
+            };
+            let coming: u64 = gpu
+                .members()
+                .filter(|&(_, c, m)| on_its_way(c, m.residency))
+                .map(|(_, _, m)| m.granted)
+                .sum();
+            let unused: u64 = if now.saturating_duration_since(since) < GIVE_BACK_GRACE {
+                gpu.groups
+                    .values()
+                    .filter(|g| !g.members.iter().any(|(&c, m)| on_its_way(c, m.residency)))
+                    .map(|g| g.unused())
+                    .sum()
+            } else {
+                0
+            };
+            let mut owed = short as i128 - coming as i128 - unused as i128;
+            if owed <= 0 {
+                continue;
+            }
+            // Swap first: nothing is lost. Idle holders, then the largest.
+            let mut swappable: Vec<(bool, std::cmp::Reverse<u64>, ConnId)> = gpu
+                .members()
+                .filter(|&(_, c, m)| {
+                    m.granted > 0
+                        && m.residency == Residency::Resident
+                        && !ending.contains(&c)
+                        && gpu.waiter(c).is_none()
+                        && self.peers.get(&c).is_some_and(|p| p.resolver == Resolver::Swap)
+                })
+                .map(|(_, c, m)| {
+                    let idle = self.peers.get(&c).is_some_and(|p| {
+                        now.saturating_duration_since(p.last_active) >= super::swap::IDLE_FOR_SWAP
+                    });
+                    (!idle, std::cmp::Reverse(m.granted), c)
+                })
+                .collect();
+            swappable.sort();
+            let mut swapped_now = Vec::new();
+            for (_, std::cmp::Reverse(bytes), conn) in swappable {
+                if owed <= 0 {
+                    break;
+                }
+                if host.saturating_add(bytes) > swap_limit {
+                    continue;
+                }
+                host += bytes;
+                owed -= bytes as i128;
+                swapped_now.push(conn);
+                swaps.push((device, conn));
+            }
+            if owed <= 0 {
+                continue;
+            }
+            // Then end holders: lowest priority first, then the one borrowing the most.
+            let mut endable: Vec<(i32, std::cmp::Reverse<u64>, ConnId)> = gpu
+                .members()
+                .filter(|&(_, c, m)| {
+                    m.granted > 0 && !on_its_way(c, m.residency) && !swapped_now.contains(&c)
+                })
+                .filter_map(|(_, c, m)| Some((self.peers.get(&c)?.priority, std::cmp::Reverse(m.granted), c)))
+                .collect();
+            endable.sort();
+            for (priority, std::cmp::Reverse(bytes), conn) in endable {
+                if owed <= 0 {
+                    break;
+                }
+                let Some(peer) = self.peers.get(&conn) else { continue };
+                owed -= bytes as i128;
+                plan.end.push(Victim {
+                    conn,
+                    pid: peer.pid,
+                    group: peer.group.clone(),
+                    bytes,
+                    why: format!(
+                        "a guarantee needs its burst memory back (priority {priority}, borrowing {})",
+                        gib(bytes)
+                    ),
+                });
+            }
+        }
+        plan.swap_out =
+            swaps.into_iter().filter_map(|(device, conn)| self.start_swap_out(device, conn, now)).collect();
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::*;
+    use super::GIVE_BACK_GRACE;
+
+    /// An 8 GiB GPU: `holders` (conn, resolver, priority, bytes borrowed and in use), each
+    /// with a request of 0.5 GiB and a limit of 3.5 GiB.
+    fn lent_out(holders: &[(ConnId, Resolver, i32, u64)]) -> Policy {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 8 * GIB)]);
+        for &(conn, resolver, priority, borrowed) in holders {
+            p.hello(conn, Peer { resolver, priority, ..peer(&format!("g{conn}"), 60_000) });
+            p.register(conn, GPU, 8 * GIB, GIB / 2, 7 * GIB / 2, 0, 0, 0).unwrap();
+            assert!(matches!(
+                p.acquire(conn, GPU, 1, borrowed, borrowed, GIB / 2 + borrowed, false, now),
+                Outcome::Granted(_)
+            ));
+        }
+        p
+    }
+
+    #[test]
+    fn nothing_is_done_while_nothing_is_owed() {
+        let mut p = lent_out(&[(1, Resolver::Wait, 0, 3 * GIB)]);
+        assert!(p.reclaim(Instant::now(), &[], u64::MAX).is_empty());
+    }
+
+    #[test]
+    fn a_new_guarantee_takes_loans_back_cheapest_first() {
+        let now = Instant::now();
+        // 8 GiB: two swap holders (2 and 1 GiB in use), two wait holders of priority 5 and
+        // 0 (2 GiB each): 1 GiB of requests, 7 lent; then a 4 GiB request arrives.
+        let mut p = Policy::new(&[(GPU, 8 * GIB)]);
+        for (conn, resolver, priority) in
+            [(1, Resolver::Swap, 0), (2, Resolver::Swap, 0), (3, Resolver::Wait, 5), (4, Resolver::Wait, 0)]
+        {
+            p.hello(conn, Peer { resolver, priority, ..peer(&format!("g{conn}"), 60_000) });
+            p.register(conn, GPU, 8 * GIB, GIB / 4, 9 * GIB / 4, 0, 0, 0).unwrap();
+        }
+        for (conn, bytes) in [(1, 2 * GIB), (2, GIB), (3, 2 * GIB), (4, 2 * GIB)] {
+            // Each uses all it borrowed.
+            assert_eq!(
+                p.acquire(conn, GPU, 1, bytes, bytes, GIB / 4 + bytes, false, now),
+                Outcome::Granted(bytes)
+            );
+        }
+        assert_eq!(p.status().gpus[0].free, 0);
+        p.hello(9, peer("guaranteed", 60_000));
+        p.register(9, GPU, 8 * GIB, 4 * GIB, 4 * GIB, 0, 0, 0).expect("1 + 4 GiB of requests fit 8 GiB");
+        assert_eq!(p.status().gpus[0].reclaiming, 4 * GIB);
+        // Nothing is lent while the guarantee is owed memory.
+        p.hello(10, peer("late", 60_000));
+        p.register(10, GPU, 8 * GIB, GIB / 2, GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(10, GPU, 1, 64 << 20, 64 << 20, 0, false, now), Outcome::Queued);
+        // Everyone is asked to give back unused grants; nobody has any: both swap holders
+        // go to host RAM (3 GiB), then the lowest priority wait holder is ended.
+        let plan = p.reclaim(now, &[], u64::MAX);
+        assert_eq!(plan.give_back.len(), 4, "{plan:?}");
+        let mut swapped: Vec<_> = plan.swap_out.iter().map(|v| (v.conn, v.bytes)).collect();
+        swapped.sort();
+        assert_eq!(swapped, vec![(1, 2 * GIB), (2, GIB)]);
+        assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![4], "{plan:?}");
+        assert!(plan.end[0].why.contains("guarantee"));
+        // Under way: asked again, nothing more is done.
+        assert!(p.reclaim(now, &[4], u64::MAX).is_empty());
+        // The swap-outs are answered and 4 exits: the debt is paid, the late burst is served.
+        p.swapped(1, GPU, 0, 2 * GIB, GIB / 4, now);
+        p.swapped(2, GPU, 0, GIB, GIB / 4, now);
+        let answers = p.disconnect(4, now);
+        assert_eq!(p.status().gpus[0].reclaiming, 0);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(10, Ok(64 << 20))]);
+    }
+
+    #[test]
+    fn unused_grants_are_given_back_before_anyone_is_swapped_or_ended() {
+        let now = Instant::now();
+        // 3 GiB lent, of which 1 GiB is in use.
+        let mut p = lent_out(&[(1, Resolver::Swap, 0, 3 * GIB)]);
+        p.release(1, GPU, 0, GIB / 2 + GIB, now);
+        p.hello(2, peer("new", 60_000));
+        p.register(2, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
+        // 8 - 5.5 requests = 2.5 to lend, 3 lent: 0.5 GiB owed, 2 GiB unused.
+        let plan = p.reclaim(now, &[], u64::MAX);
+        assert_eq!(plan.give_back, vec![(1, GPU)]);
+        assert!(plan.swap_out.is_empty() && plan.end.is_empty(), "{plan:?}");
+        // Not given back within the grace (the report was stale): swapped out after all.
+        let plan = p.reclaim(now + GIVE_BACK_GRACE, &[], u64::MAX);
+        assert_eq!(plan.swap_out.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
+    }
+
+    #[test]
+    fn a_swap_over_the_host_ram_cap_is_not_made_the_holder_is_ended_instead() {
+        let now = Instant::now();
+        let mut p = lent_out(&[(1, Resolver::Swap, 0, 3 * GIB)]);
+        p.hello(2, peer("new", 60_000));
+        p.register(2, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
+        let plan = p.reclaim(now, &[], GIB);
+        assert!(plan.swap_out.is_empty());
+        assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
+    }
+}

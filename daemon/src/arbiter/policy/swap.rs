@@ -1,0 +1,334 @@
+//! The swap resolver takes turns: when the burst at the head of a GPU's queue uses it and
+//! does not fit, holders of burst memory that also use swap are asked to move their burst
+//! memory to host RAM: first those idle (no launch, copy or set for [`IDLE_FOR_SWAP`]),
+//! at once; active ones only once they have held it for their quantum, so that active work
+//! does not thrash. They come back when they ask (a gated call) or when memory is free
+//! again; a swap-in waits without deadline.
+
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::DeviceId;
+use gpufrac_common::Resolver;
+
+use super::{Answer, ConnId, Policy, Residency, SwapVictim};
+
+/// How long a holder shows no activity before it counts as idle and may be swapped out
+/// before its quantum ends. Shims report activity once a second, so two seconds without a
+/// moved count is the shortest span that is not just the reporting period.
+pub const IDLE_FOR_SWAP: Duration = Duration::from_secs(2);
+
+/// How long a holder asked to swap out may take to answer before others are chosen.
+const SWAP_OUT_ANSWER: Duration = Duration::from_secs(60);
+
+impl Policy {
+    /// Host RAM holding swapped-out memory now, plus what swaps under way will add.
+    pub fn host_committed(&self) -> u64 {
+        self.gpus
+            .values()
+            .flat_map(|g| g.members())
+            .map(|(_, _, m)| if m.residency == Residency::SwappingOut { m.granted } else { m.host_bytes })
+            .sum()
+    }
+
+    /// Members told to swap out that have not answered for [`SWAP_OUT_ANSWER`] (a kernel
+    /// that does not end?) count as resident again, so that others can be chosen; their
+    /// answer, if it comes, still says where their memory is.
+    fn forget_unanswered_swap_outs(&mut self, now: Instant) {
+        for gpu in self.gpus.values_mut() {
+            for (name, group) in gpu.groups.iter_mut() {
+                for m in group.members.values_mut() {
+                    let since = m.swapped_since.unwrap_or(now);
+                    if m.residency == Residency::SwappingOut
+                        && now.saturating_duration_since(since) > SWAP_OUT_ANSWER
+                    {
+                        tracing::warn!(group = %name, "no answer to a swap-out after {SWAP_OUT_ANSWER:?}");
+                        (m.residency, m.swapped_since, m.resident_since) =
+                            (Residency::Resident, None, Some(now));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks `conn` as swapping out on `device`; the victim to tell.
+    pub(super) fn start_swap_out(
+        &mut self,
+        device: DeviceId,
+        conn: ConnId,
+        now: Instant,
+    ) -> Option<SwapVictim> {
+        let (gpu, group) = self.member_gpu(conn, &device)?;
+        let m = gpu.member_mut(&group, conn)?;
+        m.residency = Residency::SwappingOut;
+        m.swapped_since = Some(now);
+        let bytes = m.granted;
+        let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
+        Some(SwapVictim { conn, device, pid, group, bytes })
+    }
+
+    /// The swap resolver: for each GPU whose first waiting burst uses swap and does not
+    /// fit, the holders to swap out (marked as swapping out). Candidates also use swap,
+    /// belong to another group, do not wait themselves, are idle or have held their burst
+    /// memory for at least `quantum`, and fit under `swap_limit` bytes of host RAM; idle
+    /// ones go first, then the longest resident. A GPU with a swap-out under way gets no
+    /// new one; a burst no set of candidates can serve is left to wait.
+    pub fn swap_victims(&mut self, now: Instant, quantum: Duration, swap_limit: u64) -> Vec<SwapVictim> {
+        self.forget_unanswered_swap_outs(now);
+        let mut host = self.host_committed();
+        let mut picked: Vec<(DeviceId, ConnId)> = Vec::new();
+        for (&device, gpu) in &self.gpus {
+            if gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut) {
+                continue;
+            }
+            let Some(head) = gpu.queue.front() else { continue };
+            if gpu.free() >= head.bytes
+                || self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap)
+            {
+                continue;
+            }
+            // (busy, since, conn, bytes): idle holders sort first, then the longest resident.
+            let mut candidates: Vec<(bool, Instant, ConnId, u64)> = Vec::new();
+            for (name, conn, m) in gpu.members() {
+                let Some(peer) = self.peers.get(&conn) else { continue };
+                let swappable = *name != head.group
+                    && m.granted > 0
+                    && m.residency == Residency::Resident
+                    && peer.resolver == Resolver::Swap
+                    && gpu.waiter(conn).is_none();
+                let since = m.resident_since.unwrap_or(now);
+                let idle = now.saturating_duration_since(peer.last_active) >= IDLE_FOR_SWAP;
+                if swappable && (idle || now.saturating_duration_since(since) >= quantum) {
+                    candidates.push((!idle, since, conn, m.granted));
+                }
+            }
+            candidates.sort();
+            let (mut room, mut set, needed) = (gpu.room(), Vec::new(), head.bytes as i128);
+            for (_, _, conn, bytes) in candidates {
+                if room >= needed {
+                    break;
+                }
+                if host.saturating_add(bytes) > swap_limit {
+                    continue;
+                }
+                host += bytes;
+                room += bytes as i128;
+                set.push(conn);
+            }
+            if room >= needed {
+                picked.extend(set.into_iter().map(|conn| (device, conn)));
+            }
+        }
+        picked.into_iter().filter_map(|(device, conn)| self.start_swap_out(device, conn, now)).collect()
+    }
+
+    /// A process reports where its burst memory is after a swap (out or in) or a free
+    /// of swapped-out memory: what it is granted, keeps in host RAM and holds now. Memory
+    /// it gave back goes to the waiters.
+    pub fn swapped(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        granted: u64,
+        host_bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
+        // A report cannot put more in the ledger than the group may hold.
+        let (granted, host_bytes) = (granted.min(g.range()), host_bytes.min(g.limit));
+        if let Some(m) = g.members.get_mut(&conn) {
+            (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
+            m.resume_sent = false;
+            if host_bytes > 0 {
+                m.residency = Residency::Swapped;
+                m.swapped_since.get_or_insert(now);
+            } else {
+                if let Some(since) = m.swapped_since.take() {
+                    m.swapped_for += now.saturating_duration_since(since);
+                }
+                // Resident again (or nothing could be swapped): its quantum starts now.
+                m.residency = Residency::Resident;
+                m.resident_since = Some(now);
+            }
+        }
+        Self::drain(device, gpu, now)
+    }
+
+    /// Swapped-out processes that may come back because memory is free and no burst was
+    /// asked for on their GPU for `settle`: at most as many as the free memory holds,
+    /// each told once.
+    pub fn resume_candidates(&mut self, now: Instant, settle: Duration) -> Vec<(ConnId, DeviceId)> {
+        let mut out = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            if !gpu.queue.is_empty() || now.saturating_duration_since(gpu.last_busy) < settle {
+                continue;
+            }
+            let mut free = gpu.free();
+            for group in gpu.groups.values_mut() {
+                let room = group.room();
+                for (&conn, m) in group.members.iter_mut() {
+                    if m.residency == Residency::Swapped && !m.resume_sent && m.host_bytes <= free.min(room) {
+                        free -= m.host_bytes;
+                        m.resume_sent = true;
+                        out.push((conn, device));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::*;
+    use super::IDLE_FOR_SWAP;
+
+    #[test]
+    fn swap_takes_turns_within_the_quantum_and_the_host_ram_cap() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group, resolver) in [
+            (1, "old", Resolver::Swap),
+            (2, "waiter", Resolver::Wait),
+            (3, "new", Resolver::Swap),
+            (4, "bystander", Resolver::Wait),
+        ] {
+            p.hello(conn, Peer { resolver, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 8 * GIB, 0, 0, 0).unwrap();
+        }
+        // 8 GiB to lend: old holds 6 (since long ago), waiter 1, new 1 (just now).
+        let long_ago = now - Duration::from_secs(60);
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, long_ago), Outcome::Granted(6 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+        // Everyone is active.
+        let active = |p: &mut Policy, t: Instant| {
+            for conn in 1..=3 {
+                if let Some(count) = p.peer(conn).map(|peer| peer.activity + 1) {
+                    p.activity(conn, count, t);
+                }
+            }
+        };
+        active(&mut p, now);
+        let quantum = Duration::from_secs(10);
+        // A wait-resolver burst never swaps anyone out.
+        assert_eq!(p.acquire(2, GPU, 2, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.swap_victims(now, quantum, u64::MAX).is_empty());
+        p.disconnect(2, now);
+        // new wants 5 GiB more (3 are free): only old is past its quantum; the waiter's own
+        // group is never chosen.
+        assert_eq!(p.acquire(3, GPU, 2, 5 * GIB, 5 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.swap_victims(now, quantum, 5 * GIB).is_empty(), "6 GiB do not fit a 5 GiB host-RAM cap");
+        let v = p.swap_victims(now, quantum, 64 * GIB);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].conn, v[0].bytes), (1, 6 * GIB));
+        assert!(p.swap_victims(now, quantum, 64 * GIB).is_empty(), "one swap-out at a time per GPU");
+        assert_eq!(state(&p, 1), "swapped");
+        // old answers: 6 GiB in host RAM, its grant back; new is served.
+        let answers = p.swapped(1, GPU, 0, 6 * GIB, 2 * GIB, now);
+        assert_eq!((answers[0].conn, answers[0].result), (3, Ok(5 * GIB)));
+        assert_eq!(p.host_committed(), 6 * GIB);
+        // old wants back in: it waits without deadline, and new (active) is swapped out
+        // only after its quantum.
+        assert_eq!(p.acquire(1, GPU, 2, 6 * GIB, 6 * GIB, 0, true, now), Outcome::Queued);
+        assert!(p.expire(now + Duration::from_secs(3600)).is_empty(), "a swap-in has no deadline");
+        active(&mut p, now + Duration::from_secs(5));
+        assert!(p.swap_victims(now + Duration::from_secs(5), quantum, 64 * GIB).is_empty());
+        active(&mut p, now + Duration::from_secs(11));
+        let v = p.swap_victims(now + Duration::from_secs(11), quantum, 64 * GIB);
+        assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![3]);
+        let answers = p.swapped(3, GPU, 0, 6 * GIB, 2 * GIB, now + Duration::from_secs(12));
+        assert_eq!((answers[0].conn, answers[0].result), (1, Ok(6 * GIB)));
+        p.swapped(1, GPU, 6 * GIB, 0, 8 * GIB, now + Duration::from_secs(13));
+        assert_eq!(state(&p, 1), "running");
+        let s = p.status();
+        let old = s.gpus[0].processes.iter().find(|x| x.group == "old").unwrap();
+        assert_eq!(old.swapped_ms, 13_000);
+        assert_eq!(s.gpus[0].swapped, 6 * GIB, "new's memory is in host RAM now");
+        // Memory frees: new is told it may come back, once.
+        p.release(1, GPU, 6 * GIB, 2 * GIB, now);
+        let later = Instant::now() + Duration::from_secs(14);
+        assert!(p.resume_candidates(later, Duration::from_secs(60)).is_empty(), "not before memory settles");
+        assert_eq!(p.resume_candidates(later, Duration::ZERO), vec![(3, GPU)]);
+        assert!(p.resume_candidates(later, Duration::ZERO).is_empty());
+    }
+
+    #[test]
+    fn an_idle_holder_is_swapped_out_at_once_an_active_one_after_its_quantum() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "busy"), (2, "sleepy"), (3, "asker")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, last_active: now, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 7 * GIB, 0, 0, 0).unwrap();
+        }
+        // 10 GiB to lend: busy and sleepy each borrow 4 GiB just now.
+        assert_eq!(p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
+        let t = now + IDLE_FOR_SWAP;
+        p.activity(1, 7, t);
+        assert_eq!(p.acquire(3, GPU, 1, 4 * GIB, 4 * GIB, 0, false, t), Outcome::Queued);
+        // The quantum (10 s) protects busy; sleepy has not launched anything for 2 s.
+        let v = p.swap_victims(t, Duration::from_secs(10), u64::MAX);
+        assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 4 * GIB)]);
+    }
+
+    #[test]
+    fn a_swap_in_that_fits_goes_ahead_of_a_head_that_does_not() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 60_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 0, 0, 0).unwrap();
+        }
+        // 12 GiB to lend: b holds 11, a (swapped out) wants 6 back, b is swapped out of 1 GiB.
+        assert_eq!(p.acquire(2, GPU, 1, 11 * GIB, 11 * GIB, 0, false, now), Outcome::Granted(11 * GIB));
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 2 * GIB, 0, 6 * GIB).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, true, now), Outcome::Queued);
+        p.swapped(2, GPU, 10 * GIB, GIB, 12 * GIB, now);
+        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, true, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert_eq!(
+            (answers[0].conn, answers[0].result),
+            (2, Ok(GIB)),
+            "b's small swap-in fits and goes first"
+        );
+    }
+
+    #[test]
+    fn a_swap_out_left_unanswered_does_not_block_the_gpu_for_ever() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 600_000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        }
+        let long_ago = now - Duration::from_secs(60);
+        assert_eq!(p.acquire(1, GPU, 1, 10 * GIB, 10 * GIB, 0, false, long_ago), Outcome::Granted(10 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        let quantum = Duration::from_secs(10);
+        assert_eq!(p.swap_victims(now, quantum, u64::MAX).len(), 1);
+        assert!(p.swap_victims(now + Duration::from_secs(30), quantum, u64::MAX).is_empty());
+        // No answer for over a minute: resident again, its quantum anew, then asked again.
+        p.activity(1, 1, now + Duration::from_secs(61));
+        assert!(p.swap_victims(now + Duration::from_secs(61), quantum, u64::MAX).is_empty());
+        assert_eq!(state(&p, 1), "running");
+        p.activity(1, 2, now + Duration::from_secs(72));
+        assert_eq!(p.swap_victims(now + Duration::from_secs(72), quantum, u64::MAX).len(), 1);
+    }
+
+    #[test]
+    fn reports_cannot_put_more_in_the_ledger_than_the_group_may_hold() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { resolver: Resolver::Swap, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 6 * GIB, 0, u64::MAX, u64::MAX).unwrap();
+        p.swapped(1, GPU, u64::MAX, u64::MAX, 0, now);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.burst, s.swapped), (4 * GIB, 6 * GIB));
+        assert_eq!(p.host_committed(), 6 * GIB);
+    }
+}

@@ -1,0 +1,439 @@
+//! Wait-and-retry, the queue every resolver starts from. A burst is granted at once when
+//! it fits and the GPU stays *safe*; otherwise it waits in its GPU's queue, in order, until
+//! memory comes back or its deadline passes.
+//!
+//! Safe is the banker's rule over each group's declared limit: the loans out must be such
+//! that, in some order, each borrowing group could still get everything up to its limit
+//! from what is free plus what the groups before it give back. A grant that would leave
+//! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
+//! while waiting for each other: colliding bursts are served one after another instead of
+//! ending in out-of-memory. A waiter whose group already borrows may go ahead of the head
+//! when its grant keeps the GPU safe (finishing a burst under way is what frees memory);
+//! a group that borrows nothing waits its turn.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use gpufrac_common::protocol::{Denial, DeviceId};
+
+use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, NO_DEADLINE};
+
+impl Gpu {
+    /// Memory the groups may borrow in all: what no request reserves and nobody outside
+    /// gpufrac uses.
+    fn lendable(&self) -> u64 {
+        self.total.saturating_sub(self.guaranteed()).saturating_sub(self.outside())
+    }
+
+    /// Whether lending `bytes` more to `group` leaves the GPU safe (see the module doc).
+    fn safe_after(&self, group: &str, bytes: u64) -> bool {
+        let mut free = self.room() - bytes as i128;
+        if free < 0 {
+            return false;
+        }
+        let lendable = self.lendable();
+        // (what it may still claim, what it holds) of each borrowing group.
+        let mut borrowers: Vec<(u64, u64)> = self
+            .groups
+            .iter()
+            .filter_map(|(name, g)| {
+                let granted = g.granted() + if name == group { bytes } else { 0 };
+                let most = g.range().min(lendable);
+                (granted > 0).then_some((most.saturating_sub(granted), granted))
+            })
+            .collect();
+        // One resource: serving the smallest claims first finds an order if there is one.
+        borrowers.sort_unstable();
+        for (claim, granted) in borrowers {
+            if claim as i128 > free {
+                return false;
+            }
+            free += granted as i128;
+        }
+        true
+    }
+
+    /// The grant for waiter `w` now, if any: `preferred` (capped by what is free and by
+    /// the group's limit) if that keeps the GPU safe, else the `bytes` it needs.
+    fn grant_for(&self, group: &str, bytes: u64, preferred: u64) -> Option<u64> {
+        let room = self.groups.get(group)?.room();
+        let free = self.free();
+        if bytes > free || bytes > room {
+            return None;
+        }
+        let generous = preferred.min(free).min(room).max(bytes);
+        [generous, bytes].into_iter().find(|&grant| self.safe_after(group, grant))
+    }
+
+    /// Whether `group` borrows now.
+    fn borrows(&self, group: &str) -> bool {
+        self.groups.get(group).is_some_and(|g| g.granted() > 0)
+    }
+}
+
+impl Policy {
+    /// Asks for at least `bytes` (`preferred` if there is room) of burst memory on `device`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn acquire(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        seq: u64,
+        bytes: u64,
+        preferred: u64,
+        held: u64,
+        resume: bool,
+        now: Instant,
+    ) -> Outcome {
+        let Some(peer) = self.peers.get(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
+        let timeout = peer.wait_timeout;
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else {
+            return Outcome::Denied(Denial::UnknownDevice);
+        };
+        let room = gpu.groups.get(&group).map_or(0, |g| g.room());
+        if let Some(m) = gpu.member_mut(&group, conn) {
+            m.held = held;
+        }
+        if bytes > room {
+            return Outcome::Denied(Denial::OverLimit);
+        }
+        gpu.last_busy = now;
+        if gpu.queue.is_empty() {
+            if let Some(grant) = gpu.grant_for(&group, bytes, preferred) {
+                if let Some(m) = gpu.member_mut(&group, conn) {
+                    m.grant(grant, now);
+                }
+                return Outcome::Granted(grant);
+            }
+        }
+        gpu.queue.push_back(Waiter {
+            conn,
+            group,
+            seq,
+            resume,
+            bytes,
+            preferred,
+            since: now,
+            deadline: if resume { now + NO_DEADLINE } else { now + timeout },
+        });
+        Outcome::Queued
+    }
+
+    /// Queues a burst like `acquire` and returns what the queue decided at once.
+    pub fn acquire_answers(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        seq: u64,
+        bytes: u64,
+        now: Instant,
+    ) -> Vec<Answer> {
+        match self.acquire(conn, device, seq, bytes, bytes, 0, false, now) {
+            Outcome::Queued => self.settle(device, now),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Re-examines a GPU's queue (after a burst was queued).
+    pub fn settle(&mut self, device: DeviceId, now: Instant) -> Vec<Answer> {
+        match self.gpus.get_mut(&device) {
+            Some(gpu) => Self::drain(device, gpu, now),
+            None => Vec::new(),
+        }
+    }
+
+    /// Waiters whose deadline passed are denied; the waiters behind them may now fit.
+    pub fn expire(&mut self, now: Instant) -> Vec<Answer> {
+        let mut answers = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            if gpu.queue.iter().all(|w| w.deadline > now) {
+                continue;
+            }
+            let (expired, kept): (VecDeque<Waiter>, VecDeque<Waiter>) =
+                std::mem::take(&mut gpu.queue).into_iter().partition(|w| w.deadline <= now);
+            gpu.queue = kept;
+            for w in expired {
+                answers.push(Self::deny_waiter(gpu, device, w, Denial::Timeout, now));
+            }
+            answers.extend(Self::drain(device, gpu, now));
+        }
+        answers
+    }
+
+    /// Connections that hold burst grants on a GPU where someone waits or a guarantee is
+    /// owed memory: they are asked to give back what they do not use.
+    pub fn contended_holders(&self) -> Vec<(ConnId, DeviceId)> {
+        let mut out = Vec::new();
+        for (&device, gpu) in &self.gpus {
+            if gpu.queue.is_empty() && gpu.shortfall() == 0 {
+                continue;
+            }
+            out.extend(gpu.members().filter(|(_, _, m)| m.granted > 0).map(|(_, conn, _)| (conn, device)));
+        }
+        out
+    }
+
+    /// Grants what the queue of `gpu` allows now.
+    pub(super) fn drain(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<Answer> {
+        let mut answers = Vec::new();
+        while let Some(head) = gpu.queue.front() {
+            if gpu.groups.get(&head.group).is_none_or(|g| g.room() < head.bytes) {
+                // Its group can no longer take it (it changed meanwhile): answer now.
+                if let Some(w) = gpu.queue.pop_front() {
+                    answers.push(Self::deny_waiter(gpu, device, w, Denial::OverLimit, now));
+                }
+                continue;
+            }
+            if let Some(grant) = gpu.grant_for(&head.group, head.bytes, head.preferred) {
+                if let Some(w) = gpu.queue.pop_front() {
+                    answers.push(Self::grant_waiter(gpu, device, w, grant, now));
+                }
+                continue;
+            }
+            // Who may go ahead of a head that cannot be served: a swap-in that fits (its
+            // process is held at its gate, maybe with memory the head needs, and brings
+            // back nothing new to lend), or a burst of a group that already borrows and
+            // whose grant keeps the GPU safe.
+            let free = gpu.free();
+            let ahead = gpu.queue.iter().enumerate().skip(1).find_map(|(i, w)| {
+                if w.resume {
+                    let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
+                    return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
+                }
+                if !gpu.borrows(&w.group) {
+                    return None;
+                }
+                gpu.grant_for(&w.group, w.bytes, w.preferred).map(|grant| (i, grant))
+            });
+            if let Some(w) = ahead.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
+                answers.push(Self::grant_waiter(gpu, device, w.0, w.1, now));
+                continue;
+            }
+            let Some(victim) = Self::deadlocked(gpu, now) else { break };
+            // Only when something outside the ledger's rules (memory used outside gpufrac
+            // grew) left every borrower waiting with nobody to serve: refuse the one
+            // holding the most, whose out-of-memory error makes it free what it holds.
+            let Some(w) = gpu.queue.iter().position(|w| w.conn == victim).and_then(|i| gpu.queue.remove(i))
+            else {
+                break;
+            };
+            answers.push(Self::deny_waiter(gpu, device, w, Denial::Deadlock, now));
+        }
+        answers
+    }
+
+    fn deny_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, reason: Denial, now: Instant) -> Answer {
+        let waited = now.saturating_duration_since(w.since);
+        if let Some(m) = gpu.member_mut(&w.group, w.conn) {
+            m.waited += waited;
+        }
+        Answer { conn: w.conn, seq: w.seq, device, waited, result: Err(reason) }
+    }
+
+    fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
+        let waited = now.saturating_duration_since(w.since);
+        if let Some(m) = gpu.member_mut(&w.group, w.conn) {
+            m.grant(grant, now);
+            m.waited += waited;
+            // A holder that had to wait has not had its turn yet: its quantum starts now.
+            if m.residency == Residency::Resident {
+                m.resident_since = Some(now);
+            }
+        }
+        gpu.last_busy = now;
+        Answer { conn: w.conn, seq: w.seq, device, waited, result: Ok(grant) }
+    }
+
+    /// If every holder of burst memory on `gpu` waits for more, the waiting holder with
+    /// the largest grant (never a swap-in: refusing it would free nothing). Safe grants
+    /// never lead here; memory used outside gpufrac that grows can. Not while guarantees
+    /// are owed memory (taking loans back resolves that), nor just after a restart, when
+    /// memory outside gpufrac is likely shims coming back with what they hold.
+    fn deadlocked(gpu: &Gpu, now: Instant) -> Option<ConnId> {
+        if gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
+            return None;
+        }
+        let mut holders = gpu.members().filter(|(_, _, m)| m.granted > 0).peekable();
+        holders.peek()?;
+        let mut victim: Option<(ConnId, u64)> = None;
+        for (_, conn, m) in holders {
+            let waiting = gpu.waiter(conn)?;
+            if !waiting.resume && victim.is_none_or(|(_, most)| m.granted > most) {
+                victim = Some((conn, m.granted));
+            }
+        }
+        victim.map(|(conn, _)| conn)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::*;
+
+    #[test]
+    fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {
+        let now = Instant::now();
+        let mut p = policy_with(&[
+            (1, "a", 4 * GIB, 8 * GIB),
+            (2, "b", 4 * GIB, 6 * GIB),
+            (3, "c", 4 * GIB, 5 * GIB),
+        ]);
+        // 4 GiB unreserved.
+        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        assert_eq!(
+            p.acquire(3, GPU, 1, GIB / 2, GIB / 2, 0, false, now),
+            Outcome::Queued,
+            "no bypassing the head"
+        );
+        assert_eq!(p.status().gpus[0].processes.iter().filter(|s| s.state == "waiting").count(), 2);
+        let answers = p.release(1, GPU, 3 * GIB, 0, now + Duration::from_millis(5));
+        assert_eq!(answers.len(), 2);
+        assert_eq!((answers[0].conn, answers[0].result), (2, Ok(2 * GIB)));
+        assert_eq!((answers[1].conn, answers[1].result), (3, Ok(GIB / 2)));
+        assert_eq!(answers[0].waited, Duration::from_millis(5));
+        let s = &p.status().gpus[0];
+        assert!(s.burst + s.guaranteed <= 16 * GIB);
+    }
+
+    #[test]
+    fn grants_never_pass_the_limit_or_the_gpu() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 2 * GIB, 3 * GIB)]);
+        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(
+            p.acquire(1, GPU, 2, GIB / 2, 4 * GIB, 0, false, now),
+            Outcome::Granted(GIB),
+            "a chunk, capped by the limit"
+        );
+        assert_eq!(p.acquire(1, GPU, 3, 1, 1, 0, false, now), Outcome::Denied(Denial::OverLimit));
+    }
+
+    #[test]
+    fn waiters_time_out_and_unblock_the_queue() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 4 * GIB, 12 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+        p.hello(2, Peer { wait_timeout: Duration::from_millis(10), ..peer("b", 10) });
+        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.expire(now + Duration::from_millis(5)).is_empty());
+        let answers = p.expire(now + Duration::from_millis(11));
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].seq, answers[0].result), (2, 7, Err(Denial::Timeout)));
+    }
+
+    #[test]
+    fn partial_bursts_never_deadlock_they_are_served_one_after_another() {
+        let now = Instant::now();
+        // 8 servers: request 1 GiB, limit 4 GiB, 8 GiB to lend; each bursts by 3 GiB in
+        // 64 MiB steps, asking a 768 MiB chunk at a time, all at once.
+        let servers: Vec<(ConnId, String)> = (1..=8).map(|c| (c, format!("s{c}"))).collect();
+        let groups: Vec<(ConnId, &str, u64, u64)> =
+            servers.iter().map(|(c, g)| (*c, g.as_str(), GIB, 4 * GIB)).collect();
+        let mut p = policy_with(&groups);
+        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
+        let chunk = 768 << 20;
+        let step = 64 << 20;
+        // Holdings per server; each asks until it has 3 GiB, then frees everything.
+        let mut granted = [0u64; 9];
+        let mut waiting = [false; 9];
+        let mut done = 0;
+        let mut seq = 0;
+        let mut t = now;
+        for _round in 0..10_000 {
+            t += Duration::from_millis(1);
+            let mut progressed = false;
+            for conn in 1..=8u64 {
+                let c = conn as usize;
+                if waiting[c] || granted[c] >= 3 * GIB {
+                    continue;
+                }
+                seq += 1;
+                match p.acquire(conn, GPU, seq, step, chunk, 0, false, t) {
+                    Outcome::Granted(g) => granted[c] += g,
+                    Outcome::Queued => {
+                        waiting[c] = true;
+                        for a in p.settle(GPU, t) {
+                            assert!(a.result.is_ok(), "nobody is refused: {a:?}");
+                            granted[a.conn as usize] += a.result.unwrap();
+                            waiting[a.conn as usize] = false;
+                        }
+                    }
+                    Outcome::Denied(d) => panic!("denied {d:?}"),
+                }
+                progressed = true;
+            }
+            // Whoever has its whole burst uses it and frees it.
+            for conn in 1..=8u64 {
+                let c = conn as usize;
+                if granted[c] >= 3 * GIB {
+                    let back = granted[c];
+                    granted[c] = 0;
+                    done += 1;
+                    for a in p.release(conn, GPU, back, GIB, t) {
+                        assert!(a.result.is_ok(), "nobody is refused: {a:?}");
+                        granted[a.conn as usize] += a.result.unwrap();
+                        waiting[a.conn as usize] = false;
+                    }
+                    progressed = true;
+                }
+            }
+            if done >= 24 {
+                break;
+            }
+            assert!(progressed, "stuck: every server waits");
+            assert!(p.status().gpus[0].burst <= 8 * GIB);
+        }
+        assert!(done >= 24, "every server finished its bursts, {done} done");
+        assert!(p.expire(t + Duration::from_secs(1)).is_empty(), "nobody timed out");
+    }
+
+    #[test]
+    fn a_group_that_borrows_goes_ahead_of_a_head_that_cannot_be_served() {
+        let now = Instant::now();
+        let mut p = policy_with(&[
+            (1, "a", 2 * GIB, 10 * GIB),
+            (2, "b", 2 * GIB, 10 * GIB),
+            (3, "c", 2 * GIB, 4 * GIB),
+        ]);
+        // 10 GiB to lend; a borrows 6 and may claim 2 more.
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
+        // b asks 3 of the 4 free: then a could not finish its burst (2 more, 1 free) nor b
+        // (5 more): lending it could strand both, so b waits.
+        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty());
+        // a asks for the rest of its burst: it goes ahead of b and is served.
+        assert_eq!(p.acquire(1, GPU, 2, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(2 * GIB))]);
+        // a is done and frees its burst: b is served.
+        let answers = p.release(1, GPU, 8 * GIB, 0, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(3 * GIB))]);
+    }
+
+    #[test]
+    fn a_limit_above_what_can_be_lent_still_gets_bursts() {
+        let now = Instant::now();
+        // b's limit is the whole GPU, more than the 12 GiB that can ever be lent.
+        let mut p = policy_with(&[(1, "a", 2 * GIB, 2 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
+        assert_eq!(p.acquire(2, GPU, 1, GIB, 4 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
+        assert_eq!(p.acquire(2, GPU, 2, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+    }
+
+    #[test]
+    fn after_the_reconnect_grace_outside_memory_does_not_block_deadlock_breaking() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { pid: 101, ..peer("a", 60_000) });
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 16 * GIB, 0, 0, 0).unwrap();
+        p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now);
+        p.observe_processes(GPU, &[(200, 6 * GIB)], now);
+        // a holds 4 GiB lent and waits for 4 more, 2 are free: only a could give memory back.
+        assert_eq!(p.acquire(1, GPU, 2, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty(), "just after a start: maybe shims coming back");
+        let answers = p.settle(GPU, now + RECONNECT_GRACE + Duration::from_secs(1));
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].conn, answers[0].result), (1, Err(Denial::Deadlock)));
+    }
+}
