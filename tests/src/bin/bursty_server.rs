@@ -1,0 +1,391 @@
+//! A simulated inference server with a bursty trace, for the density benchmark and the
+//! tests: it loads a "model" (`--base`), then plays `--bursts` bursts, each after a random
+//! gap, each allocating `--burst` bytes in `--step`-sized `cuMemAlloc` calls, holding them
+//! `--hold` ms and freeing them. It calls the driver through `cudarc::driver::sys`
+//! (dlopen + dlsym), so it runs bare on simgpu and under the shim alike.
+//!
+//! ```text
+//! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--hold MS] [--bursts N]
+//!               [--gap-ms MIN-MAX] [--seed N] [--verify]
+//! ```
+//!
+//! Output, one line each, flushed:
+//! - stdout `READY <base bytes>` once the model is loaded and filled;
+//! - stdout `BURST <i> ok wait_ms=<ms>` for a burst served (its wait is the wall time from
+//!   its first allocation call to its last success), or `BURST <i> oom after_ms=<ms>
+//!   error=<CUDA error name>` for one that failed (what it got is freed);
+//! - stdout `DONE bursts=<n> ok=<k> oom=<m>` at the end, exit status 0;
+//! - stderr `FAILED init <error>` or `FAILED base <error>` (exit 3) when the CUDA set-up or
+//!   the model cannot be had; `CORRUPT ...` (exit 4) when `--verify` finds data that came
+//!   back wrong; a message naming the option (exit 2) for bad arguments.
+//!
+//! With `--verify` every step of a burst is filled with its own value (simgpu's
+//! `simgpu_fill_u32`) and checked after the hold with `simgpu_checksum_u32`, and the model
+//! is checked after every burst. The checksums are written into the model's first 8 bytes,
+//! a scratch slot that is not part of the checked model, so the program allocates exactly
+//! `base + bursts` and nothing else.
+
+use std::ffi::{c_void, CStr};
+use std::io::Write;
+use std::process::exit;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self, CUresult};
+
+const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--hold MS] \
+[--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]";
+
+/// The smallest size accepted for `--base`, `--burst` and `--step`.
+const MIN_SIZE: u64 = 4096;
+
+/// The command line.
+#[derive(Debug)]
+struct Args {
+    base: u64,
+    burst: u64,
+    step: u64,
+    hold: Duration,
+    bursts: u32,
+    gap_min_ms: u64,
+    gap_max_ms: u64,
+    seed: u64,
+    verify: bool,
+}
+
+/// A bad command line: the message to print before exiting with status 2.
+fn bad(message: String) -> ! {
+    eprintln!("bursty_server: {message}\n{USAGE}");
+    exit(2)
+}
+
+fn parse_args(argv: &[String]) -> Args {
+    let mut args = Args {
+        base: 512 << 20,
+        burst: 3 << 30,
+        step: 64 << 20,
+        hold: Duration::from_millis(300),
+        bursts: 10,
+        gap_min_ms: 100,
+        gap_max_ms: 1500,
+        seed: u64::from(std::process::id()),
+        verify: false,
+    };
+    let mut it = argv.iter();
+    while let Some(flag) = it.next() {
+        if flag == "--verify" {
+            args.verify = true;
+            continue;
+        }
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            exit(0);
+        }
+        // Both `--flag value` and `--flag=value`.
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_owned())),
+            _ => (flag.as_str(), None),
+        };
+        let known = ["--base", "--burst", "--step", "--hold", "--bursts", "--gap-ms", "--seed"];
+        if !known.contains(&name) {
+            bad(format!("unknown argument {flag:?}"));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it.next().cloned().unwrap_or_else(|| bad(format!("{name} needs a value"))),
+        };
+        let size = |value: &str| -> u64 {
+            let bytes = gpufrac_common::parse_bytes(name, value).unwrap_or_else(|e| bad(e.to_string()));
+            if bytes < MIN_SIZE {
+                bad(format!("{name} {value:?} is too small: at least 4KiB"));
+            }
+            bytes
+        };
+        let number = |value: &str| -> u64 {
+            value.trim().parse().unwrap_or_else(|_| bad(format!("{name} {value:?}: expected a whole number")))
+        };
+        match name {
+            "--base" => args.base = size(&value),
+            "--burst" => args.burst = size(&value),
+            "--step" => args.step = size(&value),
+            "--hold" => args.hold = Duration::from_millis(number(&value)),
+            "--bursts" => {
+                args.bursts = u32::try_from(number(&value))
+                    .unwrap_or_else(|_| bad(format!("--bursts {value:?} is too large")))
+            }
+            "--seed" => args.seed = number(&value),
+            "--gap-ms" => {
+                let (min, max) = value.split_once('-').unwrap_or_else(|| {
+                    bad(format!("--gap-ms {value:?}: expected MIN-MAX in ms, e.g. 100-1500"))
+                });
+                let (min, max) = (number(min), number(max));
+                if min > max {
+                    bad(format!("--gap-ms {value:?}: MIN is above MAX"));
+                }
+                (args.gap_min_ms, args.gap_max_ms) = (min, max);
+            }
+            _ => unreachable!("every known flag is handled"),
+        }
+    }
+    args
+}
+
+/// A small, seeded generator (splitmix64 to spread the seed, then xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        Rng(if z == 0 { 0x2545_f491_4f6c_dd1d } else { z })
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `[min, max]` (the tiny modulo bias does not matter here).
+    fn between(&mut self, min: u64, max: u64) -> u64 {
+        min + self.next() % (max - min + 1)
+    }
+}
+
+/// The driver's name for `r` (`CUDA_ERROR_OUT_OF_MEMORY`).
+fn error_name(r: CUresult) -> String {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: a valid out-pointer; the driver answers a static string or an error.
+    let ok = unsafe { sys::cuGetErrorName(r, &mut name) } == CUresult::CUDA_SUCCESS;
+    if ok && !name.is_null() {
+        // SAFETY: cuGetErrorName returned a NUL-terminated static string.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    } else {
+        format!("{r:?}")
+    }
+}
+
+fn check(r: CUresult) -> Result<(), CUresult> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(r)
+    }
+}
+
+/// Prints one line on stdout and flushes it, so readers see it at once.
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (the reader went away) is no reason to stop the trace.
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+/// The simgpu built-in kernels used to fill and check memory.
+struct Kernels {
+    fill: sys::CUfunction,
+    checksum: sys::CUfunction,
+}
+
+/// CUDA set up: a current context and the kernels.
+fn init() -> Result<Kernels, CUresult> {
+    // SAFETY: every call gets valid out-pointers and handles it was given by the driver.
+    unsafe {
+        check(sys::cuInit(0))?;
+        let mut dev = 0;
+        check(sys::cuDeviceGet(&mut dev, 0))?;
+        let mut ctx = null_mut();
+        check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+        check(sys::cuCtxSetCurrent(ctx))?;
+        let mut module = null_mut();
+        check(sys::cuModuleLoadData(&mut module, c"simgpu built-in kernels".as_ptr().cast()))?;
+        let mut k = Kernels { fill: null_mut(), checksum: null_mut() };
+        check(sys::cuModuleGetFunction(&mut k.fill, module, c"simgpu_fill_u32".as_ptr()))?;
+        check(sys::cuModuleGetFunction(&mut k.checksum, module, c"simgpu_checksum_u32".as_ptr()))?;
+        Ok(k)
+    }
+}
+
+fn launch(f: sys::CUfunction, args: &mut [*mut c_void]) -> Result<(), CUresult> {
+    // SAFETY: `args` points at the kernel's parameters, each alive for the call (the
+    // driver copies them before returning); the legacy default stream (null) is valid.
+    check(unsafe { sys::cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, null_mut(), args.as_mut_ptr(), null_mut()) })
+}
+
+impl Kernels {
+    /// Queues `ptr[0..count] = value`.
+    fn fill(&self, ptr: u64, value: u32, count: usize) -> Result<(), CUresult> {
+        let (mut p, mut v, mut c) = (ptr, value, count);
+        launch(
+            self.fill,
+            &mut [(&mut p as *mut u64).cast(), (&mut v as *mut u32).cast(), (&mut c as *mut usize).cast()],
+        )
+    }
+
+    /// The wrapping sum of `ptr[0..count]`, computed on the device into `scratch` (8 bytes).
+    fn checksum(&self, ptr: u64, count: usize, scratch: u64) -> Result<u64, CUresult> {
+        let (mut p, mut c, mut o) = (ptr, count, scratch);
+        launch(
+            self.checksum,
+            &mut [(&mut p as *mut u64).cast(), (&mut c as *mut usize).cast(), (&mut o as *mut u64).cast()],
+        )?;
+        let mut sum = 0u64;
+        // SAFETY: 8 bytes into a u64; the synchronous copy is ordered after the kernel.
+        check(unsafe { sys::cuMemcpyDtoH_v2((&mut sum as *mut u64).cast(), scratch, 8) })?;
+        Ok(sum)
+    }
+}
+
+/// One device allocation.
+#[derive(Clone, Copy)]
+struct Block {
+    ptr: u64,
+    bytes: u64,
+}
+
+fn alloc(bytes: u64) -> Result<Block, CUresult> {
+    let mut ptr = 0u64;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
+    Ok(Block { ptr, bytes })
+}
+
+fn free_all(blocks: &mut Vec<Block>) {
+    for b in blocks.drain(..) {
+        // SAFETY: `b.ptr` came from cuMemAlloc_v2 and is freed once. A failure leaves
+        // nothing to do: the process exit releases it.
+        unsafe { sys::cuMemFree_v2(b.ptr) };
+    }
+}
+
+/// `total` split into `step`-sized pieces (the last one smaller when it does not divide).
+fn pieces(total: u64, step: u64) -> impl Iterator<Item = u64> {
+    (0..total.div_ceil(step)).map(move |i| step.min(total - i * step))
+}
+
+/// The value that fills step `j` of burst `i` (`i == u32::MAX`: the model).
+fn value(i: u32, j: usize) -> u32 {
+    let h = Rng::new((u64::from(i) << 32) | j as u64).next();
+    (h >> 32) as u32 | 1
+}
+
+/// The words checked in `block`: where they start and how many (the model's first block
+/// starts with the 8-byte scratch slot, which is not checked).
+fn words(block: &Block, scratch_in_it: bool) -> (u64, usize) {
+    let skip = if scratch_in_it { 2 } else { 0 };
+    (block.ptr + 4 * skip, (block.bytes / 4 - skip) as usize)
+}
+
+fn corrupt(what: String) -> ! {
+    eprintln!("CORRUPT {what}");
+    exit(4)
+}
+
+fn cuda_failed(what: &str, r: CUresult) -> ! {
+    eprintln!("bursty_server: {what} failed: {}", error_name(r));
+    exit(1)
+}
+
+/// Checks every block of the model against its fill value.
+fn check_model(k: &Kernels, model: &[Block], scratch: u64, after: u32) {
+    for (j, b) in model.iter().enumerate() {
+        let (ptr, count) = words(b, j == 0);
+        let got = k.checksum(ptr, count, scratch).unwrap_or_else(|r| cuda_failed("checking the model", r));
+        let want = (count as u64).wrapping_mul(u64::from(value(u32::MAX, j)));
+        if got != want {
+            corrupt(format!("model block {j} after burst {after}: checksum {got:#x}, expected {want:#x}"));
+        }
+    }
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = parse_args(&argv);
+    let mut rng = Rng::new(args.seed);
+
+    // SAFETY: only tries to load the library.
+    if !unsafe { sys::is_culib_present() } {
+        eprintln!("FAILED init no CUDA driver (libcuda.so) found");
+        exit(3);
+    }
+    let k = init().unwrap_or_else(|r| {
+        eprintln!("FAILED init {}", error_name(r));
+        exit(3)
+    });
+
+    // The model, in steps, filled on the device.
+    let mut model = Vec::new();
+    for bytes in pieces(args.base, args.step) {
+        match alloc(bytes) {
+            Ok(b) => model.push(b),
+            Err(r) => {
+                eprintln!("FAILED base {}", error_name(r));
+                exit(3);
+            }
+        }
+    }
+    for (j, b) in model.iter().enumerate() {
+        k.fill(b.ptr, value(u32::MAX, j), (b.bytes / 4) as usize)
+            .unwrap_or_else(|r| cuda_failed("filling the model", r));
+    }
+    // SAFETY: no arguments.
+    check(unsafe { sys::cuCtxSynchronize() }).unwrap_or_else(|r| cuda_failed("loading the model", r));
+    // The model's first 8 bytes (its first block is at least 4 KiB).
+    let scratch = model.first().expect("the model has at least one block (base >= 4KiB)").ptr;
+    if args.verify {
+        check_model(&k, &model, scratch, 0);
+    }
+    say(&format!("READY {}", args.base));
+
+    let (mut ok, mut oom) = (0u32, 0u32);
+    let mut burst = Vec::new();
+    for i in 0..args.bursts {
+        std::thread::sleep(Duration::from_millis(rng.between(args.gap_min_ms, args.gap_max_ms)));
+        let started = Instant::now();
+        let mut failed = None;
+        for bytes in pieces(args.burst, args.step) {
+            match alloc(bytes) {
+                Ok(b) => burst.push(b),
+                Err(r) => {
+                    failed = Some(r);
+                    break;
+                }
+            }
+        }
+        let ms = started.elapsed().as_millis();
+        if let Some(r) = failed {
+            free_all(&mut burst);
+            oom += 1;
+            say(&format!("BURST {i} oom after_ms={ms} error={}", error_name(r)));
+            continue;
+        }
+        if args.verify {
+            for (j, b) in burst.iter().enumerate() {
+                k.fill(b.ptr, value(i, j), (b.bytes / 4) as usize)
+                    .unwrap_or_else(|r| cuda_failed("filling a burst", r));
+            }
+        }
+        std::thread::sleep(args.hold);
+        if args.verify {
+            for (j, b) in burst.iter().enumerate() {
+                let (ptr, count) = words(b, false);
+                let got =
+                    k.checksum(ptr, count, scratch).unwrap_or_else(|r| cuda_failed("checking a burst", r));
+                let want = (count as u64).wrapping_mul(u64::from(value(i, j)));
+                if got != want {
+                    corrupt(format!("burst {i} step {j}: checksum {got:#x}, expected {want:#x}"));
+                }
+            }
+        }
+        free_all(&mut burst);
+        if args.verify {
+            check_model(&k, &model, scratch, i);
+        }
+        ok += 1;
+        say(&format!("BURST {i} ok wait_ms={ms}"));
+    }
+    free_all(&mut model);
+    say(&format!("DONE bursts={} ok={ok} oom={oom}", args.bursts));
+}

@@ -1,0 +1,393 @@
+//! Density benchmark: how many bursty inference servers one GPU holds with gpufrac's
+//! dynamic fractions, against fractions sized for the peak.
+//!
+//! N simulated servers (`bursty_server`: a 512 MiB model, then bursts of 3 GiB in 64 MiB
+//! allocations, held 300 ms, 100-1500 ms apart, the same seeded trace per server index in
+//! every configuration) share ONE simgpu GPU (16 GiB, 64 MiB per context), started at once,
+//! in these configurations, one after another:
+//!
+//! - `static`: fractions sized for the peak (request = limit = model + burst + context,
+//!   shim without arbiter); as many servers as fit, floor(device / peak), which is its
+//!   servers per GPU;
+//! - `bare`: N servers, no shim, no arbiter: colliding bursts are out-of-memory errors;
+//! - `wait`, `priority`, `swap`: N servers under the shim and `gpufrac-arbiter` (`--swap-quantum
+//!   1s` for swap), request = model + context + 448 MiB (1 GiB), limit = peak, each its own
+//!   group, `GPUFRAC_WAIT_TIMEOUT=30s`.
+//!
+//! It prints a markdown table (servers per GPU, bursts served, out-of-memory errors, burst
+//! wait p50/p99 over the bursts served, wall time), the ratio of gpufrac (`wait`) servers
+//! per GPU to `static`, and under it what the arbiter counted (its metrics: waits,
+//! timeouts, refusals by reason, swaps, terminations), the bursts its log says it denied
+//! and why, and anything a server did not survive.
+//!
+//! Run (the shim and simgpu come from the workspace build):
+//!
+//! ```text
+//! cargo build --release --workspace
+//! cargo run --release -p gpufrac-e2e --bin density_bench -- [--servers 8] [--bursts 10] \
+//!     [--device 16GiB] [--only static,bare,wait,priority,swap] [--verify]
+//! ```
+//!
+//! `--verify` makes every server fill and check its bursts (slow: each 3 GiB burst is
+//! faulted in on the host).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::exit;
+use std::time::{Duration, Instant};
+
+use gpufrac_e2e::size::{GIB, MIB};
+use gpufrac_e2e::{artifact, describe_status, unique, Arbiter, ChildProcess, SimGpu};
+
+const BASE: u64 = 512 * MIB;
+const BURST: u64 = 3 * GIB;
+const STEP: u64 = 64 * MIB;
+const HOLD_MS: u64 = 300;
+const GAP_MS: &str = "100-1500";
+const CONTEXT: u64 = 64 * MIB;
+/// Guaranteed above the model and the context, so that the request is 1 GiB.
+const MARGIN: u64 = 448 * MIB;
+const WAIT_TIMEOUT: &str = "30s";
+/// The longest a server may stay silent: a burst waits at most 30 s, a gap 1.5 s.
+const SILENCE: Duration = Duration::from_secs(300);
+
+const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
+
+const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
+[--only static,bare,wait,priority,swap] [--verify]";
+
+struct Options {
+    servers: usize,
+    bursts: u32,
+    device: u64,
+    only: Vec<&'static str>,
+    verify: bool,
+}
+
+fn bad(message: String) -> ! {
+    eprintln!("density_bench: {message}\n{USAGE}");
+    exit(2)
+}
+
+fn parse_options() -> Options {
+    let mut o = Options { servers: 8, bursts: 10, device: 16 * GIB, only: CONFIGS.to_vec(), verify: false };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            exit(0);
+        }
+        if flag == "--verify" {
+            o.verify = true;
+            continue;
+        }
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_owned(), Some(v.to_owned())),
+            _ => (flag.clone(), None),
+        };
+        if !["--servers", "--bursts", "--device", "--only"].contains(&name.as_str()) {
+            bad(format!("unknown argument {flag:?}"));
+        }
+        let value = inline.or_else(|| args.next()).unwrap_or_else(|| bad(format!("{name} needs a value")));
+        let count = |max: u64| -> u64 {
+            match value.trim().parse::<u64>() {
+                Ok(n) if (1..=max).contains(&n) => n,
+                _ => bad(format!("{name} {value:?}: expected a whole number from 1 to {max}")),
+            }
+        };
+        match name.as_str() {
+            "--servers" => o.servers = count(256) as usize,
+            "--bursts" => o.bursts = count(10_000) as u32,
+            "--device" => {
+                o.device =
+                    gpufrac_common::parse_bytes("--device", &value).unwrap_or_else(|e| bad(e.to_string()))
+            }
+            _ => {
+                let mut only = Vec::new();
+                for word in value.split(',').map(str::trim) {
+                    let Some(c) = CONFIGS.iter().find(|&&c| c == word) else {
+                        bad(format!("--only: unknown configuration {word:?}; known: {}", CONFIGS.join(",")))
+                    };
+                    if !only.contains(c) {
+                        only.push(*c);
+                    }
+                }
+                o.only = only;
+            }
+        }
+    }
+    let request = BASE + CONTEXT + MARGIN;
+    let arbitrated = o.only.iter().any(|c| ["wait", "priority", "swap"].contains(c));
+    if arbitrated && o.servers as u64 * request > o.device {
+        bad(format!(
+            "{} servers with a request of {} MiB each need {} MiB, more than --device {} MiB: \
+             the arbiter would refuse some; lower --servers or raise --device",
+            o.servers,
+            request / MIB,
+            o.servers as u64 * request / MIB,
+            o.device / MIB
+        ));
+    }
+    if o.device < BASE + CONTEXT {
+        bad(format!("--device {} MiB cannot hold even one server's model and context", o.device / MIB));
+    }
+    o
+}
+
+/// What one configuration did.
+#[derive(Default)]
+struct Outcome {
+    servers: usize,
+    ok: u64,
+    oom: u64,
+    bursts: u64,
+    /// Wait of each burst served, in ms.
+    waits: Vec<u64>,
+    wall: Duration,
+    notes: Vec<String>,
+}
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// The value of `key=` in a line of `bursty_server`.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key))
+}
+
+/// A free TCP port on the loopback, for the arbiter's metrics.
+fn free_port() -> Option<u16> {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).ok()
+}
+
+/// The arbiter's Prometheus text, or `None` if it does not answer.
+fn fetch_metrics(port: u16) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// One line on what the arbiter counted: waits, refusals by reason, swaps, terminations.
+fn summarize_metrics(text: &str) -> String {
+    let mut waits = 0.0;
+    let mut swaps_out = 0.0;
+    let mut terminations = 0.0;
+    let mut timeouts = 0.0;
+    let mut refusals: Vec<(String, f64)> = Vec::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        if name.starts_with("gpufrac_waits_total") {
+            waits += value;
+        } else if name.starts_with("gpufrac_swaps_total") && name.contains("direction=\"out\"") {
+            swaps_out += value;
+        } else if name.starts_with("gpufrac_timeouts_total") {
+            timeouts += value;
+        } else if name.starts_with("gpufrac_terminations_total") {
+            terminations += value;
+        } else if let Some(labels) = name.strip_prefix("gpufrac_refusals_total{") {
+            let reason = labels.split('"').nth(1).unwrap_or("?").to_owned();
+            refusals.push((reason, value));
+        }
+    }
+    let refusals = if refusals.is_empty() {
+        "none".to_owned()
+    } else {
+        refusals.iter().map(|(r, v)| format!("{r} {v}")).collect::<Vec<_>>().join(", ")
+    };
+    format!(
+        "bursts that waited {waits}, timed out {timeouts}, refusals: {refusals}, swap-outs {swaps_out}, terminations {terminations}"
+    )
+}
+
+/// Bursts the arbiter denied (after waiting or at once), by reason, from its log.
+fn summarize_log(log: &str) -> String {
+    let mut reasons: Vec<(String, u32)> = Vec::new();
+    for line in log.lines().filter(|l| l.contains("denied")) {
+        let reason = field(line, "reason=").unwrap_or("?").to_owned();
+        match reasons.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, n)) => *n += 1,
+            None => reasons.push((reason, 1)),
+        }
+    }
+    if reasons.is_empty() {
+        return "no burst denied".to_owned();
+    }
+    let list = reasons.iter().map(|(r, n)| format!("{r} {n}")).collect::<Vec<_>>().join(", ");
+    format!("bursts denied: {list}")
+}
+
+fn run(config: &str, o: &Options) -> Outcome {
+    let peak = BASE + BURST + CONTEXT;
+    let request = BASE + CONTEXT + MARGIN;
+    let servers = if config == "static" { (o.device / peak) as usize } else { o.servers };
+    let mut out = Outcome { servers, ..Outcome::default() };
+    if servers == 0 {
+        out.notes.push(format!("no server sized for the peak ({} MiB) fits the device", peak / MIB));
+        return out;
+    }
+    eprintln!("density_bench: {config}: {servers} servers...");
+
+    let gpu = SimGpu::new(&format!("{}MiB", o.device.div_ceil(MIB))).with_context_overhead("64MiB");
+    let metrics_port = free_port();
+    let arbiter = (!matches!(config, "static" | "bare")).then(|| {
+        let mut args = Vec::new();
+        let metrics = metrics_port.map(|p| format!("127.0.0.1:{p}"));
+        if let Some(addr) = &metrics {
+            args.extend(["--metrics", addr.as_str()]);
+        }
+        if config == "swap" {
+            args.extend(["--swap-quantum", "1s"]);
+        }
+        Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &args)
+    });
+
+    let started = Instant::now();
+    let mut children: Vec<ChildProcess> = (0..servers)
+        .map(|k| {
+            let mut cmd = gpu.command(artifact("bursty_server"));
+            cmd.args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
+                .args(["--step", &STEP.to_string(), "--hold", &HOLD_MS.to_string()])
+                .args(["--bursts", &o.bursts.to_string(), "--gap-ms", GAP_MS])
+                .args(["--seed", &(1000 + k).to_string()]);
+            if o.verify {
+                cmd.arg("--verify");
+            }
+            match config {
+                "bare" => {}
+                "static" => {
+                    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                        .env("GPUFRAC_MEMORY_REQUEST", peak.to_string())
+                        .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
+                        .env("GPUFRAC_GROUP", unique(&format!("density-static-{k}")));
+                }
+                resolver => {
+                    let arbiter = arbiter.as_ref().expect("started for the arbitrated configurations");
+                    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                        .env("GPUFRAC_MEMORY_REQUEST", request.to_string())
+                        .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
+                        .env("GPUFRAC_RESOLVER", resolver)
+                        .env("GPUFRAC_WAIT_TIMEOUT", WAIT_TIMEOUT)
+                        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+                        .env("GPUFRAC_GROUP", unique(&format!("density-{resolver}-{k}")));
+                }
+            }
+            ChildProcess::spawn(&mut cmd)
+        })
+        .collect();
+
+    for (k, child) in children.iter_mut().enumerate() {
+        let mut done = false;
+        while let Some(line) = child.next_line(SILENCE) {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.nth(1)) {
+                (Some("BURST"), Some("ok")) => {
+                    out.ok += 1;
+                    out.waits.push(field(&line, "wait_ms=").and_then(|v| v.parse().ok()).unwrap_or(0));
+                }
+                (Some("BURST"), Some("oom")) => out.oom += 1,
+                (Some("DONE"), _) => done = true,
+                _ => {}
+            }
+        }
+        let status = child.wait(SILENCE);
+        if !status.success() || !done {
+            let stderr = child.stderr_text();
+            let last = stderr.lines().last().unwrap_or("").to_owned();
+            out.notes.push(format!("server {k}: {} {last}", describe_status(status)));
+        }
+    }
+    out.wall = started.elapsed();
+    out.bursts = servers as u64 * u64::from(o.bursts);
+    if let Some(port) = metrics_port.filter(|_| arbiter.is_some()) {
+        match fetch_metrics(port) {
+            Some(text) => out.notes.push(format!("arbiter: {}", summarize_metrics(&text))),
+            None => out.notes.push("arbiter: metrics not available".to_owned()),
+        }
+    }
+    if let Some(arbiter) = &arbiter {
+        out.notes.push(format!("arbiter log: {}", summarize_log(&arbiter.log_text())));
+    }
+    out.waits.sort_unstable();
+    drop(arbiter);
+    out
+}
+
+fn ms(v: Option<u64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"))
+}
+
+fn main() {
+    let o = parse_options();
+    // Fail early, with the build hint, if something is missing.
+    artifact("bursty_server");
+    artifact("libgpufrac.so");
+    artifact("gpufrac-arbiter");
+    println!(
+        "density_bench: one simgpu GPU of {} MiB ({} MiB per context); servers: model {} MiB, bursts of {} MiB \
+         in {} MiB steps held {HOLD_MS} ms, gaps {GAP_MS} ms, {} bursts each; gpufrac request {} MiB, limit {} MiB; \
+         {} CPUs",
+        o.device / MIB,
+        CONTEXT / MIB,
+        BASE / MIB,
+        BURST / MIB,
+        STEP / MIB,
+        o.bursts,
+        (BASE + CONTEXT + MARGIN) / MIB,
+        (BASE + BURST + CONTEXT) / MIB,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let mut results = Vec::new();
+    for config in CONFIGS.iter().filter(|c| o.only.contains(c)) {
+        results.push((*config, run(config, &o)));
+    }
+
+    println!();
+    println!(
+        "| configuration | servers per GPU | bursts (batches) served | out-of-memory errors | burst wait p50 | burst wait p99 | wall time |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (config, r) in &results {
+        println!(
+            "| {config} | {} | {} / {} | {} | {} | {} | {:.1} s |",
+            r.servers,
+            r.ok,
+            r.bursts,
+            r.oom,
+            ms(percentile(&r.waits, 50.0)),
+            ms(percentile(&r.waits, 99.0)),
+            r.wall.as_secs_f64()
+        );
+    }
+    println!();
+    let find = |name: &str| results.iter().find(|(c, _)| *c == name).map(|(_, r)| r);
+    match (find("wait"), find("static")) {
+        (Some(w), Some(s)) if s.servers > 0 => println!(
+            "gpufrac (wait) servers per GPU / static: {} / {} = {:.2}x{}",
+            w.servers,
+            s.servers,
+            w.servers as f64 / s.servers as f64,
+            if w.oom > 0 {
+                format!(" (with {} out-of-memory errors under wait)", w.oom)
+            } else {
+                String::new()
+            }
+        ),
+        (Some(_), Some(_)) => println!("gpufrac (wait) servers per GPU / static: static fits no server"),
+        _ => println!("gpufrac (wait) servers per GPU / static: run both wait and static to compare"),
+    }
+    for (config, r) in &results {
+        for note in &r.notes {
+            println!("- {config}: {note}");
+        }
+    }
+}
