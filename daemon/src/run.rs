@@ -1,12 +1,13 @@
 //! `gpufrac run`: runs a command under the shim with a request, a limit and the other
-//! settings of INTERFACE.md, validated here exactly as the shim will read them.
+//! settings of the shim (README.md, "The shim (`libgpufrac.so`)"), validated here with the
+//! shim's own reader, `gpufrac_common::config`.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gpufrac::config::Config;
+use gpufrac_common::config::Config;
 
 /// Settings for the command, as given on the command line (`gpufrac run` flags).
 #[derive(Debug, Clone, Default, clap::Args)]

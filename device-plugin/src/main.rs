@@ -13,6 +13,10 @@ use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
 use gpufrac_device_plugin::plugin::{health, runner};
 use gpufrac_device_plugin::webhook;
 
+// A shim preloaded into this daemon passes every call through (see
+// `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
+gpufrac_common::daemon_marker!();
+
 #[derive(Parser)]
 #[command(
     name = "gpufrac-device-plugin",

@@ -8,8 +8,9 @@
 //! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do;
 //! - `gate`: what launches, copies and sets pass through;
 //! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
-//! - `state`, `config`, `init`: setup at the first CUDA call; `real`, `driver`: the real
-//!   libraries; `procaddr`: `dlsym` and `cuGetProcAddress`; `query`: `gpufrac.h`.
+//! - `state`, `init`: setup at the first CUDA call, from the settings of
+//!   `gpufrac_common::config`; `real`, `driver`: the real libraries; `procaddr`: `dlsym`
+//!   and `cuGetProcAddress`; `query`: `gpufrac.h`.
 //!
 //! Nothing runs before the program's first CUDA or NVML call: no threads, no sockets.
 #![deny(missing_docs)]
@@ -18,7 +19,6 @@
 #![cfg_attr(test, allow(dead_code))]
 
 mod arbiter;
-pub mod config;
 mod context;
 mod device;
 mod driver;

@@ -3,7 +3,7 @@
 //! Nothing here runs before the first CUDA or NVML call: the libraries are opened and
 //! symbols resolved lazily, once, from the hooks.
 
-use std::ffi::{c_char, c_void, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::OnceLock;
 
 use crate::ffi::Status;
@@ -55,6 +55,16 @@ pub(crate) fn real_dlsym() -> Option<DlsymFn> {
     });
     // SAFETY: a non-zero address is glibc's dlsym, whose signature is DlsymFn.
     (addr != 0).then(|| unsafe { std::mem::transmute::<usize, DlsymFn>(addr) })
+}
+
+/// Whether the program's global scope (the executable and the libraries loaded with it or
+/// with `RTLD_GLOBAL`) defines `name`, asked of glibc's own `dlsym` so that our hook is
+/// not involved. `false` if glibc's `dlsym` cannot be found.
+pub(crate) fn defined_globally(name: &CStr) -> bool {
+    let Some(dlsym) = real_dlsym() else { return false };
+    // SAFETY: glibc's dlsym with RTLD_DEFAULT and a NUL-terminated name; only the
+    // address is compared, nothing is read through it.
+    !unsafe { dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }.is_null()
 }
 
 fn handle(lib: Lib) -> *mut c_void {

@@ -7,10 +7,10 @@ use std::sync::{Mutex, OnceLock};
 
 use std::sync::Arc;
 
+use gpufrac_common::config::Config;
 use gpufrac_common::protocol::{Reply, Request, VERSION};
 
 use crate::arbiter::{Client, Registration};
-use crate::config::Config;
 use crate::driver::call;
 use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::ledger::Ledger;
@@ -28,20 +28,27 @@ pub(crate) enum Mode {
 
 static MODE: OnceLock<Mode> = OnceLock::new();
 
-/// The mode, read from the environment on first use.
+/// The mode, read from the environment on first use. Inside a gpufrac daemon (its
+/// executable exports `gpufrac_common::DAEMON_MARKER`), always pass-through: the arbiter
+/// and the device plugin manage whole GPUs, whatever `GPUFRAC_*` variables they have.
 pub(crate) fn mode() -> &'static Mode {
-    MODE.get_or_init(|| match Config::from_env() {
-        Ok(None) => Mode::PassThrough,
-        Ok(Some(config)) => match Enforcer::new(config) {
-            Ok(e) => {
-                if e.config.group.is_some() {
-                    leave_group_at_exit();
+    MODE.get_or_init(|| {
+        if crate::real::defined_globally(gpufrac_common::DAEMON_MARKER) {
+            return Mode::PassThrough;
+        }
+        match Config::from_env() {
+            Ok(None) => Mode::PassThrough,
+            Ok(Some(config)) => match Enforcer::new(config) {
+                Ok(e) => {
+                    if e.config.group.is_some() {
+                        leave_group_at_exit();
+                    }
+                    Mode::Enforcing(Box::new(e))
                 }
-                Mode::Enforcing(Box::new(e))
-            }
-            Err(message) => Mode::Broken(message),
-        },
-        Err(e) => Mode::Broken(format!("gpufrac: {e}")),
+                Err(message) => Mode::Broken(message),
+            },
+            Err(e) => Mode::Broken(format!("gpufrac: {e}")),
+        }
     })
 }
 

@@ -672,6 +672,12 @@ impl Arbiter {
 
     /// Starts an arbiter on `socket` with extra arguments.
     pub fn start_at(gpu: &SimGpu, socket: PathBuf, args: &[&str]) -> Arbiter {
+        Arbiter::start_with_env(gpu, socket, args, &[])
+    }
+
+    /// [`Arbiter::start_at`] with `env` added to the arbiter's environment (which
+    /// [`SimGpu::command`] otherwise clears of `LD_PRELOAD` and `GPUFRAC_*`).
+    pub fn start_with_env(gpu: &SimGpu, socket: PathBuf, args: &[&str], env: &[(&str, &OsStr)]) -> Arbiter {
         let log = socket.with_extension(format!(
             "log.{}",
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
@@ -683,6 +689,7 @@ impl Arbiter {
             .arg(&socket)
             .args(args)
             .env("GPUFRAC_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()

@@ -8,6 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufrac_daemon::arbiter::{gpus, metrics, server};
 
+// A shim preloaded into this daemon passes every call through (see
+// `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
+gpufrac_common::daemon_marker!();
+
 #[derive(Parser)]
 #[command(name = "gpufrac-arbiter", version, about = "gpufrac's per-node arbiter")]
 struct Args {

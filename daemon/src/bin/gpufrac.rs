@@ -4,6 +4,10 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use gpufrac_daemon::{demo, run};
 
+// A shim preloaded into this daemon passes every call through (see
+// `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
+gpufrac_common::daemon_marker!();
+
 #[derive(Parser)]
 #[command(name = "gpufrac", version, about = "Dynamic GPU memory fractions: requests, limits and bursts")]
 struct Cli {

@@ -1,11 +1,13 @@
-//! The shim's configuration, read once from the environment at the first CUDA or NVML
-//! call (INTERFACE.md, "The shim"). A bad value is refused with a message naming the
-//! variable; `cuInit` then fails with `CUDA_ERROR_NOT_INITIALIZED`.
+//! The shim's configuration, the `GPUFRAC_*` variables (README.md, "The shim
+//! (`libgpufrac.so`)"): read once from the environment by the shim at the first CUDA or
+//! NVML call, and checked by `gpufrac run` before it starts a command. A bad value is
+//! refused with a message naming the variable; the shim's `cuInit` then fails with
+//! `CUDA_ERROR_NOT_INITIALIZED`.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpufrac_common::{parse_duration, parse_size, Resolver, SizeError, SizeSpec};
+use crate::{parse_duration, parse_size, Resolver, SizeError, SizeSpec};
 
 /// Why the environment could not be used.
 #[derive(Debug, thiserror::Error)]
