@@ -57,7 +57,10 @@ impl Policy {
                     gib(gpu.total),
                 ));
             }
-            gpu.groups.insert(peer.group.clone(), Group { request, limit, members: BTreeMap::new() });
+            gpu.groups.insert(
+                peer.group.clone(),
+                Group { request, limit, members: BTreeMap::new(), last_ask: None },
+            );
         }
         let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
         if (group.request, group.limit) != (request, limit) {

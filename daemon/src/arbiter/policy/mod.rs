@@ -137,11 +137,14 @@ impl Member {
 }
 
 /// Processes sharing one request and limit on one GPU.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Group {
     request: u64,
     limit: u64,
     members: BTreeMap<ConnId, Member>,
+    /// When a member last asked for burst memory: a group that asked lately is growing,
+    /// and may ask for everything up to its limit.
+    last_ask: Option<Instant>,
 }
 
 impl Group {
@@ -164,7 +167,7 @@ impl Group {
 }
 
 /// A burst waiting in a GPU's queue.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Waiter {
     conn: ConnId,
     group: String,
@@ -178,7 +181,7 @@ struct Waiter {
 }
 
 /// One GPU's ledger.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Gpu {
     total: u64,
     groups: BTreeMap<String, Group>,

@@ -10,9 +10,10 @@ use gpufrac_common::Resolver;
 use super::{ConnId, Policy, Victim};
 
 impl Policy {
-    /// For each waiting burst whose group uses the priority resolver: the fewest holders
-    /// of burst memory on that GPU, each of lower priority or idle longer than
-    /// `idle_timeout` (and never of higher priority), whose grants make the burst fit.
+    /// For each waiting burst whose group uses the priority resolver and cannot be served:
+    /// the fewest holders of burst memory on that GPU, each of lower priority or idle
+    /// longer than `idle_timeout` (and never of higher priority), without whose grants it
+    /// could be.
     /// Bursts that no such set can serve are left to wait. `spared` are already being ended.
     pub fn priority_victims(&self, now: Instant, idle_timeout: Duration, spared: &[ConnId]) -> Vec<Victim> {
         let mut chosen: Vec<Victim> = Vec::new();
@@ -39,16 +40,20 @@ impl Policy {
                     .collect();
                 // Fewest victims: the largest holders first.
                 candidates.sort_by_key(|c| std::cmp::Reverse(c.bytes));
-                let mut room = gpu.room();
-                let mut set = Vec::new();
+                if gpu.grant_for(&w.group, w.bytes, w.preferred, now).is_some() {
+                    continue;
+                }
+                let mut set: Vec<Victim> = Vec::new();
+                let mut served = false;
                 for c in candidates {
-                    if room >= w.bytes as i128 {
+                    set.push(c);
+                    let conns: Vec<ConnId> = set.iter().map(|v| v.conn).collect();
+                    if gpu.servable_without(&conns, w, now) {
+                        served = true;
                         break;
                     }
-                    room += c.bytes as i128;
-                    set.push(c);
                 }
-                if room >= w.bytes as i128 {
+                if served {
                     for v in set {
                         if !chosen.iter().any(|c| c.conn == v.conn) {
                             chosen.push(v);
@@ -79,9 +84,11 @@ mod tests {
         }
         p.hello(5, Peer { priority: 10, resolver: Resolver::Priority, ..peer("vip", 60_000) });
         p.register(5, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, 0).unwrap();
-        // 16 - 9 guaranteed = 7 GiB to lend: low 3, high 2, idle 1, small 1.
+        // 16 - 9 guaranteed = 7 GiB to lend: low 3, high 2, idle 1, small 1, borrowed a
+        // while ago and kept.
+        let before = now - Duration::from_secs(10);
         for (conn, gib) in [(1, 3), (2, 2), (3, 1), (4, 1)] {
-            let outcome = p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, false, now);
+            let outcome = p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, false, before);
             assert_eq!(outcome, Outcome::Granted(gib * GIB), "holder {conn}");
         }
         assert_eq!(p.acquire(5, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);

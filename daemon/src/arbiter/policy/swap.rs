@@ -66,8 +66,8 @@ impl Policy {
         Some(SwapVictim { conn, device, pid, group, bytes })
     }
 
-    /// The swap resolver: for each GPU whose first waiting burst uses swap and does not
-    /// fit, the holders to swap out (marked as swapping out). Candidates also use swap,
+    /// The swap resolver: for each GPU whose first waiting burst uses swap and cannot be
+    /// served, the holders to swap out (marked as swapping out). Candidates also use swap,
     /// belong to another group, do not wait themselves, are idle or have held their burst
     /// memory for at least `quantum`, and fit under `swap_limit` bytes of host RAM; idle
     /// ones go first, then the longest resident. A GPU with a swap-out under way gets no
@@ -81,8 +81,8 @@ impl Policy {
                 continue;
             }
             let Some(head) = gpu.queue.front() else { continue };
-            if gpu.free() >= head.bytes
-                || self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap)
+            if self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap)
+                || gpu.grant_for(&head.group, head.bytes, head.preferred, now).is_some()
             {
                 continue;
             }
@@ -102,19 +102,20 @@ impl Policy {
                 }
             }
             candidates.sort();
-            let (mut room, mut set, needed) = (gpu.room(), Vec::new(), head.bytes as i128);
+            let (mut set, mut served, mut host_after) = (Vec::new(), false, host);
             for (_, _, conn, bytes) in candidates {
-                if room >= needed {
-                    break;
-                }
-                if host.saturating_add(bytes) > swap_limit {
+                if host_after.saturating_add(bytes) > swap_limit {
                     continue;
                 }
-                host += bytes;
-                room += bytes as i128;
+                host_after += bytes;
                 set.push(conn);
+                if gpu.servable_without(&set, head, now) {
+                    served = true;
+                    break;
+                }
             }
-            if room >= needed {
+            if served {
+                host = host_after;
                 picked.extend(set.into_iter().map(|conn| (device, conn)));
             }
         }
@@ -199,11 +200,14 @@ mod tests {
             p.hello(conn, Peer { resolver, ..peer(group, 60_000) });
             p.register(conn, GPU, 16 * GIB, 2 * GIB, 8 * GIB, 0, 0, 0).unwrap();
         }
-        // 8 GiB to lend: old holds 6 (since long ago), waiter 1, new 1 (just now).
+        // 8 GiB to lend: old holds 6 and waiter 1 (since long ago), new 1 (5 s ago).
         let long_ago = now - Duration::from_secs(60);
         assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, long_ago), Outcome::Granted(6 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
-        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, long_ago), Outcome::Granted(GIB));
+        assert_eq!(
+            p.acquire(3, GPU, 1, GIB, GIB, 0, false, now - Duration::from_secs(5)),
+            Outcome::Granted(GIB)
+        );
         // Everyone is active.
         let active = |p: &mut Policy, t: Instant| {
             for conn in 1..=3 {
@@ -273,6 +277,28 @@ mod tests {
         // The quantum (10 s) protects busy; sleepy has not launched anything for 2 s.
         let v = p.swap_victims(t, Duration::from_secs(10), u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 4 * GIB)]);
+    }
+
+    #[test]
+    fn a_holder_that_could_strand_the_burst_is_swapped_out_even_when_memory_is_free() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 4 * GIB)]);
+        for (conn, group) in [(1, "sleepy"), (2, "asker")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, last_active: now, ..peer(group, 60_000) });
+            p.register(conn, GPU, 4 * GIB, GIB, 3 * GIB, 0, 0, 0).unwrap();
+        }
+        // 2 GiB to lend: sleepy borrowed 1 GiB a second ago (without a launch since it
+        // started) and may claim 1 more. The asker's 32 MiB fit, but then neither could be
+        // sure to finish: it waits.
+        let t = now + IDLE_FOR_SWAP;
+        let asked = t - Duration::from_secs(1);
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, false, asked), Outcome::Granted(GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 32 << 20, 512 << 20, 0, false, t), Outcome::Queued);
+        // sleepy is idle: it is swapped out, and the asker served.
+        let v = p.swap_victims(t, Duration::from_secs(30), u64::MAX);
+        assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
+        let answers = p.swapped(1, GPU, 0, GIB, GIB, t);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(512 << 20))]);
     }
 
     #[test]

@@ -3,20 +3,27 @@
 //! memory comes back or its deadline passes.
 //!
 //! Safe is the banker's rule over each group's declared limit: the loans out must be such
-//! that, in some order, each borrowing group could still get everything up to its limit
+//! that, in some order, each growing borrower could still get everything up to its limit
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
 //! ending in out-of-memory. A waiter whose group already borrows may go ahead of the head
 //! when its grant keeps the GPU safe (finishing a burst under way is what frees memory);
-//! a group that borrows nothing waits its turn.
+//! a group that borrows nothing waits its turn. A borrower is *growing* while it waits or
+//! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
+//! holds (a server keeping a cache), so that memory it might want one day does not keep
+//! others waiting for ever. If a settled borrower grows again it waits like any other.
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId};
 
 use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, NO_DEADLINE};
+
+/// How long after its last ask a borrower still counts as growing (bursts ask a chunk at a
+/// time as allocators grow; a pause this long means the burst is over or settled).
+pub const GROWING_FOR: Duration = Duration::from_secs(2);
 
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
@@ -26,25 +33,41 @@ impl Gpu {
     }
 
     /// Whether lending `bytes` more to `group` leaves the GPU safe (see the module doc).
-    fn safe_after(&self, group: &str, bytes: u64) -> bool {
+    /// Settled borrowers keep what they hold; growing ones must be able to finish, in some
+    /// order, within what is free, what the growing before them give back, and what the
+    /// settled leave.
+    pub(super) fn safe_after(&self, group: &str, bytes: u64, now: Instant) -> bool {
         let mut free = self.room() - bytes as i128;
         if free < 0 {
             return false;
         }
-        let lendable = self.lendable();
-        // (what it may still claim, what it holds) of each borrowing group.
-        let mut borrowers: Vec<(u64, u64)> = self
-            .groups
-            .iter()
-            .filter_map(|(name, g)| {
-                let granted = g.granted() + if name == group { bytes } else { 0 };
-                let most = g.range().min(lendable);
-                (granted > 0).then_some((most.saturating_sub(granted), granted))
-            })
+        let mut settled = 0u64;
+        // (what it may still claim, what it holds) of each growing borrower, claims capped
+        // below by what the settled leave.
+        let mut growing: Vec<(u64, u64, u64)> = Vec::new();
+        for (name, g) in &self.groups {
+            let asker = name == group;
+            let granted = g.granted() + if asker { bytes } else { 0 };
+            if granted == 0 {
+                continue;
+            }
+            let is_growing = asker
+                || g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR)
+                || self.queue.iter().any(|w| &w.group == name);
+            if is_growing {
+                growing.push((g.range(), granted, 0));
+            } else {
+                settled += granted;
+            }
+        }
+        let most = self.lendable().saturating_sub(settled);
+        let mut claims: Vec<(u64, u64)> = growing
+            .into_iter()
+            .map(|(range, granted, _)| (range.min(most).saturating_sub(granted), granted))
             .collect();
         // One resource: serving the smallest claims first finds an order if there is one.
-        borrowers.sort_unstable();
-        for (claim, granted) in borrowers {
+        claims.sort_unstable();
+        for (claim, granted) in claims {
             if claim as i128 > free {
                 return false;
             }
@@ -55,14 +78,29 @@ impl Gpu {
 
     /// The grant for waiter `w` now, if any: `preferred` (capped by what is free and by
     /// the group's limit) if that keeps the GPU safe, else the `bytes` it needs.
-    fn grant_for(&self, group: &str, bytes: u64, preferred: u64) -> Option<u64> {
+    pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
         let room = self.groups.get(group)?.room();
         let free = self.free();
         if bytes > free || bytes > room {
             return None;
         }
         let generous = preferred.min(free).min(room).max(bytes);
-        [generous, bytes].into_iter().find(|&grant| self.safe_after(group, grant))
+        [generous, bytes].into_iter().find(|&grant| self.safe_after(group, grant, now))
+    }
+
+    /// Whether waiter `w` could be served now if the members `victims` gave back all they
+    /// borrow (swapped out or ended): what the resolvers ask before acting.
+    pub(super) fn servable_without(&self, victims: &[ConnId], w: &Waiter, now: Instant) -> bool {
+        let mut trial = self.clone();
+        for group in trial.groups.values_mut() {
+            for (conn, m) in group.members.iter_mut() {
+                if victims.contains(conn) {
+                    m.granted = 0;
+                }
+            }
+        }
+        trial.queue.retain(|q| !victims.contains(&q.conn));
+        trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
     }
 
     /// Whether `group` borrows now.
@@ -99,7 +137,10 @@ impl Policy {
         }
         gpu.last_busy = now;
         if gpu.queue.is_empty() {
-            if let Some(grant) = gpu.grant_for(&group, bytes, preferred) {
+            if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
+                if let Some(g) = gpu.groups.get_mut(&group) {
+                    g.last_ask = Some(now);
+                }
                 if let Some(m) = gpu.member_mut(&group, conn) {
                     m.grant(grant, now);
                 }
@@ -184,7 +225,7 @@ impl Policy {
                 }
                 continue;
             }
-            if let Some(grant) = gpu.grant_for(&head.group, head.bytes, head.preferred) {
+            if let Some(grant) = gpu.grant_for(&head.group, head.bytes, head.preferred, now) {
                 if let Some(w) = gpu.queue.pop_front() {
                     answers.push(Self::grant_waiter(gpu, device, w, grant, now));
                 }
@@ -203,7 +244,7 @@ impl Policy {
                 if !gpu.borrows(&w.group) {
                     return None;
                 }
-                gpu.grant_for(&w.group, w.bytes, w.preferred).map(|grant| (i, grant))
+                gpu.grant_for(&w.group, w.bytes, w.preferred, now).map(|grant| (i, grant))
             });
             if let Some(w) = ahead.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
                 answers.push(Self::grant_waiter(gpu, device, w.0, w.1, now));
@@ -232,6 +273,9 @@ impl Policy {
 
     fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
         let waited = now.saturating_duration_since(w.since);
+        if let Some(g) = gpu.groups.get_mut(&w.group) {
+            g.last_ask = Some(now);
+        }
         if let Some(m) = gpu.member_mut(&w.group, w.conn) {
             m.grant(grant, now);
             m.waited += waited;
@@ -270,6 +314,7 @@ impl Policy {
 mod tests {
     use super::super::testing::*;
     use super::super::*;
+    use super::GROWING_FOR;
 
     #[test]
     fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {
@@ -410,6 +455,24 @@ mod tests {
         // a is done and frees its burst: b is served.
         let answers = p.release(1, GPU, 8 * GIB, 0, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(3 * GIB))]);
+    }
+
+    #[test]
+    fn a_settled_borrower_does_not_keep_others_waiting_for_what_it_might_want() {
+        let now = Instant::now();
+        for (asked, outcome) in [(now - GROWING_FOR, Outcome::Granted(5 * GIB)), (now, Outcome::Queued)] {
+            let mut p = policy_with(&[(1, "cache", 2 * GIB, 12 * GIB), (2, "b", 2 * GIB, 12 * GIB)]);
+            // 12 GiB to lend; cache borrows 4 (and may one day claim 6 more).
+            assert_eq!(p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, asked), Outcome::Granted(4 * GIB));
+            // b bursts by 5 of the 8 free. If cache is still growing, both could be
+            // stranded (3 free, 5 and 6 to go): b waits. If cache has settled on its 4 GiB,
+            // b can finish within the 8 GiB cache leaves: b is served.
+            assert_eq!(
+                p.acquire(2, GPU, 1, 5 * GIB, 5 * GIB, 0, false, now),
+                outcome,
+                "cache asked at {asked:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,292 @@
+//! The product's promise with real processes on simgpu: a request is guaranteed whatever
+//! others borrow (the loans are taken back: swapped out, or their holder ended, never
+//! corrupted), colliding bursts under `wait` end without out-of-memory errors, many small
+//! requests that fit all start under bursty load, and a swap burst beside an idle holder
+//! does not wait out a quantum.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use gpufrac_daemon::status::{ProcessStatus, Status};
+use gpufrac_e2e::size::{mib, GIB, MIB};
+use gpufrac_e2e::{
+    artifact, compile_c, describe_status, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+};
+
+/// The tests that run many processes take turns: on a small machine, running them at once
+/// would measure the machine, not the arbiter.
+static HEAVY: Mutex<()> = Mutex::new(());
+
+fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The shim's settings for a process of `group`.
+fn shim(
+    cmd: &mut std::process::Command,
+    arbiter: &Arbiter,
+    group: &str,
+    request: &str,
+    limit: &str,
+    resolver: &str,
+) {
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", request)
+        .env("GPUFRAC_MEMORY_LIMIT", limit)
+        .env("GPUFRAC_RESOLVER", resolver)
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", group)
+        .env("GPUFRAC_WAIT_TIMEOUT", "60s")
+        .env("GPUFRAC_LOG", "info");
+}
+
+fn process<'a>(s: &'a Status, group: &str) -> Option<&'a ProcessStatus> {
+    s.gpus[0].processes.iter().find(|p| p.group == group)
+}
+
+/// B: guaranteed 2 GiB (limit 2 GiB) and allocating all of it beside its 64 MiB context,
+/// in 32 MiB steps.
+fn guaranteed_2gib(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess {
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim(&mut cmd, arbiter, group, "2GiB", "2GiB", "wait");
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(1984 * MIB).to_string()]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+#[test]
+fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_data_survives() {
+    let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
+    // The default quantum (10 s): taking a loan back for a guarantee does not wait for it.
+    let arbiter = Arbiter::start(&gpu);
+    let (ga, gb) = (unique("lender"), unique("guaranteed"));
+    // A: guaranteed 512 MiB, limit 3.5 GiB; holds its request and borrows 2.5 GiB, which
+    // it fills with data, then sleeps.
+    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "swap");
+    cmd.args(["hold-bursts", &(448 * MIB).to_string(), &(256 * MIB).to_string(), "10"]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    a.expect_line(&["PTRS"], TIMEOUT);
+    a.ready();
+    let s = status(&arbiter);
+    assert!(s.gpus[0].burst >= 2560 * MIB, "A borrows 2.5 GiB: {s:?}");
+
+    // B asks for 2 GiB: 0.5 + 2 GiB of requests fit 4 GiB, so it is admitted and gets all
+    // of it within seconds, A's loan going to host RAM.
+    let started = Instant::now();
+    let mut b = guaranteed_2gib(&gpu, &arbiter, &gb);
+    let got = b.ready()[0];
+    let took = started.elapsed();
+    assert_eq!(got, 1984 * MIB, "B allocated its whole request ({})\n{}", mib(got), arbiter.log_text());
+    assert!(took < Duration::from_secs(8), "B served within seconds, not a quantum: {took:?}");
+    let s =
+        wait_for(&arbiter, "A's swap-out answered", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    let pa = process(&s, &ga).expect("A is still there");
+    assert_eq!((pa.state.as_str(), pa.host_bytes), ("swapped", 2560 * MIB), "{s:?}");
+    assert_eq!(s.gpus[0].reclaiming, 0, "the guarantee got its memory: {s:?}");
+    assert!(arbiter.log_text().contains("swap out for a guarantee"), "{}", arbiter.log_text());
+
+    // B leaves; A reads its data: it comes back in, bit for bit.
+    b.finish();
+    a.write_stdin("check\n");
+    let verdict = a.expect_line(&["INTACT", "CORRUPT"], TIMEOUT);
+    assert_eq!(verdict, format!("INTACT {}", 2560 * MIB), "A's data after its loan was taken back");
+    a.close_stdin();
+    a.finish();
+}
+
+#[test]
+fn a_request_is_served_by_ending_a_holder_that_cannot_swap() {
+    let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start(&gpu);
+    let (ga, gb) = (unique("lender"), unique("guaranteed"));
+    // A (resolver wait): guaranteed 512 MiB, holds 3 GiB with its context.
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "wait");
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    assert_eq!(a.ready()[0], 3008 * MIB);
+
+    let started = Instant::now();
+    let mut b = guaranteed_2gib(&gpu, &arbiter, &gb);
+    let got = b.ready()[0];
+    assert_eq!(got, 1984 * MIB, "B allocated its whole request ({})\n{}", mib(got), arbiter.log_text());
+    assert!(started.elapsed() < Duration::from_secs(8), "B served within seconds: {:?}", started.elapsed());
+    a.wait_terminated(TIMEOUT);
+    let ended = describe_status(a.wait(TIMEOUT));
+    assert_eq!(ended, "killed by signal 15", "A is ended with SIGTERM");
+    let log = arbiter.log_text();
+    assert!(log.contains("ending a holder of burst memory for a guarantee"), "{log}");
+    b.finish();
+}
+
+/// The lines `BURST <i> ok wait_ms=<ms>` / `BURST <i> oom ...` and the final `DONE` of a
+/// `bursty_server`: (waits of the bursts served, out-of-memory errors).
+fn burst_outcomes(server: &mut ChildProcess) -> (Vec<u64>, u64) {
+    let (mut waits, mut ooms) = (Vec::new(), 0);
+    loop {
+        let line = server.expect_line(&["BURST", "DONE"], Duration::from_secs(120));
+        if line.starts_with("DONE") {
+            break;
+        }
+        match line.split_whitespace().nth(2) {
+            Some("ok") => {
+                let ms = line.rsplit("wait_ms=").next().and_then(|v| v.trim().parse().ok());
+                waits.push(ms.unwrap_or_else(|| panic!("a wait in {line:?}")));
+            }
+            _ => ooms += 1,
+        }
+    }
+    server.expect_exit_code(0);
+    (waits, ooms)
+}
+
+/// A `bursty_server` under the shim: `base` held for life, `bursts` bursts of `burst`.
+#[allow(clippy::too_many_arguments)]
+fn bursty(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    group: &str,
+    (request, limit, resolver): (&str, &str, &str),
+    (base, burst, bursts, gap): (&str, &str, u32, &str),
+    seed: u64,
+) -> ChildProcess {
+    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_bursty_server"));
+    shim(&mut cmd, arbiter, group, request, limit, resolver);
+    cmd.env("GPUFRAC_LOG", "warn").args([
+        "--base",
+        base,
+        "--burst",
+        burst,
+        "--step",
+        "64MiB",
+        "--hold",
+        "300",
+        "--bursts",
+        &bursts.to_string(),
+        "--gap-ms",
+        gap,
+        "--seed",
+        &seed.to_string(),
+    ]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+#[test]
+fn eight_bursty_servers_collide_without_out_of_memory_under_wait() {
+    let _turn = heavy();
+    let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start(&gpu);
+    // Each: guaranteed 1 GiB, limit 4 GiB; bursts by 3 GiB in 64 MiB allocations for
+    // 300 ms at random: 8 GiB to lend for up to 24 GiB of bursts.
+    let mut servers: Vec<ChildProcess> = (0..8)
+        .map(|i| {
+            let group = unique(&format!("server{i}"));
+            bursty(&gpu, &arbiter, &group, ("1GiB", "4GiB", "wait"), ("512MiB", "3GiB", 6, "500-2500"), 1 + i)
+        })
+        .collect();
+    for s in &mut servers {
+        s.ready();
+    }
+    let (mut waits, mut ooms) = (Vec::new(), 0);
+    for s in &mut servers {
+        let (w, o) = burst_outcomes(s);
+        waits.extend(w);
+        ooms += o;
+    }
+    waits.sort_unstable();
+    let p99 = waits[(waits.len() * 99).div_ceil(100) - 1];
+    let p50 = waits[waits.len() / 2];
+    eprintln!("{} bursts served, {ooms} out-of-memory, wait p50 {p50} ms p99 {p99} ms", waits.len());
+    assert_eq!(ooms, 0, "colliding bursts wait, never fail\n{}", arbiter.log_text());
+    assert_eq!(waits.len(), 48);
+    assert!(p99 <= 2000, "p99 burst wait {p99} ms (p50 {p50} ms): {waits:?}");
+    assert!(!arbiter.log_text().contains("Deadlock"), "no burst was refused to break a deadlock");
+}
+
+#[test]
+fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
+    let _turn = heavy();
+    let gpu = SimGpu::new("16GiB").with_context_overhead("16MiB");
+    let arbiter = Arbiter::start(&gpu);
+    // Four borrowers (swap resolver) keep most of the spare memory lent out: 4 GiB of
+    // requests, bursts of 2.5 GiB held 300 ms, back to back.
+    let mut load: Vec<ChildProcess> = (0..4)
+        .map(|i| {
+            let group = unique(&format!("load{i}"));
+            bursty(
+                &gpu,
+                &arbiter,
+                &group,
+                ("1GiB", "4GiB", "swap"),
+                ("512MiB", "2560MiB", 12, "0-200"),
+                100 + i,
+            )
+        })
+        .collect();
+    for l in &mut load {
+        l.ready();
+    }
+    // 48 small servers, guaranteed 128 MiB each (6 GiB in all: 10 GiB of requests on a
+    // 16 GiB GPU), each bursting a little.
+    let mut small: Vec<ChildProcess> = (0..48)
+        .map(|i| {
+            let group = unique(&format!("small{i}"));
+            bursty(
+                &gpu,
+                &arbiter,
+                &group,
+                ("128MiB", "256MiB", "wait"),
+                ("96MiB", "64MiB", 2, "0-300"),
+                200 + i,
+            )
+        })
+        .collect();
+    for (i, s) in small.iter_mut().enumerate() {
+        let line = s.expect_line(&["READY"], Duration::from_secs(120));
+        assert_eq!(line, format!("READY {}", 96 * MIB), "small server {i} started");
+    }
+    for s in &mut small {
+        let (_, ooms) = burst_outcomes(s);
+        assert_eq!(ooms, 0);
+    }
+    let s = status(&arbiter);
+    assert!(s.gpus[0].guaranteed <= 16 * GIB, "{s:?}");
+    for l in &mut load {
+        // A borrower may be swapped out or ended for the guarantees, never corrupted.
+        let status = l.wait(Duration::from_secs(120));
+        assert!(status.code() != Some(4), "a borrower's data came back wrong: {}", l.diagnostics());
+    }
+}
+
+#[test]
+fn a_swap_burst_beside_an_idle_holder_does_not_wait_out_the_quantum() {
+    let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
+    // A 30 s quantum: only the holder's idleness can explain a fast swap.
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("q.sock"), &["--swap-quantum", "30s"]);
+    let (ga, gb) = (unique("sleepy"), unique("burst"));
+    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    shim(&mut cmd, &arbiter, &ga, "1GiB", "3GiB", "swap");
+    cmd.args(["hold-bursts", &GIB.to_string(), &(256 * MIB).to_string(), "4"]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    a.expect_line(&["PTRS"], TIMEOUT);
+    a.ready();
+    // A touches nothing for three seconds.
+    std::thread::sleep(Duration::from_secs(3));
+    let started = Instant::now();
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim(&mut cmd, &arbiter, &gb, "1GiB", "3GiB", "swap");
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(2560 * MIB).to_string()]);
+    let mut b = ChildProcess::spawn(&mut cmd);
+    assert_eq!(b.ready()[0], 2560 * MIB, "B got its whole burst\n{}", arbiter.log_text());
+    let took = started.elapsed();
+    let s = wait_for(&arbiter, "A's swap-out answered", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    let pa = process(&s, &ga).expect("A registered");
+    assert_eq!((pa.state.as_str(), pa.host_bytes), ("swapped", GIB), "{s:?}");
+    eprintln!("served in {took:?} beside an idle holder (quantum 30 s)");
+    assert!(took < Duration::from_secs(10), "served in about the time of the copy, not a quantum: {took:?}");
+    b.finish();
+    a.write_stdin("check\n");
+    assert_eq!(a.expect_line(&["INTACT", "CORRUPT"], TIMEOUT), format!("INTACT {GIB}"));
+    a.close_stdin();
+    a.finish();
+}
