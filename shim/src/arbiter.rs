@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{read_frame, DeviceId, Reply, Request, MAX_FRAME};
+use gpufrac_common::protocol::{read_frame, Denial, DeviceId, Reply, Request, MAX_FRAME};
 
 /// (held, granted, swapped out to host) of this process on a device, for re-registration.
 pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64, u64) + Send + Sync>;
@@ -25,6 +25,34 @@ pub(crate) type PushFn = Box<dyn Fn(&Reply) + Send + Sync>;
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long after a reclaim request this process keeps no slack grant.
 const CONTENDED_FOR: Duration = Duration::from_secs(1);
+
+/// Why a burst was not granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotGranted {
+    /// The arbiter said no.
+    Denied(Denial),
+    /// No answer in time: the arbiter is away (`connected` false) or slow.
+    NoAnswer { connected: bool },
+}
+
+impl std::fmt::Display for NotGranted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NotGranted::Denied(Denial::Timeout) => {
+                "GPUFRAC_WAIT_TIMEOUT passed while the memory was lent to others"
+            }
+            NotGranted::Denied(Denial::OverLimit) => "the group's GPUFRAC_MEMORY_LIMIT is reached",
+            NotGranted::Denied(Denial::UnknownDevice) => "the arbiter does not know this device",
+            NotGranted::Denied(Denial::Deadlock) => {
+                "every borrower was waiting with memory used outside gpufrac in the way; this one held the most"
+            }
+            NotGranted::NoAnswer { connected: false } => {
+                "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT (it is unreachable)"
+            }
+            NotGranted::NoAnswer { connected: true } => "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT",
+        })
+    }
+}
 
 /// What a device's registration says; held and granted are read when (re)registering.
 #[derive(Debug, Clone, Copy)]
@@ -289,7 +317,7 @@ impl Client {
     }
 
     /// Asks for at least `bytes` (`preferred` if free) of burst memory and waits up to
-    /// `timeout` for the answer. `Some(granted)` when granted. A `resume` (to swap back
+    /// `timeout` for the answer: the bytes granted, or why not. A `resume` (to swap back
     /// in) waits at the arbiter without deadline.
     pub(crate) fn acquire(
         &self,
@@ -299,7 +327,7 @@ impl Client {
         held: u64,
         timeout: Duration,
         resume: bool,
-    ) -> Option<u64> {
+    ) -> Result<u64, NotGranted> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let frame = Request::Acquire { seq, device, bytes, preferred, held, resume }.encode();
         {
@@ -340,8 +368,9 @@ impl Client {
         }
         drop(waiting);
         match reply {
-            Some(Reply::Granted { bytes, .. }) => Some(bytes),
-            _ => None,
+            Some(Reply::Granted { bytes, .. }) => Ok(bytes),
+            Some(Reply::Denied { reason, .. }) => Err(NotGranted::Denied(reason)),
+            _ => Err(NotGranted::NoAnswer { connected: self.is_connected() }),
         }
     }
 

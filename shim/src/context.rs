@@ -115,7 +115,8 @@ pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
         return call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
     }
     measured(e, dev as usize, true, || {
-        let status = call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
+        // A context on a GPU whose loans are being taken back waits for its memory.
+        let status = e.physical(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
         (status, read(ctx).map_or(0, |c| c as u64))
     })
 }
@@ -141,10 +142,10 @@ pub(crate) fn primary_reset(dev: c_int) -> Status {
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset_v2(dev)))
 }
 
-fn create(ctx: *mut Ptr, dev: c_int, real: impl FnOnce() -> Status) -> Status {
+fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status {
     match enforcer() {
         Some(e) if dev >= 0 => measured(e, dev as usize, false, || {
-            let status = real();
+            let status = e.physical(&mut real);
             (status, read(ctx).map_or(0, |c| c as u64))
         }),
         _ => refused().unwrap_or_else(real),

@@ -444,7 +444,7 @@ impl Enforcer {
                     bytes,
                     held = over.held,
                     limit = slice.limit,
-                    "refused: over the limit"
+                    "gpufrac: out of memory: GPUFRAC_MEMORY_LIMIT reached"
                 );
                 return Err(OUT_OF_MEMORY);
             };
@@ -462,13 +462,13 @@ impl Enforcer {
                 self.config.wait_timeout,
                 false,
             ) {
-                Some(granted) => self.ledger.add_granted(dev, granted),
-                None => {
-                    tracing::debug!(
+                Ok(granted) => self.ledger.add_granted(dev, granted),
+                Err(why) => {
+                    tracing::warn!(
                         ordinal,
                         bytes,
                         need,
-                        "refused: the arbiter did not grant the burst in time"
+                        "gpufrac: out of memory: a burst of {need} bytes above the request was not granted: {why}"
                     );
                     return Err(OUT_OF_MEMORY);
                 }
@@ -503,9 +503,10 @@ impl Enforcer {
         }
     }
 
-    /// Calls the driver; with an arbiter, an out-of-memory answer for memory the arbiter
-    /// granted is transient (a killed process's memory is still being torn down by the
-    /// driver), so the call is retried until `GPUFRAC_WAIT_TIMEOUT`.
+    /// Calls the driver; with an arbiter, an out-of-memory answer for memory the group is
+    /// guaranteed or was granted is transient (loans are being taken back for a guarantee,
+    /// or a killed process's memory is still being torn down by the driver), so the call
+    /// is retried until `GPUFRAC_WAIT_TIMEOUT`.
     pub(crate) fn physical(&self, mut call: impl FnMut() -> Status) -> Status {
         let mut status = call();
         if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
@@ -517,6 +518,12 @@ impl Enforcer {
             std::thread::sleep(pause);
             pause = (pause * 2).min(std::time::Duration::from_millis(50));
             status = call();
+        }
+        if status == OUT_OF_MEMORY {
+            tracing::warn!(
+                "gpufrac: out of memory: the GPU had no memory free within GPUFRAC_WAIT_TIMEOUT ({:?}) for memory this group is guaranteed or was granted: guarantees and memory used outside gpufrac fill it",
+                self.config.wait_timeout
+            );
         }
         status
     }

@@ -195,15 +195,15 @@ fn come_back(e: &'static Enforcer, client: &Client) {
             let away = !client.is_connected();
             let timeout = if away { e.config.wait_timeout } else { Duration::from_secs(3600) };
             match client.acquire(slice.uuid, bytes, bytes, held, timeout, true) {
-                Some(granted) => break granted,
-                None if away && !client.is_connected() && device_has_room(&slice, bytes) => {
+                Ok(granted) => break granted,
+                Err(_) if away && !client.is_connected() && device_has_room(&slice, bytes) => {
                     tracing::warn!(
                         bytes,
                         "the arbiter is away: swapping back in on the device's free memory"
                     );
                     break bytes;
                 }
-                None => {
+                Err(_) => {
                     asked += 1;
                     if asked == 1 || asked.is_multiple_of(600) {
                         tracing::warn!(bytes, asked, "the swap-in was not granted yet; asking again");
