@@ -13,8 +13,8 @@ use gpufrac_e2e::{
     artifact, compile_c, describe_status, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
 };
 
-/// The tests that run many processes take turns: on a small machine, running them at once
-/// would measure the machine, not the arbiter.
+/// These tests take turns: two of them run dozens of processes and measure waits, and on a
+/// small machine running them at once would measure the machine, not the arbiter.
 static HEAVY: Mutex<()> = Mutex::new(());
 
 fn heavy() -> std::sync::MutexGuard<'static, ()> {
@@ -55,6 +55,7 @@ fn guaranteed_2gib(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess
 
 #[test]
 fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_data_survives() {
+    let _turn = heavy();
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
     // The default quantum (10 s): taking a loan back for a guarantee does not wait for it.
     let arbiter = Arbiter::start(&gpu);
@@ -96,6 +97,7 @@ fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_d
 
 #[test]
 fn a_request_is_served_by_ending_a_holder_that_cannot_swap() {
+    let _turn = heavy();
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
     let arbiter = Arbiter::start(&gpu);
     let (ga, gb) = (unique("lender"), unique("guaranteed"));
@@ -140,33 +142,40 @@ fn burst_outcomes(server: &mut ChildProcess) -> (Vec<u64>, u64) {
     (waits, ooms)
 }
 
-/// A `bursty_server` under the shim: `base` held for life, `bursts` bursts of `burst`.
-#[allow(clippy::too_many_arguments)]
+/// How a `bursty_server` bursts: `base` held for life, then `bursts` bursts of `burst` in
+/// 64 MiB steps `step_ms` apart, each held `hold_ms`, `gap_ms` (`MIN-MAX`) apart.
+struct Trace<'a> {
+    base: &'a str,
+    burst: &'a str,
+    step_ms: u32,
+    hold_ms: u32,
+    bursts: u32,
+    gap_ms: &'a str,
+}
+
+/// A `bursty_server` under the shim with (request, limit, resolver).
 fn bursty(
     gpu: &SimGpu,
     arbiter: &Arbiter,
     group: &str,
-    (request, limit, resolver): (&str, &str, &str),
-    (base, burst, bursts, gap): (&str, &str, u32, &str),
+    share: (&str, &str, &str),
+    t: &Trace,
     seed: u64,
 ) -> ChildProcess {
     let mut cmd = gpu.command(env!("CARGO_BIN_EXE_bursty_server"));
-    shim(&mut cmd, arbiter, group, request, limit, resolver);
-    cmd.env("GPUFRAC_LOG", "warn").args([
-        "--base",
-        base,
-        "--burst",
-        burst,
-        "--step",
-        "64MiB",
+    shim(&mut cmd, arbiter, group, share.0, share.1, share.2);
+    let numbers = [t.step_ms.to_string(), t.hold_ms.to_string(), t.bursts.to_string(), seed.to_string()];
+    cmd.env("GPUFRAC_LOG", "warn").args(["--base", t.base, "--burst", t.burst, "--step", "64MiB"]).args([
+        "--step-ms",
+        &numbers[0],
         "--hold",
-        "300",
+        &numbers[1],
         "--bursts",
-        &bursts.to_string(),
+        &numbers[2],
         "--gap-ms",
-        gap,
+        t.gap_ms,
         "--seed",
-        &seed.to_string(),
+        &numbers[3],
     ]);
     ChildProcess::spawn(&mut cmd)
 }
@@ -176,12 +185,14 @@ fn eight_bursty_servers_collide_without_out_of_memory_under_wait() {
     let _turn = heavy();
     let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
     let arbiter = Arbiter::start(&gpu);
-    // Each: guaranteed 1 GiB, limit 4 GiB; bursts by 3 GiB in 64 MiB allocations for
-    // 300 ms at random: 8 GiB to lend for up to 24 GiB of bursts.
+    // Each: guaranteed 1 GiB, limit 4 GiB; bursts by 3 GiB in 64 MiB allocations 5 ms
+    // apart (an allocator growing while the server computes), held 300 ms, at random:
+    // 8 GiB to lend for up to 24 GiB of bursts, many of them growing at once.
+    let trace =
+        Trace { base: "512MiB", burst: "3GiB", step_ms: 5, hold_ms: 300, bursts: 6, gap_ms: "200-2000" };
     let mut servers: Vec<ChildProcess> = (0..8)
         .map(|i| {
-            let group = unique(&format!("server{i}"));
-            bursty(&gpu, &arbiter, &group, ("1GiB", "4GiB", "wait"), ("512MiB", "3GiB", 6, "500-2500"), 1 + i)
+            bursty(&gpu, &arbiter, &unique(&format!("server{i}")), ("1GiB", "4GiB", "wait"), &trace, 1 + i)
         })
         .collect();
     for s in &mut servers {
@@ -209,16 +220,18 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
     let gpu = SimGpu::new("16GiB").with_context_overhead("16MiB");
     let arbiter = Arbiter::start(&gpu);
     // Four borrowers (swap resolver) keep most of the spare memory lent out: 4 GiB of
-    // requests, bursts of 2.5 GiB held 300 ms, back to back.
+    // requests, bursts of 5 GiB held 1.5 s, back to back: two of them borrow 10 of the
+    // 12 GiB no request reserves.
+    let load_trace =
+        Trace { base: "512MiB", burst: "5GiB", step_ms: 0, hold_ms: 1500, bursts: 4, gap_ms: "0-100" };
     let mut load: Vec<ChildProcess> = (0..4)
         .map(|i| {
-            let group = unique(&format!("load{i}"));
             bursty(
                 &gpu,
                 &arbiter,
-                &group,
-                ("1GiB", "4GiB", "swap"),
-                ("512MiB", "2560MiB", 12, "0-200"),
+                &unique(&format!("load{i}")),
+                ("1GiB", "7GiB", "swap"),
+                &load_trace,
                 100 + i,
             )
         })
@@ -226,17 +239,19 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
     for l in &mut load {
         l.ready();
     }
+    wait_for(&arbiter, "the load borrowing", |s| s.gpus[0].burst >= 8 * GIB);
     // 48 small servers, guaranteed 128 MiB each (6 GiB in all: 10 GiB of requests on a
     // 16 GiB GPU), each bursting a little.
+    let small_trace =
+        Trace { base: "96MiB", burst: "64MiB", step_ms: 0, hold_ms: 300, bursts: 2, gap_ms: "0-300" };
     let mut small: Vec<ChildProcess> = (0..48)
         .map(|i| {
-            let group = unique(&format!("small{i}"));
             bursty(
                 &gpu,
                 &arbiter,
-                &group,
+                &unique(&format!("small{i}")),
                 ("128MiB", "256MiB", "wait"),
-                ("96MiB", "64MiB", 2, "0-300"),
+                &small_trace,
                 200 + i,
             )
         })
@@ -260,6 +275,7 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
 
 #[test]
 fn a_swap_burst_beside_an_idle_holder_does_not_wait_out_the_quantum() {
+    let _turn = heavy();
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
     // A 30 s quantum: only the holder's idleness can explain a fast swap.
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("q.sock"), &["--swap-quantum", "30s"]);
@@ -279,7 +295,8 @@ fn a_swap_burst_beside_an_idle_holder_does_not_wait_out_the_quantum() {
     let mut b = ChildProcess::spawn(&mut cmd);
     assert_eq!(b.ready()[0], 2560 * MIB, "B got its whole burst\n{}", arbiter.log_text());
     let took = started.elapsed();
-    let s = wait_for(&arbiter, "A's swap-out answered", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
+    let s =
+        wait_for(&arbiter, "A's swap-out answered", |s| process(s, &ga).is_some_and(|p| p.host_bytes > 0));
     let pa = process(&s, &ga).expect("A registered");
     assert_eq!((pa.state.as_str(), pa.host_bytes), ("swapped", GIB), "{s:?}");
     eprintln!("served in {took:?} beside an idle holder (quantum 30 s)");

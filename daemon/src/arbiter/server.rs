@@ -230,7 +230,7 @@ impl Shared {
 
     /// While bursts wait, holders of grants are asked to give back what they do not use.
     fn ask_to_give_back(&self) {
-        let holders = self.policy().contended_holders();
+        let holders = self.policy().contended_holders(Instant::now());
         for (conn, device) in holders {
             self.send(conn, &Reply::Reclaim { device });
         }

@@ -5,14 +5,14 @@
 //! (dlopen + dlsym), so it runs bare on simgpu and under the shim alike.
 //!
 //! ```text
-//! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--hold MS] [--bursts N]
-//!               [--gap-ms MIN-MAX] [--seed N] [--verify]
+//! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] [--hold MS]
+//!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]
 //! ```
 //!
 //! Output, one line each, flushed:
 //! - stdout `READY <base bytes>` once the model is loaded and filled;
 //! - stdout `BURST <i> ok wait_ms=<ms>` for a burst served (its wait is the wall time from
-//!   its first allocation call to its last success), or `BURST <i> oom after_ms=<ms>
+//!   its first allocation call to its last success, less the `--step-ms` pauses), or `BURST <i> oom after_ms=<ms>
 //!   error=<CUDA error name>` for one that failed (what it got is freed);
 //! - stdout `DONE bursts=<n> ok=<k> oom=<m>` at the end, exit status 0;
 //! - stderr `FAILED init <error>` or `FAILED base <error>` (exit 3) when the CUDA set-up or
@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
 
-const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--hold MS] \
-[--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]";
+const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] \
+[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]";
 
 /// The smallest size accepted for `--base`, `--burst` and `--step`.
 const MIN_SIZE: u64 = 4096;
@@ -45,6 +45,9 @@ struct Args {
     base: u64,
     burst: u64,
     step: u64,
+    /// Pause after each step of a burst, as a server computing layer by layer while its
+    /// allocator grows; not counted in the burst's wait.
+    step_pause: Duration,
     hold: Duration,
     bursts: u32,
     gap_min_ms: u64,
@@ -64,6 +67,7 @@ fn parse_args(argv: &[String]) -> Args {
         base: 512 << 20,
         burst: 3 << 30,
         step: 64 << 20,
+        step_pause: Duration::ZERO,
         hold: Duration::from_millis(300),
         bursts: 10,
         gap_min_ms: 100,
@@ -86,7 +90,7 @@ fn parse_args(argv: &[String]) -> Args {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_owned())),
             _ => (flag.as_str(), None),
         };
-        let known = ["--base", "--burst", "--step", "--hold", "--bursts", "--gap-ms", "--seed"];
+        let known = ["--base", "--burst", "--step", "--step-ms", "--hold", "--bursts", "--gap-ms", "--seed"];
         if !known.contains(&name) {
             bad(format!("unknown argument {flag:?}"));
         }
@@ -109,6 +113,7 @@ fn parse_args(argv: &[String]) -> Args {
             "--burst" => args.burst = size(&value),
             "--step" => args.step = size(&value),
             "--hold" => args.hold = Duration::from_millis(number(&value)),
+            "--step-ms" => args.step_pause = Duration::from_millis(number(&value)),
             "--bursts" => {
                 args.bursts = u32::try_from(number(&value))
                     .unwrap_or_else(|_| bad(format!("--bursts {value:?} is too large")))
@@ -345,7 +350,12 @@ fn main() {
         std::thread::sleep(Duration::from_millis(rng.between(args.gap_min_ms, args.gap_max_ms)));
         let started = Instant::now();
         let mut failed = None;
+        let mut paused = Duration::ZERO;
         for bytes in pieces(args.burst, args.step) {
+            if !burst.is_empty() && !args.step_pause.is_zero() {
+                std::thread::sleep(args.step_pause);
+                paused += args.step_pause;
+            }
             match alloc(bytes) {
                 Ok(b) => burst.push(b),
                 Err(r) => {
@@ -354,7 +364,7 @@ fn main() {
                 }
             }
         }
-        let ms = started.elapsed().as_millis();
+        let ms = started.elapsed().saturating_sub(paused).as_millis();
         if let Some(r) = failed {
             free_all(&mut burst);
             oom += 1;

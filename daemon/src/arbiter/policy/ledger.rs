@@ -90,7 +90,7 @@ impl Policy {
         Self::drain(device, gpu, now)
     }
 
-    /// Gives back burst memory; returns the queued bursts that now fit.
+    /// Gives back burst memory (its burst is over); returns the queued bursts that now fit.
     pub fn release(
         &mut self,
         conn: ConnId,
@@ -100,6 +100,10 @@ impl Policy {
         now: Instant,
     ) -> Vec<Answer> {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        if let Some(g) = gpu.groups.get_mut(&group) {
+            // Memory comes back when a burst is over: the group is no longer growing.
+            g.last_ask = None;
+        }
         if let Some(m) = gpu.member_mut(&group, conn) {
             m.granted = m.granted.saturating_sub(bytes);
             m.held = held;

@@ -302,6 +302,30 @@ mod tests {
     }
 
     #[test]
+    fn nobody_is_refused_as_deadlocked_while_a_swap_out_is_under_way() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 4 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, last_active: now, ..peer(group, 60_000) });
+        }
+        let mib = 1 << 20;
+        // a is swapped out (1 GiB in host RAM, 64 MiB of grant left); b borrows 512 MiB.
+        p.register(1, GPU, 4 * GIB, GIB, 3 * GIB, GIB, 64 * mib, GIB).unwrap();
+        p.register(2, GPU, 4 * GIB, GIB, 3 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(2, GPU, 1, 512 * mib, 512 * mib, 0, false, now), Outcome::Granted(512 * mib));
+        // a wants back in; b is asked to swap out for it, and meanwhile asks for more.
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, true, now), Outcome::Queued);
+        let v = p.swap_victims(now, Duration::ZERO, u64::MAX);
+        assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(p.acquire(2, GPU, 2, 32 * mib, 32 * mib, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty(), "b's memory is on its way: nobody is refused");
+        // b's swap-out is answered: a comes back in, and b gets its 32 MiB beside it.
+        let answers = p.swapped(2, GPU, 0, 512 * mib, GIB, now);
+        let got: Vec<_> = answers.iter().map(|a| (a.conn, a.result)).collect();
+        assert_eq!(got, vec![(1, Ok(GIB)), (2, Ok(32 * mib))]);
+    }
+
+    #[test]
     fn a_swap_in_that_fits_goes_ahead_of_a_head_that_does_not() {
         let now = Instant::now();
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);

@@ -25,6 +25,9 @@ use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, NO_DEADLINE
 /// time as allocators grow; a pause this long means the burst is over or settled).
 pub const GROWING_FOR: Duration = Duration::from_secs(2);
 
+/// How finely a grant between what a burst needs and what it prefers is sized.
+const GRANT_STEP: u64 = 16 << 20;
+
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
     /// gpufrac uses.
@@ -51,10 +54,7 @@ impl Gpu {
             if granted == 0 {
                 continue;
             }
-            let is_growing = asker
-                || g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR)
-                || self.queue.iter().any(|w| &w.group == name);
-            if is_growing {
+            if asker || self.growing(name, now) {
                 growing.push((g.range(), granted, 0));
             } else {
                 settled += granted;
@@ -76,8 +76,9 @@ impl Gpu {
         true
     }
 
-    /// The grant for waiter `w` now, if any: `preferred` (capped by what is free and by
-    /// the group's limit) if that keeps the GPU safe, else the `bytes` it needs.
+    /// The grant for a burst of `bytes` (`preferred` if there is room) now, if any: the most
+    /// up to `preferred`, capped by what is free and by the group's limit, that keeps the
+    /// GPU safe, and at least the `bytes` it needs.
     pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
         let room = self.groups.get(group)?.room();
         let free = self.free();
@@ -85,7 +86,33 @@ impl Gpu {
             return None;
         }
         let generous = preferred.min(free).min(room).max(bytes);
-        [generous, bytes].into_iter().find(|&grant| self.safe_after(group, grant, now))
+        if self.safe_after(group, generous, now) {
+            return Some(generous);
+        }
+        if !self.safe_after(group, bytes, now) {
+            return None;
+        }
+        // The most between the two that keeps the GPU safe (lending less never makes it
+        // unsafe): fewer, larger grants mean fewer round trips for a growing burst.
+        let (mut safe, mut unsafe_) = (bytes, generous);
+        while unsafe_ - safe > GRANT_STEP {
+            let mid = safe + (unsafe_ - safe) / 2;
+            if self.safe_after(group, mid, now) {
+                safe = mid;
+            } else {
+                unsafe_ = mid;
+            }
+        }
+        Some(safe)
+    }
+
+    /// Whether `group` is growing: it waits for a burst, or asked lately and is on the
+    /// device (a group swapped out cannot allocate until it is back).
+    fn growing(&self, group: &str, now: Instant) -> bool {
+        let Some(g) = self.groups.get(group) else { return false };
+        let resident = g.members.values().any(|m| m.residency == Residency::Resident);
+        self.queue.iter().any(|w| w.group == group)
+            || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -202,14 +229,22 @@ impl Policy {
     }
 
     /// Connections that hold burst grants on a GPU where someone waits or a guarantee is
-    /// owed memory: they are asked to give back what they do not use.
-    pub fn contended_holders(&self) -> Vec<(ConnId, DeviceId)> {
+    /// owed memory: they are asked to give back what they do not use. Not, while bursts
+    /// merely wait, members of growing groups: what they were lent is part of what they
+    /// may claim anyway (giving it back would not make the GPU safer), and they are about
+    /// to use it.
+    pub fn contended_holders(&self, now: Instant) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in &self.gpus {
-            if gpu.queue.is_empty() && gpu.shortfall() == 0 {
+            let owed = gpu.shortfall() > 0;
+            if gpu.queue.is_empty() && !owed {
                 continue;
             }
-            out.extend(gpu.members().filter(|(_, _, m)| m.granted > 0).map(|(_, conn, _)| (conn, device)));
+            for (name, conn, m) in gpu.members() {
+                if m.granted > 0 && (owed || !gpu.growing(name, now)) {
+                    out.push((conn, device));
+                }
+            }
         }
         out
     }
@@ -290,11 +325,13 @@ impl Policy {
 
     /// If every holder of burst memory on `gpu` waits for more, the waiting holder with
     /// the largest grant (never a swap-in: refusing it would free nothing). Safe grants
-    /// never lead here; memory used outside gpufrac that grows can. Not while guarantees
-    /// are owed memory (taking loans back resolves that), nor just after a restart, when
-    /// memory outside gpufrac is likely shims coming back with what they hold.
+    /// never lead here; memory used outside gpufrac that grows, or a settled borrower that
+    /// grows again, can. Not while a swap-out is under way or guarantees are owed memory
+    /// (memory is on its way back), nor just after a restart, when memory outside gpufrac
+    /// is likely shims coming back with what they hold.
     fn deadlocked(gpu: &Gpu, now: Instant) -> Option<ConnId> {
-        if gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
+        let swapping_out = gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut);
+        if swapping_out || gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
             return None;
         }
         let mut holders = gpu.members().filter(|(_, _, m)| m.granted > 0).peekable();
