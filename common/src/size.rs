@@ -1,5 +1,5 @@
 //! Memory sizes and durations as users write them in environment variables, flags and
-//! annotations (see INTERFACE.md, "Sizes").
+//! annotations (see the README, "Sizes").
 //!
 //! A size is one of:
 //! - a number with a unit: binary `KiB MiB GiB TiB` (also `Ki Mi Gi Ti`), decimal

@@ -1,5 +1,5 @@
 //! The admission webhook: turns a pod's `gpufrac.io/*` annotations into `gpufrac.io/gpu`
-//! shares and the shim's `GPUFRAC_*` settings (INTERFACE.md, "Kubernetes").
+//! shares and the shim's `GPUFRAC_*` settings (README, "Kubernetes").
 //!
 //! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic,
 //!   with the annotations read in `settings.rs` and the JSON Patch built in `patch.rs`.

@@ -1,7 +1,7 @@
 //! The webhook's decision, as a pure function: an AdmissionReview (`admission.k8s.io/v1`)
 //! in, the AdmissionReview answer out. No I/O, so every rule is tested without a server.
 //!
-//! The rules (INTERFACE.md, "Kubernetes", is the contract):
+//! The rules (the README's "Kubernetes" section and docs/kubernetes.md are the contract):
 //! - Only `CREATE` of a Pod (`kind` group `""`, version `v1`, kind `Pod`, no
 //!   sub-resource) is looked at; every other request, `UPDATE` of a Pod included, is
 //!   allowed unchanged (a running pod's share cannot change).

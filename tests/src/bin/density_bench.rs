@@ -2,7 +2,7 @@
 //! dynamic fractions, against fractions sized for the peak.
 //!
 //! N simulated servers (`bursty_server`: a 512 MiB model, then bursts of 3 GiB in 64 MiB
-//! allocations, held 300 ms, 100-1500 ms apart, the same seeded trace per server index in
+//! allocations 5 ms apart, held 300 ms, 100-1500 ms apart, the same seeded trace per server index in
 //! every configuration) share ONE simgpu GPU (16 GiB, 64 MiB per context), started at once,
 //! in these configurations, one after another:
 //!
@@ -42,6 +42,8 @@ use gpufrac_e2e::{artifact, describe_status, unique, Arbiter, ChildProcess, SimG
 const BASE: u64 = 512 * MIB;
 const BURST: u64 = 3 * GIB;
 const STEP: u64 = 64 * MIB;
+/// Between the steps of a burst: an allocator grows while the server computes.
+const STEP_MS: u64 = 5;
 const HOLD_MS: u64 = 300;
 const GAP_MS: &str = "100-1500";
 const CONTEXT: u64 = 64 * MIB;
@@ -256,7 +258,8 @@ fn run(config: &str, o: &Options) -> Outcome {
         .map(|k| {
             let mut cmd = gpu.command(artifact("bursty_server"));
             cmd.args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
-                .args(["--step", &STEP.to_string(), "--hold", &HOLD_MS.to_string()])
+                .args(["--step", &STEP.to_string(), "--step-ms", &STEP_MS.to_string()])
+                .args(["--hold", &HOLD_MS.to_string()])
                 .args(["--bursts", &o.bursts.to_string(), "--gap-ms", GAP_MS])
                 .args(["--seed", &(1000 + k).to_string()]);
             if o.verify {
