@@ -86,8 +86,8 @@ mod tests {
         p.register(5, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, 0).unwrap();
         // 16 - 9 guaranteed = 7 GiB to lend: low 3, high 2, idle 1, small 1, borrowed a
         // while ago and kept.
-        let before = now - Duration::from_secs(10);
         for (conn, gib) in [(1, 3), (2, 2), (3, 1), (4, 1)] {
+            let before = now - Duration::from_secs(60 - 10 * conn);
             let outcome = p.acquire(conn, GPU, 1, gib * GIB, gib * GIB, 0, false, before);
             assert_eq!(outcome, Outcome::Granted(gib * GIB), "holder {conn}");
         }

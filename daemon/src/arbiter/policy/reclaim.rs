@@ -190,9 +190,10 @@ mod tests {
             p.register(conn, GPU, 8 * GIB, GIB / 4, 9 * GIB / 4, 0, 0, 0).unwrap();
         }
         for (conn, bytes) in [(1, 2 * GIB), (2, GIB), (3, 2 * GIB), (4, 2 * GIB)] {
-            // Each uses all it borrowed.
+            // Each uses all it borrowed, one after another.
+            let at = now - Duration::from_secs(60 - 10 * conn);
             assert_eq!(
-                p.acquire(conn, GPU, 1, bytes, bytes, GIB / 4 + bytes, false, now),
+                p.acquire(conn, GPU, 1, bytes, bytes, GIB / 4 + bytes, false, at),
                 Outcome::Granted(bytes)
             );
         }

@@ -7,9 +7,9 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. A waiter whose group already borrows may go ahead of the head
-//! when its grant keeps the GPU safe (finishing a burst under way is what frees memory);
-//! a group that borrows nothing waits its turn. A borrower is *growing* while it waits or
+//! ending in out-of-memory. Bursts under way (a waiter whose group already borrows) are
+//! served first, in order, when their grant keeps the GPU safe: finishing a burst is what
+//! frees memory. New bursts are served in order after them. A borrower is *growing* while it waits or
 //! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
 //! holds (a server keeping a cache), so that memory it might want one day does not keep
 //! others waiting for ever. If a settled borrower grows again it waits like any other.
@@ -77,11 +77,23 @@ impl Gpu {
     }
 
     /// The grant for a burst of `bytes` (`preferred` if there is room) now, if any: the most
-    /// up to `preferred`, capped by what is free and by the group's limit, that keeps the
-    /// GPU safe, and at least the `bytes` it needs.
+    /// up to `preferred`, capped by what is free (for a new burst: what the bursts under way
+    /// cannot still claim) and by the group's limit, that keeps the GPU safe, and at least
+    /// the `bytes` it needs.
     pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
         let room = self.groups.get(group)?.room();
-        let free = self.free();
+        let mut free = self.free();
+        if !self.borrows(group) {
+            // A new burst starts only with what the bursts under way cannot still claim,
+            // so that it never makes them wait: bursts are served one after another.
+            let claimed: u64 = self
+                .groups
+                .iter()
+                .filter(|(name, g)| g.granted() > 0 && self.growing(name, now))
+                .map(|(_, g)| g.range().min(self.lendable()).saturating_sub(g.granted()))
+                .sum();
+            free = free.saturating_sub(claimed);
+        }
         if bytes > free || bytes > room {
             return None;
         }
@@ -260,29 +272,33 @@ impl Policy {
                 }
                 continue;
             }
-            if let Some(grant) = gpu.grant_for(&head.group, head.bytes, head.preferred, now) {
-                if let Some(w) = gpu.queue.pop_front() {
-                    answers.push(Self::grant_waiter(gpu, device, w, grant, now));
-                }
-                continue;
-            }
-            // Who may go ahead of a head that cannot be served: a swap-in that fits (its
-            // process is held at its gate, maybe with memory the head needs, and brings
-            // back nothing new to lend), or a burst of a group that already borrows and
-            // whose grant keeps the GPU safe.
+            // While others wait, a burst is lent what it needs, not a chunk more: memory
+            // lent as slack would keep the next in line waiting.
+            let contended = gpu.queue.len() > 1;
+            // Bursts under way go first, in order: a swap-in that fits (its process is held
+            // at its gate, maybe with memory others need, and brings back nothing new to
+            // lend), or a burst of a group that already borrows, when it can be served
+            // safely. Finishing a burst is what frees memory; new bursts starting beside
+            // half-served ones would only make every one of them wait longer.
             let free = gpu.free();
-            let ahead = gpu.queue.iter().enumerate().skip(1).find_map(|(i, w)| {
+            let under_way = gpu.queue.iter().enumerate().find_map(|(i, w)| {
+                let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
                 if w.resume {
-                    let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
                     return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
                 }
                 if !gpu.borrows(&w.group) {
                     return None;
                 }
-                gpu.grant_for(&w.group, w.bytes, w.preferred, now).map(|grant| (i, grant))
+                let preferred = if contended { w.bytes } else { w.preferred };
+                gpu.grant_for(&w.group, w.bytes, preferred, now).map(|grant| (i, grant))
             });
-            if let Some(w) = ahead.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
-                answers.push(Self::grant_waiter(gpu, device, w.0, w.1, now));
+            // Then the head, a new burst.
+            let next = under_way.or_else(|| {
+                let preferred = if contended { head.bytes } else { head.preferred };
+                gpu.grant_for(&head.group, head.bytes, preferred, now).map(|grant| (0, grant))
+            });
+            if let Some((w, grant)) = next.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
+                answers.push(Self::grant_waiter(gpu, device, w, grant, now));
                 continue;
             }
             let Some(victim) = Self::deadlocked(gpu, now) else { break };
@@ -432,7 +448,8 @@ mod tests {
                     continue;
                 }
                 seq += 1;
-                match p.acquire(conn, GPU, seq, step, chunk, 0, false, t) {
+                let need = step.min(3 * GIB - granted[c]);
+                match p.acquire(conn, GPU, seq, need, chunk.max(need), 0, false, t) {
                     Outcome::Granted(g) => granted[c] += g,
                     Outcome::Queued => {
                         waiting[c] = true;
@@ -492,6 +509,29 @@ mod tests {
         // a is done and frees its burst: b is served.
         let answers = p.release(1, GPU, 8 * GIB, 0, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(3 * GIB))]);
+    }
+
+    #[test]
+    fn a_new_burst_never_makes_the_bursts_under_way_wait() {
+        let now = Instant::now();
+        let mut p = policy_with(&[
+            (1, "a", 2 * GIB, 8 * GIB),
+            (2, "b", 2 * GIB, 8 * GIB),
+            (3, "c", 2 * GIB, 8 * GIB),
+        ]);
+        // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
+        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
+        // b starts a burst: of the 8 GiB free, 4 are a's to claim, so b gets at most 4.
+        assert_eq!(p.acquire(2, GPU, 1, GIB, 6 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
+        // c has to wait: a and b may still claim all that is free.
+        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
+        // a asks for the rest of its burst: it is served before c.
+        assert_eq!(p.acquire(1, GPU, 2, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(4 * GIB))]);
+        // a's burst is over: c starts.
+        let answers = p.release(1, GPU, 6 * GIB, 0, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(GIB))]);
     }
 
     #[test]
