@@ -9,12 +9,20 @@
 //!   process's memory and how the shim's group ledger forgets a killed member.
 //!
 //! Lock bytes lie far beyond the mapped data; record locks need no backing bytes.
+//!
+//! [`SharedFile::open_private`] is for files in shared places such as /dev/shm: the file
+//! lives in a folder of the effective user's own (mode 0700), and neither the folder nor
+//! the file is used unless it is a real folder or regular file of that user with the
+//! expected mode: no symbolic link is ever followed and nothing someone else made is
+//! adopted.
 
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -35,6 +43,9 @@ pub unsafe trait SharedPlain: Sync {}
 pub struct SharedFile<T: SharedPlain> {
     file: File,
     path: PathBuf,
+    /// For [`SharedFile::open_private`]: the folder, held open, and the file's name in it,
+    /// so removal never goes through a path someone could have changed.
+    dir: Option<(OwnedFd, CString)>,
     ptr: *const T,
     /// Serialises this process's threads; OFD locks only exclude other processes.
     local: Mutex<()>,
@@ -66,6 +77,8 @@ impl Drop for TableGuard<'_> {
 impl<T: SharedPlain> SharedFile<T> {
     /// Opens or creates the file at `path` (mode 0600) and maps it. `prepare` runs under
     /// the table lock with the mapped value, so that the first process can initialise it.
+    /// For a path this process's user controls (simgpu's state); in shared folders use
+    /// [`SharedFile::open_private`].
     pub fn open(path: &Path, prepare: impl FnOnce(&SharedFile<T>)) -> io::Result<SharedFile<T>> {
         let file = OpenOptions::new()
             .read(true)
@@ -74,6 +87,36 @@ impl<T: SharedPlain> SharedFile<T> {
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)?;
+        Self::map(file, path.to_owned(), None, prepare)
+    }
+
+    /// Opens or creates the file `name` in the folder `dir`, which is created (mode 0700)
+    /// if missing, and maps it as [`SharedFile::open`] does. Refused, with an error naming
+    /// the path: a folder that is a symbolic link, not a folder, not the effective user's
+    /// or not mode 0700; a file that is a symbolic link, not a regular file, not the
+    /// effective user's, not mode 0600 or with other hard links. A new file is made with
+    /// `O_EXCL` (mode 0600), so it is always this process's own.
+    pub fn open_private(
+        dir: &Path,
+        name: &str,
+        prepare: impl FnOnce(&SharedFile<T>),
+    ) -> io::Result<SharedFile<T>> {
+        if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{name:?} is not a file name")));
+        }
+        let dir_fd = private_dir(dir)?;
+        let path = dir.join(name);
+        let c_name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let file = open_private_file(&dir_fd, &c_name, &path)?;
+        Self::map(file, path, Some((dir_fd, c_name)), prepare)
+    }
+
+    fn map(
+        file: File,
+        path: PathBuf,
+        dir: Option<(OwnedFd, CString)>,
+        prepare: impl FnOnce(&SharedFile<T>),
+    ) -> io::Result<SharedFile<T>> {
         let size = std::mem::size_of::<T>();
         ofd(&file, libc::F_OFD_SETLKW, libc::F_WRLCK, TABLE_LOCK_BYTE)?;
         let mapped = (|| {
@@ -106,7 +149,8 @@ impl<T: SharedPlain> SharedFile<T> {
         };
         let shared = SharedFile {
             file,
-            path: path.to_owned(),
+            path,
+            dir,
             ptr,
             local: Mutex::new(()),
             own: Default::default(),
@@ -139,7 +183,6 @@ impl<T: SharedPlain> SharedFile<T> {
     /// Whether the file was removed from its folder since it was opened (by the last
     /// member leaving): a process about to join must open the path again instead.
     pub fn unlinked(&self, _table: &TableGuard<'_>) -> bool {
-        use std::os::unix::fs::MetadataExt;
         self.file.metadata().map(|m| m.nlink() == 0).unwrap_or(false)
     }
 
@@ -157,12 +200,30 @@ impl<T: SharedPlain> SharedFile<T> {
             return Ok(false);
         }
         // The path may name another file by now (ours removed by hand, a new one made).
-        use std::os::unix::fs::MetadataExt;
-        let (ours, named) = (self.file.metadata()?, std::fs::metadata(&self.path)?);
-        if (ours.dev(), ours.ino()) != (named.dev(), named.ino()) {
+        let ours = self.file.metadata()?;
+        let Some((dir, name)) = &self.dir else {
+            let named = std::fs::symlink_metadata(&self.path)?;
+            if (ours.dev(), ours.ino()) != (named.dev(), named.ino()) {
+                return Ok(false);
+            }
+            std::fs::remove_file(&self.path)?;
+            return Ok(true);
+        };
+        // SAFETY: stat is a plain C struct; all-zero is valid.
+        let mut named: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `dir` is an open folder, `name` NUL-terminated, `named` a valid stat.
+        if unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut named, libc::AT_SYMLINK_NOFOLLOW) }
+            != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        if (ours.dev(), ours.ino()) != (named.st_dev, named.st_ino) {
             return Ok(false);
         }
-        std::fs::remove_file(&self.path)?;
+        // SAFETY: as above; unlinkat removes the name only, never following a link.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(true)
     }
 
@@ -229,6 +290,135 @@ impl<T: SharedPlain> Drop for SharedFile<T> {
     }
 }
 
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn refuse(path: &Path, why: impl std::fmt::Display) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!("refusing {}: {why}; remove it if nobody should have made it", path.display()),
+    )
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Creates `dir` (mode 0700) if missing and opens it, without following a symbolic link;
+/// it must be a folder of the effective user's with mode 0700.
+fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
+    let c_dir = c_path(dir)?;
+    // SAFETY: `c_dir` is a NUL-terminated path.
+    let created = unsafe { libc::mkdir(c_dir.as_ptr(), 0o700) } == 0;
+    if !created {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EEXIST) {
+            return Err(io::Error::new(err.kind(), format!("cannot create {}: {err}", dir.display())));
+        }
+    }
+    // SAFETY: as above; the result is checked before use.
+    let fd = unsafe {
+        libc::open(c_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+    };
+    if fd < 0 {
+        let err = io::Error::last_os_error();
+        let link = std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink());
+        return Err(match err.raw_os_error() {
+            Some(libc::ELOOP | libc::ENOTDIR) if link => refuse(dir, "it is a symbolic link"),
+            Some(libc::ELOOP | libc::ENOTDIR) => refuse(dir, "it is not a folder"),
+            _ => io::Error::new(err.kind(), format!("cannot open {}: {err}", dir.display())),
+        });
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let meta = File::from(fd.try_clone()?).metadata()?;
+    let me = euid();
+    if meta.uid() != me {
+        return Err(refuse(
+            dir,
+            format_args!("it belongs to uid {}, not to this user (uid {me})", meta.uid()),
+        ));
+    }
+    if created && meta.mode() & 0o7777 != 0o700 {
+        // Our own new folder, narrowed by the umask: widen it to 0700 exactly.
+        // SAFETY: `fd` is an open folder of ours.
+        if unsafe { libc::fchmod(fd.as_raw_fd(), 0o700) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    } else if meta.mode() & 0o7777 != 0o700 {
+        return Err(refuse(dir, format_args!("its mode is {:04o}, not 0700", meta.mode() & 0o7777)));
+    }
+    Ok(fd)
+}
+
+/// Opens `name` in `dir` read-write without following a symbolic link, creating it
+/// (mode 0600, `O_EXCL`) if missing; an existing file must be a regular file of the
+/// effective user's, mode 0600, with no other hard link.
+fn open_private_file(dir: &OwnedFd, name: &CString, path: &Path) -> io::Result<File> {
+    let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    for _ in 0..100 {
+        // SAFETY: `dir` is an open folder and `name` a NUL-terminated name in it.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+        if fd >= 0 {
+            // SAFETY: `fd` was just opened and is owned by nothing else.
+            let file = unsafe { File::from_raw_fd(fd) };
+            let meta = file.metadata()?;
+            let me = euid();
+            if !meta.file_type().is_file() {
+                return Err(refuse(path, "it is not a regular file"));
+            }
+            if meta.uid() != me {
+                return Err(refuse(
+                    path,
+                    format_args!("it belongs to uid {}, not to this user (uid {me})", meta.uid()),
+                ));
+            }
+            if meta.mode() & 0o7777 != 0o600 {
+                return Err(refuse(path, format_args!("its mode is {:04o}, not 0600", meta.mode() & 0o7777)));
+            }
+            // 0 links: removed since we opened it; the caller sees that and opens again.
+            if meta.nlink() > 1 {
+                return Err(refuse(path, format_args!("it has {} hard links", meta.nlink())));
+            }
+            return Ok(file);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::ENOENT) => {}
+            Some(libc::ELOOP) => return Err(refuse(path, "it is a symbolic link")),
+            Some(libc::EISDIR) => return Err(refuse(path, "it is not a regular file")),
+            _ => return Err(io::Error::new(err.kind(), format!("cannot open {}: {err}", path.display()))),
+        }
+        // SAFETY: as above; O_EXCL with O_NOFOLLOW never opens an existing name or link.
+        let fd = unsafe {
+            libc::openat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                flags | libc::O_CREAT | libc::O_EXCL,
+                0o600 as libc::c_uint,
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: `fd` was just created by us and is owned by nothing else.
+            let file = unsafe { File::from_raw_fd(fd) };
+            // Exactly 0600 whatever the umask.
+            // SAFETY: `fd` is a regular file we just created.
+            if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            return Ok(file);
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EEXIST) {
+            return Err(io::Error::new(err.kind(), format!("cannot create {}: {err}", path.display())));
+        }
+        // Another process made it meanwhile: open theirs.
+    }
+    Err(io::Error::other(format!("{} keeps appearing and disappearing", path.display())))
+}
+
 fn fcntl(file: &File, cmd: libc::c_int, fl: &mut libc::flock) -> io::Result<()> {
     loop {
         // SAFETY: `fl` is a valid flock and the descriptor is open for the call.
@@ -250,4 +440,122 @@ fn ofd(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::Resul
     fl.l_start = byte as libc::off_t;
     fl.l_len = 1;
     fcntl(file, cmd, &mut fl)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[repr(C)]
+    struct Counter(AtomicU64);
+    // SAFETY: one atomic, C layout.
+    unsafe impl SharedPlain for Counter {}
+
+    /// A fresh folder under the temp dir, removed at drop; the private folder is `dir/p`.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(what: &str) -> Scratch {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let dir = std::env::temp_dir().join(format!("shm-test-{what}-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir(&dir).unwrap();
+            Scratch(dir)
+        }
+        fn private(&self) -> PathBuf {
+            self.0.join("p")
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn open(dir: &Path) -> io::Result<SharedFile<Counter>> {
+        SharedFile::<Counter>::open_private(dir, "f", |_| {})
+    }
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    fn refused(result: io::Result<SharedFile<Counter>>, path: &Path, why: &str) {
+        let err = result.err().unwrap_or_else(|| panic!("{} was used", path.display()));
+        let text = err.to_string();
+        assert!(text.contains(&path.display().to_string()) && text.contains(why), "{text}");
+    }
+
+    #[test]
+    fn a_private_file_is_made_0600_in_a_0700_folder_shared_and_removed_by_name() {
+        let s = Scratch::new("fresh");
+        let a = open(&s.private()).unwrap();
+        assert_eq!(mode(&s.private()), 0o700);
+        assert_eq!(mode(&s.private().join("f")), 0o600);
+        let b = open(&s.private()).unwrap();
+        a.get().0.fetch_add(5, Ordering::Relaxed);
+        assert_eq!(b.get().0.load(Ordering::Relaxed), 5, "both map one file");
+        assert!(!a.remove_if_unused(0).unwrap() || !s.private().join("f").exists());
+        drop(b);
+        assert!(!s.private().join("f").exists());
+    }
+
+    #[test]
+    fn a_symbolic_link_is_never_followed() {
+        let s = Scratch::new("link");
+        let target = s.0.join("target");
+        std::fs::write(&target, b"precious").unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // A link where the file would be.
+        std::fs::create_dir(s.private()).unwrap();
+        std::fs::set_permissions(s.private(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&target, s.private().join("f")).unwrap();
+        refused(open(&s.private()), &s.private().join("f"), "symbolic link");
+        // A link where the folder would be, to a folder that would pass every check.
+        let real = s.0.join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let linked = s.0.join("linked");
+        std::os::unix::fs::symlink(&real, &linked).unwrap();
+        refused(open(&linked), &linked, "symbolic link");
+        assert!(std::fs::read_dir(&real).unwrap().next().is_none(), "nothing made through the link");
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+    }
+
+    #[test]
+    fn files_and_folders_with_another_mode_or_owner_or_links_are_not_adopted() {
+        let s = Scratch::new("modes");
+        // A folder anyone may write to.
+        std::fs::create_dir(s.private()).unwrap();
+        std::fs::set_permissions(s.private(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        refused(open(&s.private()), &s.private(), "mode is 0777");
+        std::fs::set_permissions(s.private(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        // A file anyone may read and write.
+        let f = s.private().join("f");
+        std::fs::write(&f, [0u8; 8]).unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o666)).unwrap();
+        refused(open(&s.private()), &f, "mode is 0666");
+        // A second name for the file.
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::hard_link(&f, s.0.join("other-name")).unwrap();
+        refused(open(&s.private()), &f, "2 hard links");
+        std::fs::remove_file(s.0.join("other-name")).unwrap();
+        // Not a regular file.
+        std::fs::remove_file(&f).unwrap();
+        std::fs::create_dir(&f).unwrap();
+        refused(open(&s.private()), &f, "not a regular file");
+        std::fs::remove_dir(&f).unwrap();
+        assert!(open(&s.private()).is_ok(), "a clean folder works");
+        // Another user's file and folder (only root can make them).
+        if euid() == 0 {
+            std::os::unix::fs::chown(&f, Some(65534), None).unwrap();
+            refused(open(&s.private()), &f, "uid 65534");
+            std::fs::remove_file(&f).unwrap();
+            std::os::unix::fs::chown(s.private(), Some(65534), None).unwrap();
+            refused(open(&s.private()), &s.private(), "uid 65534");
+        }
+    }
 }

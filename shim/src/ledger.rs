@@ -83,16 +83,28 @@ fn uuid_words(uuid: &[u8; 16]) -> [u64; 2] {
     [u64::from_le_bytes(hi), u64::from_le_bytes(lo)]
 }
 
-/// Where a group's ledger lives: in shared memory, per user, by group name.
-pub fn group_path(group: &str) -> PathBuf {
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
+/// The folder of this user's group ledgers: `/dev/shm/gpufrac-<euid>` (under the temp
+/// dir where there is no /dev/shm). It is made mode 0700 and used only if it is a real
+/// folder of the effective user's with that mode (see `SharedFile::open_private`), so
+/// another user can neither plant links nor pre-create ledgers in it.
+pub fn ledger_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
     let dir = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
         std::env::temp_dir()
     };
-    dir.join(format!("gpufrac-{uid}-{group}.ledger"))
+    dir.join(format!("gpufrac-{uid}"))
+}
+
+fn file_name(group: &str) -> String {
+    format!("{group}.ledger")
+}
+
+/// Where a group's ledger lives: in this user's ledger folder, by group name.
+pub fn group_path(group: &str) -> PathBuf {
+    ledger_dir().join(file_name(group))
 }
 
 impl Ledger {
@@ -119,7 +131,7 @@ impl Ledger {
     }
 
     fn try_join(group: &str) -> io::Result<Option<Ledger>> {
-        let shm = SharedFile::<LedgerData>::open(&group_path(group), |shm| {
+        let shm = SharedFile::<LedgerData>::open_private(&ledger_dir(), &file_name(group), |shm| {
             let d = shm.get();
             let anyone = d.magic.load(Ordering::Acquire) == MAGIC
                 && (0..MAX_MEMBERS)
@@ -359,6 +371,22 @@ mod tests {
         assert!(path.exists(), "the new file is not the old member's to remove");
         new.leave();
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_ledger_someone_else_could_read_or_write_is_never_joined() {
+        use std::os::unix::fs::PermissionsExt;
+        let group = format!("mode-test-{}", std::process::id());
+        let path = super::group_path(&group);
+        // The folder exists once any ledger was joined.
+        drop(Ledger::join(&format!("{group}-first")).unwrap());
+        std::fs::write(&path, [0u8; 64]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let err = Ledger::join(&group).err().expect("a 0666 ledger was joined");
+        std::fs::remove_file(&path).unwrap();
+        let _ = std::fs::remove_file(super::group_path(&format!("{group}-first")));
+        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+        assert!(err.to_string().contains("0666"), "{err}");
     }
 
     #[test]

@@ -736,12 +736,13 @@ impl Arbiter {
     }
 }
 
-/// Where the shim keeps the ledger of `group` (as `gpufrac::ledger::group_path` says).
+/// Where the shim keeps the ledger of `group` (as `gpufrac::ledger::group_path` says):
+/// in the effective user's folder `/dev/shm/gpufrac-<euid>/`.
 pub fn ledger_path(group: &str) -> PathBuf {
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
     let dir = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-    dir.join(format!("gpufrac-{uid}-{group}.ledger"))
+    dir.join(format!("gpufrac-{uid}")).join(format!("{group}.ledger"))
 }
 
 /// Group ledgers live in /dev/shm by name: a group name unique to this test process and call.
