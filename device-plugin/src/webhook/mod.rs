@@ -19,7 +19,9 @@ mod settings;
 mod tls;
 
 pub use review::{review, try_review, BadReview, API_VERSION};
-pub use server::{serve, MAX_BODY_BYTES};
+pub use server::{
+    serve, HANDSHAKE_TIMEOUT, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER, REQUEST_TIMEOUT,
+};
 pub use tls::load_tls;
 
 /// Why the webhook's TLS files cannot be used; every variant names the file.

@@ -26,7 +26,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 use super::patch::{container_patch, ContainerGrant, PodName};
-use super::settings::{shown, Fraction, Settings, CONTAINER};
+use super::settings::{cut, shown, shown_json, Fraction, Settings, CONTAINER};
 
 /// The only AdmissionReview version served.
 pub const API_VERSION: &str = "admission.k8s.io/v1";
@@ -59,12 +59,22 @@ pub fn try_review(body: &Value) -> Result<Value, BadReview> {
     };
     match body.get("apiVersion") {
         Some(Value::String(v)) if v == API_VERSION => {}
-        Some(v) => return Err(BadReview(format!("apiVersion {v} is not served: expected {API_VERSION:?}"))),
+        Some(v) => {
+            return Err(BadReview(format!(
+                "apiVersion {} is not served: expected {API_VERSION:?}",
+                shown_json(v)
+            )))
+        }
         None => return Err(BadReview("apiVersion is missing".into())),
     }
     match body.get("kind") {
         Some(Value::String(k)) if k == "AdmissionReview" => {}
-        Some(k) => return Err(BadReview(format!("kind {k} is not served: expected \"AdmissionReview\""))),
+        Some(k) => {
+            return Err(BadReview(format!(
+                "kind {} is not served: expected \"AdmissionReview\"",
+                shown_json(k)
+            )))
+        }
         None => return Err(BadReview("kind is missing".into())),
     }
     let Some(request) = body.get("request").filter(|r| r.is_object()) else {
@@ -152,12 +162,10 @@ fn decide(request: &Value) -> Decision {
         Some(wanted) => match containers.iter().position(|c| name_of(c) == *wanted) {
             Some(index) => index,
             None => {
-                let names: Vec<String> =
-                    containers.iter().map(|c| Value::from(name_of(c)).to_string()).collect();
                 return Decision::Refuse(format!(
                     "{CONTAINER}={}: expected the name of one of the pod's containers ({})",
                     shown(wanted),
-                    if names.is_empty() { "it has none".to_owned() } else { names.join(", ") },
+                    container_names(containers),
                 ));
             }
         },
@@ -170,7 +178,7 @@ fn decide(request: &Value) -> Decision {
         warnings.push(format!(
             "gpufrac.io/gpu-fraction={} is granted in whole shares of 1/100 GPU: {shares} \
              shares ({} GPU)",
-            settings.request,
+            cut(&settings.request.to_string()),
             granted.as_ref().map(ToString::to_string).unwrap_or_default(),
         ));
     }
@@ -202,6 +210,26 @@ fn decide(request: &Value) -> Decision {
         name,
     };
     Decision::Patch(container_patch(&containers[index], &grant), warnings)
+}
+
+/// The most container names listed in a refusal; a pod may have thousands.
+const NAMES_LISTED: usize = 10;
+
+/// The pod's container names for a refusal: the first [`NAMES_LISTED`], each cut to a
+/// sane length, then how many more.
+fn container_names(containers: &[Value]) -> String {
+    if containers.is_empty() {
+        return "it has none".to_owned();
+    }
+    let mut names: Vec<String> = containers
+        .iter()
+        .take(NAMES_LISTED)
+        .map(|c| shown(c.get("name").and_then(Value::as_str).unwrap_or_default()))
+        .collect();
+    if containers.len() > NAMES_LISTED {
+        names.push(format!("and {} more", containers.len() - NAMES_LISTED));
+    }
+    names.join(", ")
 }
 
 /// The string at `pointer` in `value`, if it is one.
@@ -279,6 +307,23 @@ mod tests {
                                     "request": "x"}));
         assert_eq!(answer["response"]["allowed"], false);
         assert_eq!(answer["response"]["status"]["code"], 400);
+    }
+
+    #[test]
+    fn refusals_stay_small() {
+        let containers: Vec<Value> = (0..3_500).map(|i| json!({"name": format!("c{i}")})).collect();
+        let pod = json!({
+            "metadata": {"name": "p", "annotations": {"gpufrac.io/gpu-fraction": "0.5",
+                                                      "gpufrac.io/container": "x".repeat(5_000)}},
+            "spec": {"containers": containers},
+        });
+        let answer = review(&admission(pod));
+        let message = answer["response"]["status"]["message"].as_str().expect("a refusal");
+        assert!(message.len() < 1_000, "{} bytes: {message}", message.len());
+        assert!(message.starts_with("gpufrac.io/container=\"xxx"), "{message}");
+        assert!(message.contains(r#""c0", "c1""#) && message.contains("\"c9\", and 3490 more"), "{message}");
+        let huge = json!({"apiVersion": "x".repeat(100_000), "kind": "AdmissionReview"});
+        assert!(try_review(&huge).expect_err("bad").to_string().len() < 200);
     }
 
     #[test]

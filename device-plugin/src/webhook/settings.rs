@@ -167,7 +167,7 @@ impl Settings {
             match annotations.get(key)? {
                 Value::String(s) => Some(s.clone()),
                 other => {
-                    problems.push(format!("{key}={other}: expected a string"));
+                    problems.push(format!("{key}={}: expected a string", shown_json(other)));
                     None
                 }
             }
@@ -220,8 +220,9 @@ impl Settings {
                         if limit < *request {
                             problems.push(format!(
                                 "{FRACTION_LIMIT}={}: expected a fraction >= {FRACTION} \
-                                 ({request}) and <= 1",
+                                 ({}) and <= 1",
                                 shown(text),
+                                cut(&request.to_string()),
                             ));
                         }
                     }
@@ -257,13 +258,28 @@ fn fraction_problem(key: &str, text: &str, expected: &str) -> String {
     format!("{key}={}: {expected}{hint}", shown(text))
 }
 
+/// The most characters of a user's value echoed in a message.
+const SHOWN_CHARS: usize = 64;
+
 /// An annotation value as shown in a message: quoted as JSON, cut after 64 characters so
 /// a huge value does not make a huge message.
 pub(crate) fn shown(text: &str) -> String {
-    const MAX: usize = 64;
-    match text.char_indices().nth(MAX) {
+    match text.char_indices().nth(SHOWN_CHARS) {
         None => Value::from(text).to_string(),
         Some((cut, _)) => format!("{}…", Value::from(&text[..cut])),
+    }
+}
+
+/// Any JSON value as shown in a message: its JSON text, cut after 64 characters.
+pub(crate) fn shown_json(value: &Value) -> String {
+    cut(&value.to_string())
+}
+
+/// `text` cut after 64 characters, with `…` when cut.
+pub(crate) fn cut(text: &str) -> String {
+    match text.char_indices().nth(SHOWN_CHARS) {
+        None => text.to_owned(),
+        Some((cut, _)) => format!("{}…", &text[..cut]),
     }
 }
 
@@ -374,5 +390,11 @@ mod tests {
         let long = "9".repeat(10_000);
         let err = settings(json!({FRACTION: long})).expect_err("bad");
         assert!(err.len() < 200, "{err}");
+        let err = settings(json!({FRACTION: {"x": long}})).expect_err("bad");
+        assert!(err.len() < 200, "{err}");
+        // A valid but absurdly precise request, echoed in another refusal.
+        let precise = format!("0.9{}", "9".repeat(10_000));
+        let err = settings(json!({FRACTION: precise, FRACTION_LIMIT: "0.5"})).expect_err("bad");
+        assert!(err.len() < 300, "{err}");
     }
 }
