@@ -1,12 +1,16 @@
 //! Contexts and the device memory each one takes, measured rather than guessed: the
 //! process's own usage as NVML reports it, just before and just after the driver creates
-//! the context. The first measurement on a device is kept in the group's ledger, so a
-//! context that would not fit under the limit is refused before it is created.
+//! the context. A context is charged before it is created, so the group (and the arbiter)
+//! count it while it comes into being: the size measured before on that device (kept in
+//! the group's ledger), refused up front if it does not fit; never measured, a
+//! conservative estimate (at most what the limit leaves). The charge is then corrected to
+//! the measurement, and a context that turns out not to fit is destroyed and refused with
+//! `CUDA_ERROR_OUT_OF_MEMORY`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use crate::driver::{call, uuid_string};
-use crate::ffi::{read, Status, OUT_OF_MEMORY, SUCCESS};
+use crate::ffi::{read, write, Status, SUCCESS};
 use crate::hooks::call_real;
 use crate::state::{enforcer, refused, Enforcer};
 
@@ -53,47 +57,80 @@ fn delta(before: Option<(Option<u64>, u64)>, after: Option<(Option<u64>, u64)>) 
     }
 }
 
-/// Whether a new context of the known size would fit under the group's limit.
-fn fits(e: &Enforcer, ordinal: usize) -> bool {
-    let Some(slice) = e.slice(ordinal) else { return true };
-    match e.ledger.context_bytes(slice.ledger) {
-        Some(bytes) => e.ledger.held(slice.ledger).saturating_add(bytes) <= slice.limit,
-        None => true,
-    }
+/// What a context never measured on a device is charged until it is: real contexts take
+/// a few hundred MiB (simgpu's default is 256 MiB).
+const UNMEASURED_CONTEXT: u64 = 256 << 20;
+
+/// What to charge for a new context on ledger device `dev` before creating it: the last
+/// measurement, or (never refused on a guess) the estimate, at most what the limit leaves.
+fn estimate(e: &Enforcer, dev: usize, limit: u64) -> u64 {
+    e.ledger
+        .context_bytes(dev)
+        .unwrap_or_else(|| UNMEASURED_CONTEXT.min(limit.saturating_sub(e.ledger.held(dev))))
 }
 
-/// Creates a context with `create`, measures it, and charges it to the group.
-fn measured(e: &Enforcer, ordinal: usize, primary: bool, create: impl FnOnce() -> (Status, u64)) -> Status {
+/// Charges a context to the group, creates it with `create`, measures it and corrects the
+/// charge; a context that does not fit is destroyed with `destroy` and refused.
+fn measured(
+    e: &Enforcer,
+    ordinal: usize,
+    primary: bool,
+    create: impl FnOnce() -> (Status, u64),
+    destroy: impl FnOnce(),
+) -> Status {
     let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
-    if !fits(e, ordinal) {
-        tracing::debug!(ordinal, "refused a context: over the limit");
-        return OUT_OF_MEMORY;
+    let Some(slice) = e.slice(ordinal) else { return create().0 };
+    let dev = slice.ledger;
+    let estimate = estimate(e, dev, slice.limit);
+    if let Err(status) = e.charge(ordinal, estimate) {
+        tracing::warn!(
+            ordinal,
+            bytes = estimate,
+            held = e.ledger.held_fast(dev),
+            limit = slice.limit,
+            "gpufrac: out of memory: refused a new context: its {estimate} bytes (as measured before on this device) were not available under GPUFRAC_MEMORY_LIMIT"
+        );
+        return status;
     }
     let before = usage(ordinal);
     let (status, handle) = create();
     if status != SUCCESS {
+        e.release(dev, estimate);
         return status;
     }
     let after = usage(ordinal);
-    let Some(slice) = e.slice(ordinal) else { return status };
     let bytes = match delta(before, after) {
         Some(bytes) => {
-            if e.ledger.context_bytes(slice.ledger).is_none() && bytes > 0 {
-                e.ledger.set_context_bytes(slice.ledger, bytes);
+            if bytes > 0 && e.ledger.context_bytes(dev).is_none_or(|known| known != bytes) {
+                e.ledger.set_context_bytes(dev, bytes);
             }
             bytes
         }
         None => {
-            let known = e.ledger.context_bytes(slice.ledger).unwrap_or(0);
             tracing::warn!(
                 ordinal,
-                known,
-                "cannot measure a new context through NVML; charging the last measurement"
+                estimate,
+                "cannot measure a new context through NVML; charging the last measurement or the estimate"
             );
-            known
+            estimate
         }
     };
-    e.ledger.force_charge(slice.ledger, bytes);
+    if bytes > estimate {
+        if let Err(status) = e.charge(ordinal, bytes - estimate) {
+            destroy();
+            e.release(dev, estimate);
+            tracing::warn!(
+                ordinal,
+                bytes,
+                held = e.ledger.held_fast(dev),
+                limit = slice.limit,
+                "gpufrac: out of memory: a new context took {bytes} bytes, more than GPUFRAC_MEMORY_LIMIT leaves: destroyed and refused"
+            );
+            return status;
+        }
+    } else if bytes < estimate {
+        e.release(dev, estimate - bytes);
+    }
     match e.contexts.add(handle, ordinal, bytes, primary) {
         Some(id) => e.set_context_charge(id, bytes),
         None => tracing::warn!("more than {} contexts; not tracking this one", crate::state::MAX_CONTEXTS),
@@ -114,11 +151,21 @@ pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
     if dev < 0 || primary_active(dev) {
         return call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
     }
-    measured(e, dev as usize, true, || {
-        // A context on a GPU whose loans are being taken back waits for its memory.
-        let status = e.physical(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
-        (status, read(ctx).map_or(0, |c| c as u64))
-    })
+    measured(
+        e,
+        dev as usize,
+        true,
+        || {
+            // A context on a GPU whose loans are being taken back waits for its memory.
+            let status = e.physical(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
+            (status, read(ctx).map_or(0, |c| c as u64))
+        },
+        || {
+            // The primary context was inactive: this one retain is all it has.
+            let _ = call_real!(cuDevicePrimaryCtxRelease_v2(dev));
+            write(ctx, std::ptr::null_mut());
+        },
+    )
 }
 
 /// After a release or reset: if the primary context is gone, so is what it held.
@@ -144,10 +191,21 @@ pub(crate) fn primary_reset(dev: c_int) -> Status {
 
 fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status {
     match enforcer() {
-        Some(e) if dev >= 0 => measured(e, dev as usize, false, || {
-            let status = e.physical(&mut real);
-            (status, read(ctx).map_or(0, |c| c as u64))
-        }),
+        Some(e) if dev >= 0 => measured(
+            e,
+            dev as usize,
+            false,
+            || {
+                let status = e.physical(&mut real);
+                (status, read(ctx).map_or(0, |c| c as u64))
+            },
+            || {
+                if let Some(c) = read(ctx) {
+                    let _ = call_real!(cuCtxDestroy_v2(c));
+                }
+                write(ctx, std::ptr::null_mut());
+            },
+        ),
         _ => refused().unwrap_or_else(real),
     }
 }
