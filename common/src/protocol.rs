@@ -150,6 +150,12 @@ pub enum Denial {
     /// Every holder of burst memory on the GPU waits for more: this waiter is refused so
     /// that the others can go on (it holds the most).
     Deadlock,
+    /// More than the GPU could ever lend the group: what no request reserves, less what
+    /// the group already borrows. Refused at once rather than block the queue.
+    NeverFits,
+    /// A swap-in (`resume`) from a process with nothing swapped out, or for more than it
+    /// has swapped out.
+    NotSwapped,
 }
 
 /// Messages from the arbiter.
@@ -268,7 +274,12 @@ impl Writer {
         self
     }
     fn string(mut self, s: &str) -> Self {
-        let bytes = &s.as_bytes()[..s.len().min(MAX_STRING)];
+        // Cut an overlong string at a character boundary, so that it still decodes.
+        let mut end = s.len().min(MAX_STRING);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        let bytes = &s.as_bytes()[..end];
         self.0.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
         self.0.extend_from_slice(bytes);
         self
@@ -473,6 +484,8 @@ impl Reply {
                 Denial::OverLimit => 1,
                 Denial::UnknownDevice => 2,
                 Denial::Deadlock => 3,
+                Denial::NeverFits => 4,
+                Denial::NotSwapped => 5,
             }),
             Reply::Status { json } => Writer::new(0x46).long_string(json),
             Reply::Reclaim { device } => Writer::new(0x80).device(device),
@@ -497,6 +510,8 @@ impl Reply {
                     1 => Denial::OverLimit,
                     2 => Denial::UnknownDevice,
                     3 => Denial::Deadlock,
+                    4 => Denial::NeverFits,
+                    5 => Denial::NotSwapped,
                     _ => return Err(ProtocolError::BadValue("denial")),
                 },
             },
@@ -589,6 +604,11 @@ mod tests {
             Reply::Refused { device: [2; 16], reason: "no room".into() },
             Reply::Granted { seq: 3, bytes: 77 },
             Reply::Denied { seq: 4, reason: Denial::Timeout },
+            Reply::Denied { seq: 5, reason: Denial::OverLimit },
+            Reply::Denied { seq: 6, reason: Denial::UnknownDevice },
+            Reply::Denied { seq: 7, reason: Denial::Deadlock },
+            Reply::Denied { seq: 8, reason: Denial::NeverFits },
+            Reply::Denied { seq: 9, reason: Denial::NotSwapped },
             Reply::Status { json: "{}".into() },
             Reply::Reclaim { device: [5; 16] },
             Reply::SwapOut { device: [6; 16] },
@@ -632,5 +652,17 @@ mod tests {
         .encode();
         hello[9] = 0xff; // the group's single byte (after length, tag, version, string length)
         assert!(matches!(Request::decode(&hello[4..]), Err(ProtocolError::BadString)));
+        let mut denied = Reply::Denied { seq: 1, reason: Denial::NotSwapped }.encode();
+        *denied.last_mut().unwrap() = 6;
+        assert!(matches!(Reply::decode(&denied[4..]), Err(ProtocolError::BadValue("denial"))));
+    }
+
+    #[test]
+    fn an_overlong_string_is_cut_at_a_character_boundary() {
+        // 511 ASCII bytes then a 2-byte character: cut at 512 it would split the character.
+        let reason = format!("{}é and more", "x".repeat(MAX_STRING - 1));
+        let frame = Reply::Refused { device: [1; 16], reason }.encode();
+        let Reply::Refused { reason, .. } = Reply::decode(&frame[4..]).unwrap() else { panic!() };
+        assert_eq!(reason, "x".repeat(MAX_STRING - 1));
     }
 }

@@ -46,6 +46,8 @@ impl std::fmt::Display for NotGranted {
             NotGranted::Denied(Denial::Deadlock) => {
                 "every borrower was waiting with memory used outside gpufrac in the way; this one held the most"
             }
+            NotGranted::Denied(Denial::NeverFits) => "the burst is larger than the GPU could ever lend",
+            NotGranted::Denied(Denial::NotSwapped) => "a swap-in for more than this process has swapped out",
             NotGranted::NoAnswer { connected: false } => {
                 "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT (it is unreachable)"
             }

@@ -18,9 +18,9 @@ use std::sync::mpsc::{channel, sync_channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{DeviceId, Request, SwapDirection};
+use gpufrac_common::protocol::{Denial, DeviceId, Request, SwapDirection};
 
-use crate::arbiter::Client;
+use crate::arbiter::{Client, NotGranted};
 use crate::driver::call;
 use crate::ffi::{CUdeviceptr, Status, SUCCESS};
 use crate::hooks::call_real;
@@ -179,19 +179,30 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
     }
 }
 
-/// Asks for each swapped-out device's memory, without deadline, and swaps it in.
+/// Longest pause before a swap-in the arbiter refused at once is asked again.
+const REFUSED_PAUSE: Duration = Duration::from_secs(5);
+
+/// Asks for each swapped-out device's memory until it is granted, and swaps it in.
 fn come_back(e: &'static Enforcer, client: &Client) {
     let swapped: Vec<(usize, u64)> =
         book().swapped.iter().filter(|(_, &b)| b > 0).map(|(&d, &b)| (d, b)).collect();
-    for (device, bytes) in swapped {
+    for (device, _) in swapped {
         let Some(slice) = e.slice_by_ledger(device) else { continue };
         let mut asked = 0u32;
         let granted = loop {
+            // Read anew each time: swapped-out memory freed meanwhile is not asked for
+            // (the arbiter refuses a swap-in for more than is swapped out).
+            let bytes = host_bytes(device);
+            if bytes == 0 {
+                break 0;
+            }
             let held = e.ledger.held_by_me(device);
-            // The arbiter keeps a swap-in waiting without deadline, so while it is there
-            // the timeout only bounds one round trip. While it is away, the process
-            // waits GPUFRAC_WAIT_TIMEOUT for it, then comes back on its own if the device
-            // has the memory free (as a process without an arbiter takes its bursts).
+            // The arbiter keeps a swap-in waiting an hour (its RESUME_WAIT) and answers
+            // `Timeout` then; this loop asks again, so the process waits as long as it
+            // takes. The timeout here is a little longer, so that the arbiter answers
+            // first. While it is away, the process waits GPUFRAC_WAIT_TIMEOUT for it, then
+            // comes back on its own if the device has the memory free (as a process
+            // without an arbiter takes its bursts).
             let away = !client.is_connected();
             let timeout = if away { e.config.wait_timeout } else { Duration::from_secs(3600) };
             match client.acquire(slice.uuid, bytes, bytes, held, timeout, true) {
@@ -203,12 +214,21 @@ fn come_back(e: &'static Enforcer, client: &Client) {
                     );
                     break bytes;
                 }
-                Err(_) => {
+                Err(why) => {
                     asked += 1;
                     if asked == 1 || asked.is_multiple_of(600) {
-                        tracing::warn!(bytes, asked, "the swap-in was not granted yet; asking again");
+                        tracing::warn!(bytes, asked, "the swap-in was not granted yet ({why}); asking again");
                     }
-                    std::thread::sleep(Duration::from_millis(100));
+                    // Refused at once (it can never fit while the GPU's guarantees stay as
+                    // they are, or the arbiter's ledger disagrees with ours): ask again less
+                    // often, up to every 5 s, until the guarantees change.
+                    let refused = matches!(why, NotGranted::Denied(d) if d != Denial::Timeout);
+                    let pause = if refused {
+                        Duration::from_millis(100 << asked.min(6)).min(REFUSED_PAUSE)
+                    } else {
+                        Duration::from_millis(100)
+                    };
+                    std::thread::sleep(pause);
                 }
             }
         };

@@ -37,13 +37,18 @@ impl Policy {
             return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
         }
         if !gpu.groups.contains_key(&peer.group) {
-            // What this very process already uses is not someone else's.
-            let outside: u64 =
-                gpu.outside.iter().filter(|&&(pid, _)| pid != peer.pid).map(|&(_, bytes)| bytes).sum();
+            // What this very process already uses is not someone else's. A process coming
+            // back with burst memory after a restart holds it already: refusing it for
+            // memory outside gpufrac would free nothing (and that memory may be its peers
+            // coming back too); its request must still fit beside the other requests, or
+            // no guarantee could be kept.
+            let outside: u64 = if granted == 0 {
+                gpu.outside.iter().filter(|&&(pid, _)| pid != peer.pid).map(|&(_, bytes)| bytes).sum()
+            } else {
+                0
+            };
             let committed = gpu.guaranteed().saturating_add(outside);
-            // A process coming back with burst memory after a restart holds it already:
-            // refusing it would free nothing.
-            if granted == 0 && committed.saturating_add(request) > gpu.total {
+            if committed.saturating_add(request) > gpu.total {
                 let used_outside = if outside > 0 {
                     format!(" and {} is used by processes outside gpufrac", gib(outside))
                 } else {

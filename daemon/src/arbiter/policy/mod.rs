@@ -20,6 +20,8 @@ use crate::status::{GpuStatus, ProcessStatus, Status};
 
 mod ledger;
 mod priority;
+#[cfg(test)]
+mod props;
 mod reclaim;
 mod swap;
 mod wait;
@@ -111,8 +113,12 @@ struct Member {
     swapped_for: Duration,
 }
 
-/// How far away a swap-in's deadline is: it waits until memory comes back.
-const NO_DEADLINE: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,
+/// so that a queue always empties; a swapped-out process still waits for its memory as
+/// long as it takes: its shim (`come_back` in shim/src/swap.rs) asks again after any
+/// answer but a grant, and while connected waits this long plus half a second for one, so
+/// the arbiter's answer comes first and the next ask starts a fresh wait.
+const RESUME_WAIT: Duration = Duration::from_secs(3600);
 
 impl Member {
     fn grant(&mut self, bytes: u64, now: Instant) {

@@ -3,7 +3,8 @@
 //! memory to host RAM: first those idle (no launch, copy or set for [`IDLE_FOR_SWAP`]),
 //! at once; active ones only once they have held it for their quantum, so that active work
 //! does not thrash. They come back when they ask (a gated call) or when memory is free
-//! again; a swap-in waits without deadline.
+//! again. A swap-in is accepted only for memory the member has in host RAM, and waits
+//! [`RESUME_WAIT`](super::RESUME_WAIT) at most (its shim asks again).
 
 use std::time::{Duration, Instant};
 
@@ -136,9 +137,12 @@ impl Policy {
     ) -> Vec<Answer> {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
-        // A report cannot put more in the ledger than the group may hold.
-        let (granted, host_bytes) = (granted.min(g.range()), host_bytes.min(g.limit));
+        // A report cannot put more in the ledger than was lent: a swap gives grants back or
+        // uses one already made (the grant of its swap-in), never takes new ones. Nor can
+        // host RAM hold more than the group may hold.
+        let host_bytes = host_bytes.min(g.limit);
         if let Some(m) = g.members.get_mut(&conn) {
+            let granted = granted.min(m.granted);
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
             m.resume_sent = false;
             if host_bytes > 0 {
@@ -235,10 +239,10 @@ mod tests {
         let answers = p.swapped(1, GPU, 0, 6 * GIB, 2 * GIB, now);
         assert_eq!((answers[0].conn, answers[0].result), (3, Ok(5 * GIB)));
         assert_eq!(p.host_committed(), 6 * GIB);
-        // old wants back in: it waits without deadline, and new (active) is swapped out
-        // only after its quantum.
+        // old wants back in: it waits (its shim asks again after RESUME_WAIT), and new
+        // (active) is swapped out only after its quantum.
         assert_eq!(p.acquire(1, GPU, 2, 6 * GIB, 6 * GIB, 0, true, now), Outcome::Queued);
-        assert!(p.expire(now + Duration::from_secs(3600)).is_empty(), "a swap-in has no deadline");
+        assert!(p.expire(now + Duration::from_secs(60)).is_empty(), "a swap-in waits longer than a burst");
         active(&mut p, now + Duration::from_secs(5));
         assert!(p.swap_victims(now + Duration::from_secs(5), quantum, 64 * GIB).is_empty());
         active(&mut p, now + Duration::from_secs(11));
@@ -371,6 +375,52 @@ mod tests {
         assert_eq!(state(&p, 1), "running");
         p.activity(1, 2, now + Duration::from_secs(72));
         assert_eq!(p.swap_victims(now + Duration::from_secs(72), quantum, u64::MAX).len(), 1);
+    }
+
+    #[test]
+    fn a_swap_in_is_accepted_only_for_what_is_swapped_out_and_waits_until_a_deadline() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 1000) });
+        }
+        // a has nothing swapped out; b has 4 GiB in host RAM.
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 2 * GIB, 0, 0).unwrap();
+        p.register(2, GPU, 16 * GIB, 2 * GIB, 14 * GIB, 2 * GIB, 0, 4 * GIB).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, true, now), Outcome::Denied(Denial::NotSwapped));
+        assert_eq!(p.acquire(2, GPU, 1, 5 * GIB, 5 * GIB, 0, true, now), Outcome::Denied(Denial::NotSwapped));
+        assert_eq!(p.status().gpus[0].waiting, 0);
+        // a borrows all 12 GiB: b's swap-in of its 4 GiB waits, for RESUME_WAIT at most.
+        assert_eq!(p.acquire(1, GPU, 2, 12 * GIB, 12 * GIB, 0, false, now), Outcome::Granted(12 * GIB));
+        assert_eq!(p.acquire(2, GPU, 2, 4 * GIB, 4 * GIB, 0, true, now), Outcome::Queued);
+        assert!(p.expire(now + RESUME_WAIT - Duration::from_secs(1)).is_empty());
+        let answers = p.expire(now + RESUME_WAIT);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(2, 2, Err(Denial::Timeout))]
+        );
+        // Asked again (as its shim does), it comes back when a gives memory back.
+        let later = now + RESUME_WAIT;
+        assert_eq!(p.acquire(2, GPU, 3, 4 * GIB, 4 * GIB, 0, true, later), Outcome::Queued);
+        let answers = p.release(1, GPU, 12 * GIB, 2 * GIB, later);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(2, 3, Ok(4 * GIB))]
+        );
+    }
+
+    #[test]
+    fn a_swap_report_cannot_take_a_grant_it_was_not_lent() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        for conn in [1, 2] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer("a", 1000) });
+            p.register(conn, GPU, 16 * GIB, 2 * GIB, 10 * GIB, 0, 0, 0).unwrap();
+        }
+        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
+        // Member 2 claims 8 GiB granted: the group would pass its limit.
+        p.swapped(2, GPU, 8 * GIB, 0, 0, now);
+        assert_eq!(p.status().gpus[0].burst, 6 * GIB);
     }
 
     #[test]

@@ -13,13 +13,20 @@
 //! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
 //! holds (a server keeping a cache), so that memory it might want one day does not keep
 //! others waiting for ever. If a settled borrower grows again it waits like any other.
+//!
+//! A burst that could never be served is refused at once rather than block the queue
+//! until its deadline: one past its group's limit (`OverLimit`), or larger than what the
+//! GPU could lend its group even if every other loan came back (`NeverFits`). Waiters are
+//! checked again whenever the queue is examined, so one that a registration (a new
+//! guarantee) leaves without a chance is refused then. Every wait has a deadline: a burst
+//! its group's wait timeout (at most [`MAX_WAIT`]), a swap-in [`RESUME_WAIT`].
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId};
 
-use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, NO_DEADLINE};
+use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, RESUME_WAIT};
 
 /// How long after its last ask a borrower still counts as growing (bursts ask a chunk at a
 /// time as allocators grow; a pause this long means the burst is over or settled).
@@ -28,11 +35,29 @@ pub const GROWING_FOR: Duration = Duration::from_secs(2);
 /// How finely a grant between what a burst needs and what it prefers is sized.
 const GRANT_STEP: u64 = 16 << 20;
 
+/// Longest a burst waits, whatever its group's timeout (the server caps it the same way).
+pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
     /// gpufrac uses.
     fn lendable(&self) -> u64 {
         self.total.saturating_sub(self.guaranteed()).saturating_sub(self.outside())
+    }
+
+    /// Why a burst of `bytes` for `group` can never be served, if it cannot: the group is
+    /// gone or the burst would take it past its limit (`OverLimit`), or it is more than the
+    /// GPU could lend the group even if every other group gave back all it borrows
+    /// (`NeverFits`): what no request reserves, less what the group borrows already.
+    /// Memory used outside gpufrac is not counted: its process may exit or register, and a
+    /// burst that needs it waits for that (the README promises it).
+    pub(super) fn never_served(&self, group: &str, bytes: u64) -> Option<Denial> {
+        let Some(g) = self.groups.get(group) else { return Some(Denial::OverLimit) };
+        if bytes > g.room() {
+            return Some(Denial::OverLimit);
+        }
+        let most = self.total.saturating_sub(self.guaranteed()).saturating_sub(g.granted());
+        (bytes > most).then_some(Denial::NeverFits)
     }
 
     /// Whether lending `bytes` more to `group` leaves the GPU safe (see the module doc).
@@ -167,12 +192,15 @@ impl Policy {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else {
             return Outcome::Denied(Denial::UnknownDevice);
         };
-        let room = gpu.groups.get(&group).map_or(0, |g| g.room());
-        if let Some(m) = gpu.member_mut(&group, conn) {
-            m.held = held;
+        let Some(m) = gpu.member_mut(&group, conn) else { return Outcome::Denied(Denial::UnknownDevice) };
+        m.held = held;
+        // A swap-in brings back what is in host RAM, no more: a member with nothing
+        // swapped out, or asking for more than it has there, is refused.
+        if resume && (m.host_bytes == 0 || bytes > m.host_bytes) {
+            return Outcome::Denied(Denial::NotSwapped);
         }
-        if bytes > room {
-            return Outcome::Denied(Denial::OverLimit);
+        if let Some(reason) = gpu.never_served(&group, bytes) {
+            return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
         if gpu.queue.is_empty() {
@@ -194,7 +222,9 @@ impl Policy {
             bytes,
             preferred,
             since: now,
-            deadline: if resume { now + NO_DEADLINE } else { now + timeout },
+            deadline: now
+                .checked_add(if resume { RESUME_WAIT } else { timeout.min(MAX_WAIT) })
+                .unwrap_or(now),
         });
         Outcome::Queued
     }
@@ -222,11 +252,14 @@ impl Policy {
         }
     }
 
-    /// Waiters whose deadline passed are denied; the waiters behind them may now fit.
+    /// Waiters whose deadline passed are denied, and so are waiters that can no longer
+    /// ever be served (a registration reserved memory they need); the waiters behind them
+    /// may now fit.
     pub fn expire(&mut self, now: Instant) -> Vec<Answer> {
         let mut answers = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
-            if gpu.queue.iter().all(|w| w.deadline > now) {
+            let hopeless = gpu.queue.iter().any(|w| gpu.never_served(&w.group, w.bytes).is_some());
+            if !hopeless && gpu.queue.iter().all(|w| w.deadline > now) {
                 continue;
             }
             let (expired, kept): (VecDeque<Waiter>, VecDeque<Waiter>) =
@@ -264,14 +297,12 @@ impl Policy {
     /// Grants what the queue of `gpu` allows now.
     pub(super) fn drain(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<Answer> {
         let mut answers = Vec::new();
-        while let Some(head) = gpu.queue.front() {
-            if gpu.groups.get(&head.group).is_none_or(|g| g.room() < head.bytes) {
-                // Its group can no longer take it (it changed meanwhile): answer now.
-                if let Some(w) = gpu.queue.pop_front() {
-                    answers.push(Self::deny_waiter(gpu, device, w, Denial::OverLimit, now));
-                }
-                continue;
-            }
+        loop {
+            // Waiters that can no longer be served (their group changed meanwhile, or a
+            // registration reserved memory they need) are answered now, wherever they are
+            // in the queue: none of them blocks those behind it until its deadline.
+            Self::refuse_hopeless(device, gpu, now, &mut answers);
+            let Some(head) = gpu.queue.front() else { break };
             // While others wait, a burst is lent what it needs, not a chunk more: memory
             // lent as slack would keep the next in line waiting.
             let contended = gpu.queue.len() > 1;
@@ -312,6 +343,22 @@ impl Policy {
             answers.push(Self::deny_waiter(gpu, device, w, Denial::Deadlock, now));
         }
         answers
+    }
+
+    /// Denies the waiters of `gpu` that can never be served (see `Gpu::never_served`).
+    fn refuse_hopeless(device: DeviceId, gpu: &mut Gpu, now: Instant, answers: &mut Vec<Answer>) {
+        let mut i = 0;
+        while i < gpu.queue.len() {
+            let reason = gpu.never_served(&gpu.queue[i].group, gpu.queue[i].bytes);
+            match reason {
+                Some(reason) => {
+                    if let Some(w) = gpu.queue.remove(i) {
+                        answers.push(Self::deny_waiter(gpu, device, w, reason, now));
+                    }
+                }
+                None => i += 1,
+            }
+        }
     }
 
     fn deny_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, reason: Denial, now: Instant) -> Answer {
@@ -367,7 +414,7 @@ impl Policy {
 mod tests {
     use super::super::testing::*;
     use super::super::*;
-    use super::GROWING_FOR;
+    use super::{GROWING_FOR, MAX_WAIT};
 
     #[test]
     fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {
@@ -559,6 +606,64 @@ mod tests {
         let mut p = policy_with(&[(1, "a", 2 * GIB, 2 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
         assert_eq!(p.acquire(2, GPU, 1, GIB, 4 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
         assert_eq!(p.acquire(2, GPU, 2, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+    }
+
+    #[test]
+    fn a_burst_that_can_never_fit_is_refused_at_once_and_blocks_nobody() {
+        let now = Instant::now();
+        // 12 GiB can ever be lent; a's limit is the whole GPU.
+        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 2 * GIB)]);
+        assert_eq!(
+            p.acquire(1, GPU, 1, 13 * GIB, 13 * GIB, 0, false, now),
+            Outcome::Denied(Denial::NeverFits)
+        );
+        assert_eq!(p.status().gpus[0].waiting, 0, "it is not queued");
+        // A 64 MiB burst behind it is served at once, with 12 GiB free.
+        assert_eq!(p.acquire(1, GPU, 2, 64 << 20, 64 << 20, 0, false, now), Outcome::Granted(64 << 20));
+        // What the group already borrows counts: 64 MiB are lent, so 12 GiB never fit.
+        assert_eq!(
+            p.acquire(1, GPU, 3, 12 * GIB, 12 * GIB, 0, false, now),
+            Outcome::Denied(Denial::NeverFits)
+        );
+        let rest = 12 * GIB - (64 << 20);
+        assert_eq!(p.acquire(1, GPU, 4, rest, rest, 0, false, now), Outcome::Granted(rest));
+    }
+
+    #[test]
+    fn a_waiter_a_registration_leaves_without_a_chance_is_refused_then() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
+        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
+        // 12 GiB to lend: a borrows 8, b waits for 10 (it fits once a gives back).
+        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, 10 * GIB, 10 * GIB, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty());
+        // c is admitted with 4 GiB: now only 8 GiB can ever be lent, b's 10 never fit. The
+        // next look at the queue (the expiry tick) refuses b, long before its deadline.
+        p.hello(3, peer("c", 1000));
+        p.register(3, GPU, 16 * GIB, 4 * GIB, 4 * GIB, 0, 0, 0).unwrap();
+        let answers = p.expire(now + Duration::from_millis(5));
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
+            vec![(2, Err(Denial::NeverFits))]
+        );
+        assert_eq!(p.status().gpus[0].waiting, 0);
+        assert!(p.expire(now + Duration::from_millis(10)).is_empty());
+    }
+
+    #[test]
+    fn every_wait_has_a_deadline_even_with_an_endless_timeout() {
+        let now = Instant::now();
+        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
+        p.hello(2, Peer { wait_timeout: Duration::MAX, ..peer("b", 0) });
+        assert_eq!(p.acquire(1, GPU, 1, 12 * GIB, 12 * GIB, 0, false, now), Outcome::Granted(12 * GIB));
+        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
+        assert!(p.expire(now + MAX_WAIT - Duration::from_secs(1)).is_empty());
+        let answers = p.expire(now + MAX_WAIT);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
+            vec![(2, Err(Denial::Timeout))]
+        );
     }
 
     #[test]
