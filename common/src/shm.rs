@@ -324,10 +324,13 @@ fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
     };
     if fd < 0 {
         let err = io::Error::last_os_error();
-        let link = std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink());
-        return Err(match err.raw_os_error() {
-            Some(libc::ELOOP | libc::ENOTDIR) if link => refuse(dir, "it is a symbolic link"),
-            Some(libc::ELOOP | libc::ENOTDIR) => refuse(dir, "it is not a folder"),
+        // Say what is wrong with it, as far as we can see.
+        return Err(match std::fs::symlink_metadata(dir) {
+            Ok(m) if m.file_type().is_symlink() => refuse(dir, "it is a symbolic link"),
+            Ok(m) if !m.is_dir() => refuse(dir, "it is not a folder"),
+            Ok(m) if m.uid() != euid() => {
+                refuse(dir, format_args!("it belongs to uid {}, not to this user (uid {})", m.uid(), euid()))
+            }
             _ => io::Error::new(err.kind(), format!("cannot open {}: {err}", dir.display())),
         });
     }
