@@ -38,8 +38,11 @@ pub struct GpuStatus {
     /// Bytes of its processes' burst memory swapped out to host RAM.
     #[serde(default)]
     pub swapped: u64,
-    /// Every registered process.
+    /// Every registered process, or the first of them when there are very many.
     pub processes: Vec<ProcessStatus>,
+    /// Registered processes not listed in `processes` (the document stays small).
+    #[serde(default)]
+    pub truncated: usize,
 }
 
 /// One process on one GPU.
@@ -117,7 +120,36 @@ fn gib(bytes: u64) -> String {
     format!("{:.2}GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// `text` with anything but printable ASCII escaped (`\u{1b}`): names come from
+/// processes, and must not move the cursor or forge lines on the admin's terminal.
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_ascii_graphic() || c == ' ' {
+            out.push(c);
+        } else {
+            out.extend(c.escape_default());
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 impl Status {
+    /// Lists at most `per_gpu` processes per GPU and `total` in all; those left out are
+    /// counted in each GPU's `truncated`.
+    pub fn limit_processes(&mut self, per_gpu: usize, total: usize) {
+        let mut left = total;
+        for g in &mut self.gpus {
+            let keep = g.processes.len().min(per_gpu).min(left);
+            g.truncated += g.processes.len() - keep;
+            g.processes.truncate(keep);
+            left -= keep;
+        }
+    }
+
     /// The human-readable table of `gpufrac status`.
     pub fn table(&self) -> String {
         use std::fmt::Write;
@@ -132,7 +164,7 @@ impl Status {
             let _ = writeln!(
                 out,
                 "GPU {}  memory {}  guaranteed {}  burst {}  free {}  waiting {}  swapped to host {}",
-                g.uuid,
+                printable(&g.uuid),
                 gib(g.total),
                 gib(g.guaranteed),
                 gib(g.burst),
@@ -171,20 +203,68 @@ impl Status {
                     out,
                     "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
                     p.pid,
-                    p.group,
-                    if p.pod.is_empty() { "-" } else { &p.pod },
+                    printable(&p.group),
+                    if p.pod.is_empty() { "-".into() } else { printable(&p.pod) },
                     gib(p.request),
                     gib(p.limit),
                     gib(p.held),
                     p.priority,
-                    p.resolver,
-                    p.state,
+                    printable(&p.resolver),
+                    printable(&p.state),
                     gib(p.host_bytes),
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms)
                 );
             }
+            if g.truncated > 0 {
+                let _ = writeln!(out, "  ... and {} more processes, not listed", g.truncated);
+            }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_escapes_what_a_terminal_would_interpret() {
+        let status = Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                processes: vec![ProcessStatus {
+                    group: "evil\x1b[2J\nforged line".into(),
+                    pod: "ns/\u{7f}pod".into(),
+                    ..ProcessStatus::default()
+                }],
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let table = status.table();
+        assert!(!table.contains('\x1b') && !table.contains('\u{7f}'), "{table}");
+        assert!(table.contains("evil\\u{1b}[2J\\nforged line"), "{table}");
+        assert_eq!(table.lines().count(), 4, "no forged line: {table}");
+    }
+
+    #[test]
+    fn long_lists_are_cut_and_counted() {
+        let gpu = |n| GpuStatus { processes: vec![ProcessStatus::default(); n], ..GpuStatus::default() };
+        let mut status = Status { gpus: vec![gpu(10), gpu(3), gpu(5)], swap_limit: 0 };
+        status.limit_processes(4, 6);
+        let listed: Vec<(usize, usize)> =
+            status.gpus.iter().map(|g| (g.processes.len(), g.truncated)).collect();
+        assert_eq!(listed, vec![(4, 6), (2, 1), (0, 5)]);
+        assert!(status.table().contains("and 6 more processes"));
+        let json = serde_json::to_string(&status).unwrap();
+        let back: Status = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, status);
+        // Documents from before the field read as nothing cut.
+        let old: GpuStatus = serde_json::from_str(
+            r#"{"uuid":"GPU-1","total":1,"guaranteed":0,"burst":0,"free":1,"waiting":0,"processes":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(old.truncated, 0);
     }
 }

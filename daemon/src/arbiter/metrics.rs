@@ -1,6 +1,11 @@
 //! Prometheus metrics (`--metrics ADDR`): memory per GPU and group, grants, waits and
 //! their durations, timeouts, refusals, terminations, swaps (count, bytes, durations). Memory gauges are read from the ledger at each
 //! scrape; counters are bumped by the server as things happen.
+//!
+//! Every label set is bounded by what is registered: GPU series exist only for the GPUs
+//! the arbiter manages (the server counts nothing for other device IDs), group series
+//! are rebuilt from the ledger at each scrape (a group gone is gone from them), and
+//! refusal and termination reasons are a fixed set.
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -151,7 +156,7 @@ impl Metrics {
             ] {
                 self.gpu_memory
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
-                    .set(v as i64);
+                    .set(gauge(v));
             }
             let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64, u64)> = Default::default();
             for p in &g.processes {
@@ -170,7 +175,7 @@ impl Metrics {
                 ] {
                     let labels =
                         GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
-                    self.group_memory.get_or_create(&labels).set(v as i64);
+                    self.group_memory.get_or_create(&labels).set(gauge(v));
                 }
             }
         }
@@ -178,6 +183,12 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// A gauge's value: prometheus-client's gauges are `i64`, so bytes past `i64::MAX` (a
+/// report of 2^63 bytes or more) show as the largest value rather than as negative.
+fn gauge(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 /// Serves `GET /metrics` on `listener`; `status` gives the ledger's state at each scrape.
@@ -217,5 +228,32 @@ pub async fn serve(
             };
             let _ = stream.write_all(response.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{GpuStatus, ProcessStatus};
+
+    #[test]
+    fn bytes_past_i64_max_show_as_the_largest_gauge_not_negative() {
+        let status = Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                total: u64::MAX,
+                processes: vec![ProcessStatus {
+                    group: "g".into(),
+                    held: 1 << 63,
+                    ..ProcessStatus::default()
+                }],
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let text = Metrics::new().render(&status);
+        assert!(!text.contains(" -"), "{text}");
+        assert!(text.contains(r#"kind="total"} 9223372036854775807"#), "{text}");
+        assert!(text.contains(r#"kind="held"} 9223372036854775807"#), "{text}");
     }
 }

@@ -3,8 +3,17 @@
 //! writer task; a ticker expires waiters. A connection that sends a malformed, oversized
 //! or out-of-order frame is closed with a logged reason; the daemon goes on. Closing a
 //! connection (the process exited or was killed) releases everything it held at once.
+//!
+//! Hardened against a client that misbehaves on purpose: connections are capped per UID
+//! (the oldest connection that has not said who it is makes room for a new one, so the
+//! CLI and new shims of that UID are still served); a connection must say `Hello` or ask
+//! for `Status` within [`Options::hello_timeout`] and register a GPU within
+//! [`Options::register_timeout`]; when descriptors run out a spare one is given up so the
+//! CLI is still answered; group and pod names are checked at `Hello`; log lines about a
+//! peer are rate-limited per UID; and no state or metric series is made for a GPU the
+//! connection is not registered on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -13,11 +22,12 @@ use gpufrac_common::protocol::{Denial, DeviceId, Reply, Request, MAX_FRAME, VERS
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::OwnedReadHalf;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics, Refusal};
 use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy, Victim};
+use super::ratelimit::{RateLimiter, Verdict};
 use crate::status::Status;
 
 /// Longest wait a shim may ask for.
@@ -28,6 +38,20 @@ const TICK: Duration = Duration::from_millis(5);
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 /// How often NVML is asked which processes use memory (for memory used outside gpufrac).
 const OBSERVE_EVERY: Duration = Duration::from_millis(250);
+/// Lines about refusals and closings per UID and second.
+const REFUSAL_LINES_PER_SECOND: u32 = 5;
+/// Lines about connections coming and going, registrations and swaps, per UID and
+/// second (generous: a node starting many processes at once logs each).
+const CONNECTION_LINES_PER_SECOND: u32 = 50;
+/// Most processes listed in a status document, over all GPUs (and [`MAX_LISTED_PER_GPU`]
+/// per GPU): about 1 KiB each at most, well under the CLI's limit on a status frame.
+const MAX_LISTED: usize = 8192;
+/// Most processes listed per GPU in a status document.
+const MAX_LISTED_PER_GPU: usize = 4096;
+/// Longest group name (`GPUFRAC_GROUP`).
+const MAX_GROUP: usize = 64;
+/// Longest pod (`namespace/name`, each part at most 253 characters).
+const MAX_POD: usize = 2 * 253 + 1;
 
 /// Ends processes chosen by the priority resolver. Behind a trait so that tests can
 /// record instead of signalling.
@@ -60,6 +84,12 @@ pub struct Options {
     pub swap_quantum: Duration,
     /// Most host RAM, in bytes, holding swapped-out memory on the node (`--swap-limit`).
     pub swap_limit: u64,
+    /// Most connections open at once from one UID (`--max-connections-per-uid`).
+    pub max_connections_per_uid: usize,
+    /// A connection that has not sent `Hello` or `Status` by then is closed.
+    pub hello_timeout: Duration,
+    /// A connection that said `Hello` but registered no GPU by then is closed.
+    pub register_timeout: Duration,
 }
 
 impl Default for Options {
@@ -69,6 +99,9 @@ impl Default for Options {
             kill_grace: Duration::from_secs(10),
             swap_quantum: Duration::from_secs(10),
             swap_limit: u64::MAX,
+            max_connections_per_uid: 512,
+            hello_timeout: Duration::from_secs(5),
+            register_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -88,6 +121,52 @@ pub struct Shared {
     labels: HashMap<DeviceId, GpuLabel>,
     /// Where memory used outside gpufrac is learnt (NVML); none in tests and benches.
     processes: Option<Box<dyn ProcessList>>,
+    /// Open connections per UID.
+    uids: Mutex<HashMap<u32, UidConns>>,
+    /// Lines about refusals and closings, per UID.
+    refusal_log: Mutex<RateLimiter>,
+    /// Lines about connections, registrations and swaps, per UID.
+    connection_log: Mutex<RateLimiter>,
+}
+
+/// One UID's open connections.
+#[derive(Default)]
+struct UidConns {
+    open: usize,
+    /// Those that have not said `Hello` or `Status` yet, oldest first, with the way to
+    /// close each.
+    pending: VecDeque<(ConnId, Arc<Notify>)>,
+}
+
+/// Whether a new connection is served.
+enum Admission {
+    /// Under the cap.
+    Served,
+    /// At the cap: the oldest connection of its UID that has not said who it is is closed
+    /// to make room.
+    Evicting(ConnId),
+    /// At the cap with every connection identified: closed at once.
+    Refused,
+}
+
+/// Who is on a connection, from the kernel.
+#[derive(Debug, Clone, Copy)]
+struct Who {
+    conn: ConnId,
+    pid: u32,
+    uid: u32,
+}
+
+/// Counts a connection against its UID until dropped.
+struct Counted {
+    shared: Arc<Shared>,
+    who: Who,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.shared.leave(self.who);
+    }
 }
 
 impl Shared {
@@ -114,13 +193,122 @@ impl Shared {
             metrics: Arc::new(Metrics::new()),
             next_conn: AtomicU64::new(1),
             labels: gpus.iter().map(|(id, _)| (*id, GpuLabel { gpu: uuid_string(id) })).collect(),
+            uids: Mutex::new(HashMap::new()),
+            refusal_log: Mutex::new(RateLimiter::new(REFUSAL_LINES_PER_SECOND, Duration::from_secs(1))),
+            connection_log: Mutex::new(RateLimiter::new(CONNECTION_LINES_PER_SECOND, Duration::from_secs(1))),
         })
     }
 
-    fn label(&self, device: &DeviceId) -> std::borrow::Cow<'_, GpuLabel> {
-        match self.labels.get(device) {
-            Some(label) => std::borrow::Cow::Borrowed(label),
-            None => std::borrow::Cow::Owned(GpuLabel { gpu: uuid_string(device) }),
+    /// The metric labels of a GPU the arbiter manages; none for any other device ID, so
+    /// that no metric series is ever made for one.
+    fn label(&self, device: &DeviceId) -> Option<&GpuLabel> {
+        self.labels.get(device)
+    }
+
+    /// Whether a line about a refusal or a closing for `uid` is written now: `Some` with
+    /// how many were left out before it.
+    fn refusal_line(&self, uid: u32) -> Option<u64> {
+        let verdict = self.refusal_log.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
+        match verdict {
+            Verdict::Log { suppressed } => Some(suppressed),
+            Verdict::Suppress => None,
+        }
+    }
+
+    /// Whether a line about a connection coming or going, a registration or a swap for
+    /// `uid` is written now.
+    fn connection_line(&self, uid: u32) -> Option<u64> {
+        let verdict =
+            self.connection_log.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
+        match verdict {
+            Verdict::Log { suppressed } => Some(suppressed),
+            Verdict::Suppress => None,
+        }
+    }
+
+    /// Logs a refusal or closing, rate-limited per UID.
+    fn log_closing(&self, who: Who, reason: &str) {
+        if let Some(suppressed) = self.refusal_line(who.uid) {
+            if suppressed > 0 {
+                tracing::warn!(
+                    pid = who.pid,
+                    uid = who.uid,
+                    conn = who.conn,
+                    suppressed,
+                    "closing connection: {reason} (and {suppressed} more lines for this uid left out)"
+                );
+            } else {
+                tracing::warn!(pid = who.pid, uid = who.uid, conn = who.conn, "closing connection: {reason}");
+            }
+        }
+    }
+
+    /// Says how many lines were left out for each UID whose window ended.
+    fn flush_logs(&self) {
+        let now = Instant::now();
+        let refusals = self.refusal_log.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
+        for (uid, suppressed) in refusals {
+            tracing::warn!(uid, suppressed, "{suppressed} lines about refused or closed connections of this uid left out (at most {REFUSAL_LINES_PER_SECOND} a second)");
+        }
+        let connections = self.connection_log.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
+        for (uid, suppressed) in connections {
+            tracing::info!(uid, suppressed, "{suppressed} lines about connections of this uid left out (at most {CONNECTION_LINES_PER_SECOND} a second)");
+        }
+    }
+
+    /// Counts a new connection against its UID's cap.
+    fn admit(&self, who: Who, evict: Arc<Notify>) -> Admission {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = uids.entry(who.uid).or_default();
+        let admission = if entry.open < self.options.max_connections_per_uid.max(1) {
+            Admission::Served
+        } else if let Some((oldest, notify)) = entry.pending.pop_front() {
+            notify.notify_one();
+            Admission::Evicting(oldest)
+        } else {
+            if entry.open == 0 {
+                uids.remove(&who.uid);
+            }
+            return Admission::Refused;
+        };
+        entry.open += 1;
+        entry.pending.push_back((who.conn, evict));
+        admission
+    }
+
+    /// A connection said who it is: no longer the first to make room.
+    fn identified(&self, who: Who) {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = uids.get_mut(&who.uid) {
+            entry.pending.retain(|(conn, _)| *conn != who.conn);
+        }
+    }
+
+    /// A connection closed.
+    fn leave(&self, who: Who) {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = uids.get_mut(&who.uid) {
+            entry.pending.retain(|(conn, _)| *conn != who.conn);
+            entry.open = entry.open.saturating_sub(1);
+            if entry.open == 0 {
+                uids.remove(&who.uid);
+            }
+        }
+    }
+
+    /// Closes the oldest connection, of any UID, that has not said who it is (out of
+    /// descriptors). Returns whether there was one.
+    fn evict_oldest(&self) -> bool {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let oldest =
+            uids.iter().filter_map(|(uid, e)| e.pending.front().map(|(conn, _)| (*conn, *uid))).min();
+        let Some((_, uid)) = oldest else { return false };
+        match uids.get_mut(&uid).and_then(|e| e.pending.pop_front()) {
+            Some((_, notify)) => {
+                notify.notify_one();
+                true
+            }
+            None => false,
         }
     }
 
@@ -128,9 +316,19 @@ impl Shared {
         self.policy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The status document.
+    /// The status document, every process listed (what metrics are made from).
     pub fn status(&self) -> Status {
-        Status { swap_limit: self.options.swap_limit, ..self.policy().status() }
+        let status = self.policy().status();
+        Status { swap_limit: self.options.swap_limit, ..status }
+    }
+
+    /// The status document served to `gpufrac status`: at most [`MAX_LISTED_PER_GPU`]
+    /// processes listed per GPU and [`MAX_LISTED`] in all, the rest counted, so that it
+    /// stays under the CLI's limit on a frame however many processes there are.
+    pub fn status_listed(&self) -> Status {
+        let mut status = self.status();
+        status.limit_processes(MAX_LISTED_PER_GPU, MAX_LISTED);
+        status
     }
 
     fn send(&self, conn: ConnId, reply: &Reply) {
@@ -239,22 +437,28 @@ impl Shared {
     /// Sends the answers to queued bursts, counts and logs them.
     fn deliver(&self, answers: Vec<Answer>) {
         for a in answers {
+            // Answers come from the ledger, so always for a GPU it manages.
             let gpu = self.label(&a.device);
+            let uuid = uuid_string(&a.device);
             let (pid, group) =
                 self.policy().peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
-            self.metrics.wait_seconds.get_or_create(&gpu).observe(a.waited.as_secs_f64());
+            if let Some(gpu) = gpu {
+                self.metrics.wait_seconds.get_or_create(gpu).observe(a.waited.as_secs_f64());
+            }
             match a.result {
                 Ok(bytes) => {
-                    self.metrics.grants.get_or_create(&gpu).inc();
-                    self.metrics.granted_bytes.get_or_create(&gpu).inc_by(bytes);
-                    tracing::info!(pid, %group, gpu = %gpu.gpu, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
+                    if let Some(gpu) = gpu {
+                        self.metrics.grants.get_or_create(gpu).inc();
+                        self.metrics.granted_bytes.get_or_create(gpu).inc_by(bytes);
+                    }
+                    tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
                     self.send(a.conn, &Reply::Granted { seq: a.seq, bytes });
                 }
                 Err(reason) => {
-                    if reason == Denial::Timeout {
-                        self.metrics.timeouts.get_or_create(&gpu).inc();
+                    if let (Denial::Timeout, Some(gpu)) = (reason, gpu) {
+                        self.metrics.timeouts.get_or_create(gpu).inc();
                     }
-                    tracing::info!(pid, %group, gpu = %gpu.gpu, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
+                    tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
                     self.send(a.conn, &Reply::Denied { seq: a.seq, reason });
                 }
             }
@@ -275,14 +479,46 @@ pub async fn serve(
     let watcher = tokio::spawn(watch_processes(shared.clone()));
     let ticker = tokio::spawn(expire_waiters(shared.clone()));
     let accept = async {
+        // Kept open to be given up when descriptors run out, so that one more connection
+        // (the CLI's) can still be accepted.
+        let mut spare = spare_descriptor();
+        let mut last_warning: Option<Instant> = None;
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => {
-                    tokio::spawn(handle(stream, shared.clone()));
+                    accepted(stream, &shared);
+                    if spare.is_none() {
+                        spare = spare_descriptor();
+                    }
                 }
                 Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                        last_warning = Some(Instant::now());
+                        if out_of_descriptors {
+                            tracing::warn!("accept failed: {e}: closing the oldest connection that has not said who it is, serving one more on a spare descriptor (this line at most once a second)");
+                        } else {
+                            tracing::warn!("accept failed: {e} (this line at most once a second)");
+                        }
+                    }
+                    if out_of_descriptors {
+                        // Make room for later connections (the oldest connection that
+                        // has not said who it is), and serve this one on the spare.
+                        let evicted = shared.evict_oldest();
+                        if spare.take().is_some() {
+                            if let Ok((stream, _)) = listener.accept().await {
+                                accepted(stream, &shared);
+                            }
+                            continue;
+                        }
+                        if evicted {
+                            // Its descriptor is free once its task has run.
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            continue;
+                        }
+                    }
+                    // Never spin: the connection waiting stays in the backlog.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
         }
@@ -293,6 +529,44 @@ pub async fn serve(
     }
     ticker.abort();
     watcher.abort();
+}
+
+/// A descriptor to give up when there are no more.
+fn spare_descriptor() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
+/// Counts a new connection against its UID and serves it, or closes it at once.
+fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
+    // The peer's PID and UID come from the kernel, never from a message.
+    let cred = stream.peer_cred().ok();
+    let pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
+    let uid = cred.map_or(u32::MAX, |c| c.uid());
+    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let who = Who { conn, pid, uid };
+    let evict = Arc::new(Notify::new());
+    match shared.admit(who, evict.clone()) {
+        Admission::Served => {}
+        Admission::Evicting(oldest) => {
+            if let Some(suppressed) = shared.refusal_line(uid) {
+                tracing::warn!(pid, uid, conn, oldest, suppressed, "{} connections from this uid (--max-connections-per-uid): closing its oldest that has not said who it is", shared.options.max_connections_per_uid);
+            }
+        }
+        Admission::Refused => {
+            drop(stream);
+            shared.metrics.refusals.get_or_create(&Refusal { reason: "connections-per-uid".into() }).inc();
+            shared.log_closing(
+                who,
+                &format!(
+                    "{} connections from this uid already (--max-connections-per-uid)",
+                    shared.options.max_connections_per_uid
+                ),
+            );
+            return;
+        }
+    }
+    let counted = Counted { shared: shared.clone(), who };
+    tokio::spawn(handle(stream, counted, evict));
 }
 
 async fn watch_processes(shared: Arc<Shared>) {
@@ -312,8 +586,13 @@ async fn watch_processes(shared: Arc<Shared>) {
 async fn expire_waiters(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(TICK);
     let mut last_reclaim = Instant::now();
+    let mut last_flush = Instant::now();
     loop {
         tick.tick().await;
+        if last_flush.elapsed() >= Duration::from_secs(1) {
+            last_flush = Instant::now();
+            shared.flush_logs();
+        }
         let answers = shared.policy().expire(Instant::now());
         if !answers.is_empty() {
             shared.deliver(answers);
@@ -330,19 +609,31 @@ async fn expire_waiters(shared: Arc<Shared>) {
     }
 }
 
-async fn handle(stream: UnixStream, shared: Arc<Shared>) {
-    // The peer's PID comes from the kernel, never from a message.
-    let pid = stream.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0) as u32;
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
+    let shared = counted.shared.clone();
+    let who = counted.who;
+    let (conn, pid) = (who.conn, who.pid);
     let (mut reader, mut writer) = stream.into_split();
     // Answers decided elsewhere (a grant after a wait) arrive here; direct replies are
     // written by this task at once, without a hop through another task.
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let mut state = Connection { conn, pid, greeted: false };
+    let mut state = Connection { who, greeted: false, registered: false };
     let mut buf = Vec::with_capacity(256);
     let mut out = Vec::with_capacity(256);
+    // Until `Hello` or `Status`, then until a GPU is registered; then none.
+    let mut deadline = Some(tokio::time::Instant::now() + shared.options.hello_timeout);
     let result: Result<(), String> = loop {
         tokio::select! {
+            _ = evict.notified() => {
+                break Err("too many connections: the oldest that had not said who it is".into());
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                break Err(if state.greeted {
+                    format!("no GPU registered within {:?} of Hello", shared.options.register_timeout)
+                } else {
+                    format!("no Hello or Status within {:?}", shared.options.hello_timeout)
+                });
+            }
             frame = next_frame(&mut reader, &mut buf) => {
                 let body = match frame {
                     Ok(Some(body)) => body,
@@ -350,7 +641,14 @@ async fn handle(stream: UnixStream, shared: Arc<Shared>) {
                     Err(e) => break Err(e),
                 };
                 out.clear();
+                let greeted = state.greeted;
                 let flow = on_frame(&shared, &mut state, &tx, &body, &mut out);
+                if state.registered {
+                    deadline = None;
+                } else if state.greeted && !greeted {
+                    shared.identified(who);
+                    deadline = Some(tokio::time::Instant::now() + shared.options.register_timeout);
+                }
                 if !out.is_empty() && writer.write_all(&out).await.is_err() {
                     break Ok(());
                 }
@@ -369,15 +667,17 @@ async fn handle(stream: UnixStream, shared: Arc<Shared>) {
     };
     if let Err(reason) = result {
         shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
-        tracing::warn!(pid, conn, "closing connection: {reason}");
+        shared.log_closing(who, &reason);
     }
     shared.writers.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
     let had_peer = shared.policy().peer(conn).is_some();
     let answers = shared.policy().disconnect(conn, Instant::now());
-    if had_peer {
-        tracing::info!(pid, conn, "process gone: released what it held");
+    if had_peer && shared.connection_line(who.uid).is_some() {
+        tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
     shared.deliver(answers);
+    // The connection stops counting against its UID only now.
+    drop(counted);
 }
 
 /// The next frame body from `reader`, buffering in `buf`; `Ok(None)` at a clean end of
@@ -406,9 +706,34 @@ async fn next_frame(reader: &mut OwnedReadHalf, buf: &mut Vec<u8>) -> Result<Opt
 
 /// What one connection has said so far.
 struct Connection {
-    conn: ConnId,
-    pid: u32,
+    who: Who,
+    /// Said `Hello`.
     greeted: bool,
+    /// Registered on a GPU at least once.
+    registered: bool,
+}
+
+/// Why a group name from `Hello` is refused, if it is: 1 to 64 of `A-Za-z0-9._-`.
+fn check_group(group: &str) -> Result<(), String> {
+    let ok = !group.is_empty()
+        && group.len() <= MAX_GROUP
+        && group.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("group {group:?} refused: expected 1 to {MAX_GROUP} of A-Z a-z 0-9 . _ -"))
+    }
+}
+
+/// Why a pod from `Hello` is refused, if it is: empty, or 1 to 507 of `A-Za-z0-9._-/:`.
+fn check_pod(pod: &str) -> Result<(), String> {
+    let ok = pod.len() <= MAX_POD
+        && pod.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'/' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("pod {pod:?} refused: expected at most {MAX_POD} of A-Z a-z 0-9 . _ - / :"))
+    }
 }
 
 enum Flow {
@@ -428,26 +753,31 @@ fn on_frame(
     body: &[u8],
     out: &mut Vec<u8>,
 ) -> Result<Flow, String> {
-    let (conn, pid) = (c.conn, c.pid);
+    let (conn, pid, uid) = (c.who.conn, c.who.pid, c.who.uid);
     let request = Request::decode(body).map_err(|e| e.to_string())?;
     if !c.greeted {
         return match request {
             Request::Status => {
-                let json = serde_json::to_string(&shared.status()).map_err(|e| e.to_string())?;
+                // Plain data built under the ledger's lock, serialized outside it.
+                let status = shared.status_listed();
+                let json = serde_json::to_string(&status).map_err(|e| e.to_string())?;
                 reply(out, &Reply::Status { json });
                 Ok(Flow::Close)
             }
             Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => {
+                // Names reach logs and `gpufrac status`: nothing but the characters the
+                // shim allows is accepted.
+                check_group(&group)?;
+                check_pod(&pod)?;
                 reply(out, &Reply::Welcome { version: VERSION });
                 if version != VERSION {
                     return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
                 }
-                if group.is_empty() {
-                    return Err("Hello without a group".into());
-                }
                 let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
                 shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx.clone());
-                tracing::info!(pid, %group, %pod, %resolver, priority, "shim connected");
+                if shared.connection_line(uid).is_some() {
+                    tracing::info!(pid, uid, %group, %pod, %resolver, priority, "shim connected");
+                }
                 let now = Instant::now();
                 let peer =
                     Peer { pid, group, pod, resolver, priority, wait_timeout, last_active: now, activity: 0 };
@@ -464,14 +794,19 @@ fn on_frame(
                 shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
             match result {
                 Ok(()) => {
-                    tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
+                    c.registered = true;
+                    if shared.connection_line(uid).is_some() {
+                        tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
+                    }
                     reply(out, &Reply::Registered { device });
                     // Its request may be lent out: take it back now.
                     shared.reclaim_guarantees();
                 }
                 Err(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
-                    tracing::warn!(pid, gpu = %uuid_string(&device), "registration refused: {reason}");
+                    if let Some(suppressed) = shared.refusal_line(uid) {
+                        tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "registration refused: {reason}");
+                    }
                     reply(out, &Reply::Refused { device, reason });
                 }
             }
@@ -479,16 +814,21 @@ fn on_frame(
         Request::Acquire { seq, device, bytes, preferred, held, resume } => {
             let outcome =
                 shared.policy().acquire(conn, device, seq, bytes, preferred, held, resume, Instant::now());
+            // No metric series for a device ID the arbiter does not manage.
             let gpu = shared.label(&device);
             match outcome {
                 Outcome::Granted(granted) => {
-                    shared.metrics.grants.get_or_create(&gpu).inc();
-                    shared.metrics.granted_bytes.get_or_create(&gpu).inc_by(granted);
+                    if let Some(gpu) = gpu {
+                        shared.metrics.grants.get_or_create(gpu).inc();
+                        shared.metrics.granted_bytes.get_or_create(gpu).inc_by(granted);
+                    }
                     reply(out, &Reply::Granted { seq, bytes: granted });
                 }
                 Outcome::Queued => {
-                    shared.metrics.waits.get_or_create(&gpu).inc();
-                    tracing::info!(pid, gpu = %gpu.gpu, bytes, "burst waits: memory is lent out");
+                    if let Some(gpu) = gpu {
+                        shared.metrics.waits.get_or_create(gpu).inc();
+                    }
+                    tracing::info!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
                     let answers = shared.policy().settle(device, Instant::now());
                     shared.deliver(answers);
                     shared.ask_to_give_back();
@@ -509,12 +849,18 @@ fn on_frame(
             }
         }
         Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros } => {
-            let direction = direction.as_str();
-            let gpu = shared.label(&device);
-            let took = Duration::from_micros(micros);
-            tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, us = micros, "swapped {direction}");
-            if bytes > 0 {
-                shared.metrics.count_swap(&gpu, direction, bytes, took);
+            // Counted and logged only for a GPU this connection is registered on: any
+            // other device ID would make a metric series per frame.
+            let member = shared.policy().is_member(conn, &device);
+            if let (true, Some(gpu)) = (member, shared.label(&device)) {
+                let direction = direction.as_str();
+                let took = Duration::from_micros(micros);
+                if shared.connection_line(uid).is_some() {
+                    tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, us = micros, "swapped {direction}");
+                }
+                if bytes > 0 {
+                    shared.metrics.count_swap(gpu, direction, bytes, took);
+                }
             }
             let answers = shared.policy().swapped(conn, device, granted, host_bytes, held, Instant::now());
             shared.deliver(answers);
@@ -522,4 +868,63 @@ fn on_frame(
         other => return Err(format!("unexpected {other:?} after Hello")),
     }
     Ok(Flow::Continue)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_names_are_what_the_shim_allows() {
+        for ok in ["a", "pod-a.web_1", "pid-1234", &"x".repeat(MAX_GROUP)] {
+            assert_eq!(check_group(ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "a b", "a/b", "evil\x1b[31m", "line\nforged", "tab\t", "é", "\u{7f}", &"x".repeat(65)]
+        {
+            let err = check_group(bad).expect_err(bad);
+            assert!(!err.contains('\x1b') && !err.contains('\n'), "the reason escapes the name: {err}");
+        }
+    }
+
+    #[test]
+    fn pods_are_namespace_slash_name_or_empty() {
+        for ok in ["", "default/server-0", "ns:x/a.b_c", &format!("{}/{}", "a".repeat(253), "b".repeat(253))]
+        {
+            assert_eq!(check_pod(ok), Ok(()), "{ok}");
+        }
+        for bad in ["a b", "ns/\x1b]0;title\x07", "ns/name\r", &"a".repeat(MAX_POD + 1)] {
+            let err = check_pod(bad).expect_err(bad);
+            assert!(!err.contains('\x1b') && !err.contains('\r'), "{err}");
+        }
+    }
+
+    #[test]
+    fn connections_past_the_cap_make_room_or_are_refused() {
+        let shared = Shared::with(
+            &[],
+            Options { max_connections_per_uid: 2, ..Options::default() },
+            Box::new(Signals),
+            None,
+        );
+        let who = |conn, uid| Who { conn, pid: 1, uid };
+        let notify = || Arc::new(Notify::new());
+        assert!(matches!(shared.admit(who(1, 7), notify()), Admission::Served));
+        assert!(matches!(shared.admit(who(2, 7), notify()), Admission::Served));
+        // Another UID has its own cap.
+        assert!(matches!(shared.admit(who(3, 8), notify()), Admission::Served));
+        // Conn 1 said Hello; conn 2 did not: it makes room.
+        shared.identified(who(1, 7));
+        assert!(matches!(shared.admit(who(4, 7), notify()), Admission::Evicting(2)));
+        shared.leave(who(2, 7));
+        shared.identified(who(4, 7));
+        // Everything identified: refused.
+        assert!(matches!(shared.admit(who(5, 7), notify()), Admission::Refused));
+        shared.leave(who(1, 7));
+        assert!(matches!(shared.admit(who(6, 7), notify()), Admission::Served));
+        for (conn, uid) in [(4, 7), (6, 7), (3, 8)] {
+            shared.leave(who(conn, uid));
+        }
+        assert!(shared.uids.lock().unwrap().is_empty(), "nothing kept for UIDs gone");
+        assert!(!shared.evict_oldest());
+    }
 }

@@ -37,6 +37,24 @@ struct Args {
     /// bursts wait.
     #[arg(long, default_value = "50%")]
     swap_limit: String,
+    /// Most connections open at once from one UID (1 to 1048576). Past it, the oldest
+    /// connection of that UID that has not said who it is is closed to make room, or
+    /// the new one is refused.
+    #[arg(long, default_value_t = 512)]
+    max_connections_per_uid: usize,
+}
+
+/// Raises the soft limit on open descriptors to the hard limit: each shim holds one.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed, which lives
+    // on this stack frame.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
 }
 
 /// The node's physical memory.
@@ -89,7 +107,13 @@ fn run(args: Args) -> Result<()> {
             "0" => 0,
             limit => gpufrac_common::parse_size("--swap-limit", limit)?.resolve(host_memory()),
         },
+        max_connections_per_uid: match args.max_connections_per_uid {
+            n @ 1..=1_048_576 => n,
+            n => bail!("--max-connections-per-uid {n}: expected 1 to 1048576 connections"),
+        },
+        ..server::Options::default()
     };
+    raise_descriptor_limit();
     let gpus = gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
     if gpus.is_empty() {
         bail!("NVML reports no GPU on this node");

@@ -315,6 +315,15 @@ impl Policy {
         self.peers.get(&conn)
     }
 
+    /// Whether `conn` is registered on `device` (a member of its group there).
+    pub fn is_member(&self, conn: ConnId, device: &DeviceId) -> bool {
+        let Some(peer) = self.peers.get(&conn) else { return false };
+        self.gpus
+            .get(device)
+            .and_then(|gpu| gpu.groups.get(&peer.group))
+            .is_some_and(|group| group.members.contains_key(&conn))
+    }
+
     /// The activity count of `conn` moved (or not).
     pub fn activity(&mut self, conn: ConnId, count: u64, now: Instant) {
         if let Some(p) = self.peers.get_mut(&conn) {
@@ -380,6 +389,7 @@ impl Policy {
                     waiting: gpu.queue.len(),
                     swapped: gpu.members().map(|(_, _, m)| m.host_bytes).sum(),
                     processes,
+                    truncated: 0,
                 }
             })
             .collect();
