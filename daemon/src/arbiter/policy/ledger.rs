@@ -36,6 +36,9 @@ impl Policy {
         if limit < request {
             return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
         }
+        // Nothing is larger than the GPU: reports past it (from a shim that sees another
+        // total, or a broken one) cannot overflow the ledger's sums.
+        let (limit, held) = (limit.min(gpu.total).max(request), held.min(gpu.total));
         if !gpu.groups.contains_key(&peer.group) {
             // What this very process already uses is not someone else's. A process coming
             // back with burst memory after a restart holds it already: refusing it for
@@ -72,7 +75,7 @@ impl Policy {
             tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
         }
         // What a re-registering process says it was lent cannot pass its group's limit.
-        let (granted, host_bytes) = (granted.min(group.room()), host_bytes.min(group.limit));
+        let (granted, host_bytes) = (granted.min(group.room()), host_bytes.min(group.limit.min(gpu.total)));
         group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
         // Its memory is in the ledger now, no longer outside it.
         gpu.outside.retain(|&(pid, _)| pid != peer.pid);
@@ -90,8 +93,13 @@ impl Policy {
         let Some(gpu) = self.gpus.get_mut(&device) else { return Vec::new() };
         let registered: HashSet<u32> =
             gpu.members().filter_map(|(_, conn, _)| self.peers.get(&conn).map(|p| p.pid)).collect();
-        gpu.outside =
-            listed.iter().copied().filter(|&(pid, bytes)| bytes > 0 && !registered.contains(&pid)).collect();
+        // No process uses more than the GPU has (nor can a bad listing overflow the sums).
+        let total = gpu.total;
+        gpu.outside = listed
+            .iter()
+            .filter(|&&(pid, bytes)| bytes > 0 && !registered.contains(&pid))
+            .map(|&(pid, bytes)| (pid, bytes.min(total)))
+            .collect();
         Self::drain(device, gpu, now)
     }
 
@@ -109,6 +117,7 @@ impl Policy {
             // Memory comes back when a burst is over: the group is no longer growing.
             g.last_ask = None;
         }
+        let held = held.min(gpu.total);
         if let Some(m) = gpu.member_mut(&group, conn) {
             m.granted = m.granted.saturating_sub(bytes);
             m.held = held;

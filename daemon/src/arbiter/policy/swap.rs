@@ -136,11 +136,12 @@ impl Policy {
         now: Instant,
     ) -> Vec<Answer> {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        let total = gpu.total;
         let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
         // A report cannot put more in the ledger than was lent: a swap gives grants back or
         // uses one already made (the grant of its swap-in), never takes new ones. Nor can
         // host RAM hold more than the group may hold.
-        let host_bytes = host_bytes.min(g.limit);
+        let (host_bytes, held) = (host_bytes.min(g.limit), held.min(total));
         if let Some(m) = g.members.get_mut(&conn) {
             let granted = granted.min(m.granted);
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);

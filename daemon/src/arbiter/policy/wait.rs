@@ -192,6 +192,7 @@ impl Policy {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else {
             return Outcome::Denied(Denial::UnknownDevice);
         };
+        let held = held.min(gpu.total);
         let Some(m) = gpu.member_mut(&group, conn) else { return Outcome::Denied(Denial::UnknownDevice) };
         m.held = held;
         // A swap-in brings back what is in host RAM, no more: a member with nothing
