@@ -5,6 +5,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_rustls::TlsConnector;
 
 /// PEM files for a server certificate signed by a test CA.
@@ -695,6 +696,171 @@ async fn broken_clients_do_not_stop_the_server() {
     assert_eq!(answer.status, StatusCode::OK);
     let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.5"}), json!([container("main")])));
     patched(&review, &server.mutate(&review).await);
+    server.stop().await;
+}
+
+/// Taken by the tests that flood the server, so that they do not flood it at once: each
+/// measures answers beside its own flood, on a machine of perhaps two cores.
+static FLOOD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How a staller holds its connection.
+#[derive(Clone, Copy)]
+enum Stall {
+    /// Opens TCP and never sends a ClientHello.
+    Silent,
+    /// Sends a ClientHello, then never answers the server's flight.
+    MidHandshake,
+}
+
+/// Connections that hold their slot without finishing the TLS handshake, each renewed
+/// at once when the server drops it; they stop when this is dropped.
+struct Stallers {
+    _tasks: JoinSet<()>,
+    /// How many of them connected at least once.
+    started: Arc<AtomicUsize>,
+    count: usize,
+}
+
+impl Stallers {
+    /// `count` stallers connecting to `addr` from the loopback addresses `sources` in turn.
+    fn start(addr: std::net::SocketAddr, sources: &[Ipv4Addr], count: usize, stall: Stall) -> Stallers {
+        let client = Arc::new(
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("protocol versions")
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth(),
+        );
+        let started = Arc::new(AtomicUsize::new(0));
+        let mut tasks = JoinSet::new();
+        for i in 0..count {
+            let source = sources[i % sources.len()];
+            let client = client.clone();
+            let started = started.clone();
+            tasks.spawn(async move {
+                let mut first = true;
+                loop {
+                    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+                    let connected = match socket.bind((source, 0).into()) {
+                        Ok(()) => socket.connect(addr).await,
+                        Err(e) => Err(e),
+                    };
+                    let Ok(mut tcp) = connected else {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    };
+                    if std::mem::take(&mut first) {
+                        started.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if let Stall::MidHandshake = stall {
+                        let name = ServerName::try_from("localhost").expect("name");
+                        let mut tls = rustls::ClientConnection::new(client.clone(), name).expect("client");
+                        let mut hello = Vec::new();
+                        tls.write_tls(&mut hello).expect("ClientHello");
+                        let _ = tcp.write_all(&hello).await;
+                    }
+                    // Whatever the server sends is left unanswered, until it closes.
+                    let mut sink = vec![0; 16 * 1024];
+                    while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+                }
+            });
+        }
+        Stallers { _tasks: tasks, started, count }
+    }
+
+    /// Waits until every staller has connected (and then a little more, for the server to
+    /// accept them).
+    async fn connected(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self.started.load(Ordering::Relaxed) < self.count {
+            assert!(tokio::time::Instant::now() < deadline, "the stallers did not all connect");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Ten times in a row, `/healthz` and a real AdmissionReview each answer within 2 s;
+/// returns the slowest answer.
+async fn answers_within_two_seconds(server: &Server) -> Duration {
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.5"}), json!([container("main")])));
+    let mut slowest = Duration::ZERO;
+    for round in 0..10 {
+        let started = std::time::Instant::now();
+        let health =
+            tokio::time::timeout(Duration::from_secs(2), server.request(Method::GET, "/healthz", None, ""))
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: /healthz took over 2 s"));
+        assert_eq!(health.status, StatusCode::OK);
+        slowest = slowest.max(started.elapsed());
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(2), server.mutate(&review))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the review took over 2 s"));
+        slowest = slowest.max(started.elapsed());
+        patched(&review, &answer);
+    }
+    slowest
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_handshakes_from_many_peers_cannot_take_every_slot() {
+    let _flood = FLOOD.lock().await;
+    let server = Server::start().await;
+    // 300 connections from 10 addresses, 30 each: under the per-peer cap, over the slots.
+    let sources: Vec<Ipv4Addr> = (2..12).map(|last| Ipv4Addr::new(127, 0, 0, last)).collect();
+    let silent = Stallers::start(server.addr, &sources, 150, Stall::Silent);
+    let talking = Stallers::start(server.addr, &sources, 150, Stall::MidHandshake);
+    silent.connected().await;
+    talking.connected().await;
+    let slowest = answers_within_two_seconds(&server).await;
+    eprintln!("slowest answer beside 300 stalled handshakes from 10 peers: {slowest:?}");
+    drop((silent, talking));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holds_at_most_its_share_of_connections() {
+    let _flood = FLOOD.lock().await;
+    let server = Server::start().await;
+    let staller = Ipv4Addr::new(127, 0, 0, 2);
+    let stalled = Stallers::start(server.addr, &[staller], 300, Stall::Silent);
+    stalled.connected().await;
+    let slowest = answers_within_two_seconds(&server).await;
+    eprintln!("slowest answer beside 300 stalled handshakes from one peer: {slowest:?}");
+    drop(stalled);
+
+    // Exactly the cap is held; one more connection is closed at once.
+    let held = Stallers::start(server.addr, &[staller], webhook::MAX_CONNECTIONS_PER_PEER, Stall::Silent);
+    held.connected().await;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind((staller, 0).into()).expect("bind");
+    // The reset may come before the connect's own completion is seen.
+    let closed = tokio::time::timeout(Duration::from_millis(500), async {
+        if let Ok(mut tcp) = socket.connect(server.addr).await {
+            let _ = tcp.read_to_end(&mut Vec::new()).await;
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection over the per-peer cap was not closed at once");
+    drop(held);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn refusal_for_a_pod_with_thousands_of_containers_is_short() {
+    let server = Server::start().await;
+    let containers: Vec<Value> = (0..3_500).map(|i| container(&format!("worker-{i:04}"))).collect();
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.5", "gpufrac.io/container": "nope"}),
+        Value::Array(containers),
+    ));
+    let answer = server.request(Method::POST, "/mutate", Some("application/json"), review.to_string()).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert!(answer.body.len() < 4096, "{} bytes", answer.body.len());
+    let message = refusal(&serde_json::from_slice(&answer.body).expect("JSON"));
+    assert!(message.contains(r#"gpufrac.io/container="nope""#), "{message}");
+    assert!(message.contains(r#""worker-0000""#) && message.contains("and 3490 more"), "{message}");
     server.stop().await;
 }
 

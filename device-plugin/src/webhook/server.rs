@@ -41,6 +41,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
+use tokio::time::Timeout;
+use tokio_rustls::server::Accept;
 use tokio_rustls::TlsAcceptor;
 
 use super::review::try_review;
@@ -101,7 +103,7 @@ pub async fn serve(
                 }
                 Err(full) => {
                     tracing::debug!(%peer, "webhook connection refused: {full}");
-                    drop(stream);
+                    close_at_once(&stream);
                 }
             },
             Err(e) => {
@@ -243,14 +245,17 @@ async fn connection(
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, "webhook cannot set TCP_NODELAY: {e}");
     }
-    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+    let mut handshake = std::pin::pin!(tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)));
     let stream = tokio::select! {
         _ = stop.wait_for(|stop| *stop) => return,
         _ = &mut slot.evicted => {
             tracing::debug!(%peer, "webhook connection dropped in its TLS handshake to admit a new one");
+            if let Some(stream) = Accept::get_ref(Timeout::get_ref(&handshake)) {
+                close_at_once(stream);
+            }
             return;
         }
-        handshake = handshake => match handshake {
+        done = &mut handshake => match done {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
                 tracing::debug!(%peer, "webhook TLS handshake failed: {e}");
@@ -258,6 +263,9 @@ async fn connection(
             }
             Err(_) => {
                 tracing::debug!(%peer, "webhook TLS handshake timed out");
+                if let Some(stream) = Accept::get_ref(Timeout::get_ref(&handshake)) {
+                    close_at_once(stream);
+                }
                 return;
             }
         },
@@ -285,6 +293,12 @@ async fn connection(
             }
         }
     }
+}
+
+/// Makes the coming close of `stream` a reset: a connection dropped for stalling leaves
+/// no `TIME_WAIT` behind on the server, however fast a client renews it.
+fn close_at_once(stream: &TcpStream) {
+    let _ = stream.set_zero_linger();
 }
 
 /// Routes one request.
