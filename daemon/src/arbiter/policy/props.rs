@@ -236,8 +236,8 @@ impl Case {
                 };
                 let total = if self.rng.chance(90) { d.total } else { self.rng.size(d.total) };
                 let (held, granted, host) = match self.rng.below(6) {
-                    0..=3 => (0, 0, 0),
-                    1 => (self.rng.size(d.total), self.rng.size(d.total), 0),
+                    0..=2 => (0, 0, 0),
+                    3 | 4 => (self.rng.size(d.total), self.rng.size(d.total), 0),
                     _ => (self.rng.size(d.total), self.rng.size(d.total), self.rng.size(d.total)),
                 };
                 let result = self.policy.register(conn, d.id, total, request, limit, held, granted, host);
