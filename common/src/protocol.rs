@@ -77,7 +77,8 @@ pub enum Request {
         preferred: u64,
         /// Bytes this process holds now (for status).
         held: u64,
-        /// To swap its burst memory back in: waits without a deadline.
+        /// To swap its burst memory back in (at most what it has swapped out): waits an hour
+        /// at most, then the shim asks again.
         resume: bool,
     },
     /// Gives back `bytes` of burst memory.
