@@ -779,8 +779,17 @@ fn on_frame(
                     tracing::info!(pid, uid, %group, %pod, %resolver, priority, "shim connected");
                 }
                 let now = Instant::now();
-                let peer =
-                    Peer { pid, group, pod, resolver, priority, wait_timeout, last_active: now, activity: 0 };
+                let peer = Peer {
+                    pid,
+                    uid,
+                    group,
+                    pod,
+                    resolver,
+                    priority,
+                    wait_timeout,
+                    last_active: now,
+                    activity: 0,
+                };
                 shared.policy().hello(conn, peer);
                 c.greeted = true;
                 Ok(Flow::Continue)

@@ -67,10 +67,18 @@ impl Policy {
             }
             gpu.groups.insert(
                 peer.group.clone(),
-                Group { request, limit, members: BTreeMap::new(), last_ask: None },
+                Group { request, limit, uid: peer.uid, members: BTreeMap::new(), last_ask: None },
             );
         }
         let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
+        if group.uid != peer.uid {
+            // Its members share one ledger file, private to the user that made it: a
+            // member of another user would count apart from the group's limit.
+            return Err(format!(
+                "GPUFRAC_GROUP {:?} is used by processes of another user (uid {}): a group's processes must run as one user",
+                peer.group, group.uid
+            ));
+        }
         if (group.request, group.limit) != (request, limit) {
             tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
         }
@@ -178,6 +186,16 @@ mod tests {
         assert!(err.contains("10.00 GiB is used by processes outside gpufrac"), "{err}");
         p.register(1, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0, 0).unwrap();
         assert_eq!(p.status().gpus[0].outside, 10 * GIB);
+    }
+
+    #[test]
+    fn a_group_belongs_to_one_user() {
+        let mut p = policy_with(&[(1, "a", GIB, 2 * GIB)]);
+        p.hello(2, Peer { uid: 1001, ..peer("a", 1000) });
+        let err = p.register(2, GPU, 16 * GIB, GIB, 2 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("GPUFRAC_GROUP \"a\"") && err.contains("another user"), "{err}");
+        p.hello(3, peer("a", 1000));
+        p.register(3, GPU, 16 * GIB, GIB, 2 * GIB, 0, 0, 0).expect("the same user joins");
     }
 
     #[test]

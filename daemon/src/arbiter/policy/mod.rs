@@ -36,6 +36,8 @@ pub type ConnId = u64;
 pub struct Peer {
     /// From `SO_PEERCRED`.
     pub pid: u32,
+    /// From `SO_PEERCRED`: a group's members are one user's (they share its ledger).
+    pub uid: u32,
     /// Its group.
     pub group: String,
     /// `namespace/name` or empty.
@@ -147,6 +149,8 @@ impl Member {
 struct Group {
     request: u64,
     limit: u64,
+    /// The user whose processes its members are.
+    uid: u32,
     members: BTreeMap<ConnId, Member>,
     /// When a member last asked for burst memory: a group that asked lately is growing,
     /// and may ask for everything up to its limit.
@@ -408,6 +412,7 @@ mod testing {
     pub fn peer(group: &str, timeout_ms: u64) -> Peer {
         Peer {
             pid: 100,
+            uid: 1000,
             group: group.into(),
             pod: String::new(),
             resolver: Resolver::Wait,

@@ -204,6 +204,7 @@ impl Case {
                 self.next_conn += 1;
                 let peer = Peer {
                     pid: 100 + conn as u32,
+                    uid: 1000,
                     group: format!("g{}", self.rng.below(4)),
                     pod: String::new(),
                     resolver: self.rng.pick(&[
