@@ -2,7 +2,9 @@
 //! its memory and metrics bounded; thousands of idle connections from one UID, or a
 //! descriptor limit reached, leave `gpufrac status` and new shims served; connections
 //! that never say who they are are closed; a flood of bad frames writes a bounded number
-//! of log lines; and a group name carrying a terminal escape is refused.
+//! of log lines while a well-behaved client keeps its grants within milliseconds; a burst
+//! that can never fit is refused at once; and a group name carrying a terminal escape is
+//! refused.
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -301,4 +303,101 @@ fn a_group_name_with_an_escape_sequence_is_refused_and_never_shown() {
     let log = arbiter.log_text();
     assert!(log.contains("refused"), "{log}");
     assert!(!log.contains('\x1b') && !log.contains("\nforged line"), "{log}");
+}
+
+/// A well-behaved client speaking the protocol by hand: said hello and registered (request
+/// 1 GiB, limit 2 GiB, unless `limit` says more) on the arbiter's GPU in group `group`.
+fn client(arbiter: &Arbiter, group: &str, limit: u64) -> UnixStream {
+    let device = device(arbiter);
+    let mut s = UnixStream::connect(arbiter.socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut frames = hello(group, "");
+    frames.extend(
+        Request::Register { device, total: 4 * GIB, request: GIB, limit, held: 0, granted: 0, swapped: 0 }
+            .encode(),
+    );
+    s.write_all(&frames).unwrap();
+    for _ in 0..2 {
+        let reply = Reply::decode(&read_frame(&mut s, MAX_FRAME).unwrap()).unwrap();
+        assert!(matches!(reply, Reply::Welcome { .. } | Reply::Registered { .. }), "{reply:?}");
+    }
+    s
+}
+
+/// Asks `bytes` of burst memory and returns the answer with its round-trip time, skipping
+/// pushed commands.
+fn acquire(s: &mut UnixStream, device: [u8; 16], seq: u64, bytes: u64) -> (Reply, Duration) {
+    let started = Instant::now();
+    s.write_all(
+        &Request::Acquire { seq, device, bytes, preferred: bytes, held: GIB, resume: false }.encode(),
+    )
+    .unwrap();
+    loop {
+        let reply = Reply::decode(&read_frame(s, MAX_FRAME).unwrap()).unwrap();
+        if matches!(reply, Reply::Granted { .. } | Reply::Denied { .. }) {
+            return (reply, started.elapsed());
+        }
+    }
+}
+
+#[test]
+fn a_burst_that_can_never_fit_is_refused_at_once_and_delays_nobody() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let device = device(&arbiter);
+    // Two groups guarantee 2 of the 4 GiB: no burst can ever be more than 2 GiB.
+    let mut greedy = client(&arbiter, &unique("greedy"), 4 * GIB);
+    let mut modest = client(&arbiter, &unique("modest"), 2 * GIB);
+    let (reply, took) = acquire(&mut greedy, device, 1, 3 * GIB);
+    assert!(matches!(reply, Reply::Denied { seq: 1, .. }), "{reply:?}");
+    assert!(took < Duration::from_secs(1), "refused at once, not after a wait: {took:?}");
+    let (reply, took) = acquire(&mut modest, device, 1, 64 * MIB);
+    assert_eq!(reply, Reply::Granted { seq: 1, bytes: 64 * MIB });
+    assert!(took < Duration::from_secs(1), "a burst that fits is not held up: {took:?}");
+    assert_eq!(status(&arbiter).gpus[0].waiting, 0);
+}
+
+#[test]
+fn a_well_behaved_client_is_served_quickly_through_a_flood_of_bad_frames() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let device = device(&arbiter);
+    let socket = arbiter.socket().to_path_buf();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let Ok(mut s) = UnixStream::connect(&socket) else { continue };
+                let _ = s.write_all(&[5, 0, 0, 0, 99, 0, 0, 0, 0]);
+                let _ = s.read(&mut [0u8; 1]);
+                sent += 1;
+            }
+            sent
+        })
+    };
+    let mut honest = client(&arbiter, &unique("honest"), 2 * GIB);
+    let mut round_trips = Vec::new();
+    let started = Instant::now();
+    let mut seq = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        seq += 1;
+        let (reply, took) = acquire(&mut honest, device, seq, 64 * MIB);
+        assert_eq!(reply, Reply::Granted { seq, bytes: 64 * MIB });
+        honest.write_all(&Request::Release { device, bytes: 64 * MIB, held: GIB }.encode()).unwrap();
+        round_trips.push(took);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = flood.join().unwrap();
+    round_trips.sort_unstable();
+    let (n, p99) = (round_trips.len(), round_trips[round_trips.len() * 99 / 100]);
+    eprintln!(
+        "grant round trip through {sent} bad connections: p50 {:?} p99 {p99:?} max {:?}",
+        round_trips[n / 2],
+        round_trips[n - 1]
+    );
+    assert!(sent > 100, "the flood ran ({sent} bad connections)");
+    assert!(p99 < Duration::from_millis(10), "grant round trip p99 {p99:?} under the flood");
 }
