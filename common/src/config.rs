@@ -50,6 +50,17 @@ pub struct Config {
     pub log: String,
 }
 
+impl ConfigError {
+    /// The variable, its value as given and why it was refused: for callers that name the
+    /// setting another way (`gpufrac run` names its flags).
+    pub fn parts(&self) -> (&str, &str, &str) {
+        match self {
+            ConfigError::Value(e) => (&e.input, &e.value, &e.reason),
+            ConfigError::Invalid { name, value, reason } => (name, value, reason),
+        }
+    }
+}
+
 fn invalid(name: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { name, value: value.to_owned(), reason: reason.into() }
 }
@@ -203,6 +214,16 @@ mod tests {
     }
 
     #[test]
+    fn bad_durations_say_what_is_accepted() {
+        let err =
+            read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_WAIT_TIMEOUT", "5parsecs")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid GPUFRAC_WAIT_TIMEOUT=\"5parsecs\": expected a duration such as 30s, 500ms or 2m"
+        );
+    }
+
+    #[test]
     fn every_bad_value_names_its_variable() {
         let cases = [
             ("GPUFRAC_MEMORY_REQUEST", "lots"),
@@ -221,7 +242,10 @@ mod tests {
                 vars.clear();
             }
             vars.push((name, value));
-            let err = read(&vars).expect_err(name).to_string();
+            let err = read(&vars).expect_err(name);
+            assert_eq!(err.parts().0, name);
+            assert_eq!(err.parts().1, value);
+            let err = err.to_string();
             assert!(err.contains(name) && err.contains(value), "{err}");
         }
     }

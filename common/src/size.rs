@@ -42,8 +42,11 @@ pub struct SizeError {
     pub reason: String,
 }
 
-const SIZE_FORMS: &str =
-    "expected a size such as 512MiB, 4GiB, 1.5GiB, 4GB, a byte count above 1, a fraction 0 < f <= 1, or a percentage such as 25%";
+const SIZE_FORMS: &str = "expected a size such as 512MiB, 4GiB, 0.25 (of the device) or 25%";
+
+const POSITIVE_SIZE_FORMS: &str = "expected a size above 0 such as 512MiB, 4GiB, 0.25 (of the device) or 25%";
+
+const DURATION_FORMS: &str = "expected a duration such as 30s, 500ms or 2m";
 
 fn refuse(input: &str, value: &str, reason: impl Into<String>) -> SizeError {
     SizeError { input: input.to_owned(), value: value.to_owned(), reason: reason.into() }
@@ -69,8 +72,15 @@ pub fn parse_size(input: &str, value: &str) -> Result<SizeSpec, SizeError> {
         if n > 0.0 && n <= 1.0 {
             return Ok(SizeSpec::Fraction(n));
         }
-        if n.fract() != 0.0 || n <= 0.0 {
-            return Err(refuse(input, value, format!("not a whole byte count; {SIZE_FORMS}")));
+        if n <= 0.0 {
+            return Err(refuse(input, value, POSITIVE_SIZE_FORMS));
+        }
+        if n.fract() != 0.0 {
+            return Err(refuse(
+                input,
+                value,
+                format!("a plain number is a fraction of the device (at most 1) or a whole byte count; {SIZE_FORMS}"),
+            ));
         }
         let bytes: u64 = number.parse().map_err(|_| refuse(input, value, "byte count out of range"))?;
         return Ok(SizeSpec::Bytes(bytes));
@@ -79,7 +89,7 @@ pub fn parse_size(input: &str, value: &str) -> Result<SizeSpec, SizeError> {
         .ok_or_else(|| refuse(input, value, format!("unknown unit {unit:?}; {SIZE_FORMS}")))?;
     let bytes = n * multiplier as f64;
     if bytes < 1.0 {
-        return Err(refuse(input, value, "a size must be at least one byte"));
+        return Err(refuse(input, value, POSITIVE_SIZE_FORMS));
     }
     if bytes >= u64::MAX as f64 {
         return Err(refuse(input, value, "size out of range"));
@@ -101,8 +111,18 @@ pub fn parse_bytes(input: &str, value: &str) -> Result<u64, SizeError> {
 
 /// Reads a duration such as `30s`, `500ms`, `5m` or `1h 30m`.
 pub fn parse_duration(input: &str, value: &str) -> Result<Duration, SizeError> {
-    humantime::parse_duration(value.trim())
-        .map_err(|e| refuse(input, value, format!("{e}; expected a duration such as 30s, 500ms or 5m")))
+    // humantime's own message ("expected number at 0") speaks of its parser, not of what
+    // the user may write.
+    humantime::parse_duration(value.trim()).map_err(|_| refuse(input, value, DURATION_FORMS))
+}
+
+/// `bytes` as people read it: `20.00 GiB`, `512.00 MiB`, `4.00 KiB` or `100 bytes`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    match UNITS.iter().find(|(_, size)| bytes >= *size) {
+        Some((unit, size)) => format!("{:.2} {unit}", bytes as f64 / *size as f64),
+        None => format!("{bytes} bytes"),
+    }
 }
 
 fn parse_number(text: &str) -> Option<f64> {
@@ -177,6 +197,36 @@ mod tests {
         assert_eq!(parse_bytes("SIMGPU_DEVICES", "16GiB").unwrap(), 16 * GIB);
         let err = parse_bytes("SIMGPU_DEVICES", "0.5").unwrap_err();
         assert!(err.to_string().contains("SIMGPU_DEVICES"));
+    }
+
+    #[test]
+    fn refusals_say_what_is_accepted() {
+        assert_eq!(
+            parse_size("--request", "0").unwrap_err().to_string(),
+            "invalid --request=\"0\": expected a size above 0 such as 512MiB, 4GiB, 0.25 (of the device) or 25%"
+        );
+        assert!(parse_size("X", "0GiB").unwrap_err().reason.starts_with("expected a size above 0"));
+        let lots = parse_size("X", "lots").unwrap_err().reason;
+        assert_eq!(lots, "expected a size such as 512MiB, 4GiB, 0.25 (of the device) or 25%");
+        let fraction = parse_size("X", "1.5").unwrap_err().reason;
+        assert!(
+            fraction.contains("fraction of the device") && fraction.contains("whole byte count"),
+            "{fraction}"
+        );
+        assert_eq!(
+            parse_duration("GPUFRAC_WAIT_TIMEOUT", "5parsecs").unwrap_err().to_string(),
+            "invalid GPUFRAC_WAIT_TIMEOUT=\"5parsecs\": expected a duration such as 30s, 500ms or 2m"
+        );
+    }
+
+    #[test]
+    fn sizes_are_formatted_for_people() {
+        assert_eq!(format_size(20 * GIB), "20.00 GiB");
+        assert_eq!(format_size(3 * GIB / 2), "1.50 GiB");
+        assert_eq!(format_size(512 << 20), "512.00 MiB");
+        assert_eq!(format_size(4096), "4.00 KiB");
+        assert_eq!(format_size(100), "100 bytes");
+        assert_eq!(format_size(2 << 40), "2.00 TiB");
     }
 
     #[test]
