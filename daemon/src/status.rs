@@ -82,15 +82,16 @@ pub struct ProcessStatus {
 /// Why the status could not be fetched.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    /// Nobody answers on the socket.
+    /// Nobody answers on the socket. What the system said is in the message, not a
+    /// `source`: printed with its chain, it would come twice, around the hint.
     #[error(
-        "cannot reach the arbiter at {path}: {source} (is gpufrac-arbiter running? --socket names another)"
+        "cannot reach the arbiter at {path}: {error} (is gpufrac-arbiter running? --socket names another)"
     )]
     Connect {
         /// The socket.
         path: String,
         /// What the system said.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The answer was not a status document.
     #[error("bad answer from the arbiter: {0}")]
@@ -102,7 +103,7 @@ pub fn fetch(socket: &std::path::Path) -> Result<Status, FetchError> {
     use gpufrac_common::protocol::{read_frame, Reply, Request, MAX_STATUS_FRAME};
     use std::io::Write;
     let mut stream = std::os::unix::net::UnixStream::connect(socket)
-        .map_err(|source| FetchError::Connect { path: socket.display().to_string(), source })?;
+        .map_err(|error| FetchError::Connect { path: socket.display().to_string(), error })?;
     let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(10)));
     stream.write_all(&Request::Status.encode()).map_err(|e| FetchError::Answer(e.to_string()))?;
     let body = read_frame(&mut stream, MAX_STATUS_FRAME).map_err(|e| FetchError::Answer(e.to_string()))?;
@@ -227,6 +228,19 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unreachable_arbiter_is_told_once() {
+        let missing = std::path::Path::new("/nonexistent/gpufrac/arbiter.sock");
+        let err = fetch(missing).expect_err("nobody serves there");
+        let shown = format!("{:#}", anyhow::Error::from(err));
+        assert!(
+            shown.starts_with("cannot reach the arbiter at /nonexistent/gpufrac/arbiter.sock: "),
+            "{shown}"
+        );
+        assert!(shown.ends_with("(is gpufrac-arbiter running? --socket names another)"), "{shown}");
+        assert_eq!(shown.matches("No such file").count(), 1, "{shown}");
+    }
 
     #[test]
     fn the_table_escapes_what_a_terminal_would_interpret() {
