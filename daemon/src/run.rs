@@ -114,16 +114,60 @@ impl RunSettings {
     }
 }
 
-/// Replaces this process with the command (returns only on failure).
+/// Replaces this process with the command (returns only on failure). Warns, on one line
+/// on stderr, when no CUDA driver can be loaded ([`driver_warning`]).
 pub fn exec(settings: &RunSettings, argv: &[OsString], own_dir: Option<&Path>) -> RunError {
     use std::os::unix::process::CommandExt;
     match settings.command(argv, own_dir) {
         Ok(mut cmd) => {
+            if let Some(warning) = driver_warning(CUDA_DRIVER) {
+                eprintln!("{warning}");
+            }
             let err = cmd.exec();
             RunError::Exec { command: argv[0].to_string_lossy().into_owned(), source: err }
         }
         Err(e) => e,
     }
+}
+
+/// The name programs (and the CUDA runtime) load the driver by.
+pub const CUDA_DRIVER: &str = "libcuda.so.1";
+
+/// The one-line warning `gpufrac run` prints when no CUDA driver can be loaded by `name`
+/// from this process (with its `LD_LIBRARY_PATH`, as the command will look for it), or
+/// `None` when one loads. The command still runs: it may bring its own driver path.
+pub fn driver_warning(name: &str) -> Option<String> {
+    let why = match load_library(name) {
+        Ok(()) => return None,
+        Err(why) => why,
+    };
+    Some(format!(
+        "gpufrac: warning: no CUDA driver can be loaded ({why}); the command's CUDA calls will \
+         fail. Without a GPU, put a folder with {name} -> target/release/libsimgpu_cuda.so first \
+         on LD_LIBRARY_PATH (README, \"Quick start\")"
+    ))
+}
+
+/// dlopens and closes `name`: Ok if it loads, else what the dynamic loader said.
+fn load_library(name: &str) -> Result<(), String> {
+    let c_name = std::ffi::CString::new(name).map_err(|_| format!("{name:?} contains NUL"))?;
+    // SAFETY: `c_name` is a valid NUL-terminated string for the duration of the call.
+    let handle = unsafe { libc::dlopen(c_name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next
+        // dl* call on this thread; it is copied at once.
+        let err = unsafe { libc::dlerror() };
+        return Err(if err.is_null() {
+            format!("{name}: cannot be loaded")
+        } else {
+            // SAFETY: non-NULL, so a NUL-terminated string (see above).
+            unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
+        });
+    }
+    // SAFETY: `handle` came from a successful dlopen and is closed once; nothing from the
+    // library is used after this.
+    unsafe { libc::dlclose(handle) };
+    Ok(())
 }
 
 #[cfg(test)]
@@ -143,5 +187,21 @@ mod tests {
         ] {
             assert!(matches!(bad.environment(), Err(RunError::Setting(_))), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_missing_driver_is_warned_about_on_one_line() {
+        let warning = driver_warning("libgpufrac-no-such-driver.so.1").expect("a missing library warns");
+        assert!(warning.starts_with("gpufrac: warning: no CUDA driver can be loaded"), "{warning}");
+        assert!(warning.contains("libgpufrac-no-such-driver.so.1"), "names the library: {warning}");
+        assert!(warning.contains("LD_LIBRARY_PATH"), "says what to do: {warning}");
+        assert!(!warning.contains('\n'), "one line: {warning}");
+        assert!(driver_warning("bad\0name").is_some());
+    }
+
+    #[test]
+    fn a_loadable_driver_is_not_warned_about() {
+        // Any library the loader finds stands in for the driver here.
+        assert_eq!(driver_warning("libc.so.6"), None);
     }
 }
