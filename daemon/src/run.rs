@@ -80,8 +80,30 @@ impl RunSettings {
         ];
         env.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
         let map: HashMap<&str, String> = env.iter().map(|(k, v)| (*k, v.clone())).collect();
-        Config::from_lookup(|name| map.get(name).cloned()).map_err(|e| RunError::Setting(e.to_string()))?;
+        Config::from_lookup(|name| map.get(name).cloned()).map_err(|e| {
+            let (name, value, reason) = e.parts();
+            RunError::Setting(format!("invalid {} {value:?}: {}", flag_of(name), with_flag_names(reason)))
+        })?;
         Ok(env)
+    }
+
+    /// A warning when `--arbiter-socket` names a socket nobody answers on: bursts above the
+    /// request would otherwise each wait out their timeout before anyone learns why.
+    pub fn arbiter_warning(&self) -> Option<String> {
+        let path = self.arbiter_socket.clone()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let probe = path.clone();
+        // A connect to a full backlog blocks: ask from a thread and wait a moment only.
+        std::thread::spawn(move || {
+            let _ = tx.send(std::os::unix::net::UnixStream::connect(&probe).is_ok());
+        });
+        match rx.recv_timeout(std::time::Duration::from_millis(500)) {
+            Ok(true) => None,
+            _ => Some(format!(
+                "no arbiter answers on {}: bursts above the request will wait for it",
+                path.display()
+            )),
+        }
     }
 
     /// The shim to preload.
@@ -99,6 +121,9 @@ impl RunSettings {
     pub fn command(&self, argv: &[OsString], own_dir: Option<&Path>) -> Result<Command, RunError> {
         let (program, args) = argv.split_first().ok_or(RunError::NoCommand)?;
         let env = self.environment()?;
+        if let Some(warning) = self.arbiter_warning() {
+            eprintln!("gpufrac: warning: {warning}");
+        }
         let shim = self.shim_path(own_dir)?;
         let mut preload = OsString::from(shim.as_os_str());
         if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
@@ -112,6 +137,29 @@ impl RunSettings {
         }
         Ok(cmd)
     }
+}
+
+/// Each `GPUFRAC_*` variable `gpufrac run` sets, with the flag that sets it.
+const FLAGS: [(&str, &str); 8] = [
+    ("GPUFRAC_MEMORY_REQUEST", "--request"),
+    ("GPUFRAC_MEMORY_LIMIT", "--limit"),
+    ("GPUFRAC_RESOLVER", "--resolver"),
+    ("GPUFRAC_PRIORITY", "--priority"),
+    ("GPUFRAC_GROUP", "--group"),
+    ("GPUFRAC_WAIT_TIMEOUT", "--wait-timeout"),
+    ("GPUFRAC_ARBITER_SOCKET", "--arbiter-socket"),
+    ("GPUFRAC_POD", "--pod"),
+];
+
+/// The flag that sets `variable`.
+fn flag_of(variable: &str) -> &str {
+    FLAGS.iter().find(|(v, _)| *v == variable).map_or(variable, |(_, flag)| flag)
+}
+
+/// `reason` with the variables it mentions named by their flags (no name is a prefix of
+/// another).
+fn with_flag_names(reason: &str) -> String {
+    FLAGS.iter().fold(reason.to_owned(), |text, (variable, flag)| text.replace(variable, flag))
 }
 
 /// Replaces this process with the command (returns only on failure). Warns, on one line
@@ -203,5 +251,54 @@ mod tests {
     fn a_loadable_driver_is_not_warned_about() {
         // Any library the loader finds stands in for the driver here.
         assert_eq!(driver_warning("libc.so.6"), None);
+    }
+
+    fn refusal(settings: RunSettings) -> String {
+        settings.environment().expect_err("a bad setting").to_string()
+    }
+
+    #[test]
+    fn refusals_name_the_flag_typed() {
+        let request = |r: &str| RunSettings { request: r.into(), ..Default::default() };
+        assert_eq!(
+            refusal(request("0")),
+            "invalid --request \"0\": expected a size above 0 such as 512MiB, 4GiB, 0.25 (of the device) or 25%"
+        );
+        assert!(refusal(request("lots")).starts_with("invalid --request \"lots\": expected a size"));
+        let limit = refusal(RunSettings { limit: Some("1GiB".into()), ..request("2GiB") });
+        assert_eq!(limit, "invalid --limit \"1GiB\": the limit must be at least --request (2GiB)");
+        let timeout = refusal(RunSettings { wait_timeout: Some("5parsecs".into()), ..request("1GiB") });
+        assert_eq!(
+            timeout,
+            "invalid --wait-timeout \"5parsecs\": expected a duration such as 30s, 500ms or 2m"
+        );
+        for (settings, flag) in [
+            (RunSettings { resolver: Some("fight".into()), ..request("1GiB") }, "--resolver"),
+            (RunSettings { group: Some("a/b".into()), ..request("1GiB") }, "--group"),
+            (RunSettings { pod: Some("no-slash".into()), ..request("1GiB") }, "--pod"),
+            (RunSettings { arbiter_socket: Some("rel.sock".into()), ..request("1GiB") }, "--arbiter-socket"),
+        ] {
+            let text = refusal(settings);
+            assert!(text.starts_with(&format!("invalid {flag} \"")), "{text}");
+            assert!(!text.contains("GPUFRAC_"), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_silent_arbiter_socket_is_warned_of() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-run-warning-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary folder");
+        let path = dir.join("arbiter.sock");
+        let settings =
+            RunSettings { request: "1GiB".into(), arbiter_socket: Some(path.clone()), ..Default::default() };
+        let warning = settings.arbiter_warning().expect("nobody listens");
+        assert_eq!(
+            warning,
+            format!("no arbiter answers on {}: bursts above the request will wait for it", path.display())
+        );
+        let _listener = std::os::unix::net::UnixListener::bind(&path).expect("binding a test socket");
+        assert_eq!(settings.arbiter_warning(), None);
+        assert_eq!(RunSettings { request: "1GiB".into(), ..Default::default() }.arbiter_warning(), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
