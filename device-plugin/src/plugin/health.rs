@@ -19,7 +19,7 @@ pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
 /// The GPUs NVML reports, all healthy.
 pub fn discover() -> Result<Vec<Gpu>, String> {
-    let nvml = Nvml::init().map_err(|e| format!("cannot initialise NVML: {e}"))?;
+    let nvml = Nvml::init().map_err(|e| nvml_init_error(&e))?;
     let count = nvml.device_count().map_err(|e| format!("NVML device count: {e}"))?;
     (0..count)
         .map(|i| {
@@ -28,6 +28,20 @@ pub fn discover() -> Result<Vec<Gpu>, String> {
             Ok(Gpu { uuid, healthy: true })
         })
         .collect()
+}
+
+/// What to check when NVML's library or the driver is missing.
+const NVML_HINT: &str =
+    "(is the NVIDIA driver installed? to try gpufrac without a GPU, see simgpu in the README)";
+
+/// Why NVML could not be opened, with a hint when its library or the driver is missing.
+pub fn nvml_init_error(e: &NvmlError) -> String {
+    match e {
+        NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound | NvmlError::DriverNotLoaded => {
+            format!("cannot initialise NVML: {e} {NVML_HINT}")
+        }
+        _ => format!("cannot initialise NVML: {e}"),
+    }
 }
 
 /// Watches XID events until `stop`, marking GPUs unhealthy in `gpus`. Blocking: run it
@@ -72,4 +86,22 @@ fn watch_loop(gpus: &watch::Sender<Vec<Gpu>>, stop: &AtomicBool) -> Result<(), N
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_nvml_comes_with_a_hint() {
+        let missing = nvml_init_error(&NvmlError::LibraryNotFound);
+        assert!(
+            missing.ends_with(
+                "(is the NVIDIA driver installed? to try gpufrac without a GPU, see simgpu in the README)"
+            ),
+            "{missing}"
+        );
+        let other = nvml_init_error(&NvmlError::NoPermission);
+        assert!(!other.contains("simgpu"), "{other}");
+    }
 }

@@ -23,6 +23,31 @@ use super::service::Plugin;
 /// How often the folder is checked for a kubelet restart.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
+/// The first wait before registering again after a failure; it doubles up to
+/// [`RETRY_AT_MOST`] (a node without a kubelet would otherwise log four lines a second).
+/// A kubelet.sock that appears or changes is tried at once.
+const RETRY_FIRST: Duration = Duration::from_millis(250);
+
+/// The longest wait between registration attempts.
+const RETRY_AT_MOST: Duration = Duration::from_secs(10);
+
+/// The wait after `retry`: twice as long, at most [`RETRY_AT_MOST`].
+fn next_retry(retry: Duration) -> Duration {
+    (retry * 2).min(RETRY_AT_MOST)
+}
+
+/// Why registering failed, as the log says it: a missing kubelet.sock is named as such.
+fn registration_failure(kubelet: &Path, error: &str) -> String {
+    if kubelet.exists() {
+        error.to_owned()
+    } else {
+        format!(
+            "{} does not exist (is the kubelet running, and is this its device-plugins folder?)",
+            kubelet.display()
+        )
+    }
+}
+
 /// Where the plugin lives.
 #[derive(Debug, Clone)]
 pub struct RunnerConfig {
@@ -106,14 +131,27 @@ pub async fn run(
 
         // Register (again and again until the kubelet answers), then watch the folder.
         let mut registered_with = None;
+        // The wait after the next failure, and, after a failure, when to try again and
+        // which kubelet.sock that failure found.
+        let mut retry = RETRY_FIRST;
+        let mut failed: Option<(tokio::time::Instant, Option<u64>)> = None;
         let restart = loop {
-            if registered_with.is_none() {
+            let due = failed.is_none_or(|(again, kubelet_then)| {
+                tokio::time::Instant::now() >= again || inode(&kubelet) != kubelet_then
+            });
+            if registered_with.is_none() && due {
                 match register(&kubelet, &config.socket_name).await {
                     Ok(()) => {
                         registered_with = inode(&kubelet);
+                        (retry, failed) = (RETRY_FIRST, None);
                         tracing::info!(resource = RESOURCE_NAME, "registered with the kubelet");
                     }
-                    Err(e) => tracing::warn!("registration: {e}; retrying"),
+                    Err(e) => {
+                        failed = Some((tokio::time::Instant::now() + retry, inode(&kubelet)));
+                        let why = registration_failure(&kubelet, &e);
+                        tracing::warn!("registration: {why}; retrying in {retry:?}");
+                        retry = next_retry(retry);
+                    }
                 }
             }
             tokio::select! {
@@ -143,5 +181,28 @@ pub async fn run(
             tracing::info!("stopped");
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_retries_back_off_to_ten_seconds() {
+        let mut waits = vec![RETRY_FIRST];
+        while waits.len() < 10 {
+            waits.push(next_retry(waits[waits.len() - 1]));
+        }
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(ms, [250, 500, 1000, 2000, 4000, 8000, 10_000, 10_000, 10_000, 10_000]);
+    }
+
+    #[test]
+    fn a_missing_kubelet_socket_is_named() {
+        let kubelet = Path::new("/nonexistent/device-plugins/kubelet.sock");
+        let why = registration_failure(kubelet, "connecting: transport error");
+        assert!(why.starts_with("/nonexistent/device-plugins/kubelet.sock does not exist"), "{why}");
+        assert!(!why.contains("transport error"), "{why}");
     }
 }
