@@ -280,17 +280,22 @@ impl Enforcer {
         uuid: &[u8; 16],
         total: u64,
     ) -> Result<Slice, String> {
+        use gpufrac_common::size::format_size;
         let which = ordinal.map_or_else(|| crate::driver::uuid_string(uuid), |o| format!("device {o}"));
         let request = self.config.request.resolve(total);
         let limit = self.config.limit.resolve(total).min(total);
         if request > total {
             return Err(format!(
-                "gpufrac: GPUFRAC_MEMORY_REQUEST={request} bytes is more than {which} has ({total} bytes)"
+                "gpufrac: GPUFRAC_MEMORY_REQUEST={} is more than {which} has ({})",
+                format_size(request),
+                format_size(total)
             ));
         }
         if limit < request {
             return Err(format!(
-                "gpufrac: GPUFRAC_MEMORY_LIMIT ({limit} bytes on {which}) is below GPUFRAC_MEMORY_REQUEST ({request} bytes)"
+                "gpufrac: GPUFRAC_MEMORY_LIMIT ({} on {which}) is below GPUFRAC_MEMORY_REQUEST ({})",
+                format_size(limit),
+                format_size(request)
             ));
         }
         let ledger = self

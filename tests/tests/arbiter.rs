@@ -376,3 +376,34 @@ fn priority_ends_an_idle_holder_of_equal_priority() {
     b.close_stdin();
     b.finish();
 }
+
+#[test]
+fn a_missing_socket_folder_is_refused_unless_asked_for() {
+    let gpu = gpu();
+    let dir = gpu.lib_dir().join("typo").join("dir");
+    let socket = dir.join("arb.sock");
+    let out = gpu.command(artifact("gpufrac-arbiter")).arg("--socket").arg(&socket).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("{} does not exist", dir.display())), "{stderr}");
+    assert!(stderr.contains("--create-socket-dir"), "{stderr}");
+    assert!(!dir.exists(), "the folder was created");
+    // Asked for, the folder is created and served; sizes in the log are for people.
+    let mut child = gpu
+        .command(artifact("gpufrac-arbiter"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--create-socket-dir")
+        .env("GPUFRAC_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "never served {}", socket.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    let log = String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr).into_owned();
+    assert!(log.contains("total=4.00 GiB") && log.contains(" GiB quantum="), "{log}");
+}

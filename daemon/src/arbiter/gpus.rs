@@ -6,7 +6,7 @@ pub use gpufrac_common::gpu_uuid::parse as parse_uuid;
 
 /// Every GPU NVML reports, with its memory.
 pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {
-    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("cannot initialise NVML: {e}"))?;
+    let nvml = nvml_wrapper::Nvml::init().map_err(|e| nvml_init_error(&e))?;
     let count = nvml.device_count().map_err(|e| format!("NVML device count: {e}"))?;
     (0..count)
         .map(|i| {
@@ -17,6 +17,21 @@ pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {
             Ok((id, total))
         })
         .collect()
+}
+
+/// What to check when NVML's library or the driver is missing.
+const NVML_HINT: &str =
+    "(is the NVIDIA driver installed? to try gpufrac without a GPU, see simgpu in the README)";
+
+/// Why NVML could not be opened, with a hint when its library or the driver is missing.
+pub fn nvml_init_error(e: &nvml_wrapper::error::NvmlError) -> String {
+    use nvml_wrapper::error::NvmlError as E;
+    match e {
+        E::LibloadingError(_) | E::LibraryNotFound | E::DriverNotLoaded => {
+            format!("cannot initialise NVML: {e} {NVML_HINT}")
+        }
+        _ => format!("cannot initialise NVML: {e}"),
+    }
 }
 
 /// The processes using memory on each GPU, `(pid, bytes)`: how the arbiter learns of
@@ -36,7 +51,7 @@ pub struct NvmlProcesses {
 impl NvmlProcesses {
     /// Opens NVML.
     pub fn open() -> Result<NvmlProcesses, String> {
-        let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("cannot initialise NVML: {e}"))?;
+        let nvml = nvml_wrapper::Nvml::init().map_err(|e| nvml_init_error(&e))?;
         Ok(NvmlProcesses { nvml })
     }
 }
@@ -63,5 +78,23 @@ impl ProcessList for NvmlProcesses {
                 Some((id, used.into_iter().collect()))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_nvml_comes_with_a_hint() {
+        let missing = nvml_init_error(&nvml_wrapper::error::NvmlError::LibraryNotFound);
+        assert!(
+            missing.ends_with(
+                "(is the NVIDIA driver installed? to try gpufrac without a GPU, see simgpu in the README)"
+            ),
+            "{missing}"
+        );
+        let other = nvml_init_error(&nvml_wrapper::error::NvmlError::NoPermission);
+        assert!(!other.contains("simgpu"), "{other}");
     }
 }

@@ -42,6 +42,10 @@ struct Args {
     /// the new one is refused.
     #[arg(long, default_value_t = 512)]
     max_connections_per_uid: usize,
+    /// Create the socket's folder when it is missing (by default a missing folder is
+    /// refused: it is more often a typo than a wish).
+    #[arg(long)]
+    create_socket_dir: bool,
 }
 
 /// Raises the soft limit on open descriptors to the hard limit: each shim holds one.
@@ -75,10 +79,18 @@ fn main() {
     }
 }
 
-/// Binds the socket: refuses if another arbiter answers on it, removes a stale one.
-fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener> {
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+/// Binds the socket: refuses if another arbiter answers on it, removes a stale one. A
+/// missing folder is created only with `create_dir`.
+fn bind(socket: &Path, create_dir: bool) -> Result<std::os::unix::net::UnixListener> {
+    if let Some(dir) = socket.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+        if create_dir {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        } else if !dir.is_dir() {
+            bail!(
+                "the socket's folder {} does not exist (a typo in --socket? --create-socket-dir creates it)",
+                dir.display()
+            );
+        }
     }
     if socket.exists() {
         if std::os::unix::net::UnixStream::connect(socket).is_ok() {
@@ -119,10 +131,18 @@ fn run(args: Args) -> Result<()> {
         bail!("NVML reports no GPU on this node");
     }
     for (id, total) in &gpus {
-        tracing::info!(gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id), total, "managing GPU");
+        tracing::info!(
+            gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id),
+            total = %gpufrac_common::size::format_size(*total),
+            "managing GPU"
+        );
     }
-    tracing::info!(swap_limit = options.swap_limit, quantum = ?options.swap_quantum, "swap resolver");
-    let listener = bind(&args.socket)?;
+    tracing::info!(
+        swap_limit = %gpufrac_common::size::format_size(options.swap_limit),
+        quantum = ?options.swap_quantum,
+        "swap resolver"
+    );
+    let listener = bind(&args.socket, args.create_socket_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let socket = args.socket.clone();
     runtime.block_on(async move {
