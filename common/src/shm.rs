@@ -186,22 +186,24 @@ impl<T: SharedPlain> SharedFile<T> {
         self.file.metadata().map(|m| m.nlink() == 0).unwrap_or(false)
     }
 
-    /// Removes the file from its folder if no other process holds a slot below `count`.
-    /// Under the table lock, which joiners take before claiming a slot, so none can join
-    /// the removed file unawares (see [`SharedFile::unlinked`]).
-    /// Never blocks (it runs at exit): if the table is busy, the file stays.
-    pub fn remove_if_unused(&self, count: usize) -> io::Result<bool> {
-        let Ok(local) = self.local.try_lock() else { return Ok(false) };
-        if ofd(&self.file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE).is_err() {
-            return Ok(false);
+    /// This process leaves (it exits): gives back every slot it claimed, then removes the
+    /// file from its folder if no other process holds a slot below `count`. Under the
+    /// table lock, which joiners take before claiming a slot, so none can join the removed
+    /// file unawares (see [`SharedFile::unlinked`]), and which two members leaving at once
+    /// take in turn: the second sees the first's slot given back and removes the file.
+    /// Waits at most `wait` for the table (it runs at exit: a holder that never lets go
+    /// costs the host that long, and the file stays for [`sweep_dead`]).
+    pub fn leave_and_remove_if_unused(&self, count: usize, wait: std::time::Duration) -> io::Result<bool> {
+        let Some(_table) = self.lock_table_within(wait) else { return Ok(false) };
+        for i in 0..MAX_SLOTS {
+            self.release_slot(i);
         }
-        let _table = TableGuard { file: &self.file, locked: true, _local: local };
-        if (0..count.min(MAX_SLOTS)).any(|i| !self.is_own(i) && self.slot_alive(i)) {
+        if any_slot_locked(&self.file, count)? {
             return Ok(false);
         }
         // The path may name another file by now (ours removed by hand, a new one made).
-        let ours = self.file.metadata()?;
         let Some((dir, name)) = &self.dir else {
+            let ours = self.file.metadata()?;
             let named = std::fs::symlink_metadata(&self.path)?;
             if (ours.dev(), ours.ino()) != (named.dev(), named.ino()) {
                 return Ok(false);
@@ -209,22 +211,34 @@ impl<T: SharedPlain> SharedFile<T> {
             std::fs::remove_file(&self.path)?;
             return Ok(true);
         };
-        // SAFETY: stat is a plain C struct; all-zero is valid.
-        let mut named: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `dir` is an open folder, `name` NUL-terminated, `named` a valid stat.
-        if unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut named, libc::AT_SYMLINK_NOFOLLOW) }
-            != 0
-        {
-            return Err(io::Error::last_os_error());
+        unlink_if_same(dir, name, &self.file)
+    }
+
+    /// The table lock, polled for at most `wait` (for exit handlers, which must not hang).
+    fn lock_table_within(&self, wait: std::time::Duration) -> Option<TableGuard<'_>> {
+        let deadline = std::time::Instant::now() + wait;
+        let mut pause = std::time::Duration::from_micros(50);
+        let local = loop {
+            match self.local.try_lock() {
+                Ok(local) => break local,
+                Err(std::sync::TryLockError::Poisoned(poison)) => break poison.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
+        };
+        loop {
+            match ofd(&self.file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE) {
+                Ok(()) => return Some(TableGuard { file: &self.file, locked: true, _local: local }),
+                Err(e) if is_busy(&e) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(1));
+                }
+                Err(_) => return None,
+            }
         }
-        if (ours.dev(), ours.ino()) != (named.st_dev, named.st_ino) {
-            return Ok(false);
-        }
-        // SAFETY: as above; unlinkat removes the name only, never following a link.
-        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(true)
     }
 
     /// Claims the first free slot below `count` for this process; the caller holds the
@@ -422,6 +436,120 @@ fn open_private_file(dir: &OwnedFd, name: &CString, path: &Path) -> io::Result<F
     Err(io::Error::other(format!("{} keeps appearing and disappearing", path.display())))
 }
 
+/// Removes, from the private folder `dir` (see [`SharedFile::open_private`]), every file
+/// whose name ends in `suffix` and whose first `count` slots nobody holds: files whose
+/// processes all died (SIGKILL, SIGTERM, a crash: nothing ran at their exit) and that
+/// nobody uses now. A file someone holds the table of (a process joining it) is left, and
+/// so is anything that is not a regular file of the effective user's with mode 0600 and
+/// one link: it is not ours to judge. Returns how many were removed. Errors only if the
+/// folder itself cannot be opened (missing: nothing to sweep, `Ok(0)`).
+pub fn sweep_dead(dir: &Path, suffix: &str, count: usize) -> io::Result<usize> {
+    let c_dir = c_path(dir)?;
+    // SAFETY: `c_dir` is a NUL-terminated path; the result is checked before use.
+    let fd = unsafe {
+        libc::open(c_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+    };
+    if fd < 0 {
+        let err = io::Error::last_os_error();
+        return if err.kind() == io::ErrorKind::NotFound { Ok(0) } else { Err(err) };
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let dir_fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let meta = File::from(dir_fd.try_clone()?).metadata()?;
+    if meta.uid() != euid() || meta.mode() & 0o7777 != 0o700 {
+        return Ok(0);
+    }
+    let mut removed = 0;
+    // Names are listed by path, then opened relative to the folder checked above.
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let name = entry.file_name();
+        if !name.as_bytes().ends_with(suffix.as_bytes()) {
+            continue;
+        }
+        let Ok(c_name) = CString::new(name.as_bytes()) else { continue };
+        if matches!(sweep_one(&dir_fd, &c_name, count), Ok(true)) {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// [`sweep_dead`] for one name: true if it was removed.
+fn sweep_one(dir: &OwnedFd, name: &CString, count: usize) -> io::Result<bool> {
+    // SAFETY: `dir` is an open folder and `name` a NUL-terminated name in it. O_NONBLOCK:
+    // a FIFO planted here must not block us.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file()
+        || meta.uid() != euid()
+        || meta.mode() & 0o7777 != 0o600
+        || meta.nlink() != 1
+    {
+        return Ok(false);
+    }
+    // Busy: someone is joining (or leaving, and will remove it if it is the last).
+    if ofd(&file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE).is_err() {
+        return Ok(false);
+    }
+    // Closing `file` drops the table lock (it is this description's).
+    if any_slot_locked(&file, count)? {
+        return Ok(false);
+    }
+    unlink_if_same(dir, name, &file)
+}
+
+/// Whether any process holds one of the first `count` slot locks of `file` (this
+/// description's own locks never conflict, so they do not count).
+fn any_slot_locked(file: &File, count: usize) -> io::Result<bool> {
+    let count = count.min(MAX_SLOTS);
+    if count == 0 {
+        return Ok(false);
+    }
+    // SAFETY: flock is a plain C struct; all-zero is valid.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = SLOT_LOCK_BASE as libc::off_t;
+    fl.l_len = count as libc::off_t;
+    // One call for the whole range: any lock in it is reported.
+    fcntl(file, libc::F_OFD_GETLK, &mut fl)?;
+    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Removes `name` from `dir` if it still names `file` (never following a link).
+fn unlink_if_same(dir: &OwnedFd, name: &CString, file: &File) -> io::Result<bool> {
+    let ours = file.metadata()?;
+    // SAFETY: stat is a plain C struct; all-zero is valid.
+    let mut named: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is an open folder, `name` NUL-terminated, `named` a valid stat.
+    if unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut named, libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if (ours.dev(), ours.ino()) != (named.st_dev, named.st_ino) {
+        return Ok(false);
+    }
+    // SAFETY: as above; unlinkat removes the name only, never following a link.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
+fn is_busy(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
+}
+
 fn fcntl(file: &File, cmd: libc::c_int, fl: &mut libc::flock) -> io::Result<()> {
     loop {
         // SAFETY: `fl` is a valid flock and the descriptor is open for the call.
@@ -492,18 +620,80 @@ mod tests {
         assert!(text.contains(&path.display().to_string()) && text.contains(why), "{text}");
     }
 
+    const WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
+    /// `f` in `dir`, opened with one slot claimed: a member (each open file description
+    /// counts as one process for the locks).
+    fn member(dir: &Path, name: &str) -> SharedFile<Counter> {
+        let f = SharedFile::<Counter>::open_private(dir, name, |_| {}).unwrap();
+        let table = f.lock_table();
+        assert!(f.claim_slot(4, &table).is_some());
+        drop(table);
+        f
+    }
+
     #[test]
-    fn a_private_file_is_made_0600_in_a_0700_folder_shared_and_removed_by_name() {
+    fn a_private_file_is_made_0600_in_a_0700_folder_shared_and_removed_by_its_last_member() {
         let s = Scratch::new("fresh");
-        let a = open(&s.private()).unwrap();
+        let a = member(&s.private(), "f");
         assert_eq!(mode(&s.private()), 0o700);
         assert_eq!(mode(&s.private().join("f")), 0o600);
-        let b = open(&s.private()).unwrap();
+        let b = member(&s.private(), "f");
         a.get().0.fetch_add(5, Ordering::Relaxed);
         assert_eq!(b.get().0.load(Ordering::Relaxed), 5, "both map one file");
-        assert!(!a.remove_if_unused(0).unwrap() || !s.private().join("f").exists());
-        drop(b);
+        assert!(!a.leave_and_remove_if_unused(4, WAIT).unwrap(), "b is still a member");
+        assert!(s.private().join("f").exists());
+        assert!(b.leave_and_remove_if_unused(4, WAIT).unwrap(), "a gave its slot back");
         assert!(!s.private().join("f").exists());
+    }
+
+    #[test]
+    fn two_members_leaving_at_once_leave_nothing() {
+        let s = Scratch::new("together");
+        for round in 0..20 {
+            let (a, b) = (member(&s.private(), "f"), member(&s.private(), "f"));
+            let start = std::sync::Barrier::new(2);
+            std::thread::scope(|scope| {
+                for m in [&a, &b] {
+                    let start = &start;
+                    scope.spawn(move || {
+                        start.wait();
+                        m.leave_and_remove_if_unused(4, WAIT).unwrap()
+                    });
+                }
+            });
+            assert!(!s.private().join("f").exists(), "round {round}: the file was left");
+        }
+    }
+
+    #[test]
+    fn a_sweep_removes_files_whose_members_died_and_keeps_the_rest() {
+        let s = Scratch::new("sweep");
+        let dir = s.private();
+        // Members that died: their descriptions are closed, so their locks are gone.
+        drop(member(&dir, "dead.x"));
+        drop(member(&dir, "dead2.x"));
+        let live = member(&dir, "live.x");
+        let other = member(&dir, "other.y");
+        drop(other);
+        // Not ours to judge: a file with another mode.
+        let odd = dir.join("odd.x");
+        std::fs::write(&odd, [0u8; 8]).unwrap();
+        std::fs::set_permissions(&odd, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(sweep_dead(&dir, ".x", 4).unwrap(), 2);
+        assert!(!dir.join("dead.x").exists() && !dir.join("dead2.x").exists());
+        assert!(dir.join("live.x").exists(), "a live member's file is kept");
+        assert!(dir.join("other.y").exists(), "another suffix is not looked at");
+        assert!(odd.exists());
+        // A file whose table someone holds (a joiner) is left alone.
+        let joining = SharedFile::<Counter>::open_private(&dir, "joining.x", |_| {}).unwrap();
+        let table = joining.lock_table();
+        assert_eq!(sweep_dead(&dir, ".x", 4).unwrap(), 0);
+        drop(table);
+        drop(live);
+        assert_eq!(sweep_dead(&dir, ".x", 4).unwrap(), 2, "joining.x and live.x, now dead");
+        assert!(!dir.join("live.x").exists());
+        assert_eq!(sweep_dead(&s.0.join("missing"), ".x", 4).unwrap(), 0);
     }
 
     #[test]

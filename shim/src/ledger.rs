@@ -15,7 +15,7 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use gpufrac_common::shm::{SharedFile, SharedPlain};
+use gpufrac_common::shm::{sweep_dead, SharedFile, SharedPlain};
 
 /// Most devices a ledger tracks.
 pub const MAX_DEVICES: usize = 16;
@@ -98,8 +98,14 @@ pub fn ledger_dir() -> PathBuf {
     dir.join(format!("gpufrac-{uid}"))
 }
 
+const LEDGER_SUFFIX: &str = ".ledger";
+
+/// How long an exiting member waits for the table (held for microseconds by joiners and
+/// by members leaving at the same moment) before leaving the file to the next sweep.
+const LEAVE_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
+
 fn file_name(group: &str) -> String {
-    format!("{group}.ledger")
+    format!("{group}{LEDGER_SUFFIX}")
 }
 
 /// Where a group's ledger lives: in this user's ledger folder, by group name.
@@ -118,8 +124,12 @@ impl Ledger {
         Ledger { backing: Backing::Private(data), me: 0 }
     }
 
-    /// Joins (or starts) the ledger of `group`.
+    /// Joins (or starts) the ledger of `group`. First removes this user's ledgers whose
+    /// members all died (SIGKILL, or SIGTERM and other signals whose default action runs
+    /// no exit handler): a handful of system calls per ledger in the folder, once per
+    /// process, at its first CUDA or NVML call.
     pub fn join(group: &str) -> io::Result<Ledger> {
+        let _ = sweep_dead(&ledger_dir(), LEDGER_SUFFIX, MAX_MEMBERS);
         // A file its last member removed between our opening it and claiming a slot is
         // opened again (created afresh): every live member shares one file.
         for _ in 0..100 {
@@ -163,12 +173,15 @@ impl Ledger {
         Ok(Some(Ledger { backing: Backing::Shared(shm), me }))
     }
 
-    /// This process is leaving (it exits): the last live member removes the group's
-    /// file, so groups that come and go leave nothing behind in /dev/shm.
+    /// This process is leaving (it exits): it gives its slot back, and the last live
+    /// member removes the group's file, so groups that come and go leave nothing behind
+    /// in /dev/shm, even when members exit at the same moment (they take the table in
+    /// turn). A file left by members that could not run this (killed) is removed by the
+    /// next process of the user that joins any group.
     pub fn leave(&self) {
         if let Backing::Shared(shm) = &self.backing {
             // At exit: no logging (its machinery may already be torn down).
-            let _ = shm.remove_if_unused(MAX_MEMBERS);
+            let _ = shm.leave_and_remove_if_unused(MAX_MEMBERS, LEAVE_WAIT);
         }
     }
 
@@ -371,6 +384,22 @@ mod tests {
         assert!(path.exists(), "the new file is not the old member's to remove");
         new.leave();
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn joining_any_group_removes_ledgers_whose_members_all_died() {
+        let dead = format!("sweep-dead-{}", std::process::id());
+        let live = format!("sweep-live-{}", std::process::id());
+        let kept = Ledger::join(&live).unwrap();
+        // Dropping a ledger without leaving closes its file: as a SIGKILL would.
+        drop(Ledger::join(&dead).unwrap());
+        assert!(group_path(&dead).exists(), "nobody left it");
+        let other = Ledger::join(&format!("sweep-other-{}", std::process::id())).unwrap();
+        assert!(!group_path(&dead).exists(), "the next joiner removes a ledger nobody holds");
+        assert!(group_path(&live).exists(), "a live member's ledger is kept");
+        kept.leave();
+        other.leave();
+        assert!(!group_path(&live).exists());
     }
 
     #[test]
