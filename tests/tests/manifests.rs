@@ -5,8 +5,10 @@
 //! (the webhook's path, the kubelet's device-plugin folder, the flags) are where they
 //! expect them. The certificate script makes a certificate the webhook can serve.
 //!
-//! Needs `kubernetes-validate` (`pip install kubernetes-validate==1.37.0`): without it
-//! these tests fail and say so; they never pass without validating.
+//! Needs `kubernetes-validate`, installed by the README's test command into the
+//! workspace's virtual environment `.venv/` (`python3 -m venv .venv && .venv/bin/pip
+//! install kubernetes-validate==1.37.0`): without it these tests fail and say so; they
+//! never pass without validating.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,7 +18,7 @@ use std::process::Command;
 /// kubernetes-validate 1.37.0.
 const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.37"];
 
-const INSTALL: &str = "pip install kubernetes-validate==1.37.0";
+const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install kubernetes-validate==1.37.0";
 
 /// The manifests every installation starts from.
 const EXPECTED: &[&str] =
@@ -60,14 +62,22 @@ impl Drop for TempDir {
     }
 }
 
+/// The workspace's virtual environment, where the README's test command installs the
+/// validator.
+fn venv_validator() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/kubernetes-validate")
+}
+
 /// The validator's command line: `$KUBERNETES_VALIDATE` if set, else
-/// `kubernetes-validate` on PATH, else `python3 -m kubernetes_validate` (a `pip install
-/// --user` whose scripts folder is not on PATH). Fails the test when none runs.
+/// `.venv/bin/kubernetes-validate` at the workspace root, else `kubernetes-validate` on
+/// PATH, else `python3 -m kubernetes_validate` (a `pip install --user` whose scripts
+/// folder is not on PATH). Fails the test when none runs.
 fn validator() -> Vec<String> {
     let mut candidates: Vec<Vec<String>> = Vec::new();
     if let Ok(path) = std::env::var("KUBERNETES_VALIDATE") {
         candidates.push(vec![path]);
     }
+    candidates.push(vec![venv_validator().display().to_string()]);
     candidates.push(vec!["kubernetes-validate".into()]);
     candidates.push(vec!["python3".into(), "-m".into(), "kubernetes_validate".into()]);
     for candidate in &candidates {
@@ -78,8 +88,8 @@ fn validator() -> Vec<String> {
     }
     panic!(
         "kubernetes-validate is not installed, so the Kubernetes manifests cannot be \
-         validated. Install it with:\n    {INSTALL}\n(tried {candidates:?}; set \
-         KUBERNETES_VALIDATE to its path if it is elsewhere)"
+         validated. Install it, at the workspace root, with:\n    {INSTALL}\n(tried \
+         {candidates:?}; set KUBERNETES_VALIDATE to its path if it is elsewhere)"
     );
 }
 
