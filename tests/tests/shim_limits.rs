@@ -255,5 +255,6 @@ fn gpufrac_run_puts_a_command_under_the_shim() {
         "true",
     ]));
     assert!(!out.status.success());
-    assert!(stderr.contains("GPUFRAC_MEMORY_LIMIT") && stderr.contains("lots"), "{stderr}");
+    // The message names the flag the user typed, not the variable behind it.
+    assert!(stderr.contains("invalid --limit \"lots\"") && !stderr.contains("GPUFRAC_"), "{stderr}");
 }
