@@ -97,9 +97,13 @@ pub fn device_memory_for(servers: usize) -> u64 {
 /// `servers`; refuses at once what cannot show bursts waiting for each other, with a hint.
 pub fn first_act_device(servers: usize, device_memory: Option<&str>) -> Result<u64, DemoError> {
     if !(MIN_SERVERS..=MAX_SERVERS).contains(&servers) {
+        let hint = if servers < MIN_SERVERS {
+            " (hint: bursts wait for each other only when two servers collide)"
+        } else {
+            ""
+        };
         return Err(DemoError::Impossible(format!(
-            "--servers must be between {MIN_SERVERS} and {MAX_SERVERS}, not {servers} \
-             (hint: bursts wait for each other only when two servers collide)"
+            "--servers must be between {MIN_SERVERS} and {MAX_SERVERS}, not {servers}{hint}"
         )));
     }
     let sized = device_memory_for(servers);
@@ -890,10 +894,15 @@ mod tests {
         assert!(err.contains("leave --device-memory out"), "{err}");
         let err = first_act_device(3, Some("16GiB")).unwrap_err().to_string();
         assert!(err.contains("too large") && err.contains("no burst would ever wait"), "{err}");
-        for n in [0, 1, MAX_SERVERS + 1] {
+        for n in [0, 1] {
             let err = first_act_device(n, None).unwrap_err().to_string();
-            assert!(err.contains("--servers must be between 2 and 16") && err.contains("hint"), "{err}");
+            assert!(
+                err.contains("--servers must be between 2 and 16") && err.contains("two servers collide"),
+                "{err}"
+            );
         }
+        let err = first_act_device(MAX_SERVERS + 1, None).unwrap_err().to_string();
+        assert!(err.contains("--servers must be between 2 and 16, not 17"), "{err}");
         let err = first_act_device(3, Some("lots")).unwrap_err().to_string();
         assert!(err.contains("--device-memory"), "{err}");
     }

@@ -311,15 +311,21 @@ fn the_demo_shows_all_three_resolvers_without_out_of_memory() {
         Command::new(artifact("gpufrac")).args(["demo", "--steps", "3"]).output().expect("gpufrac demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("servers on one GPU:     3"), "{stdout}");
-    assert!(stdout.contains("wait: 9 batches served"), "{stdout}");
+    assert!(stdout.contains("servers in act 1:       3"), "{stdout}");
+    assert!(stdout.contains("act 1 wait: 9 batches served"), "{stdout}");
     assert!(
         stdout.contains("priority: 1 idle lower-priority holder ended, production served 2 batches"),
         "{stdout}"
     );
-    assert!(stdout.contains("kept caches verified intact") && stdout.contains("1 of 1"), "{stdout}");
-    assert!(!stdout.contains("swap: 0 swapped"), "the swap act swapped: {stdout}");
+    assert!(stdout.contains("1 of 1 kept caches verified intact"), "{stdout}");
+    assert!(stdout.contains("kept caches intact:     1 of 1"), "the summary agrees with act 3: {stdout}");
+    assert!(!stdout.contains("0 swapped out"), "the swap act swapped: {stdout}");
     assert!(stdout.contains("out-of-memory errors:   0"), "{stdout}");
+    assert_eq!(stdout.matches("Verdict: PASS").count(), 3, "each act passed: {stdout}");
+    assert!(
+        stdout.trim_end().lines().last().is_some_and(|l| l.starts_with("PASS: all three acts")),
+        "the run ends with its verdict: {stdout}"
+    );
 }
 
 fn signal_of(status: std::process::ExitStatus) -> Option<i32> {
