@@ -721,9 +721,9 @@ fn acts(config: &DemoConfig, device: u64) -> Vec<Act> {
         title: "swap: two servers take turns with the same memory",
         story: &[
             "chat-a keeps a 1280 MiB KV cache and sleeps. chat-b needs 1280 MiB for its batches: the arbiter",
-            "has chat-a's cache moved to host RAM (same addresses, nothing lost) and chat-b runs. When chat-a",
-            "wakes up it asks for its cache back and the two take turns, 2 s each (--swap-quantum); chat-a",
-            "verifies every byte of its cache at the end.",
+            "has chat-a's cache moved to host RAM (same addresses, nothing lost) and chat-b runs. The cache",
+            "comes back when memory is free again (should chat-a need it sooner, the two take turns, 2 s each:",
+            "--swap-quantum); chat-a verifies every byte of its cache at the end.",
         ],
         device_memory: SMALL_DEVICE.into(),
         servers: vec![sleeper, busy],
@@ -812,9 +812,10 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
         let gpu = if i == 0 {
             format!("{} servers on a GPU of {} ({sized})", act.servers.len(), format_size(device))
         } else {
-            format!("a GPU of {} of its own", act.device_memory)
+            let memory = gpufrac_common::parse_bytes("device", &act.device_memory).unwrap_or_default();
+            format!("a GPU of {}", format_size(memory))
         };
-        println!("({gpu}, an arbiter of its own)");
+        println!("({gpu}, with an arbiter of its own)");
         for line in act.story {
             println!("{line}");
         }
