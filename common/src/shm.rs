@@ -752,3 +752,34 @@ mod tests {
         }
     }
 }
+
+/// Where the shim keeps group ledgers, shared here so that tools that never load the shim
+/// (the demo, the tests) can clean up after processes that died without leaving.
+pub mod ledgers {
+    use std::io;
+    use std::path::PathBuf;
+
+    /// A ledger file's name is its group's followed by this.
+    pub const SUFFIX: &str = ".ledger";
+    /// Most processes in one group (slots in a ledger).
+    pub const MAX_MEMBERS: usize = 64;
+
+    /// The folder of this user's group ledgers: `/dev/shm/gpufrac-<euid>` (under the temp
+    /// dir where there is no /dev/shm), made mode 0700 by the shim.
+    pub fn dir() -> PathBuf {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        let base = if std::path::Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        base.join(format!("gpufrac-{uid}"))
+    }
+
+    /// Removes this user's ledgers whose members are all gone (see [`super::sweep_dead`]);
+    /// ledgers in use are left. Returns how many were removed.
+    pub fn sweep() -> io::Result<usize> {
+        super::sweep_dead(&dir(), SUFFIX, MAX_MEMBERS)
+    }
+}

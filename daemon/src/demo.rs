@@ -841,6 +841,9 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
         }
     }
     drop(reaper);
+    // A server ended by the priority act never ran its exit hook: its group's ledger goes
+    // now that every server is gone (ledgers still in use are left).
+    let _ = gpufrac_common::shm::ledgers::sweep();
     print_summary(&summary, config, &acts);
     let failed: Vec<String> = summary
         .acts

@@ -15,12 +15,12 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use gpufrac_common::shm::{sweep_dead, SharedFile, SharedPlain};
+use gpufrac_common::shm::{ledgers, sweep_dead, SharedFile, SharedPlain};
 
 /// Most devices a ledger tracks.
 pub const MAX_DEVICES: usize = 16;
 /// Most processes in one group at once.
-pub const MAX_MEMBERS: usize = 64;
+pub const MAX_MEMBERS: usize = ledgers::MAX_MEMBERS;
 
 const MAGIC: u64 = 0x4750_5546_5241_4300 | (std::mem::size_of::<LedgerData>() as u64 & 0xff);
 const FREE: u32 = 0;
@@ -83,22 +83,15 @@ fn uuid_words(uuid: &[u8; 16]) -> [u64; 2] {
     [u64::from_le_bytes(hi), u64::from_le_bytes(lo)]
 }
 
-/// The folder of this user's group ledgers: `/dev/shm/gpufrac-<euid>` (under the temp
-/// dir where there is no /dev/shm). It is made mode 0700 and used only if it is a real
-/// folder of the effective user's with that mode (see `SharedFile::open_private`), so
-/// another user can neither plant links nor pre-create ledgers in it.
+/// The folder of this user's group ledgers (see `gpufrac_common::shm::ledgers`). It is
+/// made mode 0700 and used only if it is a real folder of the effective user's with that
+/// mode (see `SharedFile::open_private`), so another user can neither plant links nor
+/// pre-create ledgers in it.
 pub fn ledger_dir() -> PathBuf {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    let dir = if std::path::Path::new("/dev/shm").is_dir() {
-        PathBuf::from("/dev/shm")
-    } else {
-        std::env::temp_dir()
-    };
-    dir.join(format!("gpufrac-{uid}"))
+    ledgers::dir()
 }
 
-const LEDGER_SUFFIX: &str = ".ledger";
+const LEDGER_SUFFIX: &str = ledgers::SUFFIX;
 
 /// How long an exiting member waits for the table (held for microseconds by joiners and
 /// by members leaving at the same moment) before leaving the file to the next sweep.

@@ -74,6 +74,7 @@ pub struct SimGpu {
     sim: SimGpuDir,
     devices: String,
     context_overhead: String,
+    _sweep: LedgerSweep,
 }
 
 impl SimGpu {
@@ -85,7 +86,12 @@ impl SimGpu {
         let sim = SimGpuDir::new(&std::env::temp_dir(), &target_dir(), devices)
             .unwrap_or_else(|e| panic!("cannot prepare a simulated GPU: {e}"))
             .with_context_overhead("256MiB");
-        SimGpu { sim, devices: devices.to_owned(), context_overhead: "256MiB".to_owned() }
+        SimGpu {
+            sim,
+            devices: devices.to_owned(),
+            context_overhead: "256MiB".to_owned(),
+            _sweep: LedgerSweep,
+        }
     }
 
     /// Sets the device memory each CUDA context takes (`SIMGPU_CONTEXT_OVERHEAD`, a size
@@ -771,6 +777,18 @@ pub fn wait_for(
         }
         assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}\n{}", arbiter.log_text());
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sweeps dead group ledgers when the [`SimGpu`] holding it goes: tests kill group
+/// members on purpose (SIGKILL runs no exit hook), and their ledgers go with the machine
+/// they ran on. Ledgers other tests still use are left.
+#[derive(Debug, Default)]
+struct LedgerSweep;
+
+impl Drop for LedgerSweep {
+    fn drop(&mut self) {
+        let _ = gpufrac_common::shm::ledgers::sweep();
     }
 }
 
