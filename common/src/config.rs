@@ -163,7 +163,7 @@ impl Config {
             None => None,
         };
         let log = get("GPUFRAC_LOG").unwrap_or_else(|| "warn".to_owned());
-        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log) {
+        if let Err(e) = log.parse::<tracing_subscriber::filter::Targets>() {
             return Err(invalid(
                 "GPUFRAC_LOG",
                 &log,

@@ -569,13 +569,17 @@ impl Enforcer {
     }
 }
 
+/// Logs to stderr through `GPUFRAC_LOG`. `Targets` reads the `RUST_LOG` syntax of levels
+/// and targets without a regular-expression engine, which would be a large share of the
+/// library every process loads (and of its start-up cost).
 fn init_logging(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter: Targets = filter.parse().unwrap_or_else(|_| Targets::new().with_default(LevelFilter::WARN));
+    let output = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = tracing_subscriber::registry().with(output).with(filter).try_init();
 }
