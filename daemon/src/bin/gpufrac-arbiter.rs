@@ -12,11 +12,14 @@ use gpufrac_daemon::arbiter::{gpus, metrics, server};
 // `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
 gpufrac_common::daemon_marker!();
 
+/// Where shims and the CLI find the arbiter unless told otherwise.
+const DEFAULT_SOCKET: &str = "/run/gpufrac/arbiter.sock";
+
 #[derive(Parser)]
 #[command(name = "gpufrac-arbiter", version, about = "gpufrac's per-node arbiter")]
 struct Args {
     /// The unix socket shims and `gpufrac status` connect to.
-    #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
+    #[arg(long, default_value = DEFAULT_SOCKET)]
     socket: PathBuf,
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9400).
     #[arg(long)]
@@ -43,7 +46,8 @@ struct Args {
     #[arg(long, default_value_t = 512)]
     max_connections_per_uid: usize,
     /// Create the socket's folder when it is missing (by default a missing folder is
-    /// refused: it is more often a typo than a wish).
+    /// refused, being more often a typo than a wish; the default socket's folder,
+    /// /run/gpufrac, is always created).
     #[arg(long)]
     create_socket_dir: bool,
 }
@@ -142,7 +146,9 @@ fn run(args: Args) -> Result<()> {
         quantum = ?options.swap_quantum,
         "swap resolver"
     );
-    let listener = bind(&args.socket, args.create_socket_dir)?;
+    // The default socket's folder is gpufrac's own runtime folder: made on a fresh node.
+    let create_dir = args.create_socket_dir || args.socket == Path::new(DEFAULT_SOCKET);
+    let listener = bind(&args.socket, create_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let socket = args.socket.clone();
     runtime.block_on(async move {
