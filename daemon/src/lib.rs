@@ -4,5 +4,6 @@
 
 pub mod arbiter;
 pub mod demo;
+pub mod entitlement;
 pub mod run;
 pub mod status;
