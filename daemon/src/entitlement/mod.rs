@@ -6,6 +6,8 @@
 //! What the client's shim declares (request, limit, priority, resolver, group) is believed
 //! only up to that verdict.
 
+pub mod kubernetes;
+
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::SizeSpec;
 
