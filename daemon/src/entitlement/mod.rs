@@ -8,6 +8,8 @@
 
 pub mod kubernetes;
 
+pub mod identity;
+
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::SizeSpec;
 

@@ -1,0 +1,375 @@
+//! Who is on a connection, from the kernel: PID, UID and GID from `SO_PEERCRED`, a pidfd
+//! for the peer, and its container from `/proc/<pid>/cgroup`.
+//!
+//! The pidfd is what makes signals safe: a PID is only a number, reused once its process
+//! is gone (a holder that forked, left its connection to the child and exited), while a
+//! pidfd names one process for as long as it is open. The arbiter signals only through it
+//! ([`Pidfd::signal`]), so a reused PID is never signalled.
+//!
+//! Where the pidfd comes from:
+//! - `SO_PEERPIDFD` (Linux 6.5+): the kernel hands the pidfd of the process that called
+//!   `connect`, taken at that moment. No race at all.
+//! - Else `pidfd_open(pid)` just after `accept`, then a check that the process it names
+//!   started before the connection was accepted (its start time in `/proc/<pid>/stat`,
+//!   read while the pidfd shows it alive, so the file read is that very process's). A
+//!   process that took the PID over after `accept` fails the check. What is left is a
+//!   peer that exited and whose PID was reused between `connect` and `accept`, while the
+//!   connection sat in the backlog: Linux hands PIDs out cyclically, so that needs the
+//!   whole PID space (`kernel.pid_max`) to wrap around in that window, microseconds on a
+//!   served socket. Race-free enough; the kernels that matter have `SO_PEERPIDFD` anyway.
+//! - Neither (a kernel before 5.3, or the peer gone already): no pidfd, and the arbiter
+//!   never signals that process (it can still deny it bursts).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use super::ContainerRef;
+
+/// `SO_PEERPIDFD` (include/uapi/asm-generic/socket.h; the same on x86 and arm64).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// Why the peer of a socket could not be identified.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// `SO_PEERCRED` failed: the socket is not a connected unix socket.
+    #[error("SO_PEERCRED: {0}")]
+    PeerCred(io::Error),
+}
+
+/// A pidfd: one process, for as long as it is open, whatever happens to its PID.
+#[derive(Debug)]
+pub struct Pidfd(OwnedFd);
+
+impl Pidfd {
+    /// A pidfd for `pid` (`pidfd_open`), with no check of who it is.
+    pub fn open(pid: u32) -> io::Result<Pidfd> {
+        let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor or -1; no
+        // memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the kernel just returned this descriptor to us and nothing else owns it.
+        Ok(Pidfd(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }))
+    }
+
+    /// Sends `signal` to the process (`pidfd_send_signal`): `ESRCH` when it has exited,
+    /// never another process.
+    pub fn signal(&self, signal: i32) -> io::Result<()> {
+        // SAFETY: pidfd_send_signal takes a descriptor we own, a signal number, a null
+        // siginfo (the kernel fills one in) and no flags.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether the process has not been reaped yet.
+    pub fn alive(&self) -> bool {
+        self.signal(0).is_ok()
+    }
+}
+
+/// The peer of a connected unix socket, as the kernel says.
+#[derive(Debug)]
+pub struct PeerCred {
+    /// Its PID (in the arbiter's PID namespace).
+    pub pid: u32,
+    /// Its effective UID at connect.
+    pub uid: u32,
+    /// Its effective GID at connect.
+    pub gid: u32,
+    /// A pidfd for the process that connected, or why there is none.
+    pub pidfd: Result<Pidfd, String>,
+}
+
+/// Reads the peer of `socket`: `SO_PEERCRED`, then a pidfd as the module doc says.
+pub fn peer_of(socket: BorrowedFd<'_>) -> Result<PeerCred, IdentityError> {
+    // Taken before anything else: whatever holds the PID after this instant is not the peer.
+    let accepted = boot_ticks();
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` live on this frame and `len` is `cred`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(IdentityError::PeerCred(io::Error::last_os_error()));
+    }
+    let pid = cred.pid.max(0) as u32;
+    let pidfd = match peer_pidfd(socket) {
+        Ok(fd) => Ok(fd),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOPROTOOPT | libc::EINVAL | libc::EOPNOTSUPP)) => {
+            checked_open(pid, accepted)
+        }
+        Err(e) => Err(format!("SO_PEERPIDFD: {e}")),
+    };
+    Ok(PeerCred { pid, uid: cred.uid, gid: cred.gid, pidfd })
+}
+
+/// `SO_PEERPIDFD`: the pidfd of the process that connected, from the kernel.
+fn peer_pidfd(socket: BorrowedFd<'_>) -> io::Result<Pidfd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` and `len` live on this frame and `len` is `fd`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    // SAFETY: the kernel just installed this descriptor for us and nothing else owns it.
+    Ok(Pidfd(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// `pidfd_open(pid)`, kept only if the process started no later than `accepted` (clock
+/// ticks since boot) and was alive while its start time was read.
+fn checked_open(pid: u32, accepted: Option<u64>) -> Result<Pidfd, String> {
+    if pid <= 1 {
+        return Err(format!("no usable PID ({pid}) for the peer"));
+    }
+    let fd = Pidfd::open(pid).map_err(|e| format!("pidfd_open({pid}): {e}"))?;
+    let started = start_ticks(pid).ok_or_else(|| format!("/proc/{pid}/stat unreadable"))?;
+    // Alive after the read: the PID was not reusable meanwhile, so the file was its own.
+    if !fd.alive() {
+        return Err(format!("PID {pid} exited before it could be identified"));
+    }
+    match accepted {
+        Some(accepted) if started > accepted => {
+            Err(format!("PID {pid} was reused after the connection was accepted"))
+        }
+        _ => Ok(fd),
+    }
+}
+
+/// Clock ticks (`_SC_CLK_TCK`) since boot, as `/proc/<pid>/stat` counts a start time.
+fn boot_ticks() -> Option<u64> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` lives on this frame; CLOCK_BOOTTIME is the clock process start times use.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    // SAFETY: sysconf has no memory preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if rc != 0 || hz <= 0 {
+        return None;
+    }
+    Some(ts.tv_sec as u64 * hz as u64 + ts.tv_nsec as u64 * hz as u64 / 1_000_000_000)
+}
+
+/// A process's start time (`/proc/<pid>/stat` field 22), in clock ticks since boot.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    parse_start_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Field 22 of a `/proc/<pid>/stat` line. The command name (field 2) may hold spaces and
+/// parentheses: fields are counted after its last `)`.
+fn parse_start_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // Fields 3.. follow: the state is field 3, the start time field 22.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The container of process `pid`, from `/proc/<pid>/cgroup`.
+pub fn container_of(pid: u32) -> Option<ContainerRef> {
+    parse_cgroup(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
+}
+
+/// The container a `/proc/<pid>/cgroup` text names, if it is a known layout: cgroup v2
+/// (`0::/path`) first, then any v1 hierarchy. Layouts:
+/// - systemd driver: `.../kubepods-<qos>-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope`
+///   (or `crio-<id>.scope`, `docker-<id>.scope`), and the v1 form `...slice:cri-containerd:<id>`;
+/// - cgroupfs driver: `/kubepods/<qos>/pod<uid>/<id>` (`<qos>` absent for Guaranteed pods);
+/// - docker without Kubernetes: `/system.slice/docker-<id>.scope` or `/docker/<id>`, with an
+///   empty `pod_uid`.
+pub fn parse_cgroup(text: &str) -> Option<ContainerRef> {
+    let paths = text.lines().filter_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (id, _controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        Some((id == "0", path))
+    });
+    let (v2, v1): (Vec<_>, Vec<_>) = paths.partition(|(v2, _)| *v2);
+    v2.into_iter().chain(v1).find_map(|(_, path)| parse_cgroup_path(path))
+}
+
+/// The container one cgroup path names.
+fn parse_cgroup_path(path: &str) -> Option<ContainerRef> {
+    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+    let (last, parents) = parts.split_last()?;
+    // The v1 systemd form puts the container in the last component: `slice:runtime:id`.
+    let (last, parents): (&str, Vec<&str>) = match last.split_once(':') {
+        Some((slice, rest)) => {
+            let id = rest.rsplit(':').next()?;
+            let mut parents = parents.to_vec();
+            parents.push(slice);
+            (id, parents)
+        }
+        None => (last, parents.to_vec()),
+    };
+    let container_id = container_id(last)?;
+    let pod_uid = parents.iter().rev().find_map(|p| pod_uid(p));
+    let kubepods = parents.iter().any(|p| p.starts_with("kubepods"));
+    match pod_uid {
+        Some(pod_uid) if kubepods => Some(ContainerRef { pod_uid, container_id }),
+        None if !kubepods => {
+            // Docker without a pod: only its own layouts.
+            let docker = last.starts_with("docker-") || parents.last() == Some(&"docker");
+            docker.then(|| ContainerRef { pod_uid: String::new(), container_id })
+        }
+        _ => None,
+    }
+}
+
+/// The container ID in a cgroup's last component: `cri-containerd-<id>.scope`,
+/// `crio-<id>.scope`, `docker-<id>.scope`, or a bare `<id>` (cgroupfs driver).
+fn container_id(component: &str) -> Option<String> {
+    let id = match component.strip_suffix(".scope") {
+        // `.scope` without a runtime's prefix is some other systemd unit.
+        Some(unit) => ["cri-containerd-", "crio-", "docker-"].iter().find_map(|p| unit.strip_prefix(p))?,
+        None => component,
+    };
+    let ok = id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    ok.then(|| id.to_owned())
+}
+
+/// The pod UID in a cgroup component: `kubepods-<qos>-pod<uid_with_underscores>.slice`,
+/// `kubepods-pod<uid>.slice` or `pod<uid>` (cgroupfs); dashes restored.
+fn pod_uid(component: &str) -> Option<String> {
+    let uid = match component.strip_suffix(".slice") {
+        Some(slice) => slice.rsplit_once("-pod").map(|(_, uid)| uid)?,
+        None => component.strip_prefix("pod")?,
+    };
+    let uid = uid.replace('_', "-");
+    // A UUID, or the 32-hex hash a static pod gets.
+    let ok = (32..=36).contains(&uid.len()) && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
+    ok.then_some(uid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "8c1f6e0a5d7b4f2e9a3c1b0d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f";
+    const POD: &str = "0f3c2a1b-4d5e-6f70-8192-a3b4c5d6e7f8";
+
+    fn expect(text: &str, pod: &str) {
+        let got = parse_cgroup(text);
+        let want = Some(ContainerRef { pod_uid: pod.into(), container_id: ID.into() });
+        assert_eq!(got, want, "{text}");
+    }
+
+    #[test]
+    fn containerd_and_crio_under_the_systemd_driver_cgroup_v2() {
+        let pod_ = POD.replace('-', "_");
+        expect(
+            &format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod_}.slice/cri-containerd-{ID}.scope\n"),
+            POD,
+        );
+        expect(&format!("0::/kubepods.slice/kubepods-pod{pod_}.slice/crio-{ID}.scope\n"), POD);
+        expect(
+            &format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{pod_}.slice/docker-{ID}.scope"),
+            POD,
+        );
+    }
+
+    #[test]
+    fn cgroupfs_driver_and_cgroup_v1() {
+        expect(&format!("0::/kubepods/burstable/pod{POD}/{ID}\n"), POD);
+        expect(&format!("0::/kubepods/pod{POD}/{ID}\n"), POD);
+        let v1 = format!(
+            "12:pids:/kubepods/besteffort/pod{POD}/{ID}\n4:memory:/kubepods/besteffort/pod{POD}/{ID}\n1:name=systemd:/kubepods/besteffort/pod{POD}/{ID}\n0::/\n"
+        );
+        expect(&v1, POD);
+        // v1, systemd driver: `slice:runtime:id`.
+        let pod_ = POD.replace('-', "_");
+        expect(
+            &format!("3:cpu,cpuacct:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod_}.slice:cri-containerd:{ID}\n"),
+            POD,
+        );
+        // A static pod's UID is a 32-hex hash.
+        let hash = "6b1c3d5e7f9a0b2c4d6e8f0a1b3c5d7e";
+        expect(&format!("0::/kubepods/burstable/pod{hash}/{ID}"), hash);
+    }
+
+    #[test]
+    fn docker_without_a_pod_and_what_is_no_container() {
+        expect(&format!("0::/system.slice/docker-{ID}.scope\n"), "");
+        expect(&format!("0::/docker/{ID}\n"), "");
+        for none in [
+            "0::/\n".to_owned(),
+            "0::/user.slice/user-1000.slice/session-3.scope\n".to_owned(),
+            format!("0::/system.slice/{ID}.scope\n"),
+            // A pod's own slice, not a container in it (the pause process's parent).
+            format!("0::/kubepods/burstable/pod{POD}\n"),
+            // Not hex, or not 64 characters.
+            format!("0::/kubepods/burstable/pod{POD}/{}\n", &ID[..63]),
+            format!("0::/kubepods/burstable/pod{POD}/{}\n", ID.to_uppercase()),
+            // Crafted: a path outside kubepods claiming a pod.
+            format!("0::/evil/pod{POD}/{ID}\n"),
+            "garbage".to_owned(),
+            String::new(),
+        ] {
+            assert_eq!(parse_cgroup(&none), None, "{none}");
+        }
+    }
+
+    #[test]
+    fn start_time_is_field_22_whatever_the_command_name() {
+        let stat = "4242 (a b) c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 123 45";
+        assert_eq!(parse_start_ticks(stat), Some(987654));
+        assert_eq!(parse_start_ticks("1 (x) S 0"), None);
+        let own = start_ticks(std::process::id()).expect("own start time");
+        assert!(own <= boot_ticks().expect("boot clock"), "a running process started in the past");
+    }
+
+    #[test]
+    fn a_pidfd_signals_only_its_own_process() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let fd = Pidfd::open(child.id()).expect("pidfd_open");
+        assert!(fd.alive());
+        fd.signal(libc::SIGKILL).expect("signal through the pidfd");
+        child.wait().expect("reap");
+        // Reaped: the PID may be anyone's now; the pidfd still names the dead process.
+        let err = fd.signal(libc::SIGTERM).expect_err("a reaped process cannot be signalled");
+        assert_eq!(err.raw_os_error(), Some(libc::ESRCH));
+    }
+
+    #[test]
+    fn the_peer_of_a_socket_pair_is_this_process_with_a_pidfd() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        use std::os::fd::AsFd;
+        let peer = peer_of(a.as_fd()).expect("SO_PEERCRED");
+        assert_eq!(peer.pid, std::process::id());
+        // SAFETY: getuid has no preconditions.
+        assert_eq!(peer.uid, unsafe { libc::getuid() });
+        assert!(peer.pidfd.expect("a pidfd").alive());
+        let fallback = checked_open(std::process::id(), boot_ticks()).expect("pidfd_open fallback");
+        assert!(fallback.alive());
+        // A process that started after the accept is refused.
+        assert!(checked_open(std::process::id(), Some(0)).is_err());
+    }
+}
