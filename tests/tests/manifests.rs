@@ -7,7 +7,7 @@
 //!
 //! Needs `kubernetes-validate`, installed by the README's test command into the
 //! workspace's virtual environment `.venv/` (`python3 -m venv .venv && .venv/bin/pip
-//! install kubernetes-validate==1.37.0`): without it these tests fail and say so; they
+//! install -r tests/requirements.txt`): without it these tests fail and say so; they
 //! never pass without validating.
 
 use std::path::{Path, PathBuf};
@@ -18,7 +18,7 @@ use std::process::Command;
 /// kubernetes-validate 1.37.0.
 const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.37"];
 
-const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install kubernetes-validate==1.37.0";
+const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
 
 /// The manifests every installation starts from.
 const EXPECTED: &[&str] =

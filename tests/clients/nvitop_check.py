@@ -1,0 +1,30 @@
+"""nvitop, as a user runs it once (`nvitop -1`): it exits cleanly with no traceback, shows
+the slice as the device's memory and the group's own processes, no other tenant's."""
+
+import os
+import re
+import subprocess
+import sys
+
+from common import TOTAL, report
+
+
+def pids(variable):
+    return {int(p) for p in os.environ.get(variable, "").split(",") if p}
+
+
+own, others = pids("CLIENT_OWN_PIDS"), pids("CLIENT_OTHER_PIDS")
+nvitop = os.path.join(os.path.dirname(sys.executable), "nvitop")
+env = dict(os.environ, COLUMNS="160", LINES="50")
+run = subprocess.run([nvitop, "-1", "--ascii", "--only-compute"], capture_output=True, text=True,
+                     timeout=120, env=env)
+output = run.stdout
+assert run.returncode == 0, f"nvitop -1: {run.returncode}\n{output}\n{run.stderr}"
+assert "Traceback" not in output + run.stderr, output + run.stderr
+total = f"{TOTAL / (1 << 30):.2f}GiB"
+assert total in output, f"the slice {total} not in\n{output}"
+listed = {int(p) for p in re.findall(r"^\|\s+\d+\s+(\d+)\s", output, re.MULTILINE)}
+assert own <= listed, f"the group's {sorted(own - listed)} missing from {sorted(listed)}\n{output}"
+assert not listed & others, f"another tenant's {sorted(listed & others)} listed\n{output}"
+report("nvitop", total=total, pids=",".join(map(str, sorted(listed))))
+report("done")

@@ -1,0 +1,224 @@
+//! The clients users run against a GPU, installed from PyPI (pinned in
+//! `tests/requirements.txt`, into `.venv/` by the README's test command), run bare on
+//! simgpu and under the shim: NVIDIA's cuda-bindings and cuda-core, numba-cuda, and the
+//! NVML tools pynvml, gpustat and nvitop. Each client must see the right device (16 GiB
+//! bare, its 4 GiB slice under the shim), allocate to exactly its room on every path it
+//! offers (stream-ordered pools that keep memory after a free included), round-trip data,
+//! list only its own group's processes, and exit without a panic or a traceback.
+//!
+//! The checks themselves are the Python scripts in `tests/clients/`; this file starts
+//! them with the expectations in `CLIENT_*` variables and reads their verdict.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use gpufrac_e2e::size::{GIB, MIB};
+use gpufrac_e2e::{artifact, unique, ChildProcess, SimGpu};
+
+const DEVICE: u64 = 16 * GIB;
+const OVERHEAD: u64 = 64 * MIB;
+const REQUEST: &str = "2GiB";
+const LIMIT: u64 = 4 * GIB;
+const CHUNK: u64 = 256 * MIB;
+/// A client's whole run, generous: numba and nvitop take seconds to import on a busy
+/// two-core machine.
+const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+
+const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `.venv/bin/python` with every client importable; fails the test, saying how to install
+/// them, otherwise.
+fn python() -> PathBuf {
+    let python = root().join(".venv/bin/python");
+    let probe = Command::new(&python)
+        .args(["-c", "import pynvml, gpustat, nvitop, cuda.bindings, cuda.core, numba.cuda"])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => python,
+        Ok(out) => panic!(
+            "the clients are not installed in .venv ({}): {INSTALL}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => panic!("{} cannot run ({e}): {INSTALL}", python.display()),
+    }
+}
+
+fn gpu() -> SimGpu {
+    SimGpu::new("16GiB").with_context_overhead("64MiB")
+}
+
+/// How a client runs: bare, or under the shim in `group`.
+#[derive(Clone, Copy)]
+enum Under<'a> {
+    Bare,
+    Shim { group: &'a str },
+}
+
+/// `script` of `tests/clients/` on `gpu`, with the device size and room it must see.
+fn client(gpu: &SimGpu, script: &str, under: Under<'_>) -> Command {
+    let mut cmd = gpu.command(python());
+    cmd.arg(root().join("tests/clients").join(script))
+        .current_dir(root().join("tests/clients"))
+        .env("CLIENT_CHUNK", CHUNK.to_string())
+        // nvitop and gpustat draw for a terminal of this size, and in no colour.
+        .env("COLUMNS", "160")
+        .env("TERM", "dumb")
+        .env_remove("PYTHONPATH");
+    let total = match under {
+        Under::Bare => DEVICE,
+        Under::Shim { group } => {
+            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
+                .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
+                .env("GPUFRAC_GROUP", group);
+            LIMIT
+        }
+    };
+    cmd.env("CLIENT_TOTAL", total.to_string()).env("CLIENT_ROOM", (total - OVERHEAD).to_string());
+    cmd
+}
+
+/// Runs a client to its end: it must exit 0, end with `OK done`, and write no panic and
+/// no traceback. Returns its `OK` lines.
+fn passes(mut cmd: Command) -> Vec<String> {
+    let mut child = ChildProcess::spawn(&mut cmd);
+    child.close_stdin();
+    let mut lines = Vec::new();
+    while let Some(line) = child.next_line(RUN_TIMEOUT) {
+        lines.push(line);
+    }
+    let status = child.wait(RUN_TIMEOUT);
+    let stderr = child.stderr_text();
+    let failed = !status.success()
+        || lines.last().map(String::as_str) != Some("OK done")
+        || stderr.contains("panicked")
+        || stderr.contains("Traceback");
+    if failed {
+        panic!("{}", child.diagnostics());
+    }
+    lines
+}
+
+fn bytes_of(lines: &[String], what: &str) -> u64 {
+    let line = lines
+        .iter()
+        .find(|l| l.split_whitespace().nth(1) == Some(what))
+        .unwrap_or_else(|| panic!("no `OK {what}` line in {lines:#?}"));
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("bytes="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no bytes= in {line:?}"))
+}
+
+#[test]
+fn cuda_bindings_bare() {
+    let gpu = gpu();
+    let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Bare));
+    assert!(bytes_of(&lines, "cuMemAllocAsync") > DEVICE - OVERHEAD - 2 * CHUNK);
+}
+
+#[test]
+fn cuda_bindings_shimmed() {
+    let gpu = gpu();
+    let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Shim { group: &unique("bindings") }));
+    for path in
+        ["cuMemAlloc", "cuMemAllocAsync", "cuMemAlloc-after-pool", "cuMemAllocFromPoolAsync-2", "cuMemCreate"]
+    {
+        let got = bytes_of(&lines, path);
+        assert!(got <= LIMIT - OVERHEAD && got > LIMIT - OVERHEAD - 2 * CHUNK, "{path}: {got}");
+    }
+}
+
+#[test]
+fn cuda_core_bare() {
+    let gpu = gpu();
+    passes(client(&gpu, "cuda_core_check.py", Under::Bare));
+}
+
+#[test]
+fn cuda_core_shimmed() {
+    let gpu = gpu();
+    let lines = passes(client(&gpu, "cuda_core_check.py", Under::Shim { group: &unique("core") }));
+    assert!(bytes_of(&lines, "DeviceMemoryResource-1") <= LIMIT - OVERHEAD);
+}
+
+#[test]
+fn numba_bare() {
+    let gpu = gpu();
+    passes(client(&gpu, "numba_check.py", Under::Bare));
+}
+
+#[test]
+fn numba_shimmed() {
+    let gpu = gpu();
+    let lines = passes(client(&gpu, "numba_check.py", Under::Shim { group: &unique("numba") }));
+    assert!(bytes_of(&lines, "device_array-again") <= LIMIT - OVERHEAD);
+}
+
+/// Two tenants hold memory: `mine` in the group the monitor runs in, `theirs` in another.
+struct Tenants {
+    mine: ChildProcess,
+    theirs: ChildProcess,
+    group: String,
+}
+
+const HELD: u64 = 512 * MIB;
+
+fn tenants(gpu: &SimGpu) -> Tenants {
+    let group = unique("monitor");
+    let hold = |group: &str| {
+        let mut cmd = client(gpu, "holder.py", Under::Shim { group });
+        cmd.env("CLIENT_HOLD", HELD.to_string());
+        let mut child = ChildProcess::spawn(&mut cmd);
+        child.ready();
+        child
+    };
+    let mine = hold(&group);
+    let theirs = hold(&unique("other-tenant"));
+    Tenants { mine, theirs, group }
+}
+
+/// Runs the monitor `script` bare and under the shim beside two tenants: bare it lists
+/// both, under the shim only its own group's, with the slice as the device's memory.
+fn monitor(script: &str) {
+    let gpu = gpu();
+    let mut t = tenants(&gpu);
+    let (mine, theirs) = (t.mine.pid().to_string(), t.theirs.pid().to_string());
+
+    let mut bare = client(&gpu, script, Under::Bare);
+    bare.env("CLIENT_OWN_PIDS", format!("{mine},{theirs}"))
+        .env("CLIENT_HELD_AT_LEAST", (2 * HELD).to_string());
+    passes(bare);
+
+    let mut shimmed = client(&gpu, script, Under::Shim { group: &t.group });
+    shimmed
+        .env("CLIENT_OWN_PIDS", &mine)
+        .env("CLIENT_OTHER_PIDS", &theirs)
+        .env("CLIENT_HELD_AT_LEAST", HELD.to_string());
+    passes(shimmed);
+
+    for child in [&mut t.mine, &mut t.theirs] {
+        child.close_stdin();
+        child.finish();
+    }
+}
+
+#[test]
+fn pynvml_sees_the_slice_and_its_own_processes() {
+    monitor("pynvml_check.py");
+}
+
+#[test]
+fn gpustat_sees_the_slice_and_its_own_processes() {
+    monitor("gpustat_check.py");
+}
+
+#[test]
+fn nvitop_sees_the_slice_and_its_own_processes() {
+    monitor("nvitop_check.py");
+}
