@@ -3,8 +3,10 @@
 //!
 //! It reports what the shared simulated machine (`simgpu-state`) holds: devices and their
 //! memory, the processes using them, utilization from the kernel time the simulated CUDA
-//! driver records, and injected XID errors as events. Functions it does not simulate are
-//! not exported, so a caller that looks them up finds them missing, as on an old driver.
+//! driver records, and injected XID errors as events. The getters monitoring tools call
+//! on every refresh (temperature, power, clocks, graphics processes, ...) are in
+//! `monitor`: plausible values of an H100, or `NVML_ERROR_NOT_SUPPORTED` for what a real
+//! H100 on Linux lacks or simgpu does not simulate. Other functions are not exported.
 //!
 //! Device `i` looks the same here as through `libsimgpu_cuda.so`: the UUID of
 //! `simgpu_state::device_uuid`, the name `simgpu_state::DEVICE_NAME`, PCI bus `0x10 + i`.
@@ -774,3 +776,6 @@ pub unsafe extern "C" fn simgpu_inject_xid(device_index: c_uint, xid: c_ulonglon
         }
     })
 }
+
+// After `nvml_exports!`, which it uses.
+mod monitor;
