@@ -9,6 +9,7 @@
 pub mod kubernetes;
 
 pub mod identity;
+pub mod policy;
 
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::SizeSpec;
@@ -135,6 +136,14 @@ pub enum EntitlementError {
 pub trait Entitlements: Send + Sync {
     /// May block (called from a blocking task) and cache; must answer within ~2 s.
     fn lookup(&self, who: &Identity) -> Verdict;
+
+    /// The resolver a client entitled by `entitlement` gets when it asks for `asked`: the
+    /// entitlement's if it names one, else its own choice. A source with a list of allowed
+    /// resolvers (the policy file) answers from it.
+    fn resolver(&self, who: &Identity, entitlement: &Entitlement, asked: Resolver) -> Resolver {
+        let _ = who;
+        entitlement.resolver.unwrap_or(asked)
+    }
 }
 
 /// No source configured: every client is [`Verdict::Unrestricted`].
@@ -147,9 +156,189 @@ impl Entitlements for NoPolicy {
     }
 }
 
+/// What the arbiter believes of a client's `Hello`, its verdict applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Believed {
+    /// The group's key in the ledger: `@<derived>` for a group the entitlement names,
+    /// `<uid>/<name>` for the client's own choice (so no other user can take the name).
+    pub group_key: String,
+    /// The resolver it is held to.
+    pub resolver: Resolver,
+    /// The priority it is believed about.
+    pub priority: i32,
+    /// Its priority comes from an entitlement: it may get processes of other users ended.
+    /// Without one a client is believed only about itself.
+    pub vetted: bool,
+    /// What it may have, for status: the entitlement's source, `not entitled: <why>`, or
+    /// `unrestricted` (no policy).
+    pub entitlement: String,
+    /// What it declared beyond its entitlement (empty when nothing), for logs and status.
+    pub capped: Vec<String>,
+}
+
+/// The name shown for a ledger key made by [`believe_hello`] (keys without a prefix are
+/// shown whole).
+pub fn shown_group(key: &str) -> &str {
+    match key.strip_prefix('@') {
+        Some(derived) => derived,
+        None => key.split_once('/').map_or(key, |(_, name)| name),
+    }
+}
+
+/// Applies `verdict` (from `source`, about `who`) to what a client said at `Hello`.
+pub fn believe_hello(
+    verdict: &Verdict,
+    source: &dyn Entitlements,
+    who: &Identity,
+    group: &str,
+    resolver: Resolver,
+    priority: i32,
+) -> Believed {
+    let own_group = format!("{}/{group}", who.uid);
+    match verdict {
+        Verdict::Unrestricted => Believed {
+            group_key: own_group,
+            resolver,
+            priority,
+            vetted: false,
+            entitlement: "unrestricted (no policy)".into(),
+            capped: Vec::new(),
+        },
+        Verdict::NotEntitled { why } => Believed {
+            group_key: own_group,
+            // It can never burst: its resolver and priority do not matter.
+            resolver: Resolver::Wait,
+            priority: priority.min(0),
+            vetted: false,
+            entitlement: format!("not entitled: {why}"),
+            capped: vec!["no guarantee and no burst".into()],
+        },
+        Verdict::Entitled(e) => {
+            let mut capped = Vec::new();
+            let held_to = source.resolver(who, e, resolver);
+            if held_to != resolver {
+                capped.push(format!("resolver {resolver} -> {held_to}"));
+            }
+            if priority > e.max_priority {
+                capped.push(format!("priority {priority} -> {}", e.max_priority));
+            }
+            let group_key = match &e.group {
+                Some(derived) => {
+                    if derived != group {
+                        capped.push(format!("group {group} -> {derived}"));
+                    }
+                    format!("@{derived}")
+                }
+                None => own_group,
+            };
+            Believed {
+                group_key,
+                resolver: held_to,
+                priority: priority.min(e.max_priority),
+                vetted: true,
+                entitlement: e.source.clone(),
+                capped,
+            }
+        }
+    }
+}
+
+/// Applies `verdict` to a registration on `device` (of `total` bytes): the request and
+/// limit believed, and what was cut, if anything.
+pub fn believe_register(
+    verdict: &Verdict,
+    device: &[u8; 16],
+    total: u64,
+    request: u64,
+    limit: u64,
+) -> (u64, u64, Option<String>) {
+    match verdict {
+        Verdict::Unrestricted => (request, limit, None),
+        Verdict::NotEntitled { .. } => {
+            let cut = (request, limit) != (0, 0);
+            (0, 0, cut.then(|| "request and limit -> 0 (not entitled)".to_owned()))
+        }
+        Verdict::Entitled(e) => {
+            if e.devices.as_ref().is_some_and(|list| !list.contains(device)) {
+                return (0, 0, Some("request and limit -> 0 (not entitled to this GPU)".into()));
+            }
+            let (max_request, max_limit) = (e.max_request.bytes(total), e.max_limit.bytes(total));
+            let limit_cut = limit.min(max_limit);
+            let request_cut = request.min(max_request).min(limit_cut);
+            let mut cut = Vec::new();
+            if request_cut != request {
+                cut.push(format!("request {request} -> {request_cut}"));
+            }
+            if limit_cut != limit {
+                cut.push(format!("limit {limit} -> {limit_cut}"));
+            }
+            (request_cut, limit_cut, (!cut.is_empty()).then(|| cut.join(", ")))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn who() -> Identity {
+        Identity { pid: 9, uid: 1000, gid: 1000, container: None }
+    }
+
+    fn entitled(group: Option<&str>) -> Verdict {
+        Verdict::Entitled(Entitlement {
+            source: "test".into(),
+            devices: Some(vec![[1; 16]]),
+            max_request: Amount::Fraction(0.25),
+            max_limit: Amount::Bytes(8),
+            max_priority: 5,
+            resolver: Some(Resolver::Swap),
+            group: group.map(str::to_owned),
+        })
+    }
+
+    #[test]
+    fn a_hello_is_believed_up_to_the_entitlement() {
+        let b = believe_hello(&Verdict::Unrestricted, &NoPolicy, &who(), "a", Resolver::Priority, 99);
+        assert_eq!(
+            (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
+            ("1000/a", Resolver::Priority, 99, false)
+        );
+        assert_eq!(shown_group(&b.group_key), "a");
+        let b = believe_hello(&entitled(Some("k8s-x-c")), &NoPolicy, &who(), "other", Resolver::Priority, 99);
+        assert_eq!(
+            (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
+            ("@k8s-x-c", Resolver::Swap, 5, true)
+        );
+        assert_eq!(shown_group(&b.group_key), "k8s-x-c");
+        assert_eq!(b.capped.len(), 3, "{:?}", b.capped);
+        let b = believe_hello(&entitled(None), &NoPolicy, &who(), "a", Resolver::Swap, 1);
+        assert!(b.capped.is_empty() && b.group_key == "1000/a");
+        let b = believe_hello(
+            &Verdict::NotEntitled { why: "no shares".into() },
+            &NoPolicy,
+            &who(),
+            "a",
+            Resolver::Priority,
+            7,
+        );
+        assert_eq!((b.resolver, b.priority, b.vetted), (Resolver::Wait, 0, false));
+        assert!(b.entitlement.contains("no shares"));
+    }
+
+    #[test]
+    fn a_registration_is_capped_per_device() {
+        assert_eq!(believe_register(&Verdict::Unrestricted, &[1; 16], 64, 10, 20), (10, 20, None));
+        let not = Verdict::NotEntitled { why: String::new() };
+        assert_eq!(believe_register(&not, &[1; 16], 64, 0, 0), (0, 0, None));
+        assert!(believe_register(&not, &[1; 16], 64, 1, 2).2.is_some());
+        // 0.25 of 64 = 16 request, limit 8: the request is cut to the limit.
+        let (r, l, cut) = believe_register(&entitled(None), &[1; 16], 64, 32, 64);
+        assert_eq!((r, l), (8, 8));
+        assert!(cut.is_some());
+        assert_eq!(believe_register(&entitled(None), &[1; 16], 64, 4, 6), (4, 6, None));
+        assert_eq!(believe_register(&entitled(None), &[2; 16], 64, 4, 6).0, 0, "not its GPU");
+    }
 
     #[test]
     fn amounts_resolve_within_the_device() {
