@@ -21,10 +21,10 @@ run = subprocess.run([nvitop, "-1", "--ascii", "--only-compute"], capture_output
 output = run.stdout
 assert run.returncode == 0, f"nvitop -1: {run.returncode}\n{output}\n{run.stderr}"
 assert "Traceback" not in output + run.stderr, output + run.stderr
-total = f"{TOTAL / (1 << 30):.2f}GiB"
+total = f"/ {TOTAL >> 20}MiB"
 assert total in output, f"the slice {total} not in\n{output}"
 listed = {int(p) for p in re.findall(r"^\|\s+\d+\s+(\d+)\s", output, re.MULTILINE)}
 assert own <= listed, f"the group's {sorted(own - listed)} missing from {sorted(listed)}\n{output}"
 assert not listed & others, f"another tenant's {sorted(listed & others)} listed\n{output}"
-report("nvitop", total=total, pids=",".join(map(str, sorted(listed))))
+report("nvitop", total_mib=TOTAL >> 20, pids=",".join(map(str, sorted(listed))))
 report("done")
