@@ -48,6 +48,14 @@ thread_local! {
     static CURRENT: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Runs `f` on this thread's current-context stack. From a thread-local destructor at
+/// thread exit (cuda-core releases its primary context so) the stack may already be
+/// gone, where `LocalKey::with` would panic: the thread then has no current context,
+/// `f` does not run, and the answer is `R::default()` (no context, nothing popped).
+fn with_stack<R: Default>(f: impl FnOnce(&mut Vec<usize>) -> R) -> R {
+    CURRENT.try_with(|c| f(&mut c.borrow_mut())).unwrap_or_default()
+}
+
 /// Returns the live context behind a handle.
 pub(crate) fn lookup(handle: usize) -> CuResult<Arc<Context>> {
     CONTEXTS.lock().get(&handle).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)
@@ -56,7 +64,7 @@ pub(crate) fn lookup(handle: usize) -> CuResult<Arc<Context>> {
 /// The calling thread's current context.
 pub(crate) fn current() -> CuResult<Arc<Context>> {
     driver()?;
-    let top = CURRENT.with(|c| c.borrow().last().copied());
+    let top = with_stack(|stack| stack.last().copied());
     match top {
         Some(handle) => lookup(handle),
         None => Err(CUresult::CUDA_ERROR_INVALID_CONTEXT),
@@ -96,7 +104,7 @@ fn destroy(ctx: &Arc<Context>) {
     CONTEXTS.lock().remove(&ctx.handle);
     stream::forget_streams_of(ctx.handle);
     crate::memory::free_all_of_context(ctx.handle);
-    CURRENT.with(|c| c.borrow_mut().retain(|&h| h != ctx.handle));
+    with_stack(|stack| stack.retain(|&h| h != ctx.handle));
     if let Ok(d) = driver() {
         d.slot.release(ctx.device, d.context_overhead);
     }
@@ -176,7 +184,7 @@ pub(crate) fn ctx_create(out: *mut CUcontext, flags: c_uint, device: CUdevice) -
     }
     let ctx = create(index, flags, false)?;
     write_out(out, ctx.handle as CUcontext)?;
-    CURRENT.with(|c| c.borrow_mut().push(ctx.handle));
+    with_stack(|stack| stack.push(ctx.handle));
     Ok(())
 }
 
@@ -191,7 +199,7 @@ pub(crate) fn ctx_destroy(handle: CUcontext) -> CuResult {
 
 pub(crate) fn ctx_get_current(out: *mut CUcontext) -> CuResult {
     driver()?;
-    let top = CURRENT.with(|c| c.borrow().last().copied()).unwrap_or(0);
+    let top = with_stack(|stack| stack.last().copied()).unwrap_or(0);
     write_out(out, top as CUcontext)
 }
 
@@ -201,8 +209,7 @@ pub(crate) fn ctx_set_current(handle: CUcontext) -> CuResult {
     if raw != 0 {
         lookup(raw)?;
     }
-    CURRENT.with(|c| {
-        let mut stack = c.borrow_mut();
+    with_stack(|stack| {
         stack.pop();
         if raw != 0 {
             stack.push(raw);
@@ -213,13 +220,13 @@ pub(crate) fn ctx_set_current(handle: CUcontext) -> CuResult {
 
 pub(crate) fn ctx_push(handle: CUcontext) -> CuResult {
     let ctx = lookup(handle as usize)?;
-    CURRENT.with(|c| c.borrow_mut().push(ctx.handle));
+    with_stack(|stack| stack.push(ctx.handle));
     Ok(())
 }
 
 pub(crate) fn ctx_pop(out: *mut CUcontext) -> CuResult {
     driver()?;
-    let popped = CURRENT.with(|c| c.borrow_mut().pop()).ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+    let popped = with_stack(|stack| stack.pop()).ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
     if !out.is_null() {
         write_out(out, popped as CUcontext)?;
     }

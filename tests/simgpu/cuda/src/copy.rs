@@ -61,7 +61,11 @@ impl Op {
             Op::DtoD { dst, src, n } => (Self::device_ok(reg, dst, n) && Self::device_ok(reg, src, n))
                 .then_some((dst as usize, src as usize, n)),
             Op::Unified { dst, src, n } => {
-                let side_ok = |p: u64| p != 0 && (!reg.owns(p) || Self::device_ok(reg, p, n));
+                // With unified addressing either side may be device memory, page-locked
+                // host memory, or any other host memory; the direction follows from it.
+                let side_ok = |p: u64| {
+                    p != 0 && (!reg.owns(p) || Self::device_ok(reg, p, n) || reg.host_range(p, n as u64))
+                };
                 (side_ok(dst) && side_ok(src)).then_some((dst as usize, src as usize, n))
             }
             Op::Set { dst, width, count, .. } => {

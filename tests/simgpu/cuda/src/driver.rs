@@ -179,6 +179,7 @@ pub(crate) fn device_get_attribute(value: *mut c_int, attrib: c_int, device: CUd
         (A::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, 1),
         (A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, 1),
         (A::CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, 32),
+        (A::CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO, 2),
     ];
     if attrib <= 0 || attrib >= A::CU_DEVICE_ATTRIBUTE_MAX as c_int {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);

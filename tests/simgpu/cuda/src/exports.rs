@@ -5,13 +5,14 @@
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 
 use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmemGenericAllocationHandle,
-    CUmemoryPool, CUmipmappedArray, CUmodule, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR,
-    CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUkernel, CUlaunchConfig, CUlibrary,
+    CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUstream, CUuuid,
+    CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
 
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
+use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
 use crate::{array, context, driver, memory, module, pool, procaddr, stream, vmm};
 
@@ -113,6 +114,8 @@ exports! {
     cuMemFreeHost(p: *mut c_void) => memory::mem_free_host(p);
     cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, dptr: CUdeviceptr) => memory::mem_get_address_range(base, size, dptr);
     cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => memory::pointer_get_attribute(data, attribute, ptr);
+    cuPointerGetAttributes(count: c_uint, attributes: *mut c_int, data: *mut *mut c_void, ptr: CUdeviceptr)
+        => memory::pointer_get_attributes(count, attributes, data, ptr);
 
     // Stream-ordered allocation and pools.
     cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, s: CUstream) => pool::mem_alloc_async(dptr, size, s, Legacy);
@@ -203,6 +206,23 @@ exports! {
     cuStreamGetPriority_ptsz(s: CUstream, p: *mut c_int) => stream::stream_get_priority(s, p, PerThread);
     cuStreamGetFlags(s: CUstream, f: *mut c_uint) => stream::stream_get_flags(s, f, Legacy);
     cuStreamGetFlags_ptsz(s: CUstream, f: *mut c_uint) => stream::stream_get_flags(s, f, PerThread);
+    cuStreamIsCapturing(s: CUstream, status: *mut c_uint) => stream::stream_is_capturing(s, status, Legacy);
+    cuStreamIsCapturing_ptsz(s: CUstream, status: *mut c_uint) => stream::stream_is_capturing(s, status, PerThread);
+    cuStreamGetCaptureInfo(s: CUstream, status: *mut c_uint, id: *mut u64)
+        => stream::stream_get_capture_info(s, status, CaptureOuts::id_only(id), Legacy);
+    cuStreamGetCaptureInfo_ptsz(s: CUstream, status: *mut c_uint, id: *mut u64)
+        => stream::stream_get_capture_info(s, status, CaptureOuts::id_only(id), PerThread);
+    cuStreamGetCaptureInfo_v2(s: CUstream, status: *mut c_uint, id: *mut u64, graph: *mut *mut c_void, deps: *mut *const c_void, count: *mut usize)
+        => stream::stream_get_capture_info(s, status, CaptureOuts { id, graph, deps, edges: std::ptr::null_mut(), count }, Legacy);
+    cuStreamGetCaptureInfo_v2_ptsz(s: CUstream, status: *mut c_uint, id: *mut u64, graph: *mut *mut c_void, deps: *mut *const c_void, count: *mut usize)
+        => stream::stream_get_capture_info(s, status, CaptureOuts { id, graph, deps, edges: std::ptr::null_mut(), count }, PerThread);
+    cuStreamGetCaptureInfo_v3(s: CUstream, status: *mut c_uint, id: *mut u64, graph: *mut *mut c_void, deps: *mut *const c_void,
+        edges: *mut *const c_void, count: *mut usize)
+        => stream::stream_get_capture_info(s, status, CaptureOuts { id, graph, deps, edges, count }, Legacy);
+    cuStreamGetCaptureInfo_v3_ptsz(s: CUstream, status: *mut c_uint, id: *mut u64, graph: *mut *mut c_void, deps: *mut *const c_void,
+        edges: *mut *const c_void, count: *mut usize)
+        => stream::stream_get_capture_info(s, status, CaptureOuts { id, graph, deps, edges, count }, PerThread);
+    cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) => stream::exchange_capture_mode(mode);
     cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) => stream::priority_range(least, greatest);
     cuEventCreate(e: *mut CUevent, flags: c_uint) => stream::event_create(e, flags);
     cuEventDestroy_v2(e: CUevent) => stream::event_destroy(e);
@@ -219,6 +239,26 @@ exports! {
         => module::module_load_data(m, image);
     cuModuleUnload(m: CUmodule) => module::module_unload(m);
     cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) => module::module_get_function(f, m, name);
+    cuFuncGetAttribute(value: *mut c_int, attrib: c_int, f: CUfunction) => module::func_get_attribute(value, attrib, f);
+    cuFuncGetName(name: *mut *const c_char, f: CUfunction) => module::kernel_get_name(name, f);
+    cuLibraryLoadData(lib: *mut CUlibrary, image: *const c_void, _jit_opts: *mut c_int, _jit_vals: *mut *mut c_void, _jit_n: c_uint,
+        _lib_opts: *mut c_int, _lib_vals: *mut *mut c_void, _lib_n: c_uint)
+        => module::library_load_data(lib, image);
+    cuLibraryLoadFromFile(lib: *mut CUlibrary, path: *const c_char, _jit_opts: *mut c_int, _jit_vals: *mut *mut c_void, _jit_n: c_uint,
+        _lib_opts: *mut c_int, _lib_vals: *mut *mut c_void, _lib_n: c_uint)
+        => module::library_load_from_file(lib, path);
+    cuLibraryUnload(lib: CUlibrary) => module::library_unload(lib);
+    cuLibraryGetKernel(k: *mut CUkernel, lib: CUlibrary, name: *const c_char) => module::library_get_kernel(k, lib, name);
+    cuLibraryGetModule(m: *mut CUmodule, lib: CUlibrary) => module::library_get_module(m, lib);
+    cuLibraryGetKernelCount(count: *mut c_uint, lib: CUlibrary) => module::library_get_kernel_count(count, lib);
+    cuLibraryEnumerateKernels(ks: *mut CUkernel, room: c_uint, lib: CUlibrary) => module::library_enumerate_kernels(ks, room, lib);
+    cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) => module::kernel_get_function(f, k);
+    cuKernelGetAttribute(value: *mut c_int, attrib: c_int, k: CUkernel, dev: CUdevice) => module::kernel_get_attribute(value, attrib, k, dev);
+    cuKernelGetName(name: *mut *const c_char, k: CUkernel) => module::kernel_get_name(name, k.cast());
+    cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void)
+        => module::launch_kernel_ex(config, f, params, extra, Legacy);
+    cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void)
+        => module::launch_kernel_ex(config, f, params, extra, PerThread);
     cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
         s: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void)
         => module::launch_kernel(f, [gx, gy, gz], [bx, by, bz], shared, s, params, extra, Legacy);
@@ -230,25 +270,26 @@ exports! {
 // Entry points that exist in the real driver but are not simulated: programs that probe
 // for them get a clean error rather than a missing symbol.
 unsupported! {
-    cuModuleLoad, cuModuleLoadFatBinary, cuModuleGetGlobal_v2, cuLaunchCooperativeKernel, cuLaunchKernelEx,
+    cuModuleLoad, cuModuleLoadFatBinary, cuModuleGetGlobal_v2, cuLaunchCooperativeKernel,
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
-    cuFuncGetAttribute, cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
+    cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
     cuGraphCreate, cuGraphLaunch, cuGraphInstantiateWithFlags, cuGraphDestroy, cuGraphExecDestroy,
-    cuStreamBeginCapture_v2, cuStreamEndCapture, cuStreamIsCapturing, cuStreamGetCaptureInfo_v2,
+    cuStreamBeginCapture_v2, cuStreamEndCapture,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
     cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
     cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
     cuLaunchHostFunc, cuStreamAddCallback,
-    cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy, cuLibraryLoadData, cuLibraryGetKernel,
-    cuLibraryUnload, cuKernelGetFunction, cuEventRecordWithFlags, cuMemsetD2D8_v2, cuDeviceGetLuid,
+    cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
+    cuEventRecordWithFlags, cuMemsetD2D8_v2, cuDeviceGetLuid,
     cuDeviceGetP2PAttribute, cuCtxResetPersistingL2Cache, cuProfilerStart, cuProfilerStop,
     cuMemcpy2D_v2_ptds, cuMemcpy2DUnaligned_v2, cuMemcpy2DUnaligned_v2_ptds, cuMemcpy2DAsync_v2_ptsz,
     cuMemcpy3D_v2_ptds, cuMemcpy3DAsync_v2_ptsz, cuMemcpyPeer_ptds, cuMemcpyPeerAsync_ptsz,
     cuMemsetD2D8_v2_ptds, cuMemsetD2D16_v2, cuMemsetD2D16_v2_ptds, cuMemsetD2D32_v2, cuMemsetD2D32_v2_ptds,
     cuMemsetD2D8Async, cuMemsetD2D8Async_ptsz, cuMemsetD2D16Async, cuMemsetD2D16Async_ptsz,
-    cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, cuLaunchKernelEx_ptsz, cuLaunchCooperativeKernel_ptsz,
-    cuGraphLaunch_ptsz,
+    cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, cuLaunchCooperativeKernel_ptsz,
+    cuGraphLaunch_ptsz, cuStreamBeginCapture, cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz,
+    cuStreamEndCapture_ptsz,
 }
 
 #[cfg(test)]

@@ -142,6 +142,18 @@ impl Registry {
         device
     }
 
+    /// Whether `[ptr, ptr + len)` lies in one page-locked host allocation
+    /// (`cuMemAllocHost`/`cuMemHostAlloc`).
+    pub(crate) fn host_range(&self, ptr: u64, len: u64) -> bool {
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        self.allocs
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&base, a)| a.kind == Kind::Host && end <= base + a.size.max(1))
+    }
+
     /// Whether `ptr` is anywhere in memory this driver manages (UVA classification).
     pub(crate) fn owns(&self, ptr: u64) -> bool {
         let in_alloc = self.allocs.range(..=ptr).next_back().is_some_and(|(&b, a)| ptr < b + a.size.max(1));
@@ -351,6 +363,64 @@ pub(crate) fn pointer_get_attribute(data: *mut c_void, attribute: i32, ptr: CUde
         ),
         _ => Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
     }
+}
+
+/// Size in bytes of the value each `CUpointer_attribute` (1 ..= 21) writes, as `cuda.h`
+/// types them: pointers and 64-bit values, `unsigned int`/`int`, `bool`, and the 16-byte
+/// `CUDA_POINTER_ATTRIBUTE_P2P_TOKENS`.
+fn pointer_attribute_size(attribute: i32) -> Option<usize> {
+    match attribute {
+        1 | 3 | 4 | 7 | 11 | 12 | 14 | 17..=20 => Some(8),
+        2 | 9 | 15 | 16 => Some(4),
+        6 | 8 | 10 | 13 | 21 => Some(1),
+        5 => Some(16),
+        _ => None,
+    }
+}
+
+/// `cuPointerGetAttributes`: each attribute as `cuPointerGetAttribute` answers it. As in
+/// CUDA, a pointer simgpu does not know (ordinary host memory) is not an error: its
+/// attributes read as zero (no context, memory type 0), its device ordinal as -2 (no
+/// device); attributes simgpu does not track read as zero too.
+pub(crate) fn pointer_get_attributes(
+    count: c_uint,
+    attributes: *const i32,
+    data: *mut *mut c_void,
+    ptr: CUdeviceptr,
+) -> CuResult {
+    driver()?;
+    if count > 0 && (attributes.is_null() || data.is_null()) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let known = find(ptr).is_ok();
+    for i in 0..count as usize {
+        // SAFETY: the caller passes `count` attributes and `count` data pointers (both
+        // checked non-null above).
+        let (attribute, out) = unsafe { (*attributes.add(i), *data.add(i)) };
+        let size = pointer_attribute_size(attribute).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+        if out.is_null() {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let answered = if known {
+            pointer_get_attribute(out, attribute, ptr)
+        } else {
+            Err(CUresult::CUDA_ERROR_NOT_SUPPORTED)
+        };
+        match answered {
+            Ok(()) => {}
+            Err(CUresult::CUDA_ERROR_NOT_SUPPORTED) => {
+                // SAFETY: `out` is the caller's storage for this attribute's value, which
+                // `cuda.h` types as `size` bytes.
+                unsafe { std::ptr::write_bytes(out.cast::<u8>(), 0, size) };
+                // DEVICE_ORDINAL of memory on no device.
+                if attribute == 9 && !known {
+                    write_out(out.cast::<i32>(), -2)?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Frees everything a destroyed context still held.

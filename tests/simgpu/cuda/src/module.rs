@@ -1,5 +1,7 @@
-//! Modules and launches. Any image loads (simgpu does not compile PTX); every module
-//! offers the built-in kernels, which run on their stream's worker like GPU kernels:
+//! Modules, libraries and launches. Any image loads (simgpu does not compile PTX or run
+//! cubins); every module and every library (`cuLibraryLoadData`, the context-independent
+//! loading of CUDA 12) offers the built-in kernels, which run on their stream's worker
+//! like GPU kernels. Other names are `CUDA_ERROR_NOT_FOUND`:
 //!
 //! | kernel | parameters (C types) | effect |
 //! | --- | --- | --- |
@@ -8,34 +10,48 @@
 //! | `simgpu_checksum_u32` | `const unsigned int *ptr, size_t count, unsigned long long *out` | `*out = ` wrapping sum of `ptr[0..count]` |
 //! | `simgpu_sleep_us` | `unsigned long long us` | keeps the stream (and the device's utilization) busy for `us` microseconds |
 
-use std::collections::HashSet;
-use std::ffi::{c_char, c_uint, c_void};
+use std::collections::{HashMap, HashSet};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{CUfunction, CUmodule, CUstream};
+use cudarc::driver::sys::{CUdevice, CUfunction, CUkernel, CUlaunchConfig, CUlibrary, CUmodule, CUstream};
 use parking_lot::Mutex;
 
 use crate::context;
-use crate::driver::driver;
+use crate::driver::{device_index, driver};
 use crate::ffi::{new_handle, read_in, read_str, write_out, CUresult, CuResult};
 use crate::memory::REGISTRY;
 use crate::stream::{self, DefaultStream};
 
-/// A built-in kernel: its name and how many parameters it takes.
+/// A built-in kernel: its name and how many parameters it takes. Its address is both
+/// its `CUfunction` and its `CUkernel`, which CUDA 12 lets callers pass to
+/// `cuLaunchKernel` in place of a function.
 pub(crate) struct Kernel {
-    name: &'static str,
+    name: &'static CStr,
     params: usize,
 }
 
 static KERNELS: [Kernel; 4] = [
-    Kernel { name: "simgpu_noop", params: 0 },
-    Kernel { name: "simgpu_fill_u32", params: 3 },
-    Kernel { name: "simgpu_checksum_u32", params: 3 },
-    Kernel { name: "simgpu_sleep_us", params: 1 },
+    Kernel { name: c"simgpu_noop", params: 0 },
+    Kernel { name: c"simgpu_fill_u32", params: 3 },
+    Kernel { name: c"simgpu_checksum_u32", params: 3 },
+    Kernel { name: c"simgpu_sleep_us", params: 1 },
 ];
 
 static MODULES: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
+
+/// Loaded libraries by handle, each with the module `cuLibraryGetModule` answers.
+static LIBRARIES: LazyLock<Mutex<HashMap<usize, usize>>> = LazyLock::new(Default::default);
+
+fn find_kernel(name: *const c_char) -> CuResult<&'static Kernel> {
+    let name = read_str(name)?;
+    KERNELS.iter().find(|k| k.name.to_bytes() == name.as_bytes()).ok_or(CUresult::CUDA_ERROR_NOT_FOUND)
+}
+
+fn as_function(k: &'static Kernel) -> CUfunction {
+    std::ptr::from_ref(k).cast_mut().cast()
+}
 
 pub(crate) fn module_load_data(out: *mut CUmodule, image: *const c_void) -> CuResult {
     context::current()?;
@@ -61,9 +77,141 @@ pub(crate) fn module_get_function(out: *mut CUfunction, module: CUmodule, name: 
     if !MODULES.lock().contains(&(module as usize)) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
-    let name = read_str(name)?;
-    let kernel = KERNELS.iter().find(|k| k.name == name).ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?;
-    write_out(out, kernel as *const Kernel as CUfunction)
+    write_out(out, as_function(find_kernel(name)?))
+}
+
+/// `cuLibraryLoadData`: loads any image, like `cuModuleLoadData`, without a context.
+pub(crate) fn library_load_data(out: *mut CUlibrary, image: *const c_void) -> CuResult {
+    driver()?;
+    if image.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    new_library(out)
+}
+
+/// `cuLibraryLoadFromFile`: the file must exist and be readable; its contents are not
+/// interpreted.
+pub(crate) fn library_load_from_file(out: *mut CUlibrary, path: *const c_char) -> CuResult {
+    driver()?;
+    std::fs::File::open(read_str(path)?).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
+    new_library(out)
+}
+
+fn new_library(out: *mut CUlibrary) -> CuResult {
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let (library, module) = (new_handle(), new_handle());
+    MODULES.lock().insert(module);
+    LIBRARIES.lock().insert(library, module);
+    write_out(out, library as CUlibrary)
+}
+
+pub(crate) fn library_unload(library: CUlibrary) -> CuResult {
+    driver()?;
+    let module = LIBRARIES.lock().remove(&(library as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    MODULES.lock().remove(&module);
+    Ok(())
+}
+
+fn library(handle: CUlibrary) -> CuResult<usize> {
+    driver()?;
+    LIBRARIES.lock().get(&(handle as usize)).copied().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+pub(crate) fn library_get_kernel(out: *mut CUkernel, handle: CUlibrary, name: *const c_char) -> CuResult {
+    library(handle)?;
+    write_out(out, as_function(find_kernel(name)?).cast())
+}
+
+/// `cuLibraryGetModule`: the library's module in the current context.
+pub(crate) fn library_get_module(out: *mut CUmodule, handle: CUlibrary) -> CuResult {
+    let module = library(handle)?;
+    context::current()?;
+    write_out(out, module as CUmodule)
+}
+
+pub(crate) fn library_get_kernel_count(count: *mut c_uint, handle: CUlibrary) -> CuResult {
+    library(handle)?;
+    write_out(count, KERNELS.len() as c_uint)
+}
+
+/// `cuLibraryEnumerateKernels`: the built-in kernels, as many as `room` allows.
+pub(crate) fn library_enumerate_kernels(out: *mut CUkernel, room: c_uint, handle: CUlibrary) -> CuResult {
+    library(handle)?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    for (i, k) in KERNELS.iter().take(room as usize).enumerate() {
+        // SAFETY: the caller provides `room` writable CUkernel slots; i < room.
+        write_out(unsafe { out.add(i) }, as_function(k).cast())?;
+    }
+    Ok(())
+}
+
+/// `cuKernelGetFunction`: a kernel is its own function in every context.
+pub(crate) fn kernel_get_function(out: *mut CUfunction, k: CUkernel) -> CuResult {
+    driver()?;
+    context::current()?;
+    write_out(out, as_function(kernel(k.cast())?))
+}
+
+/// `cuKernelGetName` and `cuFuncGetName`.
+pub(crate) fn kernel_get_name(out: *mut *const c_char, f: CUfunction) -> CuResult {
+    driver()?;
+    write_out(out, kernel(f)?.name.as_ptr())
+}
+
+/// `cuFuncGetAttribute` and `cuKernelGetAttribute`: the attributes of a small kernel
+/// compiled for compute capability 9.0 (`CUfunction_attribute` values).
+pub(crate) fn func_get_attribute(out: *mut c_int, attribute: c_int, f: CUfunction) -> CuResult {
+    driver()?;
+    kernel(f)?;
+    let value = match attribute {
+        0 => 1024,    // MAX_THREADS_PER_BLOCK
+        1..=3 => 0,   // SHARED, CONST and LOCAL sizes
+        4 => 16,      // NUM_REGS
+        5 | 6 => 90,  // PTX_VERSION, BINARY_VERSION
+        7 => 0,       // CACHE_MODE_CA
+        8 => 49_152,  // MAX_DYNAMIC_SHARED_SIZE_BYTES
+        9 => -1,      // PREFERRED_SHARED_MEMORY_CARVEOUT: no preference
+        10..=15 => 0, // cluster attributes: none required
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    };
+    write_out(out, value)
+}
+
+/// `cuKernelGetAttribute`: as `cuFuncGetAttribute`, on any valid device.
+pub(crate) fn kernel_get_attribute(
+    out: *mut c_int,
+    attribute: c_int,
+    k: CUkernel,
+    device: CUdevice,
+) -> CuResult {
+    device_index(device)?;
+    func_get_attribute(out, attribute, k.cast())
+}
+
+/// `cuLaunchKernelEx`: as `cuLaunchKernel` with the dimensions, shared memory and stream
+/// of `config`; its launch attributes (clusters, priorities, ...) change nothing here.
+pub(crate) fn launch_kernel_ex(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    default: DefaultStream,
+) -> CuResult {
+    let c = read_in(config)?;
+    launch_kernel(
+        f,
+        [c.gridDimX, c.gridDimY, c.gridDimZ],
+        [c.blockDimX, c.blockDimY, c.blockDimZ],
+        c.sharedMemBytes,
+        c.hStream,
+        params,
+        extra,
+        default,
+    )
 }
 
 fn kernel(f: CUfunction) -> CuResult<&'static Kernel> {
@@ -160,7 +308,7 @@ pub(crate) fn launch_kernel(
         // Packed parameter buffers (CU_LAUNCH_PARAM_BUFFER_POINTER) are not simulated.
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
-    let work = match k.name {
+    let work = match k.name.to_str().unwrap_or_default() {
         "simgpu_fill_u32" => {
             Work::Fill { ptr: param(params, 0)?, value: param(params, 1)?, count: param(params, 2)? }
         }

@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 
-use gpufrac_common::cuda_procs::{resolve, ProcQuery};
+use gpufrac_common::cuda_procs::{resolve, ProcQuery, FLAG_PER_THREAD_DEFAULT_STREAM};
 
 use crate::exports::lookup;
 use crate::ffi::{read_str, write_out, CUresult, CuResult};
@@ -26,10 +26,14 @@ pub(crate) fn get_proc_address(
     if pfn.is_null() || flags > 2 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let (found, code) = match resolve(name, version, flags) {
+    let query = match resolve(name, version, flags) {
+        ProcQuery::SymbolNotFound => resolve_simgpu(name, version, flags),
+        known => known,
+    };
+    let (found, code) = match query {
         ProcQuery::Found(exported) => (lookup(exported), PROC_SYMBOL_NOT_FOUND),
         ProcQuery::VersionNotSufficient => (None, PROC_VERSION_NOT_SUFFICIENT),
-        // Not in the versioned table: entry points simgpu exports by their plain name.
+        // In neither versioned table: entry points simgpu exports by their plain name.
         ProcQuery::SymbolNotFound => (lookup(name), PROC_SYMBOL_NOT_FOUND),
     };
     write_out(pfn, found.unwrap_or(std::ptr::null_mut()))?;
@@ -37,6 +41,62 @@ pub(crate) fn get_proc_address(
         write_out(status, if found.is_some() { PROC_SUCCESS } else { code })?;
     }
     found.map(|_| ()).ok_or(CUresult::CUDA_ERROR_NOT_FOUND)
+}
+
+/// One version of an entry point gpufrac's shared table (`gpufrac_common::cuda_procs`)
+/// does not list: (first CUDA version, symbol, its per-thread-default-stream variant).
+type Version = (c_int, &'static str, Option<&'static str>);
+
+/// Entry points simgpu implements beyond the shared table, whose versions change their
+/// arguments, so that a caller asking by base name gets the ABI of the CUDA version it
+/// was built for (versions and variants of `cudaTypedefs.h`).
+static SIMGPU_PROCS: &[(&str, &[Version])] = &[
+    ("cuPointerGetAttributes", &[(7000, "cuPointerGetAttributes", None)]),
+    ("cuStreamIsCapturing", &[(10000, "cuStreamIsCapturing", Some("cuStreamIsCapturing_ptsz"))]),
+    (
+        "cuStreamGetCaptureInfo",
+        &[
+            (10010, "cuStreamGetCaptureInfo", Some("cuStreamGetCaptureInfo_ptsz")),
+            (11030, "cuStreamGetCaptureInfo_v2", Some("cuStreamGetCaptureInfo_v2_ptsz")),
+            (12030, "cuStreamGetCaptureInfo_v3", Some("cuStreamGetCaptureInfo_v3_ptsz")),
+        ],
+    ),
+    (
+        "cuStreamBeginCapture",
+        &[
+            (10000, "cuStreamBeginCapture", Some("cuStreamBeginCapture_ptsz")),
+            (10010, "cuStreamBeginCapture_v2", Some("cuStreamBeginCapture_v2_ptsz")),
+        ],
+    ),
+    ("cuStreamEndCapture", &[(10000, "cuStreamEndCapture", Some("cuStreamEndCapture_ptsz"))]),
+    ("cuThreadExchangeStreamCaptureMode", &[(10010, "cuThreadExchangeStreamCaptureMode", None)]),
+    ("cuFuncGetAttribute", &[(2020, "cuFuncGetAttribute", None)]),
+    ("cuFuncGetName", &[(12030, "cuFuncGetName", None)]),
+    ("cuLibraryLoadData", &[(12000, "cuLibraryLoadData", None)]),
+    ("cuLibraryLoadFromFile", &[(12000, "cuLibraryLoadFromFile", None)]),
+    ("cuLibraryUnload", &[(12000, "cuLibraryUnload", None)]),
+    ("cuLibraryGetKernel", &[(12000, "cuLibraryGetKernel", None)]),
+    ("cuLibraryGetModule", &[(12000, "cuLibraryGetModule", None)]),
+    ("cuLibraryGetKernelCount", &[(12040, "cuLibraryGetKernelCount", None)]),
+    ("cuLibraryEnumerateKernels", &[(12040, "cuLibraryEnumerateKernels", None)]),
+    ("cuKernelGetFunction", &[(12000, "cuKernelGetFunction", None)]),
+    ("cuKernelGetAttribute", &[(12000, "cuKernelGetAttribute", None)]),
+    ("cuKernelGetName", &[(12030, "cuKernelGetName", None)]),
+];
+
+/// Resolves `name` in [`SIMGPU_PROCS`] as `cuGetProcAddress` does: the newest version
+/// not newer than `cuda_version`, per-thread variant when `flags` ask for it.
+fn resolve_simgpu(name: &str, cuda_version: c_int, flags: c_ulonglong) -> ProcQuery {
+    let Some((_, versions)) = SIMGPU_PROCS.iter().find(|(n, _)| *n == name) else {
+        return ProcQuery::SymbolNotFound;
+    };
+    match versions.iter().rev().find(|(since, ..)| *since <= cuda_version) {
+        None => ProcQuery::VersionNotSufficient,
+        Some(&(_, _, Some(per_thread))) if flags & FLAG_PER_THREAD_DEFAULT_STREAM != 0 => {
+            ProcQuery::Found(per_thread)
+        }
+        Some(&(_, symbol, _)) => ProcQuery::Found(symbol),
+    }
 }
 
 /// (code, name, description) of the results simgpu returns and common ones callers print.
@@ -75,4 +135,35 @@ pub(crate) fn error_string(code: c_uint, out: *mut *const c_char) -> CuResult {
     let found = lookup_error(code);
     write_out(out, found.map_or(std::ptr::null(), |e| e.2.as_ptr()))?;
     found.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_simgpu_entry_point_is_exported_and_versioned() {
+        for (name, versions) in SIMGPU_PROCS {
+            assert_eq!(
+                resolve(name, 13000, 0),
+                ProcQuery::SymbolNotFound,
+                "{name} is in the shared table now"
+            );
+            for (_, symbol, per_thread) in versions.iter() {
+                assert!(lookup(symbol).is_some(), "{symbol} is not exported");
+                assert!(per_thread.is_none_or(|pt| lookup(pt).is_some()), "{per_thread:?} is not exported");
+            }
+        }
+        let pt = FLAG_PER_THREAD_DEFAULT_STREAM;
+        assert_eq!(
+            resolve_simgpu("cuStreamGetCaptureInfo", 12090, 0),
+            ProcQuery::Found("cuStreamGetCaptureInfo_v3")
+        );
+        assert_eq!(
+            resolve_simgpu("cuStreamGetCaptureInfo", 11030, pt),
+            ProcQuery::Found("cuStreamGetCaptureInfo_v2_ptsz")
+        );
+        assert_eq!(resolve_simgpu("cuLibraryLoadData", 11080, 0), ProcQuery::VersionNotSufficient);
+        assert_eq!(resolve_simgpu("cuNoSuchThing", 12090, 0), ProcQuery::SymbolNotFound);
+    }
 }

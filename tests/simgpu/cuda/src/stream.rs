@@ -3,7 +3,7 @@
 //! forgets to synchronize can observe it.
 
 use std::collections::HashMap;
-use std::ffi::{c_int, c_uint};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
@@ -154,7 +154,7 @@ pub(crate) fn resolve(handle: CUstream, default: DefaultStream) -> CuResult<Arc<
         if !per_thread {
             return Ok(ctx.null_stream.clone());
         }
-        return Ok(PER_THREAD.with(|cell| {
+        let found = PER_THREAD.try_with(|cell| {
             let mut streams = cell.borrow_mut();
             streams.retain(|(c, _)| context::lookup(*c).is_ok());
             if let Some((_, s)) = streams.iter().find(|(c, _)| *c == ctx.handle()) {
@@ -163,7 +163,10 @@ pub(crate) fn resolve(handle: CUstream, default: DefaultStream) -> CuResult<Arc<
             let s = Stream::for_context(&ctx, 0, 0);
             streams.push((ctx.handle(), s.clone()));
             s
-        }));
+        });
+        // A call from a thread-local destructor at thread exit, after this thread's
+        // streams are gone: the context's default stream keeps its work in order.
+        return Ok(found.unwrap_or_else(|_| ctx.null_stream.clone()));
     }
     STREAMS.lock().get(&raw).cloned().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
@@ -230,8 +233,10 @@ pub(crate) fn priority_range(least: *mut c_int, greatest: *mut c_int) -> CuResul
 /// Streams of a context, for `cuCtxSynchronize`.
 pub(crate) fn streams_of(ctx: usize) -> Vec<Arc<Stream>> {
     let mut all: Vec<_> = STREAMS.lock().values().filter(|s| s.ctx == ctx).cloned().collect();
-    PER_THREAD
-        .with(|cell| all.extend(cell.borrow().iter().filter(|(c, _)| *c == ctx).map(|(_, s)| s.clone())));
+    // During thread-local destruction this thread's per-thread streams are already gone
+    // (and were drained as they went), so there is nothing more to add.
+    let _ = PER_THREAD
+        .try_with(|cell| all.extend(cell.borrow().iter().filter(|(c, _)| *c == ctx).map(|(_, s)| s.clone())));
     all
 }
 
@@ -357,4 +362,77 @@ pub(crate) fn stream_wait_event(
         }
         Ok(())
     }))
+}
+
+/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`. simgpu has no graphs, so
+/// no stream is ever capturing (`cuStreamBeginCapture` is not supported).
+const CAPTURE_STATUS_NONE: c_uint = 0;
+
+/// `cuStreamIsCapturing`: never capturing; the handle is still checked.
+pub(crate) fn stream_is_capturing(handle: CUstream, status: *mut c_uint, default: DefaultStream) -> CuResult {
+    resolve(handle, default)?;
+    write_out(status, CAPTURE_STATUS_NONE)
+}
+
+/// Optional outputs of `cuStreamGetCaptureInfo` (`_v2` adds the graph and its
+/// dependencies, `_v3` their edge data), all of which read as empty when not capturing.
+#[derive(Clone, Copy)]
+pub(crate) struct CaptureOuts {
+    pub id: *mut u64,
+    pub graph: *mut *mut c_void,
+    pub deps: *mut *const c_void,
+    pub edges: *mut *const c_void,
+    pub count: *mut usize,
+}
+
+impl CaptureOuts {
+    pub(crate) fn id_only(id: *mut u64) -> CaptureOuts {
+        use std::ptr::null_mut;
+        CaptureOuts { id, graph: null_mut(), deps: null_mut(), edges: null_mut(), count: null_mut() }
+    }
+}
+
+/// `cuStreamGetCaptureInfo` (all versions): `CU_STREAM_CAPTURE_STATUS_NONE`, and the
+/// optional outputs the caller asked for zeroed.
+pub(crate) fn stream_get_capture_info(
+    handle: CUstream,
+    status: *mut c_uint,
+    outs: CaptureOuts,
+    default: DefaultStream,
+) -> CuResult {
+    stream_is_capturing(handle, status, default)?;
+    if !outs.id.is_null() {
+        write_out(outs.id, 0)?;
+    }
+    if !outs.graph.is_null() {
+        write_out(outs.graph, std::ptr::null_mut())?;
+    }
+    if !outs.deps.is_null() {
+        write_out(outs.deps, std::ptr::null())?;
+    }
+    if !outs.edges.is_null() {
+        write_out(outs.edges, std::ptr::null())?;
+    }
+    if !outs.count.is_null() {
+        write_out(outs.count, 0)?;
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// This thread's `CUstreamCaptureMode` (`CU_STREAM_CAPTURE_MODE_GLOBAL` = 0).
+    static CAPTURE_MODE: std::cell::Cell<c_uint> = const { std::cell::Cell::new(0) };
+}
+
+/// `cuThreadExchangeStreamCaptureMode`: swaps the thread's capture mode with `*mode`.
+/// It only matters while a stream captures, which never happens on simgpu, but callers
+/// save and restore it around their work.
+pub(crate) fn exchange_capture_mode(mode: *mut c_uint) -> CuResult {
+    let wanted = crate::ffi::read_in(mode.cast_const())?;
+    if wanted > 2 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    // At thread exit the mode is gone with the thread: answer the default.
+    let previous = CAPTURE_MODE.try_with(|m| m.replace(wanted)).unwrap_or(0);
+    write_out(mode, previous)
 }
