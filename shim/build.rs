@@ -10,7 +10,11 @@
 //!   rustc asks for `-lgcc_s`; a folder named first with `-L` that holds `libgcc_s.a`
 //!   (a link to `libgcc_eh.a`) and no `libgcc_s.so` answers that with the static
 //!   archive. Where the C compiler cannot name `libgcc_eh.a`, the shim links
-//!   `libgcc_s.so.1` as before.
+//!   `libgcc_s.so.1` as before;
+//! - with `-Bsymbolic-functions`, so that the shim's own references to the functions it
+//!   exports (the hook table names about a hundred of them) are bound when it is linked,
+//!   not looked up by name in every process at start (programs do not define these
+//!   names, so every such lookup found the shim itself).
 
 use std::path::Path;
 use std::process::Command;
@@ -23,6 +27,7 @@ fn main() {
     let path = Path::new(&out).join("dlsym-versions.map");
     std::fs::write(&path, script).expect("write the version script");
     println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", path.display());
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic-functions");
 
     let gnu_linux = std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux")
         && std::env::var("CARGO_CFG_TARGET_ENV").as_deref() == Ok("gnu");
