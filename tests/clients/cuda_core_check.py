@@ -67,6 +67,12 @@ got = fill_resource("device.allocate", device)
 report("device.allocate", bytes=got)
 pool_keeps("device.allocate", got, default)
 owned = [DeviceMemoryResource(device, DeviceMemoryResourceOptions()) for _ in range(2)]
+# cuda-core leaves its own pools' release threshold at 0 (they give memory back at a
+# synchronize); frameworks raise it to the maximum, as for the device's pool.
+for resource in owned:
+    keep_all = cu.cuuint64_t(2**64 - 1)
+    threshold = cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+    assert cu.cuMemPoolSetAttribute(resource.handle, threshold, keep_all)[0] == cu.CUresult.CUDA_SUCCESS
 for i, resource in enumerate(owned):
     got = fill_resource(f"DeviceMemoryResource {i}", resource)
     report(f"DeviceMemoryResource-{i}", bytes=got)

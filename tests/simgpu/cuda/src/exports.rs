@@ -131,6 +131,8 @@ exports! {
     cuMemPoolTrimTo(p: CUmemoryPool, keep: usize) => pool::mem_pool_trim_to(p, keep);
     cuMemPoolSetAttribute(p: CUmemoryPool, attr: c_int, value: *mut c_void) => pool::mem_pool_set_attribute(p, attr, value);
     cuMemPoolGetAttribute(p: CUmemoryPool, attr: c_int, value: *mut c_void) => pool::mem_pool_get_attribute(p, attr, value);
+    cuMemPoolSetAccess(p: CUmemoryPool, map: *const c_void, count: usize) => pool::mem_pool_set_access(p, map, count);
+    cuMemPoolGetAccess(flags: *mut u32, p: CUmemoryPool, location: *const c_void) => pool::mem_pool_get_access(flags, p, location);
 
     // Arrays.
     cuArrayCreate_v2(a: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => array::array_create(a, desc);

@@ -17,7 +17,7 @@ use crate::driver::{device_index, driver};
 use crate::ffi::{read_in, write_out, CUresult, CuResult};
 use crate::memory::{map_anonymous, release_allocation, round_up, Allocation, Kind, ALLOC_ALIGN, REGISTRY};
 use crate::stream::{self, DefaultStream};
-use crate::vmm::PoolPropsRaw;
+use crate::vmm::{AccessDescRaw, LocationRaw, PoolPropsRaw};
 
 #[derive(Default)]
 struct PoolState {
@@ -29,6 +29,9 @@ struct PoolState {
     used_high: u64,
     release_threshold: u64,
     reuse_flags: [i32; 3],
+    /// Access granted to other devices (`cuMemPoolSetAccess`), by device index; the
+    /// pool's own device always has read-write access.
+    peer_access: HashMap<usize, u32>,
 }
 
 pub(crate) struct Pool {
@@ -199,6 +202,58 @@ pub(crate) fn mem_pool_get_attribute(handle: CUmemoryPool, attr: i32, value: *mu
         8 => write_out(value.cast::<u64>(), st.used_high),
         _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
+}
+
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+const READ_WRITE: u32 = 3;
+
+/// `cuMemPoolSetAccess`: who may access the pool's memory. As in CUDA the pool's own
+/// device keeps read-write access (asking for less is an error); other devices get what
+/// is asked (none, read, read-write).
+pub(crate) fn mem_pool_set_access(handle: CUmemoryPool, map: *const c_void, count: usize) -> CuResult {
+    let p = pool(handle as usize)?;
+    if count > 0 && map.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut entries = Vec::with_capacity(count.min(64));
+    for i in 0..count {
+        // SAFETY: the caller passes an array of `count` descriptors (non-null, checked).
+        let entry: AccessDescRaw = read_in(unsafe { map.cast::<AccessDescRaw>().add(i) })?;
+        // CU_MEM_LOCATION_TYPE_DEVICE; flags none (0), read (1), read-write (3).
+        if entry.location.kind != 1 || !matches!(entry.flags, 0 | 1 | 3) {
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = device_index(entry.location.id)?;
+        if device == p.device && entry.flags != READ_WRITE {
+            return Err(CUresult::CUDA_ERROR_INVALID_DEVICE);
+        }
+        entries.push((device, entry.flags));
+    }
+    let mut st = p.state.lock();
+    for (device, flags) in entries.into_iter().filter(|&(d, _)| d != p.device) {
+        st.peer_access.insert(device, flags);
+    }
+    Ok(())
+}
+
+/// `cuMemPoolGetAccess`: the access `location` (a device) has to the pool's memory.
+pub(crate) fn mem_pool_get_access(
+    flags: *mut u32,
+    handle: CUmemoryPool,
+    location: *const c_void,
+) -> CuResult {
+    let p = pool(handle as usize)?;
+    let location: LocationRaw = read_in(location.cast())?;
+    if location.kind != 1 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let device = device_index(location.id)?;
+    let access = if device == p.device {
+        READ_WRITE
+    } else {
+        p.state.lock().peer_access.get(&device).copied().unwrap_or(0)
+    };
+    write_out(flags, access)
 }
 
 fn alloc_from(
