@@ -14,6 +14,8 @@ pub(crate) fn mem_get_info(free: *mut usize, total: *mut usize) -> Status {
     }
     if let Some(e) = enforcer() {
         if let Some(slice) = e.current().and_then(|c| e.slice(c.ordinal)) {
+            // What the pools gave back at a synchronize is free again.
+            e.pools.reconcile(e, Some(slice.ledger), false);
             let held = e.ledger.held(slice.ledger);
             write(total, slice.limit as usize);
             write(free, slice.limit.saturating_sub(held) as usize);

@@ -43,6 +43,10 @@ real_fns! {
     Cuda cuMemAddressReserve(*mut u64, usize, usize, u64, u64);
     Cuda cuMemAddressFree(u64, usize);
     Cuda cuMemSetAccess(u64, usize, *const c_void, usize);
+    Cuda cuMemPoolGetAttribute(*mut c_void, c_int, *mut c_void);
+    Cuda cuDeviceGetMemPool(*mut *mut c_void, c_int);
+    Cuda cuDeviceGetDefaultMemPool(*mut *mut c_void, c_int);
+    Cuda cuStreamGetCtx(*mut c_void, *mut *mut c_void);
     Nvml nvmlInit_v2();
     Nvml nvmlDeviceGetHandleByUUID(*const c_char, *mut *mut c_void);
     Nvml nvmlDeviceGetUUID(*mut c_void, *mut c_char, c_uint);

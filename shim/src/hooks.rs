@@ -163,6 +163,9 @@ hooks! {
             => crate::memory::mem_alloc_from_pool_async_ptsz;
         Cuda cuMemFreeAsync(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async;
         Cuda cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async_ptsz;
+        Cuda cuMemPoolCreate(pool: *mut Ptr, props: *const c_void) => crate::memory::mem_pool_create;
+        Cuda cuMemPoolDestroy(pool: Ptr) => crate::memory::mem_pool_destroy;
+        Cuda cuMemPoolTrimTo(pool: Ptr, keep: usize) => crate::memory::mem_pool_trim_to;
         Cuda cuArrayCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_create;
         Cuda cuArray3DCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_3d_create;
         Cuda cuArrayDestroy(array: Ptr) => crate::memory::array_destroy;
@@ -176,6 +179,19 @@ hooks! {
         // NVML's view of the device.
         Nvml nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info;
         Nvml nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info_v2;
+        // NVML's process lists: the group's own processes only.
+        Nvml nvmlDeviceGetComputeRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v1;
+        Nvml nvmlDeviceGetComputeRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v2;
+        Nvml nvmlDeviceGetComputeRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v3;
+        Nvml nvmlDeviceGetGraphicsRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v1;
+        Nvml nvmlDeviceGetGraphicsRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v2;
+        Nvml nvmlDeviceGetGraphicsRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v3;
+        Nvml nvmlDeviceGetMPSComputeRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v1;
+        Nvml nvmlDeviceGetMPSComputeRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v2;
+        Nvml nvmlDeviceGetMPSComputeRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v3;
+        Nvml nvmlDeviceGetProcessUtilization(device: Ptr, samples: Ptr, count: *mut c_uint, last_seen: c_ulonglong)
+            => crate::processes::utilization;
+        Nvml nvmlDeviceGetProcessesUtilizationInfo(device: Ptr, info: Ptr) => crate::processes::utilization_info;
     }
     gated {
         cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,

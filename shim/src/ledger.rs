@@ -340,6 +340,18 @@ impl Ledger {
         self.data().devices[dev].context_bytes.store(bytes, Ordering::Relaxed);
     }
 
+    /// PIDs of the group's live members (this process alone without a group).
+    pub fn member_pids(&self) -> Vec<u32> {
+        self.forget_dead();
+        let d = self.data();
+        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
+        d.members[..n]
+            .iter()
+            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
+            .map(|m| m.pid.load(Ordering::Relaxed))
+            .collect()
+    }
+
     /// Live members and what each holds on `dev`.
     pub fn members(&self, dev: usize) -> Vec<(u32, u64)> {
         self.forget_dead();

@@ -5,7 +5,9 @@
 //! Layout:
 //! - `hooks`: the one list of hooked symbols; exports, `dlsym` and `cuGetProcAddress`
 //!   answers and the real functions' pointers all come from it;
-//! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do;
+//! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do; `pools`: what
+//!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
+//!   the group's own only;
 //! - `gate`: what launches, copies and sets pass through;
 //! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
 //! - `state`, `init`: setup at the first CUDA call, from the settings of
@@ -29,7 +31,9 @@ mod init;
 pub mod ledger;
 mod memory;
 mod nvml;
+mod pools;
 mod procaddr;
+mod processes;
 pub mod query;
 mod real;
 pub mod records;

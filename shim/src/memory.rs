@@ -11,6 +11,7 @@ use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes, Array3DDescriptor
 use crate::driver::call;
 use crate::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
 use crate::hooks::call_real;
+use crate::pools::{self, Target};
 use crate::records::{Path, Record};
 use crate::state::{enforcer, refused, Charge, Current, Enforcer};
 
@@ -146,22 +147,80 @@ fn free(
 }
 
 pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
-    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, None)) {
-        return status;
+    if let Some(e) = enforcer() {
+        if let Some(status) = crate::swap::free(e, dptr, None) {
+            return status;
+        }
+        // A synchronous free of a pooled allocation returns it to its pool too.
+        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFree_v2(dptr))) {
+            return status;
+        }
     }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
 }
 
-fn pooled(size: usize, dptr: *mut CUdeviceptr, stream: Ptr, real: impl FnMut() -> Status) -> Status {
-    stream_ordered(size as u64, Path::Pooled, Some(stream), dptr, real)
+/// A stream-ordered allocation, from `pool` or (without one) from the current pool of
+/// the stream's device. Its pool's book charges it (see `pools`), except when the stream
+/// is being captured into a graph (the memory belongs to the graph: charged per
+/// allocation and given back at its free, as before), when the pool is not one of a
+/// device's, and when swap backs it with the VMM API.
+fn pooled(
+    size: usize,
+    dptr: *mut CUdeviceptr,
+    pool: Option<Ptr>,
+    stream: Ptr,
+    mut real: impl FnMut() -> Status,
+    free: impl FnOnce(CUdeviceptr) -> Status,
+) -> Status {
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let Some(Current { id, ordinal }) = e.current() else { return real() };
+    let bytes = size as u64;
+    let target = match pool {
+        _ if dptr.is_null() || crate::swap::capturing(stream) => None,
+        Some(pool) => pools::pool_ordinal(e, pool).map(|ordinal| Target { pool, ordinal, context: None }),
+        None => pools::stream_pool(e, stream, ordinal),
+    }
+    .map(|t| Target { context: Some(id), ..t });
+    let Some(target) = target else { return stream_ordered(bytes, Path::Pooled, Some(stream), dptr, real) };
+    if swapping(e) {
+        // Charged whole first, so that swap backs exactly the allocations it did before.
+        let charge = match e.charge(target.ordinal, bytes) {
+            Ok(c) => c,
+            Err(status) => return status,
+        };
+        if crate::swap::backs(e, target.ordinal, &charge) {
+            return crate::swap::allocate(e, target.ordinal, e.contexts.handle(id), charge, dptr);
+        }
+        e.release(charge.device, charge.bytes);
+    }
+    e.pools.allocate(e, target, bytes, dptr, &mut real, free)
+}
+
+/// Whether swap may back allocations with the VMM API in this process.
+fn swapping(e: &Enforcer) -> bool {
+    e.config.resolver == gpufrac_common::Resolver::Swap && e.arbiter.get().is_some()
 }
 
 pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
-    pooled(size, dptr, stream, || call_real!(cuMemAllocAsync(dptr, size, stream)))
+    pooled(
+        size,
+        dptr,
+        None,
+        stream,
+        || call_real!(cuMemAllocAsync(dptr, size, stream)),
+        |p| call_real!(cuMemFreeAsync(p, stream)),
+    )
 }
 
 pub(crate) fn mem_alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
-    pooled(size, dptr, stream, || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)))
+    pooled(
+        size,
+        dptr,
+        None,
+        stream,
+        || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)),
+        |p| call_real!(cuMemFreeAsync_ptsz(p, stream)),
+    )
 }
 
 pub(crate) fn mem_alloc_from_pool_async(
@@ -170,7 +229,14 @@ pub(crate) fn mem_alloc_from_pool_async(
     pool: Ptr,
     stream: Ptr,
 ) -> Status {
-    pooled(size, dptr, stream, || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)))
+    pooled(
+        size,
+        dptr,
+        Some(pool),
+        stream,
+        || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)),
+        |p| call_real!(cuMemFreeAsync(p, stream)),
+    )
 }
 
 pub(crate) fn mem_alloc_from_pool_async_ptsz(
@@ -179,23 +245,73 @@ pub(crate) fn mem_alloc_from_pool_async_ptsz(
     pool: Ptr,
     stream: Ptr,
 ) -> Status {
-    pooled(size, dptr, stream, || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)))
+    pooled(
+        size,
+        dptr,
+        Some(pool),
+        stream,
+        || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)),
+        |p| call_real!(cuMemFreeAsync_ptsz(p, stream)),
+    )
 }
 
-/// An async free gives the charge back at the call: from then on the memory belongs to
-/// the stream's pool, not to the program.
+/// An async free: memory from a pool stays charged in the pool's cache (the pool keeps
+/// it); any other memory (`cuMemAlloc`'d, or a graph's) is given back at the call.
 pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
-    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, Some(stream))) {
-        return status;
+    if let Some(e) = enforcer() {
+        if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
+            return status;
+        }
+        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFreeAsync(dptr, stream))) {
+            return status;
+        }
     }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync(dptr, stream)))
 }
 
 pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
-    if let Some(status) = enforcer().and_then(|e| crate::swap::free(e, dptr, Some(stream))) {
-        return status;
+    if let Some(e) = enforcer() {
+        if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
+            return status;
+        }
+        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFreeAsync_ptsz(dptr, stream))) {
+            return status;
+        }
     }
     free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
+}
+
+/// A pool made on a device is known from the start, so allocations from it are charged
+/// to its device whatever context is current.
+pub(crate) fn mem_pool_create(pool: *mut Ptr, props: *const c_void) -> Status {
+    let status = call_real!(cuMemPoolCreate(pool, props));
+    if let (SUCCESS, Some(e), Some(handle), Some(head)) =
+        (status, enforcer(), read(pool), read(props.cast::<PropHead>()))
+    {
+        // CU_MEM_LOCATION_TYPE_DEVICE: pools of host memory are not device memory.
+        if head.location_type == 1 && head.location_id >= 0 {
+            e.pools.created(e, handle as usize, head.location_id as usize);
+        }
+    }
+    status
+}
+
+/// A destroyed pool's cache goes back; its live allocations keep their charge until freed.
+pub(crate) fn mem_pool_destroy(pool: Ptr) -> Status {
+    let status = call_real!(cuMemPoolDestroy(pool));
+    if let (SUCCESS, Some(e)) = (status, enforcer()) {
+        e.pools.destroyed(e, pool as usize);
+    }
+    status
+}
+
+/// The program trimmed a pool: what it no longer reserves goes back.
+pub(crate) fn mem_pool_trim_to(pool: Ptr, keep: usize) -> Status {
+    let status = call_real!(cuMemPoolTrimTo(pool, keep));
+    if let (SUCCESS, Some(e)) = (status, enforcer()) {
+        e.pools.reconcile(e, None, false);
+    }
+    status
 }
 
 /// Arrays: charged from the descriptor before creation, then corrected to the size the

@@ -19,6 +19,7 @@ fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
     let text = crate::ffi::c_str(name.as_ptr())?;
     let uuid = parse_uuid(text)?;
     let slice = e.slice_for(None, &uuid, total).ok()?;
+    e.pools.reconcile(e, Some(slice.ledger), false);
     Some((slice.limit, e.ledger.held(slice.ledger)))
 }
 

@@ -193,6 +193,11 @@ impl Contexts {
         None
     }
 
+    /// The CUDA ordinal of context `id`.
+    pub(crate) fn ordinal(&self, id: usize) -> usize {
+        self.ordinals[id].load(Ordering::Relaxed) as usize
+    }
+
     /// The driver's handle of context `id`.
     pub(crate) fn handle(&self, id: usize) -> u64 {
         self.handles[id].load(Ordering::Acquire)
@@ -221,6 +226,8 @@ pub(crate) struct Enforcer {
     pub physical: Records,
     pub contexts: Contexts,
     pub vmm: Mutex<crate::memory::VmmBook>,
+    /// Stream-ordered memory pools and their allocations.
+    pub pools: crate::pools::PoolBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
@@ -268,6 +275,7 @@ impl Enforcer {
             physical: Records::new(1 << 14),
             contexts: Contexts::new(),
             vmm: Mutex::new(Default::default()),
+            pools: Default::default(),
             arbiter: OnceLock::new(),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
@@ -425,7 +433,9 @@ impl Enforcer {
         let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
         let dev = slice.ledger;
         let mut pending = None;
-        loop {
+        // How far taking back what the process's pools keep has gone (see `reclaim`).
+        let mut reclaimed = 0;
+        'charge: loop {
             // With an arbiter the group may hold its request plus what it was granted.
             let arbiter = self.arbiter.get();
             let cap = match arbiter {
@@ -443,6 +453,14 @@ impl Enforcer {
                 }
                 Err(over) => over,
             };
+            // Memory the pools keep (and the driver may already have taken back) is the
+            // room, before the arbiter is asked or the charge refused.
+            while reclaimed < 2 {
+                reclaimed += 1;
+                if self.pools.reclaim(self, dev, reclaimed - 1) {
+                    continue 'charge;
+                }
+            }
             let Some(client) = arbiter.filter(|_| over.held.saturating_add(bytes) <= slice.limit) else {
                 tracing::debug!(
                     ordinal,
@@ -533,6 +551,11 @@ impl Enforcer {
         status
     }
 
+    /// Devices set up at `cuInit`.
+    pub(crate) fn device_count(&self) -> usize {
+        self.slices().len()
+    }
+
     /// The slice of the device with `uuid`.
     pub(crate) fn slice_by_uuid(&self, uuid: &[u8; 16]) -> Option<Slice> {
         self.slices().iter().find(|s| &s.uuid == uuid).copied()
@@ -562,6 +585,7 @@ impl Enforcer {
         for (_, r) in self.arrays.drain_where(|r| r.context == Some(id)) {
             self.release(r.device, r.bytes);
         }
+        self.pools.context_gone(self, id);
     }
 
     pub(crate) fn set_context_charge(&self, id: usize, bytes: u64) {
