@@ -11,7 +11,6 @@ from cuda.core import (
     DeviceMemoryResource,
     DeviceMemoryResourceOptions,
     LegacyPinnedMemoryResource,
-    ManagedMemoryResource,
     VirtualMemoryResource,
     VirtualMemoryResourceOptions,
 )
@@ -80,8 +79,8 @@ for i, resource in enumerate(owned):
 for resource in owned:
     resource.close()
 
-got = fill_resource("ManagedMemoryResource", ManagedMemoryResource())
-report("ManagedMemoryResource", bytes=got)
+# ManagedMemoryResource needs CUDA 13 bindings in cuda-core 1.2 (these are 12.9):
+# managed memory is checked through cuda-bindings (cuMemAllocManaged) instead.
 vmm = VirtualMemoryResource(device, VirtualMemoryResourceOptions())
 got = fill_resource("VirtualMemoryResource", vmm)
 report("VirtualMemoryResource", bytes=got)

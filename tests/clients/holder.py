@@ -1,5 +1,5 @@
 """Holds CLIENT_HOLD bytes of device memory (cuda-bindings, cuMemAlloc) until its standard
-input closes: says `READY <pid> <bytes>` once it holds them."""
+input closes: says `READY <pid> <bytes>` once it holds them, `DONE` once it let go."""
 
 import os
 import sys
@@ -26,3 +26,4 @@ print(f"READY {os.getpid()} {hold}", flush=True)
 sys.stdin.read()
 check("cuMemFree", cu.cuMemFree(pointer))
 check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(device))
+print("DONE", flush=True)
