@@ -943,3 +943,364 @@ fn review_is_pure_and_answers_malformed_input() {
     assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
     assert!(webhook::try_review(&json!("nonsense")).is_err());
 }
+
+// ---- The pod's author sets none of gpufrac's variables (issue 12) ----
+
+/// An AdmissionReview as kube-apiserver 1.31 sends it for `kubectl apply` of a pod whose
+/// author wrote gpufrac's variables into the GPU container: plain values, a
+/// `secretKeyRef`, a `fieldRef`, duplicates, and the device plugin's `LD_PRELOAD` and
+/// `NVIDIA_VISIBLE_DEVICES`.
+const AUTHOR_WROTE_OUR_VARIABLES: &str = r#"{
+  "kind": "AdmissionReview",
+  "apiVersion": "admission.k8s.io/v1",
+  "request": {
+    "uid": "3a1c1e0e-5d0c-4f7a-9a57-1d0f6b0c2b11",
+    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+    "resource": {"group": "", "version": "v1", "resource": "pods"},
+    "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+    "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+    "name": "greedy",
+    "namespace": "ml",
+    "operation": "CREATE",
+    "userInfo": {"username": "alice", "uid": "f3b2c1d0-0000-4000-8000-000000000001",
+                 "groups": ["developers", "system:authenticated"]},
+    "object": {
+      "kind": "Pod",
+      "apiVersion": "v1",
+      "metadata": {
+        "name": "greedy",
+        "namespace": "ml",
+        "creationTimestamp": null,
+        "annotations": {
+          "gpufrac.io/gpu-fraction": "0.25",
+          "kubectl.kubernetes.io/last-applied-configuration": "{}"
+        },
+        "managedFields": [{"manager": "kubectl-client-side-apply", "operation": "Update",
+                           "apiVersion": "v1", "time": "2026-11-23T10:00:00Z",
+                           "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}]
+      },
+      "spec": {
+        "containers": [{
+          "name": "train",
+          "image": "registry.example/train:1",
+          "env": [
+            {"name": "APP_MODE", "value": "train"},
+            {"name": "GPUFRAC_MEMORY_REQUEST", "value": "1"},
+            {"name": "GPUFRAC_MEMORY_LIMIT", "value": "1"},
+            {"name": "GPUFRAC_RESOLVER", "value": "priority"},
+            {"name": "GPUFRAC_PRIORITY", "value": "1000000"},
+            {"name": "GPUFRAC_GROUP", "value": "gpufrac-aaaaaaaa-0-50"},
+            {"name": "GPUFRAC_POD", "value": "kube-system/coredns"},
+            {"name": "GPUFRAC_ARBITER_SOCKET", "value": "/tmp/fake.sock"},
+            {"name": "LD_PRELOAD", "value": "/tmp/not-the-shim.so"},
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "GPUFRAC_GROUP", "valueFrom": {"secretKeyRef": {"name": "stolen", "key": "group"}}},
+            {"name": "GPUFRAC_MEMORY_REQUEST", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.annotations['x']"}}},
+            {"name": "GPUFRAC_PRIORITY", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+            {"name": "GPUFRAC_SOMETHING_NEW", "value": "x"},
+            {"name": "GPUFRAC_WAIT_TIMEOUT", "value": "5s"},
+            {"name": "GPUFRAC_LOG", "value": "debug"},
+            {"name": "MODE_COPY", "value": "$(APP_MODE)"}
+          ],
+          "resources": {"limits": {"memory": "4Gi"}},
+          "terminationMessagePath": "/dev/termination-log",
+          "terminationMessagePolicy": "File",
+          "imagePullPolicy": "IfNotPresent"
+        }],
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+        "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default",
+        "securityContext": {},
+        "schedulerName": "default-scheduler",
+        "priority": 0,
+        "enableServiceLinks": true,
+        "preemptionPolicy": "PreemptLowerPriority"
+      },
+      "status": {}
+    },
+    "oldObject": null,
+    "dryRun": false,
+    "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1",
+                "fieldManager": "kubectl-client-side-apply", "fieldValidation": "Strict"}
+  }
+}"#;
+
+/// The warnings of an answer, as strings.
+fn warnings(answer: &Value) -> Vec<String> {
+    answer["response"]["warnings"]
+        .as_array()
+        .map(|w| w.iter().map(|w| w.as_str().expect("a string warning").to_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// The names of a container's env entries, in order.
+fn env_names(container: &Value) -> Vec<String> {
+    env_of(container).into_iter().map(|(name, _)| name).collect()
+}
+
+#[tokio::test]
+async fn the_webhook_overwrites_or_removes_every_variable_it_owns() {
+    let server = Server::start().await;
+    let review: Value = serde_json::from_str(AUTHOR_WROTE_OUR_VARIABLES).expect("the review is JSON");
+    let answer = server.mutate(&review).await;
+    let result = patched(&review, &answer);
+    let train = &result["spec"]["containers"][0];
+    let env = env_of(train); // also: no name twice
+
+    // What the webhook sets comes from the annotations and spec.priority, not the author.
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_LIMIT"), Some("0.25"));
+    assert_eq!(env_value(&env, "GPUFRAC_RESOLVER"), Some("wait"));
+    assert_eq!(env_value(&env, "GPUFRAC_PRIORITY"), Some("0"));
+    assert_eq!(env_value(&env, "GPUFRAC_POD"), Some("ml/greedy"));
+    // What the device plugin's Allocate sets is gone from the spec, value or valueFrom,
+    // since the container's env would win over Allocate's.
+    for name in [
+        "GPUFRAC_MEMORY_REQUEST",
+        "GPUFRAC_GROUP",
+        "GPUFRAC_ARBITER_SOCKET",
+        "LD_PRELOAD",
+        "NVIDIA_VISIBLE_DEVICES",
+        "GPUFRAC_SOMETHING_NEW",
+    ] {
+        assert_eq!(env_value(&env, name), None, "{name} is still in {env:?}");
+    }
+    // The author's own settings stay, in their order; ours stand where the author's
+    // first one stood.
+    assert_eq!(
+        env_names(train),
+        [
+            "APP_MODE",
+            "GPUFRAC_MEMORY_LIMIT",
+            "GPUFRAC_RESOLVER",
+            "GPUFRAC_PRIORITY",
+            "GPUFRAC_POD",
+            "GPUFRAC_WAIT_TIMEOUT",
+            "GPUFRAC_LOG",
+            "MODE_COPY",
+        ]
+    );
+    assert_eq!(env_value(&env, "GPUFRAC_WAIT_TIMEOUT"), Some("5s"));
+    assert_eq!(env_value(&env, "GPUFRAC_LOG"), Some("debug"));
+    assert_eq!(env_value(&env, "MODE_COPY"), Some("$(APP_MODE)"));
+    assert_eq!(train["resources"]["limits"]["gpufrac.io/gpu"], "25");
+    assert_eq!(train["resources"]["limits"]["memory"], "4Gi");
+
+    // The author is told what was taken over.
+    let warnings = warnings(&answer);
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].starts_with(
+        "container \"train\": env \"GPUFRAC_MEMORY_LIMIT\", \"GPUFRAC_RESOLVER\", \"GPUFRAC_PRIORITY\", \
+         \"GPUFRAC_POD\" replaced"
+    ));
+    assert!(warnings[1].starts_with(
+        "container \"train\": env \"GPUFRAC_MEMORY_REQUEST\", \"GPUFRAC_GROUP\", \"GPUFRAC_ARBITER_SOCKET\", \
+         \"LD_PRELOAD\", \"NVIDIA_VISIBLE_DEVICES\", \"GPUFRAC_SOMETHING_NEW\" removed"
+    ));
+    server.stop().await;
+}
+
+#[test]
+fn the_patch_never_adds_what_the_device_plugin_sets() {
+    // The same pod through the pure function: the patch itself never names the plugin's
+    // variables (an `add` of them would be the author's value under another name).
+    let request: Value = serde_json::from_str(AUTHOR_WROTE_OUR_VARIABLES).expect("JSON");
+    let answer = review(&request);
+    let b64 = answer["response"]["patch"].as_str().expect("a patch");
+    let text = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(b64).expect("base64"))
+        .expect("UTF-8");
+    for name in
+        ["GPUFRAC_MEMORY_REQUEST", "GPUFRAC_GROUP", "GPUFRAC_ARBITER_SOCKET", "LD_PRELOAD", "stolen", "all"]
+    {
+        assert!(!text.contains(&format!("\"{name}\"")), "the patch names {name}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn no_container_of_a_gpufrac_pod_sets_gpufrac_variables() {
+    let server = Server::start().await;
+    let mut main = container("main");
+    main["env"] = json!([{"name": "A", "value": "1"}]);
+    let mut sidecar = container("sidecar");
+    // A sidecar could preload the shim with its own settings: they are removed; its own
+    // LD_PRELOAD is not gpufrac's (it gets no shares, no shim and no socket) and stays.
+    sidecar["env"] = json!([
+        {"name": "GPUFRAC_MEMORY_REQUEST", "value": "1"},
+        {"name": "LD_PRELOAD", "value": "/usr/lib/libjemalloc.so"},
+        {"name": "GPUFRAC_GROUP", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+        {"name": "GPUFRAC_LOG", "value": "info"},
+    ]);
+    // A container that asks for gpufrac.io/gpu itself gets shares too: the device plugin's
+    // variables are removed from it as from the chosen one.
+    let mut helper = container("helper");
+    helper["resources"] = json!({"limits": {"gpufrac.io/gpu": "10"}});
+    helper["env"] = json!([
+        {"name": "LD_PRELOAD", "value": "/tmp/x.so"},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+        {"name": "KEEP", "value": "yes"},
+    ]);
+    let mut pod = pod(json!({"gpufrac.io/gpu-fraction": "0.5"}), json!([main, sidecar, helper]));
+    let mut init = container("fetch-weights");
+    init["env"] = json!([
+        {"name": "GPUFRAC_PRIORITY", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]);
+    pod["spec"]["initContainers"] = json!([init, container("untouched-init")]);
+    let review = create(pod);
+    let answer = server.mutate(&review).await;
+    let result = patched(&review, &answer);
+
+    let containers = &result["spec"]["containers"];
+    assert_eq!(
+        env_names(&containers[0]),
+        ["A", "GPUFRAC_MEMORY_LIMIT", "GPUFRAC_RESOLVER", "GPUFRAC_PRIORITY", "GPUFRAC_POD"]
+    );
+    assert_eq!(
+        env_of(&containers[1]),
+        [
+            ("LD_PRELOAD".to_owned(), "/usr/lib/libjemalloc.so".to_owned()),
+            ("GPUFRAC_LOG".to_owned(), "info".to_owned()),
+        ]
+    );
+    assert_eq!(env_of(&containers[2]), [("KEEP".to_owned(), "yes".to_owned())]);
+    assert_eq!(containers[2]["resources"], json!({"limits": {"gpufrac.io/gpu": "10"}}));
+    let inits = &result["spec"]["initContainers"];
+    assert_eq!(inits[0]["env"], json!([]));
+    assert_eq!(inits[1], container("untouched-init"));
+
+    let warnings = warnings(&answer);
+    let expected = [
+        "init container \"fetch-weights\": env \"GPUFRAC_PRIORITY\" removed",
+        "container \"sidecar\": env \"GPUFRAC_MEMORY_REQUEST\", \"GPUFRAC_GROUP\" removed",
+        "container \"helper\": env \"LD_PRELOAD\", \"NVIDIA_VISIBLE_DEVICES\" removed",
+    ];
+    assert_eq!(warnings.len(), expected.len(), "{warnings:?}");
+    for (warning, expected) in warnings.iter().zip(expected) {
+        assert!(warning.starts_with(expected), "{warning:?} should start with {expected:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn env_from_that_could_set_gpufrac_variables_is_refused() {
+    let server = Server::start().await;
+    let with_env_from = |env_from: Value| {
+        let mut main = container("main");
+        main["envFrom"] = env_from;
+        create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!([main])))
+    };
+
+    // No prefix: a ConfigMap's keys reach the container as they are.
+    let message =
+        refusal(&server.mutate(&with_env_from(json!([{"configMapRef": {"name": "app-config"}}]))).await);
+    assert!(
+        message.starts_with("container \"main\": envFrom[0] (configMapRef \"app-config\") has no prefix"),
+        "{message}"
+    );
+    assert!(message.contains("such as APP_"), "{message}");
+    // A prefix that, with a key, makes one of gpufrac's names: GPU + FRAC_GROUP,
+    // LD_ + PRELOAD, GPUFRAC_ + anything.
+    for prefix in ["GPU", "LD_", "GPUFRAC_", "GPUFRAC_X", "NVIDIA_"] {
+        let answer = server
+            .mutate(&with_env_from(json!([
+                {"prefix": "APP_", "configMapRef": {"name": "fine"}},
+                {"prefix": prefix, "secretRef": {"name": "tokens", "optional": true}},
+            ])))
+            .await;
+        let message = refusal(&answer);
+        assert!(
+            message.starts_with(&format!(
+                "container \"main\": envFrom[1] (secretRef \"tokens\") has prefix \"{prefix}\""
+            )),
+            "{prefix}: {message}"
+        );
+    }
+    // Every such source is named.
+    let message = refusal(
+        &server
+            .mutate(&with_env_from(json!([
+                {"configMapRef": {"name": "a"}},
+                {"secretRef": {"name": "b"}},
+            ])))
+            .await,
+    );
+    assert!(
+        message.contains("envFrom[0] (configMapRef \"a\")")
+            && message.contains("envFrom[1] (secretRef \"b\")")
+    );
+
+    // A safe prefix is kept as written.
+    let review = with_env_from(json!([{"prefix": "APP_", "configMapRef": {"name": "app-config"}}]));
+    let result = patched(&review, &server.mutate(&review).await);
+    assert_eq!(
+        result["spec"]["containers"][0]["envFrom"],
+        json!([{"prefix": "APP_", "configMapRef": {"name": "app-config"}}])
+    );
+
+    // A container without shares may use envFrom as it likes: whatever it sets, it gets no
+    // shim, no socket and no entitlement from the arbiter.
+    let mut sidecar = container("sidecar");
+    sidecar["envFrom"] = json!([{"configMapRef": {"name": "sidecar-config"}}]);
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!([container("main"), sidecar])));
+    let result = patched(&review, &server.mutate(&review).await);
+    assert_eq!(
+        result["spec"]["containers"][1]["envFrom"],
+        json!([{"configMapRef": {"name": "sidecar-config"}}])
+    );
+
+    // An init container that asks for gpufrac.io/gpu itself gets shares: the same rule.
+    let mut init = container("warmup");
+    init["resources"] = json!({"requests": {"gpufrac.io/gpu": "5"}, "limits": {"gpufrac.io/gpu": "5"}});
+    init["envFrom"] = json!([{"secretRef": {"name": "s"}}]);
+    let mut pod = pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!([container("main")]));
+    pod["spec"]["initContainers"] = json!([init]);
+    let message = refusal(&server.mutate(&create(pod)).await);
+    assert!(
+        message.starts_with("init container \"warmup\": envFrom[0] (secretRef \"s\") has no prefix"),
+        "{message}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn pods_without_the_annotation_keep_what_their_author_wrote() {
+    // The webhook's contract: a pod that does not ask for a fraction passes unchanged,
+    // whatever its env says (the arbiter caps such a pod by the shares the kubelet gave
+    // it, not by its env).
+    let server = Server::start().await;
+    let mut main = container("main");
+    main["env"] = json!([
+        {"name": "GPUFRAC_MEMORY_REQUEST", "value": "1"},
+        {"name": "LD_PRELOAD", "value": "/x.so"},
+    ]);
+    main["envFrom"] = json!([{"configMapRef": {"name": "anything"}}]);
+    let review = create(pod(json!({"example.com/team": "a"}), json!([main])));
+    assert_allowed_unchanged(&server.mutate(&review).await);
+    server.stop().await;
+}
+
+#[test]
+fn takeover_warnings_stay_few_and_short() {
+    // Hundreds of sidecars each writing many GPUFRAC_ names: a bounded answer.
+    let env: Vec<Value> =
+        (0..50).map(|i| json!({"name": format!("GPUFRAC_X{i}_{}", "Y".repeat(200)), "value": "1"})).collect();
+    let containers: Vec<Value> = (0..300)
+        .map(|i| {
+            let mut c = container(&format!("c{i}"));
+            c["env"] = json!(env);
+            c
+        })
+        .collect();
+    let answer = review(&create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!(containers))));
+    let warnings = warnings(&answer);
+    assert!(warnings.len() <= 12, "{} warnings", warnings.len());
+    assert!(warnings.last().is_some_and(|w| w.contains("more warnings")), "{warnings:?}");
+    for warning in &warnings {
+        assert!(warning.len() < 1_200, "{} bytes: {warning}", warning.len());
+    }
+    // Every container's entries are still removed.
+    let result =
+        patched(&create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!(containers))), &answer);
+    for c in result["spec"]["containers"].as_array().expect("containers").iter().skip(1) {
+        assert_eq!(c["env"], json!([]));
+    }
+}

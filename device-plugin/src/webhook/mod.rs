@@ -12,6 +12,7 @@
 
 use std::path::PathBuf;
 
+mod owned;
 mod patch;
 mod review;
 mod server;

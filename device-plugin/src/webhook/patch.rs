@@ -7,6 +7,8 @@
 
 use serde_json::{json, Value};
 
+use super::owned::{is_owned, Role};
+
 /// The extended resource the device plugin advertises.
 pub(crate) const RESOURCE: &str = "gpufrac.io/gpu";
 
@@ -49,9 +51,26 @@ pub(crate) fn escape(token: &str) -> String {
     token.replace('~', "~0").replace('/', "~1")
 }
 
+/// The author's `env` entries that the webhook took over in one container.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TakenOver {
+    /// Variables the webhook sets, whose author-written values it replaced.
+    pub(crate) replaced: Vec<String>,
+    /// Variables the device plugin sets (or other owned ones), whose entries it removed.
+    pub(crate) removed: Vec<String>,
+}
+
+impl TakenOver {
+    /// Whether nothing was taken over.
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.replaced.is_empty() && self.removed.is_empty()
+    }
+}
+
 /// The patch operations for `container` (the current JSON of
-/// `spec.containers[grant.index]`).
-pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> Vec<Value> {
+/// `spec.containers[grant.index]`), and what of the author's env they replace or remove.
+pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> (Vec<Value>, TakenOver) {
     let base = format!("/spec/containers/{}", grant.index);
     let quantity = Value::from(grant.shares.to_string());
     let mut ops = Vec::new();
@@ -86,20 +105,27 @@ pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> Vec<
     }
 
     let existing = container.get("env").and_then(Value::as_array);
-    let env = merged_env(existing.map(Vec::as_slice).unwrap_or_default(), grant);
+    let (env, taken) = merged_env(existing.map(Vec::as_slice).unwrap_or_default(), grant);
+    // The whole array is replaced: removals by index would have to be ordered, and a
+    // `replace` of `env` is one operation whatever the author wrote.
     ops.push(json!({
         "op": if existing.is_some() { "replace" } else { "add" },
         "path": format!("{base}/env"),
         "value": env,
     }));
-    ops
+    (ops, taken)
 }
 
 /// The container's env with ours in: a variable of ours that the container already has is
-/// replaced where it stands (later duplicates dropped); the others are appended. The
-/// helper `GPUFRAC_POD_NAME`, when used, always stands right before `GPUFRAC_POD`, since
-/// the kubelet expands `$(VAR)` only from variables defined earlier.
-fn merged_env(existing: &[Value], grant: &ContainerGrant) -> Vec<Value> {
+/// replaced where it stands (later duplicates dropped); the others are appended. Every
+/// other variable gpufrac owns in a container with shares (`owned.rs`: the device
+/// plugin's `GPUFRAC_MEMORY_REQUEST`, `GPUFRAC_GROUP`, `GPUFRAC_ARBITER_SOCKET`,
+/// `LD_PRELOAD`, `NVIDIA_VISIBLE_DEVICES`, any other `GPUFRAC_*` but the user settings)
+/// is removed, whether a `value` or a `valueFrom`, so that `Allocate`'s value is the one
+/// the container gets. The helper `GPUFRAC_POD_NAME`, when used, always stands right
+/// before `GPUFRAC_POD`, since the kubelet expands `$(VAR)` only from variables defined
+/// earlier.
+fn merged_env(existing: &[Value], grant: &ContainerGrant) -> (Vec<Value>, TakenOver) {
     let var = |name: &str, value: &str| json!({ "name": name, "value": value });
     let pod_value = match &grant.name {
         PodName::Known(name) => format!("{}/{name}", grant.namespace),
@@ -118,6 +144,7 @@ fn merged_env(existing: &[Value], grant: &ContainerGrant) -> Vec<Value> {
         ("GPUFRAC_PRIORITY", var("GPUFRAC_PRIORITY", &grant.priority)),
         ("GPUFRAC_POD", var("GPUFRAC_POD", &pod_value)),
     ];
+    let mut taken = TakenOver::default();
     let mut emitted = [false; 4];
     let mut out = Vec::with_capacity(existing.len() + ours.len() + 1);
     let mut emit = |i: usize, out: &mut Vec<Value>| {
@@ -133,17 +160,31 @@ fn merged_env(existing: &[Value], grant: &ContainerGrant) -> Vec<Value> {
     for entry in existing {
         let name = entry.get("name").and_then(Value::as_str);
         if name == Some(POD_NAME_HELPER) {
-            continue; // put back, if needed, right before GPUFRAC_POD
+            // Put back, if needed, right before GPUFRAC_POD.
+            let list = if helper.is_some() { &mut taken.replaced } else { &mut taken.removed };
+            note(list, POD_NAME_HELPER);
+            continue;
         }
-        match ours.iter().position(|(ours, _)| Some(*ours) == name) {
-            Some(i) => emit(i, &mut out),
-            None => out.push(entry.clone()),
+        match (ours.iter().position(|(ours, _)| Some(*ours) == name), name) {
+            (Some(i), Some(name)) => {
+                note(&mut taken.replaced, name);
+                emit(i, &mut out);
+            }
+            (None, Some(name)) if is_owned(name, Role::Gpu) => note(&mut taken.removed, name),
+            _ => out.push(entry.clone()),
         }
     }
     for i in 0..ours.len() {
         emit(i, &mut out);
     }
-    out
+    (out, taken)
+}
+
+/// Adds `name` to `names` unless it is there.
+fn note(names: &mut Vec<String>, name: &str) {
+    if !names.iter().any(|n| n == name) {
+        names.push(name.to_owned());
+    }
 }
 
 #[cfg(test)]
@@ -174,7 +215,8 @@ mod tests {
 
     #[test]
     fn bare_container_gets_parents_added() {
-        let ops = container_patch(&json!({"name": "a"}), &grant(PodName::Known("p".into())));
+        let (ops, taken) = container_patch(&json!({"name": "a"}), &grant(PodName::Known("p".into())));
+        assert!(taken.is_empty());
         assert_eq!(
             ops[0],
             json!({"op": "add", "path": "/spec/containers/1/resources",
@@ -196,7 +238,9 @@ mod tests {
             json!({"name": "GPUFRAC_RESOLVER", "value": "dup"}),
             json!({"name": "GPUFRAC_POD", "value": "x"}),
         ];
-        let env = merged_env(&existing, &grant(PodName::Generated));
+        let (env, taken) = merged_env(&existing, &grant(PodName::Generated));
+        assert_eq!(taken.replaced, ["GPUFRAC_RESOLVER", "GPUFRAC_POD_NAME", "GPUFRAC_POD"]);
+        assert!(taken.removed.is_empty());
         assert_eq!(
             names(&env),
             [

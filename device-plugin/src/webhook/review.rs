@@ -21,11 +21,23 @@
 //!   annotation (default the request) but never below `shares / 100`, so the shim's
 //!   `limit >= request` holds (`0.333` → 34 shares, limit `0.34`). Rounding up is
 //!   reported as an AdmissionReview warning.
+//! - The pod's author sets none of gpufrac's variables (`owned.rs`): in the chosen
+//!   container, an author-written `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
+//!   `GPUFRAC_PRIORITY` or `GPUFRAC_POD` is replaced, and every other `GPUFRAC_*` (but
+//!   `GPUFRAC_WAIT_TIMEOUT` and `GPUFRAC_LOG`), `LD_PRELOAD` and `NVIDIA_VISIBLE_DEVICES`
+//!   is removed, so the device plugin's values win; in every other container and init
+//!   container those `GPUFRAC_*` are removed too (the same two kept), and in any of them
+//!   that asks for `gpufrac.io/gpu` itself, `LD_PRELOAD` and `NVIDIA_VISIBLE_DEVICES`
+//!   also. Each container's takeover is an AdmissionReview warning.
+//! - A container that gets shares (the chosen one, or one asking for `gpufrac.io/gpu`)
+//!   with an `envFrom` source whose `prefix` could form one of those names (no prefix,
+//!   `GPU`, `LD_`, …) is refused: its keys cannot be read at admission.
 
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use super::patch::{container_patch, ContainerGrant, PodName};
+use super::owned::{env_from_problems, strip_env, Role};
+use super::patch::{container_patch, ContainerGrant, PodName, TakenOver, RESOURCE};
 use super::settings::{cut, shown, shown_json, Fraction, Settings, CONTAINER};
 
 /// The only AdmissionReview version served.
@@ -173,7 +185,7 @@ fn decide(request: &Value) -> Decision {
 
     let shares = settings.request.shares();
     let granted = Fraction::from_shares(shares);
-    let mut warnings = Vec::new();
+    let mut warnings: Vec<String> = Vec::new();
     if granted.as_ref() != Some(&settings.request) {
         warnings.push(format!(
             "gpufrac.io/gpu-fraction={} is granted in whole shares of 1/100 GPU: {shares} \
@@ -200,6 +212,30 @@ fn decide(request: &Value) -> Decision {
     };
     let priority = pod.pointer("/spec/priority").and_then(Value::as_i64).unwrap_or(0).to_string();
 
+    let init_containers =
+        pod.pointer("/spec/initContainers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    // Every container of the pod, with its place in the patch and what it is to gpufrac.
+    let all: Vec<Member<'_>> = init_containers
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Member::new(c, "initContainers", "init container", i, false))
+        .chain(
+            containers
+                .iter()
+                .enumerate()
+                .map(|(i, c)| Member::new(c, "containers", "container", i, i == index)),
+        )
+        .collect();
+
+    let problems: Vec<String> = all
+        .iter()
+        .filter(|m| m.role == Role::Gpu)
+        .flat_map(|m| env_from_problems(m.json, &m.label))
+        .collect();
+    if !problems.is_empty() {
+        return Decision::Refuse(listed(problems, "more envFrom sources"));
+    }
+
     let grant = ContainerGrant {
         index,
         shares,
@@ -209,7 +245,97 @@ fn decide(request: &Value) -> Decision {
         namespace,
         name,
     };
-    Decision::Patch(container_patch(&containers[index], &grant), warnings)
+    let mut ops = Vec::new();
+    let mut taken_over = Vec::new();
+    for member in &all {
+        if member.chosen {
+            let (patch, taken) = container_patch(member.json, &grant);
+            ops.extend(patch);
+            taken_over.extend(taken_over_warnings(&member.label, &taken));
+            continue;
+        }
+        let env = member.json.get("env").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        if let Some((kept, removed)) = strip_env(env, member.role) {
+            ops.push(json!({"op": "replace", "path": format!("{}/env", member.path), "value": kept}));
+            let taken = TakenOver { replaced: Vec::new(), removed };
+            taken_over.extend(taken_over_warnings(&member.label, &taken));
+        }
+    }
+    if taken_over.len() > WARNINGS_LISTED {
+        let more = taken_over.len() - WARNINGS_LISTED;
+        taken_over.truncate(WARNINGS_LISTED);
+        taken_over.push(format!("and {more} more warnings like these"));
+    }
+    warnings.extend(taken_over);
+    Decision::Patch(ops, warnings)
+}
+
+/// One container or init container of a pod that asks for a fraction.
+struct Member<'a> {
+    /// Its JSON in the pod.
+    json: &'a Value,
+    /// Its JSON Pointer (`/spec/containers/1`).
+    path: String,
+    /// How messages name it (`container "main"`).
+    label: String,
+    /// Whether the webhook gives it the pod's fraction.
+    chosen: bool,
+    /// What it is to gpufrac: the chosen container, and any that asks for
+    /// `gpufrac.io/gpu` itself, get shares.
+    role: Role,
+}
+
+impl<'a> Member<'a> {
+    fn new(json: &'a Value, list: &str, what: &str, index: usize, chosen: bool) -> Member<'a> {
+        let asks = ["limits", "requests"].iter().any(|l| {
+            json.pointer(&format!("/resources/{l}"))
+                .and_then(Value::as_object)
+                .is_some_and(|m| m.contains_key(RESOURCE))
+        });
+        let name = json.get("name").and_then(Value::as_str).unwrap_or_default();
+        Member {
+            json,
+            path: format!("/spec/{list}/{index}"),
+            label: format!("{what} {}", shown(name)),
+            chosen,
+            role: if chosen || asks { Role::Gpu } else { Role::Other },
+        }
+    }
+}
+
+/// The most warnings about taken-over env entries in one answer, and the most names in one.
+const WARNINGS_LISTED: usize = 10;
+
+/// What a user is told about the env entries the webhook took over in one container
+/// (kept short: the API server may cut warnings over 256 characters).
+fn taken_over_warnings(label: &str, taken: &TakenOver) -> Vec<String> {
+    let mut warnings = Vec::new();
+    if !taken.replaced.is_empty() {
+        warnings.push(format!("{label}: env {} replaced by the webhook's values", names(&taken.replaced)));
+    }
+    if !taken.removed.is_empty() {
+        warnings.push(format!("{label}: env {} removed: only gpufrac sets them", names(&taken.removed)));
+    }
+    warnings
+}
+
+/// Env names for a message: the first [`WARNINGS_LISTED`], quoted and cut, then how many more.
+fn names(list: &[String]) -> String {
+    let mut shown_names: Vec<String> = list.iter().take(WARNINGS_LISTED).map(|n| shown(n)).collect();
+    if list.len() > WARNINGS_LISTED {
+        shown_names.push(format!("and {} more", list.len() - WARNINGS_LISTED));
+    }
+    shown_names.join(", ")
+}
+
+/// Problems joined with `; `: the first [`WARNINGS_LISTED`], then how many more.
+fn listed(mut problems: Vec<String>, more_of: &str) -> String {
+    if problems.len() > WARNINGS_LISTED {
+        let more = problems.len() - WARNINGS_LISTED;
+        problems.truncate(WARNINGS_LISTED);
+        problems.push(format!("and {more} {more_of}"));
+    }
+    problems.join("; ")
 }
 
 /// The most container names listed in a refusal; a pod may have thousands.
