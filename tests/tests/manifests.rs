@@ -5,6 +5,14 @@
 //! (the webhook's path, the kubelet's device-plugin folder, the flags) are where they
 //! expect them. The certificate script makes a certificate the webhook can serve.
 //!
+//! The arbiter's trust rests on its manifests too (issue 12): parsed with PyYAML (from the
+//! same virtual environment), the DaemonSet must run it with `--kubernetes`, the kubelet's
+//! PodResources folder read-only, `NODE_NAME` from the downward API, `hostPID`, and the
+//! service account's token in the arbiter alone; the only RBAC is get/list/watch on
+//! pods, bound to the node's service account; and every flag a manifest passes is one the
+//! built binary lists in `--help` (so the workspace must be built first, as for the other
+//! end-to-end tests).
+//!
 //! Needs `kubernetes-validate`, installed by the README's test command into the
 //! workspace's virtual environment `.venv/` (`python3 -m venv .venv && .venv/bin/pip
 //! install -r tests/requirements.txt`): without it these tests fail and say so; they
@@ -12,6 +20,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use serde_json::{json, Value};
 
 /// Kubernetes versions whose schemas every manifest must pass: the oldest the docs
 /// support (`matchConditions` on webhooks is GA from 1.30) and the newest bundled with
@@ -321,4 +331,335 @@ fn the_certificate_script_makes_a_serving_certificate() {
         "the certificate is signed by the CA: {}",
         String::from_utf8_lossy(&verify.stdout)
     );
+}
+
+// ---- What the arbiter trusts (issue 12): its DaemonSet and its RBAC, parsed ----
+
+/// The Python that parses YAML for these tests: the one beside the validator in `.venv/`
+/// (kubernetes-validate depends on PyYAML), else `python3`.
+fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python3");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+/// The documents of `examples/kubernetes/<name>`, as JSON, parsed by PyYAML's
+/// `safe_load_all` (empty documents left out).
+fn documents(name: &str) -> Vec<Value> {
+    let path = kubernetes_dir().join(name);
+    let out = Command::new(python())
+        .args([
+            "-c",
+            "import json, sys, yaml\nprint(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d is not None]))",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", python().display()));
+    assert!(
+        out.status.success(),
+        "parsing {} with PyYAML failed (install it with: {INSTALL}): {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("PyYAML's documents as JSON")
+}
+
+/// The one document of `kind` named `name` in `docs`.
+fn resource<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    let found: Vec<&Value> =
+        docs.iter().filter(|d| d["kind"] == kind && d["metadata"]["name"] == name).collect();
+    assert_eq!(found.len(), 1, "expected one {kind} {name}, found {}", found.len());
+    found[0]
+}
+
+/// The container `name` of a pod spec.
+fn container<'a>(spec: &'a Value, name: &str) -> &'a Value {
+    spec["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no container {name} in the DaemonSet"))
+}
+
+/// A container's args as strings.
+fn args(container: &Value) -> Vec<&str> {
+    container["args"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default()
+}
+
+/// The value that follows `flag` in `args`.
+fn flag_value<'a>(args: &[&'a str], flag: &str) -> Option<&'a str> {
+    args.iter().position(|a| *a == flag).and_then(|i| args.get(i + 1).copied())
+}
+
+/// The volume mounted at `mount_path` in `container`, with its mount.
+fn mounted<'a>(spec: &'a Value, container: &'a Value, mount_path: &str) -> (&'a Value, &'a Value) {
+    let mount = container["volumeMounts"]
+        .as_array()
+        .and_then(|ms| ms.iter().find(|m| m["mountPath"] == mount_path))
+        .unwrap_or_else(|| panic!("container {} mounts nothing at {mount_path}", container["name"]));
+    let volume = spec["volumes"]
+        .as_array()
+        .and_then(|vs| vs.iter().find(|v| v["name"] == mount["name"]))
+        .unwrap_or_else(|| panic!("no volume {} in the DaemonSet", mount["name"]));
+    (mount, volume)
+}
+
+#[test]
+fn the_arbiter_learns_entitlements_from_the_kubelet_and_the_pod() {
+    let docs = documents("daemonset.yaml");
+    let spec = &resource(&docs, "DaemonSet", "gpufrac-node")["spec"]["template"]["spec"];
+    let arbiter = container(spec, "arbiter");
+    let arbiter_args = args(arbiter);
+
+    // Entitlements from the kubelet and the API server, never from a client's env.
+    assert!(arbiter_args.contains(&"--kubernetes"), "arbiter args: {arbiter_args:?}");
+    assert!(!arbiter_args.contains(&"--policy"), "--policy and --kubernetes exclude each other");
+    assert_eq!(
+        flag_value(&arbiter_args, "--pod-resources-socket"),
+        Some("/var/lib/kubelet/pod-resources/kubelet.sock")
+    );
+    assert_eq!(flag_value(&arbiter_args, "--socket"), Some("/run/gpufrac/arbiter.sock"));
+    // Shares are counted the same way by both: a share is 1/N of a GPU for each.
+    let plugin_args = args(container(spec, "device-plugin"));
+    assert_eq!(
+        flag_value(&arbiter_args, "--shares-per-gpu"),
+        flag_value(&plugin_args, "--shares-per-gpu"),
+        "the arbiter's and the device plugin's --shares-per-gpu differ"
+    );
+
+    // NODE_NAME from the downward API.
+    let node_name = arbiter["env"]
+        .as_array()
+        .and_then(|env| env.iter().find(|e| e["name"] == "NODE_NAME"))
+        .expect("the arbiter has NODE_NAME");
+    assert_eq!(node_name["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName");
+    assert!(node_name.get("value").is_none());
+
+    // The kubelet's PodResources folder, read-only, from the host.
+    let (mount, volume) = mounted(spec, arbiter, "/var/lib/kubelet/pod-resources");
+    assert_eq!(mount["readOnly"], true, "the PodResources folder is mounted read-only");
+    assert_eq!(volume["hostPath"]["path"], "/var/lib/kubelet/pod-resources");
+    // The socket folder the shims connect to.
+    let (_, volume) = mounted(spec, arbiter, "/run/gpufrac");
+    assert_eq!(volume["hostPath"]["path"], "/run/gpufrac");
+
+    // The node's processes: /proc/<pid>/cgroup and pidfds of other pods' processes.
+    assert_eq!(spec["hostPID"], true);
+    // Signals to processes of any user, and nothing more.
+    let caps = &arbiter["securityContext"]["capabilities"];
+    assert_eq!(caps["drop"], json!(["ALL"]));
+    assert_eq!(caps["add"], json!(["KILL"]));
+    assert_ne!(arbiter["securityContext"]["privileged"], true);
+
+    // The service account's token reaches the arbiter alone, at the standard path.
+    assert_eq!(spec["serviceAccountName"], "gpufrac-node");
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    let token_dir = "/var/run/secrets/kubernetes.io/serviceaccount";
+    let (mount, volume) = mounted(spec, arbiter, token_dir);
+    assert_eq!(mount["readOnly"], true);
+    let sources = volume["projected"]["sources"].as_array().expect("a projected volume");
+    assert!(sources.iter().any(|s| s["serviceAccountToken"]["path"] == "token"), "{sources:?}");
+    assert!(
+        sources.iter().any(|s| s["configMap"]["name"] == "kube-root-ca.crt"
+            && s["configMap"]["items"] == json!([{"key": "ca.crt", "path": "ca.crt"}])),
+        "{sources:?}"
+    );
+    for c in spec["containers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .chain(spec["initContainers"].as_array().into_iter().flatten())
+    {
+        if c["name"] != "arbiter" {
+            let mounts = c["volumeMounts"].as_array().into_iter().flatten();
+            assert!(
+                mounts.into_iter().all(|m| m["mountPath"] != token_dir && m["name"] != mount["name"]),
+                "container {} gets the API token too",
+                c["name"]
+            );
+        }
+    }
+}
+
+/// What is wrong with the RBAC of `docs` for gpufrac's node service account: anything
+/// but one ClusterRole of get/list/watch on core pods, bound to gpufrac-node only;
+/// any Role, RoleBinding or other binding; any wildcard.
+fn rbac_problems(docs: &[Value]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let rbac =
+        |d: &&Value| d["apiVersion"].as_str().is_some_and(|v| v.starts_with("rbac.authorization.k8s.io/"));
+    for doc in docs.iter().filter(rbac) {
+        let kind = doc["kind"].as_str().unwrap_or_default();
+        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+        match kind {
+            "ClusterRole" => {
+                let rules = doc["rules"].as_array().map(Vec::as_slice).unwrap_or_default();
+                if rules.is_empty() {
+                    problems.push(format!("ClusterRole {name} has no rules"));
+                }
+                for rule in rules {
+                    let strings = |key: &str| -> Vec<String> {
+                        rule[key]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|v| v.as_str().unwrap_or("?").to_owned())
+                            .collect()
+                    };
+                    if strings("apiGroups") != [""] {
+                        problems.push(format!(
+                            "ClusterRole {name}: apiGroups {:?}, expected [\"\"]",
+                            strings("apiGroups")
+                        ));
+                    }
+                    if strings("resources") != ["pods"] {
+                        problems.push(format!(
+                            "ClusterRole {name}: resources {:?}, expected [\"pods\"]",
+                            strings("resources")
+                        ));
+                    }
+                    for verb in strings("verbs") {
+                        if !["get", "list", "watch"].contains(&verb.as_str()) {
+                            problems.push(format!("ClusterRole {name}: verb {verb:?} is not read-only"));
+                        }
+                    }
+                    for key in ["nonResourceURLs", "resourceNames"] {
+                        if rule.get(key).is_some() {
+                            problems.push(format!("ClusterRole {name}: unexpected {key}"));
+                        }
+                    }
+                }
+                if doc.get("aggregationRule").is_some() {
+                    problems.push(format!("ClusterRole {name} aggregates other roles"));
+                }
+            }
+            "ClusterRoleBinding" => {
+                if doc["roleRef"]
+                    != json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "gpufrac-node"})
+                {
+                    problems.push(format!("ClusterRoleBinding {name} binds {}", doc["roleRef"]));
+                }
+                if doc["subjects"]
+                    != json!([{"kind": "ServiceAccount", "name": "gpufrac-node", "namespace": "gpufrac-system"}])
+                {
+                    problems.push(format!("ClusterRoleBinding {name} binds to {}", doc["subjects"]));
+                }
+            }
+            other => problems.push(format!("unexpected {other} {name}")),
+        }
+    }
+    problems
+}
+
+/// A change made to each document of a manifest.
+type Change<'a> = &'a dyn Fn(&mut Value);
+
+#[test]
+fn the_node_rbac_reads_pods_and_nothing_else() {
+    let mut all = Vec::new();
+    for file in yaml_files(&kubernetes_dir()) {
+        all.extend(documents(&file.file_name().expect("a file name").to_string_lossy()));
+    }
+    let problems = rbac_problems(&all);
+    assert!(problems.is_empty(), "{problems:#?}");
+    // It is there at all, in rbac.yaml, and the webhook gets no role.
+    let docs = documents("rbac.yaml");
+    let role = resource(&docs, "ClusterRole", "gpufrac-node");
+    assert_eq!(
+        role["rules"],
+        json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}])
+    );
+    resource(&docs, "ClusterRoleBinding", "gpufrac-node");
+    for account in ["gpufrac-node", "gpufrac-webhook"] {
+        assert_eq!(resource(&docs, "ServiceAccount", account)["automountServiceAccountToken"], false);
+    }
+
+    // The check catches what it should.
+    let mutated = |f: Change| {
+        let mut docs = docs.clone();
+        for doc in docs.iter_mut() {
+            f(doc);
+        }
+        rbac_problems(&docs)
+    };
+    let widened: [(&str, Change); 5] = [
+        ("a write verb", &|d| {
+            if d["kind"] == "ClusterRole" {
+                d["rules"][0]["verbs"] = json!(["get", "list", "watch", "delete"]);
+            }
+        }),
+        ("secrets", &|d| {
+            if d["kind"] == "ClusterRole" {
+                d["rules"][0]["resources"] = json!(["pods", "secrets"]);
+            }
+        }),
+        ("a wildcard", &|d| {
+            if d["kind"] == "ClusterRole" {
+                d["rules"][0]["verbs"] = json!(["*"]);
+            }
+        }),
+        ("pods/exec", &|d| {
+            if d["kind"] == "ClusterRole" {
+                d["rules"][0]["resources"] = json!(["pods/exec"]);
+            }
+        }),
+        ("the webhook bound too", &|d| {
+            if d["kind"] == "ClusterRoleBinding" {
+                if let Some(subjects) = d["subjects"].as_array_mut() {
+                    subjects.push(json!({"kind": "ServiceAccount", "name": "gpufrac-webhook", "namespace": "gpufrac-system"}));
+                }
+            }
+        }),
+    ];
+    for (what, change) in widened {
+        assert!(!mutated(change).is_empty(), "RBAC with {what} passed the check");
+    }
+}
+
+/// `binary --help` (or `binary SUBCOMMAND --help`), for the flags it takes.
+fn help(binary: &str, subcommand: Option<&str>) -> String {
+    let path = gpufrac_e2e::artifact(binary);
+    let out = Command::new(&path)
+        .args(subcommand)
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| panic!("running {} --help: {e}", path.display()));
+    assert!(
+        out.status.success(),
+        "{} --help failed: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn every_flag_the_manifests_pass_is_one_the_binaries_take() {
+    let daemonset = documents("daemonset.yaml");
+    let spec = &resource(&daemonset, "DaemonSet", "gpufrac-node")["spec"]["template"]["spec"];
+    let webhook = documents("webhook.yaml");
+    let webhook_spec = &resource(&webhook, "Deployment", "gpufrac-webhook")["spec"]["template"]["spec"];
+    let cases = [
+        ("gpufrac-arbiter", None, container(spec, "arbiter")),
+        ("gpufrac-device-plugin", None, container(spec, "device-plugin")),
+        ("gpufrac-device-plugin", Some("webhook"), container(webhook_spec, "webhook")),
+    ];
+    for (binary, subcommand, c) in cases {
+        assert_eq!(c["command"], json!([binary]), "container {}", c["name"]);
+        let help = help(binary, subcommand);
+        let mut flags: Vec<&str> = args(c).into_iter().filter(|a| a.starts_with("--")).collect();
+        assert!(!flags.is_empty(), "container {} passes no flags", c["name"]);
+        flags.dedup();
+        for flag in flags {
+            let flag = flag.split('=').next().unwrap_or(flag);
+            assert!(
+                help.split(|ch: char| ch.is_whitespace() || ch == ',').any(|word| word == flag),
+                "container {} passes {flag}, which {binary}{} --help does not list:\n{help}",
+                c["name"],
+                subcommand.map(|s| format!(" {s}")).unwrap_or_default()
+            );
+        }
+    }
 }
