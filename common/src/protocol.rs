@@ -17,7 +17,7 @@ use std::io::{self, Read, Write};
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
@@ -171,6 +171,11 @@ pub enum Reply {
     Registered {
         /// The device.
         device: DeviceId,
+        /// The request the arbiter believes (what it declared, capped by its entitlement):
+        /// the most the shim may use without asking.
+        request: u64,
+        /// The limit the arbiter believes: bursts past it are denied.
+        limit: u64,
     },
     /// The registration was refused (e.g. the request no longer fits).
     Refused {
@@ -477,7 +482,9 @@ impl Reply {
     pub fn encode(&self) -> Vec<u8> {
         match self {
             Reply::Welcome { version } => Writer::new(0x41).u16(*version),
-            Reply::Registered { device } => Writer::new(0x42).device(device),
+            Reply::Registered { device, request, limit } => {
+                Writer::new(0x42).device(device).u64(*request).u64(*limit)
+            }
             Reply::Refused { device, reason } => Writer::new(0x43).device(device).string(reason),
             Reply::Granted { seq, bytes } => Writer::new(0x44).u64(*seq).u64(*bytes),
             Reply::Denied { seq, reason } => Writer::new(0x45).u64(*seq).u8(match reason {
@@ -501,7 +508,7 @@ impl Reply {
         let mut r = Reader(body);
         let reply = match r.u8().map_err(|_| ProtocolError::Empty)? {
             0x41 => Reply::Welcome { version: r.u16()? },
-            0x42 => Reply::Registered { device: r.device()? },
+            0x42 => Reply::Registered { device: r.device()?, request: r.u64()?, limit: r.u64()? },
             0x43 => Reply::Refused { device: r.device()?, reason: r.string()? },
             0x44 => Reply::Granted { seq: r.u64()?, bytes: r.u64()? },
             0x45 => Reply::Denied {
@@ -601,7 +608,7 @@ mod tests {
         }
         for reply in [
             Reply::Welcome { version: 1 },
-            Reply::Registered { device: [2; 16] },
+            Reply::Registered { device: [2; 16], request: 1 << 30, limit: u64::MAX },
             Reply::Refused { device: [2; 16], reason: "no room".into() },
             Reply::Granted { seq: 3, bytes: 77 },
             Reply::Denied { seq: 4, reason: Denial::Timeout },

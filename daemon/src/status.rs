@@ -50,6 +50,9 @@ pub struct GpuStatus {
 pub struct ProcessStatus {
     /// Process ID in the arbiter's PID namespace.
     pub pid: u32,
+    /// Its user (from the kernel): a client is shown only its own user's processes.
+    #[serde(default)]
+    pub uid: u32,
     /// Its group.
     pub group: String,
     /// `namespace/name` or empty.
@@ -77,6 +80,13 @@ pub struct ProcessStatus {
     /// How long it has been swapped out, in all (the current swap included), in ms.
     #[serde(default)]
     pub swapped_ms: u64,
+    /// What it may have: the entitlement's source (`policy FILE: uid 1000`, `kubelet: ...`),
+    /// `not entitled: <why>`, or `unrestricted (no policy)`.
+    #[serde(default)]
+    pub entitlement: String,
+    /// What it declared beyond its entitlement and was cut (`priority 100 -> 10`), or empty.
+    #[serde(default)]
+    pub capped: String,
 }
 
 /// Why the status could not be fetched.
@@ -148,6 +158,14 @@ impl Status {
             g.truncated += g.processes.len() - keep;
             g.processes.truncate(keep);
             left -= keep;
+        }
+    }
+
+    /// Keeps only the processes of `uid` (what a user who is not an admin may see); the
+    /// GPUs' totals stay.
+    pub fn only_uid(&mut self, uid: u32) {
+        for g in &mut self.gpus {
+            g.processes.retain(|p| p.uid == uid);
         }
     }
 

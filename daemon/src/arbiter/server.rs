@@ -12,8 +12,15 @@
 //! CLI is still answered; group and pod names are checked at `Hello`; log lines about a
 //! peer are rate-limited per UID; and no state or metric series is made for a GPU the
 //! connection is not registered on.
+//!
+//! Trusts nothing a client says about itself (README, "Security model"): who it is comes
+//! from the kernel at accept (`SO_PEERCRED`, a pidfd, its cgroup); what it may have from
+//! an [`Entitlements`] source, asked once per connection before its `Hello` is accepted;
+//! what it declares is capped by that. Processes are signalled only through their pidfd.
+//! `gpufrac status` shows a client only its own user's processes unless it is an admin.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -28,6 +35,8 @@ use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics, Refusal};
 use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy, Victim};
 use super::ratelimit::{RateLimiter, Verdict};
+use crate::entitlement::identity::{self, Pidfd};
+use crate::entitlement::{believe_hello, believe_register, Entitlements, Identity, NoPolicy};
 use crate::status::Status;
 
 /// Longest wait a shim may ask for.
@@ -52,23 +61,27 @@ const MAX_LISTED_PER_GPU: usize = 4096;
 const MAX_GROUP: usize = 64;
 /// Longest pod (`namespace/name`, each part at most 253 characters).
 const MAX_POD: usize = 2 * 253 + 1;
+/// Longest an entitlement lookup may take before the client is held not entitled.
+const LOOKUP_TIMEOUT: Duration = Duration::from_millis(2500);
+/// How long a verdict is reused for the same process (its shim reconnecting).
+const VERDICT_TTL: Duration = Duration::from_secs(30);
+/// Most verdicts cached.
+const MAX_VERDICTS: usize = 4096;
 
-/// Ends processes chosen by the priority resolver. Behind a trait so that tests can
-/// record instead of signalling.
+/// Ends processes chosen by the priority resolver and for guarantees. Behind a trait so
+/// that tests can record instead of signalling.
 pub trait Terminator: Send + Sync {
-    /// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`) to `pid`.
-    fn signal(&self, pid: u32, signal: i32);
+    /// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`) to the process `pidfd` names
+    /// (`pid` is what it connected as, for logs). `ESRCH`: that process is gone.
+    fn signal(&self, pid: u32, pidfd: &Pidfd, signal: i32) -> std::io::Result<()>;
 }
 
-/// Signals real processes.
+/// Signals real processes, only through their pidfd: a reused PID is never signalled.
 pub struct Signals;
 
 impl Terminator for Signals {
-    fn signal(&self, pid: u32, signal: i32) {
-        if pid > 1 {
-            // SAFETY: kill has no memory preconditions; the pid came from SO_PEERCRED.
-            unsafe { libc::kill(pid as libc::pid_t, signal) };
-        }
+    fn signal(&self, _pid: u32, pidfd: &Pidfd, signal: i32) -> std::io::Result<()> {
+        pidfd.signal(signal)
     }
 }
 
@@ -90,6 +103,9 @@ pub struct Options {
     pub hello_timeout: Duration,
     /// A connection that said `Hello` but registered no GPU by then is closed.
     pub register_timeout: Duration,
+    /// Members of this group (besides root) see every tenant in `gpufrac status`
+    /// (`--admin-group`).
+    pub admin_gid: Option<u32>,
 }
 
 impl Default for Options {
@@ -102,6 +118,7 @@ impl Default for Options {
             max_connections_per_uid: 512,
             hello_timeout: Duration::from_secs(5),
             register_timeout: Duration::from_secs(30),
+            admin_gid: None,
         }
     }
 }
@@ -127,6 +144,21 @@ pub struct Shared {
     refusal_log: Mutex<RateLimiter>,
     /// Lines about connections, registrations and swaps, per UID.
     connection_log: Mutex<RateLimiter>,
+    /// Where entitlements come from (`NoPolicy`: none configured).
+    entitlements: Arc<dyn Entitlements>,
+    /// Whether a source is configured (else every client is unrestricted, asked nothing).
+    entitled: bool,
+    /// Per open connection: the pidfd of the process that connected, if one could be had,
+    /// and the way to close the connection.
+    conns: Mutex<HashMap<ConnId, ConnHandle>>,
+    /// Verdicts by process (PID, start time), reused while its shim reconnects.
+    verdicts: Mutex<HashMap<(u32, u64), (Instant, crate::entitlement::Verdict)>>,
+}
+
+/// What the server keeps of an open connection to act on it from elsewhere.
+struct ConnHandle {
+    pidfd: Option<Arc<Pidfd>>,
+    close: Arc<Notify>,
 }
 
 /// One UID's open connections.
@@ -155,6 +187,7 @@ struct Who {
     conn: ConnId,
     pid: u32,
     uid: u32,
+    gid: u32,
 }
 
 /// Counts a connection against its UID until dropped.
@@ -183,12 +216,30 @@ impl Shared {
         terminator: Box<dyn Terminator>,
         processes: Option<Box<dyn ProcessList>>,
     ) -> Arc<Shared> {
+        Shared::entitled(gpus, options, terminator, processes, None)
+    }
+
+    /// [`Shared::with`], holding clients to the entitlements of `entitlements` (`None`: no
+    /// source, every client believed only about itself).
+    pub fn entitled(
+        gpus: &[(DeviceId, u64)],
+        options: Options,
+        terminator: Box<dyn Terminator>,
+        processes: Option<Box<dyn ProcessList>>,
+        entitlements: Option<Arc<dyn Entitlements>>,
+    ) -> Arc<Shared> {
+        let mut policy = Policy::new(gpus);
+        policy.set_swap_limit(options.swap_limit);
         Arc::new(Shared {
             processes,
             options,
             terminator,
+            entitled: entitlements.is_some(),
+            entitlements: entitlements.unwrap_or_else(|| Arc::new(NoPolicy)),
+            conns: Mutex::new(HashMap::new()),
+            verdicts: Mutex::new(HashMap::new()),
             ending: Mutex::new(HashMap::new()),
-            policy: Mutex::new(Policy::new(gpus)),
+            policy: Mutex::new(policy),
             writers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new()),
             next_conn: AtomicU64::new(1),
@@ -331,6 +382,97 @@ impl Shared {
         status
     }
 
+    /// [`Shared::status_listed`] as `who` may see it: every process for an admin, else
+    /// only its own user's (the GPUs' totals stay).
+    fn status_for(&self, who: Who, admin: bool) -> Status {
+        let mut status = self.status();
+        if !admin {
+            status.only_uid(who.uid);
+        }
+        status.limit_processes(MAX_LISTED_PER_GPU, MAX_LISTED);
+        status
+    }
+
+    /// Root, or a member of `--admin-group`: its primary group, or a supplementary one as
+    /// the kernel gives them for the socket (`SO_PEERGROUPS`, as they were at connect).
+    fn is_admin(&self, who: Who, socket: std::os::fd::BorrowedFd<'_>) -> bool {
+        if who.uid == 0 {
+            return true;
+        }
+        let Some(admin) = self.options.admin_gid else { return false };
+        who.gid == admin || identity::peer_groups(socket).is_ok_and(|groups| groups.contains(&admin))
+    }
+
+    /// Takes the pidfd of the process that opened `who`'s connection (at `Hello`, not at
+    /// accept: a connection that never says who it is costs no second descriptor).
+    fn take_pidfd(&self, who: Who, socket: std::os::fd::BorrowedFd<'_>, cred: Option<&identity::Cred>) {
+        let pidfd = match cred {
+            Some(cred) => identity::pidfd_of(socket, cred),
+            None => Err("no credentials for the socket".into()),
+        };
+        let pidfd = match pidfd {
+            Ok(fd) => Some(Arc::new(fd)),
+            Err(why) => {
+                if let Some(suppressed) = self.refusal_line(who.uid) {
+                    tracing::warn!(pid = who.pid, uid = who.uid, conn = who.conn, suppressed, "no pidfd for PID {} ({why}): this process will never be signalled (its bursts may still be denied)", who.pid);
+                }
+                None
+            }
+        };
+        if let Some(handle) = self.conns.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&who.conn) {
+            handle.pidfd = pidfd;
+        }
+    }
+
+    /// The verdict on `who`: from the cache, else from the source in a blocking task
+    /// within [`LOOKUP_TIMEOUT`]; without a source, `Unrestricted` at once.
+    async fn verdict(self: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
+        use crate::entitlement::Verdict as V;
+        if !self.entitled {
+            return V::Unrestricted;
+        }
+        let pidfd =
+            self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&who.conn).and_then(|c| c.pidfd.clone());
+        let shared = self.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let started = identity::start_ticks(who.pid);
+            let container = identity::container_of(who.pid);
+            // What /proc said is the peer's only if the process that connected was still
+            // alive after the reads (its PID cannot have been reused meanwhile).
+            let container = match &pidfd {
+                Some(fd) if fd.alive() => container,
+                Some(_) => return V::NotEntitled { why: "the process that connected has exited".into() },
+                None => None,
+            };
+            let key = started.map(|t| (who.pid, t));
+            if let Some(key) = key.filter(|_| pidfd.is_some()) {
+                let cache = shared.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some((at, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
+                    let _ = at;
+                    return v.clone();
+                }
+            }
+            let identity = Identity { pid: who.pid, uid: who.uid, gid: who.gid, container };
+            let verdict = shared.entitlements.lookup(&identity);
+            if let Some(key) = key.filter(|_| pidfd.is_some()) {
+                let mut cache = shared.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+                if cache.len() >= MAX_VERDICTS {
+                    cache.retain(|_, (at, _)| at.elapsed() < VERDICT_TTL);
+                    if cache.len() >= MAX_VERDICTS {
+                        cache.clear();
+                    }
+                }
+                cache.insert(key, (Instant::now(), verdict.clone()));
+            }
+            verdict
+        });
+        match tokio::time::timeout(LOOKUP_TIMEOUT, task).await {
+            Ok(Ok(verdict)) => verdict,
+            Ok(Err(e)) => V::NotEntitled { why: format!("entitlement lookup failed: {e}") },
+            Err(_) => V::NotEntitled { why: format!("entitlement lookup took more than {LOOKUP_TIMEOUT:?}") },
+        }
+    }
+
     fn send(&self, conn: ConnId, reply: &Reply) {
         if let Some(tx) = self.writers.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
             let _ = tx.send(reply.encode());
@@ -341,8 +483,37 @@ impl Shared {
     /// its memory comes back when its connection closes.
     fn end(&self, ending: &mut HashMap<ConnId, (u32, Instant)>, victim: &Victim, reason: &str, now: Instant) {
         self.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
-        self.terminator.signal(victim.pid, libc::SIGTERM);
+        self.signal(victim.conn, victim.pid, libc::SIGTERM);
         ending.insert(victim.conn, (victim.pid, now));
+    }
+
+    /// Signals the process that opened `conn`, through its pidfd only. Without a pidfd
+    /// nothing is sent (such a process is never chosen; this is a second guard). If that
+    /// process is gone while its connection lives on (it forked and exited, leaving the
+    /// connection to a child), its PID may be anyone's now: nothing is signalled, and the
+    /// connection is closed, which releases what it held in the ledger (what the child
+    /// still uses, NVML then shows as memory outside gpufrac, never lent).
+    fn signal(&self, conn: ConnId, pid: u32, signal: i32) {
+        let (pidfd, close) = match self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
+            Some(c) => (c.pidfd.clone(), c.close.clone()),
+            None => return,
+        };
+        let Some(pidfd) = pidfd else {
+            tracing::warn!(
+                pid,
+                conn,
+                "not signalling PID {pid}: the arbiter has no pidfd for it (a PID alone may be reused)"
+            );
+            return;
+        };
+        match self.terminator.signal(pid, &pidfd, signal) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                tracing::warn!(pid, conn, "the process that connected as PID {pid} has exited but its connection is still open (held by a child?): not signalling PID {pid}, which may be reused; closing the connection");
+                close.notify_one();
+            }
+            Err(e) => tracing::warn!(pid, conn, "cannot signal PID {pid} through its pidfd: {e}"),
+        }
     }
 
     /// Connections being ended: those past the grace period get SIGKILL; those gone are
@@ -354,7 +525,7 @@ impl Shared {
                 && self.policy().peer(*conn).is_some()
             {
                 tracing::warn!(pid = *pid, "still running after --kill-grace: SIGKILL");
-                self.terminator.signal(*pid, libc::SIGKILL);
+                self.signal(*conn, *pid, libc::SIGKILL);
                 *since = now + Duration::from_secs(3600);
             }
         }
@@ -538,12 +709,12 @@ fn spare_descriptor() -> Option<std::fs::File> {
 
 /// Counts a new connection against its UID and serves it, or closes it at once.
 fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
-    // The peer's PID and UID come from the kernel, never from a message.
-    let cred = stream.peer_cred().ok();
-    let pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
-    let uid = cred.map_or(u32::MAX, |c| c.uid());
+    // The peer's PID, UID and GID come from the kernel, never from a message; so does the
+    // pidfd every signal to it goes through, taken at its `Hello`.
+    let cred = identity::cred_of(stream.as_fd()).ok();
+    let (pid, uid, gid) = cred.map_or((0, u32::MAX, u32::MAX), |c| (c.pid, c.uid, c.gid));
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-    let who = Who { conn, pid, uid };
+    let who = Who { conn, pid, uid, gid };
     let evict = Arc::new(Notify::new());
     match shared.admit(who, evict.clone()) {
         Admission::Served => {}
@@ -565,8 +736,14 @@ fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
             return;
         }
     }
+    let close = Arc::new(Notify::new());
+    shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(conn, ConnHandle { pidfd: None, close: close.clone() });
     let counted = Counted { shared: shared.clone(), who };
-    tokio::spawn(handle(stream, counted, evict));
+    tokio::spawn(handle(stream, counted, evict, close, cred));
 }
 
 async fn watch_processes(shared: Arc<Shared>) {
@@ -609,7 +786,13 @@ async fn expire_waiters(shared: Arc<Shared>) {
     }
 }
 
-async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
+async fn handle(
+    stream: UnixStream,
+    counted: Counted,
+    evict: Arc<Notify>,
+    close: Arc<Notify>,
+    cred: Option<identity::Cred>,
+) {
     let shared = counted.shared.clone();
     let who = counted.who;
     let (conn, pid) = (who.conn, who.pid);
@@ -617,7 +800,14 @@ async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
     // Answers decided elsewhere (a grant after a wait) arrive here; direct replies are
     // written by this task at once, without a hop through another task.
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let mut state = Connection { who, greeted: false, registered: false };
+    let mut state = Connection {
+        who,
+        greeted: false,
+        registered: false,
+        verdict: None,
+        capped_logged: false,
+        admin: false,
+    };
     let mut buf = Vec::with_capacity(256);
     let mut out = Vec::with_capacity(256);
     // Until `Hello` or `Status`, then until a GPU is registered; then none.
@@ -626,6 +816,9 @@ async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
         tokio::select! {
             _ = evict.notified() => {
                 break Err("too many connections: the oldest that had not said who it is".into());
+            }
+            _ = close.notified() => {
+                break Err("the process that connected has exited; its connection is closed rather than its PID signalled".into());
             }
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
                 break Err(if state.greeted {
@@ -642,7 +835,25 @@ async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
                 };
                 out.clear();
                 let greeted = state.greeted;
-                let flow = on_frame(&shared, &mut state, &tx, &body, &mut out);
+                let request = match Request::decode(&body) {
+                    Ok(request) => request,
+                    Err(e) => break Err(e.to_string()),
+                };
+                if !state.greeted {
+                    let socket = reader.as_ref().as_fd();
+                    match request {
+                        Request::Hello { .. } => {
+                            shared.take_pidfd(who, socket, cred.as_ref());
+                            // What the client may have is known before its Hello is accepted.
+                            if state.verdict.is_none() {
+                                state.verdict = Some(shared.verdict(who).await);
+                            }
+                        }
+                        Request::Status => state.admin = shared.is_admin(who, socket),
+                        _ => {}
+                    }
+                }
+                let flow = on_frame(&shared, &mut state, &tx, request, &mut out);
                 if state.registered {
                     deadline = None;
                 } else if state.greeted && !greeted {
@@ -670,6 +881,7 @@ async fn handle(stream: UnixStream, counted: Counted, evict: Arc<Notify>) {
         shared.log_closing(who, &reason);
     }
     shared.writers.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
+    shared.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
     let had_peer = shared.policy().peer(conn).is_some();
     let answers = shared.policy().disconnect(conn, Instant::now());
     if had_peer && shared.connection_line(who.uid).is_some() {
@@ -711,6 +923,12 @@ struct Connection {
     greeted: bool,
     /// Registered on a GPU at least once.
     registered: bool,
+    /// What it may have, asked when its `Hello` came.
+    verdict: Option<crate::entitlement::Verdict>,
+    /// A cut registration was logged already (once per connection).
+    capped_logged: bool,
+    /// May see every tenant in `gpufrac status` (root or `--admin-group`).
+    admin: bool,
 }
 
 /// Why a group name from `Hello` is refused, if it is: 1 to 64 of `A-Za-z0-9._-`.
@@ -750,16 +968,16 @@ fn on_frame(
     shared: &Arc<Shared>,
     c: &mut Connection,
     tx: &mpsc::UnboundedSender<Vec<u8>>,
-    body: &[u8],
+    request: Request,
     out: &mut Vec<u8>,
 ) -> Result<Flow, String> {
     let (conn, pid, uid) = (c.who.conn, c.who.pid, c.who.uid);
-    let request = Request::decode(body).map_err(|e| e.to_string())?;
     if !c.greeted {
         return match request {
             Request::Status => {
-                // Plain data built under the ledger's lock, serialized outside it.
-                let status = shared.status_listed();
+                // Plain data built under the ledger's lock, serialized outside it; only
+                // what this user may see.
+                let status = shared.status_for(c.who, c.admin);
                 let json = serde_json::to_string(&status).map_err(|e| e.to_string())?;
                 reply(out, &Reply::Status { json });
                 Ok(Flow::Close)
@@ -779,16 +997,41 @@ fn on_frame(
                     tracing::info!(pid, uid, %group, %pod, %resolver, priority, "shim connected");
                 }
                 let now = Instant::now();
+                let verdict = c.verdict.get_or_insert(crate::entitlement::Verdict::Unrestricted);
+                let identity = Identity { pid, uid, gid: c.who.gid, container: None };
+                let believed = believe_hello(
+                    verdict,
+                    shared.entitlements.as_ref(),
+                    &identity,
+                    &group,
+                    resolver,
+                    priority,
+                );
+                if !believed.capped.is_empty() {
+                    if let Some(suppressed) = shared.refusal_line(uid) {
+                        tracing::warn!(pid, uid, suppressed, entitlement = %believed.entitlement, "the shim declared more than its entitlement: {}", believed.capped.join(", "));
+                    }
+                }
+                let signalable = shared
+                    .conns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&conn)
+                    .is_some_and(|h| h.pidfd.is_some());
                 let peer = Peer {
                     pid,
                     uid,
-                    group,
+                    group: believed.group_key,
                     pod,
-                    resolver,
-                    priority,
+                    resolver: believed.resolver,
+                    priority: believed.priority,
                     wait_timeout,
                     last_active: now,
                     activity: 0,
+                    vetted: believed.vetted,
+                    signalable,
+                    entitlement: believed.entitlement,
+                    capped: believed.capped.join(", "),
                 };
                 shared.policy().hello(conn, peer);
                 c.greeted = true;
@@ -799,6 +1042,26 @@ fn on_frame(
     }
     match request {
         Request::Register { device, total, request, limit, held, granted, swapped } => {
+            // Capped by the entitlement on the GPU's own size, not the one the shim reports.
+            let device_total = shared.policy().total(&device).unwrap_or(total);
+            let verdict = c.verdict.as_ref().unwrap_or(&crate::entitlement::Verdict::Unrestricted);
+            let (declared_request, declared_limit) = (request, limit);
+            let (request, limit, cut) = believe_register(verdict, &device, device_total, request, limit);
+            // A limit below the request is the shim's error, reported as such.
+            let (request, limit) = if declared_limit < declared_request {
+                (declared_request, declared_limit)
+            } else {
+                (request, limit)
+            };
+            if let Some(cut) = &cut {
+                shared.policy().note_capped(conn, cut);
+                if !c.capped_logged {
+                    c.capped_logged = true;
+                    if let Some(suppressed) = shared.refusal_line(uid) {
+                        tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "registration beyond the entitlement: {cut}");
+                    }
+                }
+            }
             let result =
                 shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
             match result {
@@ -807,7 +1070,9 @@ fn on_frame(
                     if shared.connection_line(uid).is_some() {
                         tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
                     }
-                    reply(out, &Reply::Registered { device });
+                    let (request, limit) =
+                        shared.policy().group_of(conn, &device).unwrap_or((request, limit));
+                    reply(out, &Reply::Registered { device, request, limit });
                     // Its request may be lent out: take it back now.
                     shared.reclaim_guarantees();
                 }
@@ -915,7 +1180,7 @@ mod tests {
             Box::new(Signals),
             None,
         );
-        let who = |conn, uid| Who { conn, pid: 1, uid };
+        let who = |conn, uid| Who { conn, pid: 1, uid, gid: uid };
         let notify = || Arc::new(Notify::new());
         assert!(matches!(shared.admit(who(1, 7), notify()), Admission::Served));
         assert!(matches!(shared.admit(who(2, 7), notify()), Admission::Served));

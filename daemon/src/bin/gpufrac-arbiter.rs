@@ -4,9 +4,14 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufrac_daemon::arbiter::{gpus, metrics, server};
+use gpufrac_daemon::entitlement::kubernetes::{KubernetesEntitlements, KubernetesOptions};
+use gpufrac_daemon::entitlement::policy::PolicyFile;
+use gpufrac_daemon::entitlement::Entitlements;
 
 // A shim preloaded into this daemon passes every call through (see
 // `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
@@ -50,6 +55,112 @@ struct Args {
     /// /run/gpufrac, is always created).
     #[arg(long)]
     create_socket_dir: bool,
+    /// Entitlements from an admin policy file (JSON: per UID and GID, the most request,
+    /// limit and priority, and the resolvers allowed; see the README, "Security model").
+    /// Not with --kubernetes: on a Kubernetes node the kubelet and the pods decide.
+    /// With neither, clients are believed only about themselves.
+    #[arg(long, value_name = "FILE", conflicts_with = "kubernetes")]
+    policy: Option<PathBuf>,
+    /// Entitlements from the kubelet's PodResources API (which shares each container was
+    /// allocated) and the pod read from the in-cluster API server (limit, resolver,
+    /// priority); the node's name from --node-name or NODE_NAME.
+    #[arg(long)]
+    kubernetes: bool,
+    /// The kubelet's PodResources socket (with --kubernetes).
+    #[arg(long, value_name = "PATH", requires = "kubernetes")]
+    pod_resources_socket: Option<PathBuf>,
+    /// This node's name (with --kubernetes; default: the NODE_NAME environment variable):
+    /// a pod the API server places on another node is refused.
+    #[arg(long, value_name = "NAME", requires = "kubernetes")]
+    node_name: Option<String>,
+    /// Shares per GPU, as the device plugin's --shares-per-gpu (with --kubernetes;
+    /// default 100).
+    #[arg(long, value_name = "N", requires = "kubernetes")]
+    shares_per_gpu: Option<u32>,
+    /// Members of this group (a name or a numeric GID), besides root, see every tenant's
+    /// processes in `gpufrac status`; everyone else sees only their own user's.
+    #[arg(long, value_name = "GROUP")]
+    admin_group: Option<String>,
+}
+
+/// Why a node name is refused, if it is: a DNS subdomain, as Kubernetes names nodes.
+fn check_node_name(name: &str) -> std::result::Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{name:?}: expected a node name (1 to 253 of a-z 0-9 - ., starting and ending with a letter or digit)"))
+    }
+}
+
+/// The GID `--admin-group` names: a number, or a group name looked up in the system's
+/// group database.
+fn admin_gid(group: &str) -> Result<u32> {
+    let group = group.trim();
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let name = std::ffi::CString::new(group)
+        .map_err(|_| anyhow::anyhow!("--admin-group {group:?}: a group name cannot hold a NUL byte"))?;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    loop {
+        // SAFETY: a zeroed `group` is a valid out-parameter (pointers null, gid 0).
+        let mut entry: libc::group = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: `name` is NUL-terminated; `entry`, `buf` (of `buf.len()` bytes) and
+        // `found` live across the call, and the strings it writes point into `buf`.
+        let rc =
+            unsafe { libc::getgrnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if rc == libc::ERANGE && buf.len() < 1 << 20 {
+            buf.resize(buf.len() * 4, 0);
+            continue;
+        }
+        if rc != 0 {
+            bail!("--admin-group {group:?}: looking the group up: {}", std::io::Error::from_raw_os_error(rc));
+        }
+        if found.is_null() {
+            bail!("--admin-group {group:?}: no such group (give a group name or a numeric GID)");
+        }
+        return Ok(entry.gr_gid);
+    }
+}
+
+/// The source of entitlements the flags choose, with a line saying which.
+fn entitlements(args: &Args) -> Result<Option<Arc<dyn Entitlements>>> {
+    if let Some(path) = &args.policy {
+        let policy = PolicyFile::load(path).context("--policy")?;
+        tracing::info!(policy = %path.display(), entries = policy.entries(), "entitlements from the policy file");
+        return Ok(Some(Arc::new(policy)));
+    }
+    if args.kubernetes {
+        let mut options = KubernetesOptions::in_cluster(args.pod_resources_socket.clone())
+            .context("--kubernetes: reading the in-cluster configuration")?;
+        if let Some(name) = &args.node_name {
+            check_node_name(name).map_err(|e| anyhow::anyhow!("--node-name {e}"))?;
+            options.node_name = Some(name.clone());
+        } else if let Some(name) = &options.node_name {
+            check_node_name(name).map_err(|e| anyhow::anyhow!("NODE_NAME {e}"))?;
+        }
+        if let Some(n) = args.shares_per_gpu {
+            options.shares_per_gpu = n;
+        }
+        let socket = options.pod_resources_socket.clone();
+        let node = options.node_name.clone().unwrap_or_else(|| "(unknown: set NODE_NAME)".into());
+        let source = KubernetesEntitlements::new(options).context("--kubernetes")?;
+        tracing::info!(pod_resources = %socket.display(), %node, "entitlements from the kubelet and the API server");
+        return Ok(Some(Arc::new(source)));
+    }
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        tracing::warn!(
+            "running in a Kubernetes pod without --kubernetes: pods' entitlements are not checked"
+        );
+    }
+    tracing::warn!("no entitlement policy loaded: clients are believed about their own request, limit, priority and group (a priority never ends a process of another user); give --policy FILE, or --kubernetes on a Kubernetes node");
+    Ok(None)
 }
 
 /// Raises the soft limit on open descriptors to the hard limit: each shim holds one.
@@ -127,8 +238,17 @@ fn run(args: Args) -> Result<()> {
             n @ 1..=1_048_576 => n,
             n => bail!("--max-connections-per-uid {n}: expected 1 to 1048576 connections"),
         },
+        admin_gid: args.admin_group.as_deref().map(admin_gid).transpose()?,
         ..server::Options::default()
     };
+    if args.shares_per_gpu == Some(0) {
+        bail!("--shares-per-gpu 0: expected at least 1 share per GPU");
+    }
+    if let Some(gid) = options.admin_gid {
+        tracing::info!(gid, "root and members of --admin-group see every tenant in gpufrac status");
+    }
+    // Checked before the GPUs: a bad policy file is reported whatever the node has.
+    let entitlements = entitlements(&args)?;
     raise_descriptor_limit();
     let gpus = gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
     if gpus.is_empty() {
@@ -159,7 +279,8 @@ fn run(args: Args) -> Result<()> {
                 None
             }
         };
-        let shared = server::Shared::with(&gpus, options, Box::new(server::Signals), processes);
+        let shared =
+            server::Shared::entitled(&gpus, options, Box::new(server::Signals), processes, entitlements);
         let listener = tokio::net::UnixListener::from_std(listener)?;
         if let Some(addr) = args.metrics {
             let tcp = tokio::net::TcpListener::bind(addr)

@@ -27,6 +27,8 @@ use super::ContainerRef;
 
 /// `SO_PEERPIDFD` (include/uapi/asm-generic/socket.h; the same on x86 and arm64).
 const SO_PEERPIDFD: libc::c_int = 77;
+/// `SO_PEERGROUPS` (Linux 4.13+; the same on x86 and arm64; not in every libc version).
+const SO_PEERGROUPS: libc::c_int = 59;
 
 /// Why the peer of a socket could not be identified.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +98,28 @@ pub struct PeerCred {
 
 /// Reads the peer of `socket`: `SO_PEERCRED`, then a pidfd as the module doc says.
 pub fn peer_of(socket: BorrowedFd<'_>) -> Result<PeerCred, IdentityError> {
+    let cred = cred_of(socket)?;
+    let pidfd = pidfd_of(socket, &cred);
+    Ok(PeerCred { pid: cred.pid, uid: cred.uid, gid: cred.gid, pidfd })
+}
+
+/// The peer of a socket as `SO_PEERCRED` says, and when it was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cred {
+    /// Its PID (in the arbiter's PID namespace).
+    pub pid: u32,
+    /// Its effective UID at connect.
+    pub uid: u32,
+    /// Its effective GID at connect.
+    pub gid: u32,
+    /// Clock ticks since boot when this was read (just after `accept`): a process that
+    /// started later is not the peer.
+    pub accepted: Option<u64>,
+}
+
+/// `SO_PEERCRED` alone: no descriptor is opened, so a connection that never says who it
+/// is costs one descriptor, its own. Take the pidfd later with [`pidfd_of`].
+pub fn cred_of(socket: BorrowedFd<'_>) -> Result<Cred, IdentityError> {
     // Taken before anything else: whatever holds the PID after this instant is not the peer.
     let accepted = boot_ticks();
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
@@ -113,15 +137,19 @@ pub fn peer_of(socket: BorrowedFd<'_>) -> Result<PeerCred, IdentityError> {
     if rc != 0 {
         return Err(IdentityError::PeerCred(io::Error::last_os_error()));
     }
-    let pid = cred.pid.max(0) as u32;
-    let pidfd = match peer_pidfd(socket) {
+    Ok(Cred { pid: cred.pid.max(0) as u32, uid: cred.uid, gid: cred.gid, accepted })
+}
+
+/// A pidfd for the peer `cred` describes: `SO_PEERPIDFD` (the process that connected,
+/// whenever this is called), else `pidfd_open` checked against `cred.accepted`.
+pub fn pidfd_of(socket: BorrowedFd<'_>, cred: &Cred) -> Result<Pidfd, String> {
+    match peer_pidfd(socket) {
         Ok(fd) => Ok(fd),
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOPROTOOPT | libc::EINVAL | libc::EOPNOTSUPP)) => {
-            checked_open(pid, accepted)
+            checked_open(cred.pid, cred.accepted)
         }
         Err(e) => Err(format!("SO_PEERPIDFD: {e}")),
-    };
-    Ok(PeerCred { pid, uid: cred.uid, gid: cred.gid, pidfd })
+    }
 }
 
 /// `SO_PEERPIDFD`: the pidfd of the process that connected, from the kernel.
@@ -192,6 +220,38 @@ fn parse_start_ticks(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     // Fields 3.. follow: the state is field 3, the start time field 22.
     rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The peer's supplementary groups as they were at connect (`SO_PEERGROUPS`, Linux
+/// 4.13+): from the kernel, with no `/proc` read and no race with the PID's reuse.
+pub fn peer_groups(socket: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    // NGROUPS_MAX is 65536; start small and grow to what the kernel says it needs.
+    let mut groups: Vec<libc::gid_t> = vec![0; 64];
+    loop {
+        let mut len = (groups.len() * std::mem::size_of::<libc::gid_t>()) as libc::socklen_t;
+        // SAFETY: `groups` holds `len` bytes and lives across the call; `len` lives on
+        // this frame.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<libc::gid_t>();
+        if rc == 0 {
+            groups.truncate(n);
+            return Ok(groups);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ERANGE) && n > groups.len() && n <= 65536 {
+            groups.resize(n, 0);
+            continue;
+        }
+        return Err(e);
+    }
 }
 
 /// The container of process `pid`, from `/proc/<pid>/cgroup`.
@@ -371,5 +431,12 @@ mod tests {
         assert!(fallback.alive());
         // A process that started after the accept is refused.
         assert!(checked_open(std::process::id(), Some(0)).is_err());
+        // The credentials alone open nothing; the pidfd can be taken later.
+        let cred = cred_of(a.as_fd()).expect("SO_PEERCRED");
+        assert_eq!((cred.pid, cred.uid), (peer.pid, peer.uid));
+        assert!(pidfd_of(a.as_fd(), &cred).expect("a pidfd later").alive());
+        // SAFETY: getgroups with a zero size only counts.
+        let own = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+        assert_eq!(peer_groups(a.as_fd()).expect("SO_PEERGROUPS").len(), own.max(0) as usize);
     }
 }

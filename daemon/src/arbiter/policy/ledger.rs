@@ -38,56 +38,106 @@ impl Policy {
         }
         // Nothing is larger than the GPU: reports past it (from a shim that sees another
         // total, or a broken one) cannot overflow the ledger's sums.
-        let (limit, held) = (limit.min(gpu.total).max(request), held.min(gpu.total));
-        if !gpu.groups.contains_key(&peer.group) {
-            // What this very process already uses is not someone else's. A process coming
-            // back with burst memory after a restart holds it already: refusing it for
-            // memory outside gpufrac would free nothing (and that memory may be its peers
-            // coming back too); its request must still fit beside the other requests, or
-            // no guarantee could be kept.
-            let outside: u64 = if granted == 0 {
-                gpu.outside.iter().filter(|&&(pid, _)| pid != peer.pid).map(|&(_, bytes)| bytes).sum()
+        let (request, limit, held) = (request.min(gpu.total), limit.min(gpu.total), held.min(gpu.total));
+        let limit = limit.max(request);
+        // What a re-registering process says it was lent is believed only up to what NVML
+        // shows it uses on this GPU (once NVML has answered): a claim cannot skip admission
+        // nor put in the ledger memory nobody holds.
+        let granted =
+            if gpu.observed { granted.min(gpu.seen.get(&peer.pid).copied().unwrap_or(0)) } else { granted };
+        // What this very process already uses is not someone else's. A process coming
+        // back with burst memory after a restart holds it already: refusing it for memory
+        // outside gpufrac would free nothing (and that memory may be its peers coming back
+        // too); its request must still fit beside the other requests, or no guarantee could
+        // be kept.
+        let outside_others: u64 = gpu
+            .outside
+            .iter()
+            .filter(|&&(pid, _)| pid != peer.pid)
+            .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes));
+        let outside = if granted == 0 { outside_others } else { 0 };
+        let refuse = |gpu: &super::Gpu, request: u64| {
+            let used_outside = if outside > 0 {
+                format!(" and {} is used by processes outside gpufrac", gib(outside))
             } else {
-                0
+                String::new()
             };
-            let committed = gpu.guaranteed().saturating_add(outside);
-            if committed.saturating_add(request) > gpu.total {
-                let used_outside = if outside > 0 {
-                    format!(" and {} is used by processes outside gpufrac", gib(outside))
-                } else {
-                    String::new()
-                };
+            format!(
+                "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
+                gib(request),
+                uuid_string(&device),
+                gib(gpu.guaranteed()),
+                gib(gpu.total),
+            )
+        };
+        match gpu.groups.get(&peer.group) {
+            None => {
+                let committed = gpu.guaranteed().saturating_add(outside);
+                if committed.saturating_add(request) > gpu.total {
+                    return Err(refuse(gpu, request));
+                }
+                gpu.groups.insert(
+                    peer.group.clone(),
+                    Group { request, limit, uid: peer.uid, members: BTreeMap::new(), last_ask: None },
+                );
+            }
+            Some(group) if group.uid != peer.uid => {
+                // Its members share one ledger file, private to the user that made it: a
+                // member of another user would count apart from the group's limit. (Groups
+                // a client names are keyed by its UID, so this is a derived group.)
                 return Err(format!(
-                    "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
-                    gib(request),
-                    uuid_string(&device),
-                    gib(gpu.guaranteed()),
-                    gib(gpu.total),
+                    "GPUFRAC_GROUP {:?} is used by processes of another user (uid {}): a group's processes must run as one user",
+                    crate::entitlement::shown_group(&peer.group),
+                    group.uid
                 ));
             }
-            gpu.groups.insert(
-                peer.group.clone(),
-                Group { request, limit, uid: peer.uid, members: BTreeMap::new(), last_ask: None },
-            );
+            Some(group) => {
+                // The first member does not fix the group for the others: a larger request
+                // is guaranteed if its difference fits (admission as for a new group), a
+                // larger limit is taken. Never smaller: members still hold what they got.
+                if request > group.request {
+                    let others = gpu.guaranteed() - group.request;
+                    if others.saturating_add(outside).saturating_add(request) > gpu.total {
+                        return Err(refuse(gpu, request));
+                    }
+                }
+                if (group.request, group.limit) != (request, limit) {
+                    tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the larger of each");
+                }
+                let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
+                let limit = group.limit.max(limit);
+                // Loans already made stay within the burst range (limit - request).
+                group.request = group.request.max(request.min(limit.saturating_sub(group.granted())));
+                group.limit = limit.max(group.request);
+            }
         }
+        // Lent memory the GPU has room for now (its own memory counted as outside until
+        // it is registered is not someone else's).
+        let available =
+            (gpu.total as i128 - gpu.guaranteed() as i128 - gpu.burst() as i128 - outside_others as i128)
+                .max(0) as u64;
+        let host_now = self.host_committed_except(&device, conn);
+        let gpu = self.gpus.get_mut(&device).ok_or("GPU vanished")?;
         let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
-        if group.uid != peer.uid {
-            // Its members share one ledger file, private to the user that made it: a
-            // member of another user would count apart from the group's limit.
-            return Err(format!(
-                "GPUFRAC_GROUP {:?} is used by processes of another user (uid {}): a group's processes must run as one user",
-                peer.group, group.uid
-            ));
-        }
-        if (group.request, group.limit) != (request, limit) {
-            tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the first");
-        }
-        // What a re-registering process says it was lent cannot pass its group's limit.
-        let (granted, host_bytes) = (granted.min(group.room()), host_bytes.min(group.limit.min(gpu.total)));
+        // What a re-registering process says it was lent cannot pass its group's limit nor
+        // what the GPU has room for; what it keeps in host RAM is within its group's limit
+        // and what the node's swap limit leaves.
+        let granted = granted.min(group.room()).min(available);
+        let host_bytes = host_bytes.min(group.limit).min(self.swap_limit.saturating_sub(host_now));
         group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
         // Its memory is in the ledger now, no longer outside it.
         gpu.outside.retain(|&(pid, _)| pid != peer.pid);
         Ok(())
+    }
+
+    /// Host RAM committed to swapped-out memory on the node (as [`Policy::host_committed`]
+    /// counts it), leaving out `conn` on `device`.
+    pub(super) fn host_committed_except(&self, device: &DeviceId, conn: ConnId) -> u64 {
+        self.gpus
+            .iter()
+            .flat_map(|(id, g)| g.members().map(move |(_, c, m)| (id, c, m)))
+            .filter(|&(id, c, _)| !(id == device && c == conn))
+            .fold(0u64, |sum, (_, _, m)| sum.saturating_add(m.host_committed()))
     }
 
     /// What NVML lists on `device` now, `(pid, bytes used)`: the memory of processes not
@@ -103,6 +153,8 @@ impl Policy {
             gpu.members().filter_map(|(_, conn, _)| self.peers.get(&conn).map(|p| p.pid)).collect();
         // No process uses more than the GPU has (nor can a bad listing overflow the sums).
         let total = gpu.total;
+        gpu.observed = true;
+        gpu.seen = listed.iter().map(|&(pid, bytes)| (pid, bytes.min(total))).collect();
         gpu.outside = listed
             .iter()
             .filter(|&&(pid, bytes)| bytes > 0 && !registered.contains(&pid))

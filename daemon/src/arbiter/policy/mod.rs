@@ -52,6 +52,16 @@ pub struct Peer {
     pub last_active: Instant,
     /// Its last activity count.
     pub activity: u64,
+    /// Its priority comes from an entitlement, so it may get processes of other users
+    /// ended; otherwise it is believed only about itself (same UID).
+    pub vetted: bool,
+    /// The arbiter holds a pidfd for it: it may be ended. Without one it never is (a PID
+    /// alone may be reused).
+    pub signalable: bool,
+    /// What it may have (the entitlement's source, `not entitled: ...`, `unrestricted`).
+    pub entitlement: String,
+    /// What it declared beyond its entitlement, if anything.
+    pub capped: String,
 }
 
 /// A process chosen to be ended: for a priority burst, or to give a guarantee its memory.
@@ -127,7 +137,17 @@ impl Member {
         if self.granted == 0 && self.residency == Residency::Resident {
             self.resident_since = Some(now);
         }
-        self.granted += bytes;
+        self.granted = self.granted.saturating_add(bytes);
+    }
+
+    /// Host RAM it takes: what it keeps there, or, while it is being told to swap out,
+    /// what it was lent (what it is about to move there).
+    fn host_committed(&self) -> u64 {
+        if self.residency == Residency::SwappingOut {
+            self.granted
+        } else {
+            self.host_bytes
+        }
     }
 
     fn new(held: u64, granted: u64, host_bytes: u64, now: Instant) -> Member {
@@ -159,7 +179,7 @@ struct Group {
 
 impl Group {
     fn granted(&self) -> u64 {
-        self.members.values().map(|m| m.granted).sum()
+        self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.granted))
     }
     /// The burst range: what the group may borrow in all.
     fn range(&self) -> u64 {
@@ -171,7 +191,7 @@ impl Group {
     }
     /// Lent bytes its members hold but do not use (as last reported).
     fn unused(&self) -> u64 {
-        let held: u64 = self.members.values().map(|m| m.held).sum();
+        let held: u64 = self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held));
         self.granted().saturating_sub(held.saturating_sub(self.request))
     }
 }
@@ -202,6 +222,11 @@ struct Gpu {
     /// they use: programs without the shim, or, after an arbiter restart, shims not yet
     /// back. Their memory is never lent.
     outside: Vec<(u32, u64)>,
+    /// Every process NVML last listed here with the memory it uses, registered or not:
+    /// what a process re-registering with grants is believed to hold at most.
+    seen: HashMap<u32, u64>,
+    /// NVML has answered for this GPU at least once.
+    observed: bool,
     /// Until when memory outside gpufrac may be shims still coming back to a restarted
     /// arbiter (their reconnect backoff is at most 2 s).
     reconnecting_until: Instant,
@@ -214,13 +239,14 @@ const RECONNECT_GRACE: Duration = Duration::from_secs(5);
 
 impl Gpu {
     fn guaranteed(&self) -> u64 {
-        self.groups.values().map(|g| g.request).sum()
+        // Saturating: reports are capped at the GPU's size, but a sum must never wrap.
+        self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.request))
     }
     fn burst(&self) -> u64 {
-        self.groups.values().map(Group::granted).sum()
+        self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.granted()))
     }
     fn outside(&self) -> u64 {
-        self.outside.iter().map(|&(_, bytes)| bytes).sum()
+        self.outside.iter().fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes))
     }
     fn free(&self) -> u64 {
         self.room().max(0) as u64
@@ -277,6 +303,9 @@ pub struct Answer {
 pub struct Policy {
     gpus: BTreeMap<DeviceId, Gpu>,
     peers: HashMap<ConnId, Peer>,
+    /// Most host RAM for swapped-out memory (`--swap-limit`): what re-registering
+    /// processes are believed to keep there at most, all together.
+    swap_limit: u64,
 }
 
 pub use gpufrac_common::gpu_uuid::format as uuid_string;
@@ -299,6 +328,8 @@ impl Policy {
                         queue: VecDeque::new(),
                         last_busy: now,
                         outside: Vec::new(),
+                        seen: HashMap::new(),
+                        observed: false,
                         reconnecting_until: now + RECONNECT_GRACE,
                         short_since: None,
                     };
@@ -306,7 +337,13 @@ impl Policy {
                 })
                 .collect(),
             peers: HashMap::new(),
+            swap_limit: u64::MAX,
         }
+    }
+
+    /// Sets the node's limit on host RAM for swapped-out memory (`--swap-limit`).
+    pub fn set_swap_limit(&mut self, swap_limit: u64) {
+        self.swap_limit = swap_limit;
     }
 
     /// A connection said who it is.
@@ -326,6 +363,33 @@ impl Policy {
             .get(device)
             .and_then(|gpu| gpu.groups.get(&peer.group))
             .is_some_and(|group| group.members.contains_key(&conn))
+    }
+
+    /// The memory of a GPU the arbiter manages.
+    pub fn total(&self, device: &DeviceId) -> Option<u64> {
+        self.gpus.get(device).map(|g| g.total)
+    }
+
+    /// The request and limit of the group `conn` is a member of on `device`.
+    pub fn group_of(&self, conn: ConnId, device: &DeviceId) -> Option<(u64, u64)> {
+        let peer = self.peers.get(&conn)?;
+        let group = self.gpus.get(device)?.groups.get(&peer.group)?;
+        Some((group.request, group.limit))
+    }
+
+    /// Notes, for status, what a registration of `conn` declared beyond its entitlement.
+    pub fn note_capped(&mut self, conn: ConnId, what: &str) {
+        if let Some(p) = self.peers.get_mut(&conn) {
+            if !p.capped.contains(what) {
+                if !p.capped.is_empty() {
+                    p.capped.push_str("; ");
+                }
+                // Bounded: one note per kind of cut, a handful of GPUs.
+                if p.capped.len() < 1024 {
+                    p.capped.push_str(what);
+                }
+            }
+        }
     }
 
     /// The activity count of `conn` moved (or not).
@@ -368,7 +432,8 @@ impl Policy {
                         + m.swapped_since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
                     processes.push(ProcessStatus {
                         pid: peer.pid,
-                        group: name.clone(),
+                        uid: peer.uid,
+                        group: crate::entitlement::shown_group(name).to_owned(),
                         pod: peer.pod.clone(),
                         request: group.request,
                         limit: group.limit,
@@ -380,6 +445,8 @@ impl Policy {
                         host_bytes: m.host_bytes,
                         waited_ms: waited.as_millis() as u64,
                         swapped_ms: swapped.as_millis() as u64,
+                        entitlement: peer.entitlement.clone(),
+                        capped: peer.capped.clone(),
                     });
                 }
                 GpuStatus {
@@ -420,6 +487,10 @@ mod testing {
             wait_timeout: Duration::from_millis(timeout_ms),
             last_active: Instant::now(),
             activity: 0,
+            vetted: false,
+            signalable: true,
+            entitlement: String::new(),
+            capped: String::new(),
         }
     }
 

@@ -1,7 +1,9 @@
 //! The priority resolver: a waiting burst whose group uses it may end holders of burst
 //! memory of lower priority, or of equal priority and idle, as few as make it fit; never
-//! one of higher priority. Ending them is the server's work (SIGTERM, then SIGKILL); their
-//! memory comes back when their connection closes.
+//! one of higher priority. Ending them is the server's work (SIGTERM, then SIGKILL, through
+//! a pidfd); their memory comes back when their connection closes. A requester whose
+//! priority no entitlement vouches for ends only its own user's processes (the burst waits
+//! instead), and a process without a pidfd is never chosen.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,12 @@ impl Policy {
                     .filter(|&(_, c, m)| m.granted > 0 && c != w.conn && !spared.contains(&c))
                     .filter_map(|(_, c, m)| {
                         let p = self.peers.get(&c)?;
+                        // Only a process the arbiter can signal safely (a pidfd), and of
+                        // another user only for a priority an entitlement vouches for:
+                        // without one, a client is believed only about itself.
+                        if !p.signalable || (p.uid != asker.uid && !asker.vetted) {
+                            return None;
+                        }
                         let idle = now.saturating_duration_since(p.last_active);
                         let why = if p.priority < asker.priority {
                             format!("lower priority ({} < {})", p.priority, asker.priority)

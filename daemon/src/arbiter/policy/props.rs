@@ -13,7 +13,11 @@
 //!   was not queued, and the queues hold exactly the bursts not answered yet;
 //! - after an expiry tick no waiter that can never be served is left in a queue, and one
 //!   tick past the longest deadline answers every waiter;
-//! - a disconnect leaves no trace of the connection.
+//! - a disconnect leaves no trace of the connection;
+//! - whatever members claim, the ledger never holds more than the GPU has (burst ≤ total,
+//!   each group's request and limit ≤ total) nor more than the group's entitlement: a
+//!   connection may have one (random caps applied as the server applies them), and no
+//!   group's request or limit is above the largest its members are entitled to.
 //!
 //! Cases come from seeds: those in `daemon/tests/corpus/policy_seeds.txt` (failures once
 //! found, replayed every run) and a fixed number of fresh ones derived from a base seed.
@@ -87,6 +91,10 @@ struct Case {
     devices: Vec<Device>,
     /// Connections that said hello and are not disconnected.
     live: Vec<ConnId>,
+    /// The entitlement of each group's members, if they have one: (max request, max
+    /// limit) bytes. An entitlement follows from who a process is (its user, its
+    /// container), so every member of a group has the same.
+    caps: std::collections::HashMap<String, Option<(u64, u64)>>,
     next_conn: ConnId,
     next_seq: u64,
     /// (conn, device, seq) of bursts queued and not answered yet.
@@ -108,6 +116,7 @@ impl Case {
             policy,
             devices,
             live: Vec::new(),
+            caps: std::collections::HashMap::new(),
             next_conn: 1,
             next_seq: 1,
             outstanding: BTreeSet::new(),
@@ -217,10 +226,23 @@ impl Case {
                     wait_timeout: Duration::from_millis(self.rng.pick(&[0, 10, 1000, 30_000, u64::MAX])),
                     last_active: now,
                     activity: 0,
+                    vetted: self.rng.chance(50),
+                    signalable: self.rng.chance(90),
+                    entitlement: String::new(),
+                    capped: String::new(),
                 };
                 self.note(format!("hello {conn} {peer:?}"));
                 self.policy.hello(conn, peer);
                 self.live.push(conn);
+                let group = self.policy.peers[&conn].group.clone();
+                if !self.caps.contains_key(&group) {
+                    let cap = self.rng.chance(50).then(|| {
+                        let total = self.devices.iter().map(|d| d.total).min().unwrap_or(0);
+                        let request = self.rng.below(5) * total / 16;
+                        (request, request.saturating_add(self.rng.below(9) * total / 16))
+                    });
+                    self.caps.insert(group, cap);
+                }
             }
             "register" => {
                 let Some(conn) = self.conn() else { return kind };
@@ -240,6 +262,26 @@ impl Case {
                     0..=2 => (0, 0, 0),
                     3 | 4 => (self.rng.size(d.total), self.rng.size(d.total), 0),
                     _ => (self.rng.size(d.total), self.rng.size(d.total), self.rng.size(d.total)),
+                };
+                // Capped as the server caps a registration by the connection's entitlement.
+                let group = self.policy.peers.get(&conn).map(|p| p.group.clone()).unwrap_or_default();
+                let (request, limit) = match self.caps.get(&group).copied().flatten() {
+                    Some((max_request, max_limit)) if limit >= request => {
+                        let verdict =
+                            crate::entitlement::Verdict::Entitled(crate::entitlement::Entitlement {
+                                source: "props".into(),
+                                devices: None,
+                                max_request: crate::entitlement::Amount::Bytes(max_request),
+                                max_limit: crate::entitlement::Amount::Bytes(max_limit),
+                                max_priority: 0,
+                                resolver: None,
+                                group: None,
+                            });
+                        let (r, l, _) =
+                            crate::entitlement::believe_register(&verdict, &d.id, d.total, request, limit);
+                        (r, l)
+                    }
+                    _ => (request, limit),
                 };
                 let result = self.policy.register(conn, d.id, total, request, limit, held, granted, host);
                 self.note(format!(
@@ -399,6 +441,34 @@ impl Case {
 
     fn check(&self, kind: &str, before: &[(u64, u64)]) {
         for (id, gpu) in &self.policy.gpus {
+            if gpu.burst() > gpu.total {
+                self.fail(format!("{id:?}: {} lent of {}", gpu.burst(), gpu.total));
+            }
+            for (name, g) in &gpu.groups {
+                if g.request > gpu.total || g.limit > gpu.total {
+                    self.fail(format!(
+                        "group {name}: request {} limit {} on {}",
+                        g.request, g.limit, gpu.total
+                    ));
+                }
+                // The group holds no more than its members' entitlement.
+                if let Some((max_request, max_limit)) = self.caps.get(name).copied().flatten() {
+                    if g.request > max_request || g.limit > max_limit {
+                        self.fail(format!(
+                            "group {name}: request {} limit {} past its entitlement {max_request}/{max_limit}",
+                            g.request, g.limit
+                        ));
+                    }
+                }
+                for m in g.members.values() {
+                    if m.host_bytes > g.limit {
+                        self.fail(format!(
+                            "group {name}: a member keeps {} in host RAM, limit {}",
+                            m.host_bytes, g.limit
+                        ));
+                    }
+                }
+            }
             if gpu.guaranteed() > gpu.total {
                 self.fail(format!("{id:?}: {} guaranteed of {}", gpu.guaranteed(), gpu.total));
             }

@@ -122,7 +122,11 @@ impl Policy {
                 .filter(|&(_, c, m)| {
                     m.granted > 0 && !on_its_way(c, m.residency) && !swapped_now.contains(&c)
                 })
-                .filter_map(|(_, c, m)| Some((self.peers.get(&c)?.priority, std::cmp::Reverse(m.granted), c)))
+                .filter_map(|(_, c, m)| {
+                    // Never a process the arbiter cannot signal safely (no pidfd).
+                    let p = self.peers.get(&c).filter(|p| p.signalable)?;
+                    Some((p.priority, std::cmp::Reverse(m.granted), c))
+                })
                 .collect();
             endable.sort();
             for (priority, std::cmp::Reverse(bytes), conn) in endable {

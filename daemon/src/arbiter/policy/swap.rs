@@ -27,8 +27,7 @@ impl Policy {
         self.gpus
             .values()
             .flat_map(|g| g.members())
-            .map(|(_, _, m)| if m.residency == Residency::SwappingOut { m.granted } else { m.host_bytes })
-            .sum()
+            .fold(0u64, |sum, (_, _, m)| sum.saturating_add(m.host_committed()))
     }
 
     /// Members told to swap out that have not answered for [`SWAP_OUT_ANSWER`] (a kernel
@@ -135,15 +134,21 @@ impl Policy {
         held: u64,
         now: Instant,
     ) -> Vec<Answer> {
+        // Host RAM the node's other swapped-out memory leaves under the swap limit.
+        let host_room = self.swap_limit.saturating_sub(self.host_committed_except(&device, conn));
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
         let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
         // A report cannot put more in the ledger than was lent: a swap gives grants back or
-        // uses one already made (the grant of its swap-in), never takes new ones. Nor can
-        // host RAM hold more than the group may hold.
-        let (host_bytes, held) = (host_bytes.min(g.limit), held.min(total));
+        // uses one already made (the grant of its swap-in), never takes new ones. What it
+        // keeps in host RAM is within its group's limit and what the node's swap limit
+        // leaves: a report of 2^64-1 bytes swapped cannot fill host RAM. (Not within what
+        // it was lent before the report: a Release may have crossed the swap-out, and a
+        // swap-in for what it really has in host RAM would then be refused for ever.)
+        let held = held.min(total);
         if let Some(m) = g.members.get_mut(&conn) {
             let granted = granted.min(m.granted);
+            let host_bytes = host_bytes.min(g.limit).min(host_room);
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
             m.resume_sent = false;
             if host_bytes > 0 {
@@ -432,7 +437,40 @@ mod tests {
         p.register(1, GPU, 16 * GIB, 2 * GIB, 6 * GIB, 0, u64::MAX, u64::MAX).unwrap();
         p.swapped(1, GPU, u64::MAX, u64::MAX, 0, now);
         let s = &p.status().gpus[0];
+        // 4 GiB lent (its burst range) and its limit in host RAM, whatever it claims.
         assert_eq!((s.burst, s.swapped), (4 * GIB, 6 * GIB));
         assert_eq!(p.host_committed(), 6 * GIB);
+        p.swapped(1, GPU, 0, u64::MAX, 0, now);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.burst, s.swapped), (0, 6 * GIB));
+        // The node's swap limit bounds what the others may claim: 6 of 10 GiB are taken.
+        p.set_swap_limit(10 * GIB);
+        p.hello(2, Peer { resolver: Resolver::Swap, ..peer("b", 1000) });
+        p.register(2, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, u64::MAX).unwrap();
+        assert_eq!(p.host_committed(), 10 * GIB);
+        p.swapped(2, GPU, 0, u64::MAX, 0, now);
+        assert_eq!(p.host_committed(), 10 * GIB);
+    }
+
+    #[test]
+    fn a_release_crossing_a_swap_out_leaves_the_swap_in_possible() {
+        // The demo's act 3: a holder told to swap out gives part of its grant back in a
+        // Release while it copies, then reports all of its burst memory in host RAM.
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.hello(1, Peer { resolver: Resolver::Swap, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(
+            p.acquire(1, GPU, 1, 5 * GIB / 4, 5 * GIB / 4, 0, false, now),
+            Outcome::Granted(5 * GIB / 4)
+        );
+        p.release(1, GPU, GIB / 4, GIB, now);
+        p.swapped(1, GPU, 0, 5 * GIB / 4, GIB, now);
+        assert_eq!(p.status().gpus[0].swapped, 5 * GIB / 4);
+        assert_eq!(
+            p.acquire(1, GPU, 2, 5 * GIB / 4, 5 * GIB / 4, GIB, true, now),
+            Outcome::Granted(5 * GIB / 4),
+            "the swap-in of what it has in host RAM is served"
+        );
     }
 }

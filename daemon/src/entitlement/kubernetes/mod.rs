@@ -100,7 +100,7 @@ pub enum KubernetesError {
         reason: String,
     },
     /// The API server's in-cluster configuration is missing or unusable.
-    #[error("Kubernetes API server: {0}")]
+    #[error("Kubernetes API server")]
     ApiServer(#[from] ApiServerError),
     /// An option is out of range.
     #[error("{0}")]
