@@ -1304,3 +1304,20 @@ fn takeover_warnings_stay_few_and_short() {
         assert_eq!(c["env"], json!([]));
     }
 }
+
+#[test]
+fn a_pod_already_patched_is_patched_to_the_same_and_warned_of_nothing() {
+    // Generated name too, so the downward-API helper is part of it.
+    let mut first = pod(
+        json!({"gpufrac.io/gpu-fraction": "0.3", "gpufrac.io/resolver": "swap"}),
+        json!([container("main"), container("sidecar")]),
+    );
+    first["metadata"]["name"] = Value::Null;
+    first["metadata"]["generateName"] = json!("trainer-");
+    let review1 = create(first);
+    let once = patched(&review1, &review(&review1));
+    let review2 = create(once.clone());
+    let answer = review(&review2);
+    assert_eq!(patched(&review2, &answer), once);
+    assert!(warnings(&answer).is_empty(), "{answer}");
+}

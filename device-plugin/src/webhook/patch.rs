@@ -161,13 +161,19 @@ fn merged_env(existing: &[Value], grant: &ContainerGrant) -> (Vec<Value>, TakenO
         let name = entry.get("name").and_then(Value::as_str);
         if name == Some(POD_NAME_HELPER) {
             // Put back, if needed, right before GPUFRAC_POD.
-            let list = if helper.is_some() { &mut taken.replaced } else { &mut taken.removed };
-            note(list, POD_NAME_HELPER);
+            match &helper {
+                Some(ours) if ours == entry => {}
+                Some(_) => note(&mut taken.replaced, POD_NAME_HELPER),
+                None => note(&mut taken.removed, POD_NAME_HELPER),
+            }
             continue;
         }
         match (ours.iter().position(|(ours, _)| Some(*ours) == name), name) {
             (Some(i), Some(name)) => {
-                note(&mut taken.replaced, name);
+                // The same entry as ours (a pod already patched, sent again) is no news.
+                if *entry != ours[i].1 {
+                    note(&mut taken.replaced, name);
+                }
                 emit(i, &mut out);
             }
             (None, Some(name)) if is_owned(name, Role::Gpu) => note(&mut taken.removed, name),
