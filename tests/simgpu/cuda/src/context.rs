@@ -34,12 +34,36 @@ impl Context {
 
 static CONTEXTS: LazyLock<Mutex<HashMap<usize, Arc<Context>>>> = LazyLock::new(Default::default);
 
-/// Per device: the primary context (if active), its retain count and its flags.
+/// Per device: the primary context (if active), its retain count and its flags, and its
+/// handle, the same whether active or not (0 until first asked for).
 #[derive(Default)]
 struct Primary {
     ctx: Option<Arc<Context>>,
     retains: u32,
     flags: c_uint,
+    handle: usize,
+}
+
+impl Primary {
+    fn handle(&mut self) -> usize {
+        if self.handle == 0 {
+            self.handle = crate::ffi::new_handle();
+        }
+        self.handle
+    }
+}
+
+/// The handle of `device`'s primary context, without retaining it: the handle it has
+/// while active and keeps across resets, as with the real driver. The CUDA runtime asks
+/// for it through its private interface (`export_tables`), makes it current, and only
+/// then retains the context.
+pub(crate) fn primary_handle(device: CUdevice) -> CuResult<usize> {
+    let index = device_index(device)?;
+    Ok(PRIMARY.lock().entry(index).or_default().handle())
+}
+
+fn is_primary_handle(handle: usize) -> bool {
+    PRIMARY.lock().values().any(|p| p.handle == handle)
 }
 
 static PRIMARY: LazyLock<Mutex<HashMap<usize, Primary>>> = LazyLock::new(Default::default);
@@ -71,17 +95,19 @@ pub(crate) fn current() -> CuResult<Arc<Context>> {
     }
 }
 
-fn create(device: usize, flags: c_uint, primary: bool) -> CuResult<Arc<Context>> {
+/// Creates a context; a primary context gets its device's handle (`primary`), another
+/// context its own address.
+fn create(device: usize, flags: c_uint, primary: Option<usize>) -> CuResult<Arc<Context>> {
     let d = driver()?;
     d.slot.charge(device, d.context_overhead).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     let ctx = Arc::new_cyclic(|weak: &std::sync::Weak<Context>| {
         // The handle is the context's own address, known before it is built.
-        let handle = weak.as_ptr() as usize;
+        let handle = primary.unwrap_or(weak.as_ptr() as usize);
         let sticky = Arc::new(AtomicU32::new(0));
         Context {
             device,
             flags: AtomicU32::new(flags),
-            primary,
+            primary: primary.is_some(),
             null_stream: Stream::new(handle, device, sticky.clone(), 0, 0),
             sticky,
             handle,
@@ -96,6 +122,8 @@ fn destroy(ctx: &Arc<Context>) {
     if !ctx.alive.swap(false, Ordering::AcqRel) {
         return;
     }
+    // The CUDA runtime's state for this context goes first, while the context still works.
+    crate::export_tables::context_destroyed(ctx.handle);
     // Let queued work finish before its memory disappears, as the real driver does.
     for s in stream::streams_of(ctx.handle) {
         let _ = s.synchronize();
@@ -117,7 +145,8 @@ pub(crate) fn primary_retain(out: *mut CUcontext, device: CUdevice) -> CuResult 
     let ctx = match &entry.ctx {
         Some(ctx) => ctx.clone(),
         None => {
-            let ctx = create(index, entry.flags, true)?;
+            let handle = entry.handle();
+            let ctx = create(index, entry.flags, Some(handle))?;
             entry.ctx = Some(ctx.clone());
             ctx
         }
@@ -182,7 +211,7 @@ pub(crate) fn ctx_create(out: *mut CUcontext, flags: c_uint, device: CUdevice) -
     if out.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let ctx = create(index, flags, false)?;
+    let ctx = create(index, flags, None)?;
     write_out(out, ctx.handle as CUcontext)?;
     with_stack(|stack| stack.push(ctx.handle));
     Ok(())
@@ -206,8 +235,10 @@ pub(crate) fn ctx_get_current(out: *mut CUcontext) -> CuResult {
 pub(crate) fn ctx_set_current(handle: CUcontext) -> CuResult {
     driver()?;
     let raw = handle as usize;
-    if raw != 0 {
-        lookup(raw)?;
+    // An inactive primary context may be made current (the CUDA runtime does so before
+    // it retains it); calls needing a context fail until it is retained.
+    if raw != 0 && lookup(raw).is_err() && !is_primary_handle(raw) {
+        return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
     }
     with_stack(|stack| {
         stack.pop();

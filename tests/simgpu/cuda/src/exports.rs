@@ -14,7 +14,7 @@ use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
-use crate::{array, context, driver, memory, module, pool, procaddr, stream, vmm};
+use crate::{array, context, driver, export_tables, memory, module, pool, procaddr, stream, vmm};
 
 macro_rules! exports {
     ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {
@@ -66,6 +66,7 @@ exports! {
         => procaddr::get_proc_address(symbol, pfn, version, flags, status);
     cuGetErrorName(error: c_uint, out: *mut *const c_char) => procaddr::error_name(error, out);
     cuGetErrorString(error: c_uint, out: *mut *const c_char) => procaddr::error_string(error, out);
+    cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) => export_tables::get_export_table(table, id);
 
     // Devices.
     cuDeviceGet(device: *mut CUdevice, ordinal: c_int) => driver::device_get(device, ordinal);
@@ -86,6 +87,9 @@ exports! {
     cuDevicePrimaryCtxRetain(ctx: *mut CUcontext, dev: CUdevice) => context::primary_retain(ctx, dev);
     cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => context::primary_release(dev);
     cuDevicePrimaryCtxReset_v2(dev: CUdevice) => context::primary_reset(dev);
+    // The CUDA 7.0 versions, which libcudart 12 still asks for (see procaddr).
+    cuDevicePrimaryCtxRelease(dev: CUdevice) => context::primary_release(dev);
+    cuDevicePrimaryCtxReset(dev: CUdevice) => context::primary_reset(dev);
     cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) => context::primary_set_flags(dev, flags);
     cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) => context::primary_get_state(dev, flags, active);
     cuCtxCreate_v2(ctx: *mut CUcontext, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);

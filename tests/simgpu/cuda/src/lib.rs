@@ -13,6 +13,7 @@ mod array;
 mod context;
 mod copy;
 mod driver;
+mod export_tables;
 mod exports;
 mod ffi;
 mod memory;
