@@ -1148,6 +1148,64 @@ fn on_frame(
 mod tests {
     use super::*;
 
+    /// Records what it is asked to signal: the PID it was told, the PID the pidfd names
+    /// (from the kernel), and the signal; sends nothing.
+    #[derive(Default)]
+    struct Recording(Arc<Mutex<Vec<Sent>>>);
+
+    /// (PID told, PID the pidfd names, signal).
+    type Sent = (u32, Option<u32>, i32);
+
+    impl Terminator for Recording {
+        fn signal(&self, pid: u32, pidfd: &Pidfd, signal: i32) -> std::io::Result<()> {
+            self.0.lock().unwrap().push((pid, pidfd.pid(), signal));
+            Ok(())
+        }
+    }
+
+    fn handle(shared: &Shared, conn: ConnId, pidfd: Option<Pidfd>) -> Arc<Notify> {
+        let close = Arc::new(Notify::new());
+        let handle = ConnHandle { pidfd: pidfd.map(Arc::new), close: close.clone() };
+        shared.conns.lock().unwrap().insert(conn, handle);
+        close
+    }
+
+    #[test]
+    fn signals_go_through_the_pidfd_of_the_process_that_connected() {
+        let record = Recording::default();
+        let sent = record.0.clone();
+        let shared = Shared::with(&[], Options::default(), Box::new(record), None);
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        handle(&shared, 1, Some(Pidfd::open(child.id()).expect("pidfd_open")));
+        handle(&shared, 2, None);
+        // Whatever PID the caller names, the pidfd decides which process it is.
+        shared.signal(1, 4242, libc::SIGTERM);
+        shared.signal(2, child.id(), libc::SIGKILL);
+        shared.signal(3, child.id(), libc::SIGKILL);
+        assert_eq!(
+            *sent.lock().unwrap(),
+            vec![(4242, Some(child.id()), libc::SIGTERM)],
+            "only through a pidfd"
+        );
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+    }
+
+    #[test]
+    fn a_connection_whose_process_is_gone_is_closed_not_signalled_by_pid() {
+        let shared = Shared::with(&[], Options::default(), Box::new(Signals), None);
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pidfd = Pidfd::open(child.id()).expect("pidfd_open");
+        child.wait().expect("reap");
+        let close = handle(&shared, 1, Some(pidfd));
+        shared.signal(1, child.id(), libc::SIGTERM);
+        // The notification is stored: the connection's task would wake at once.
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let closed =
+            runtime.block_on(async { tokio::time::timeout(Duration::from_secs(1), close.notified()).await });
+        assert!(closed.is_ok(), "the connection is closed");
+    }
+
     #[test]
     fn group_names_are_what_the_shim_allows() {
         for ok in ["a", "pod-a.web_1", "pid-1234", &"x".repeat(MAX_GROUP)] {

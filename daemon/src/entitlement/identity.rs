@@ -81,6 +81,14 @@ impl Pidfd {
     pub fn alive(&self) -> bool {
         self.signal(0).is_ok()
     }
+
+    /// The PID of the process this pidfd names, as the kernel says (`Pid:` in its
+    /// fdinfo): `None` once it has exited (-1 there) or when unreadable.
+    pub fn pid(&self) -> Option<u32> {
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", self.0.as_raw_fd())).ok()?;
+        let pid: i64 = info.lines().find_map(|l| l.strip_prefix("Pid:"))?.trim().parse().ok()?;
+        u32::try_from(pid).ok().filter(|&p| p > 0)
+    }
 }
 
 /// The peer of a connected unix socket, as the kernel says.

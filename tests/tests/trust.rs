@@ -1,0 +1,635 @@
+//! The arbiter trusts nothing a client says (issue 12), with real processes on simgpu,
+//! some of them run as another user (`setpriv`, UID 65534): a client declaring a higher
+//! priority than it is allowed never gets another user's process ended; a larger request
+//! or limit than its entitlement gets only its entitlement; naming another user's group
+//! does not join it; a holder that forked and exited is never signalled by its (reused)
+//! PID; overflowing and contradictory raw frames never put more in the ledger than the GPU
+//! and the entitlement allow; and `gpufrac status` shows a user only its own processes
+//! unless it is root or in `--admin-group`.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{read_frame, Reply, Request, SwapDirection, MAX_FRAME, VERSION};
+use gpufrac_common::Resolver;
+use gpufrac_daemon::status::{ProcessStatus, Status};
+use gpufrac_e2e::size::{GIB, MIB};
+use gpufrac_e2e::{artifact, compile_c, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+
+/// The other user: `nobody` on most systems.
+const OTHER: u32 = 65534;
+const CHUNK: u64 = 32 * MIB;
+
+fn gpu() -> SimGpu {
+    SimGpu::new("4GiB").with_context_overhead("64MiB")
+}
+
+/// Lets another user run on `gpu`: its folder and the simulated machine's state are
+/// opened to everyone (the test's own folder under the temp dir; nothing else is).
+fn open_to_others(gpu: &SimGpu) {
+    let dir = gpu.lib_dir();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).expect("chmod the simgpu folder");
+    for entry in std::fs::read_dir(dir).expect("the simgpu folder").flatten() {
+        let meta = std::fs::symlink_metadata(entry.path()).expect("stat");
+        if meta.is_file() {
+            let _ = std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o666));
+        }
+    }
+}
+
+/// An arbiter on `gpu` with `args`, reachable by the other user.
+fn arbiter(gpu: &SimGpu, name: &str, args: &[&str]) -> Arbiter {
+    let arbiter = Arbiter::start_at(gpu, gpu.lib_dir().join(name), args);
+    open_to_others(gpu);
+    arbiter
+}
+
+/// A policy file in `gpu`'s folder.
+fn policy(gpu: &SimGpu, text: &str) -> PathBuf {
+    let path = gpu.lib_dir().join(format!("policy-{}.json", unique("p")));
+    std::fs::write(&path, text).expect("write the policy");
+    path
+}
+
+/// `program` run as `uid` (through `setpriv`, with no supplementary groups) on `gpu`.
+fn command_as(gpu: &SimGpu, uid: u32, program: &Path) -> Command {
+    if uid == 0 {
+        return gpu.command(program);
+    }
+    let mut cmd = gpu.command("setpriv");
+    cmd.arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg("--clear-groups")
+        .arg("--")
+        .arg(program);
+    cmd
+}
+
+/// What a shim declares.
+struct Declared<'a> {
+    uid: u32,
+    group: &'a str,
+    request: &'a str,
+    limit: &'a str,
+    resolver: &'a str,
+    priority: i64,
+    wait: &'a str,
+}
+
+impl Default for Declared<'_> {
+    fn default() -> Self {
+        Declared {
+            uid: 0,
+            group: "g",
+            request: "1GiB",
+            limit: "3GiB",
+            resolver: "wait",
+            priority: 0,
+            wait: "30s",
+        }
+    }
+}
+
+/// `alloc_paths alloc` under the shim, allocating in chunks up to `upto` bytes.
+fn shim(gpu: &SimGpu, arbiter: &Arbiter, d: &Declared, upto: u64) -> ChildProcess {
+    let program = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);
+    let mut cmd = command_as(gpu, d.uid, &program);
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", d.request)
+        .env("GPUFRAC_MEMORY_LIMIT", d.limit)
+        .env("GPUFRAC_RESOLVER", d.resolver)
+        .env("GPUFRAC_PRIORITY", d.priority.to_string())
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", d.group)
+        .env("GPUFRAC_WAIT_TIMEOUT", d.wait)
+        .env("GPUFRAC_LOG", "info")
+        .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+fn processes(s: &Status) -> &[ProcessStatus] {
+    &s.gpus[0].processes
+}
+
+fn of_group<'a>(s: &'a Status, group: &str) -> Vec<&'a ProcessStatus> {
+    processes(s).iter().filter(|p| p.group == group).collect()
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|rest| !rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// The issue's report: an unprivileged user with `GPUFRAC_PRIORITY=1000000` got a root
+/// process holding burst memory ended. Without a policy a client is believed only about
+/// itself: its burst waits instead.
+#[test]
+fn without_a_policy_a_priority_never_ends_another_users_process() {
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "a.sock", &["--kill-grace", "1s"]);
+    assert!(arbiter.log_text().contains("no entitlement policy loaded"), "{}", arbiter.log_text());
+    let holder = unique("root");
+    let mut a = shim(&gpu, &arbiter, &Declared { group: &holder, ..Declared::default() }, 2560 * MIB);
+    assert_eq!(a.ready()[0], 2560 * MIB, "the holder bursts\n{}", a.diagnostics());
+    let vip = unique("vip");
+    let d = Declared {
+        uid: OTHER,
+        group: &vip,
+        resolver: "priority",
+        priority: 1_000_000,
+        wait: "3s",
+        ..Declared::default()
+    };
+    let mut b = shim(&gpu, &arbiter, &d, 2 * GIB);
+    let got = b.ready()[0];
+    assert!(got < 2 * GIB, "the other user's burst waited and timed out ({got})\n{}", b.diagnostics());
+    assert!(alive(a.pid()), "the root holder is alive\n{}", arbiter.log_text());
+    assert!(!arbiter.log_text().contains("terminating"), "{}", arbiter.log_text());
+    let s = status(&arbiter);
+    let p = of_group(&s, &vip);
+    assert_eq!((p.len(), p[0].uid, p[0].entitlement.as_str()), (1, OTHER, "unrestricted (no policy)"));
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+/// With a policy, the priority a client declares is cut to its entry's: a declared
+/// 1000000 against a holder of priority 5 of another user waits; the cut is logged and
+/// shown in status.
+#[test]
+fn a_priority_above_the_policy_is_cut_and_ends_nobody() {
+    let gpu = gpu();
+    let file = policy(
+        &gpu,
+        &format!(
+            r#"{{ "uids": {{
+                "0": {{ "max_request": "1GiB", "max_limit": "3GiB", "max_priority": 5 }},
+                "{OTHER}": {{ "max_request": "1GiB", "max_limit": "3GiB", "max_priority": 2 }} }} }}"#
+        ),
+    );
+    let arbiter = arbiter(&gpu, "p.sock", &["--policy", file.to_str().unwrap(), "--kill-grace", "1s"]);
+    assert!(arbiter.log_text().contains("entitlements from the policy file"), "{}", arbiter.log_text());
+    let holder = unique("root");
+    let mut a =
+        shim(&gpu, &arbiter, &Declared { group: &holder, priority: 5, ..Declared::default() }, 2560 * MIB);
+    assert_eq!(a.ready()[0], 2560 * MIB, "{}", a.diagnostics());
+    let vip = unique("vip");
+    let d = Declared {
+        uid: OTHER,
+        group: &vip,
+        resolver: "priority",
+        priority: 1_000_000,
+        wait: "3s",
+        ..Declared::default()
+    };
+    let mut b = shim(&gpu, &arbiter, &d, 2 * GIB);
+    let s = wait_for(&arbiter, "the other user's shim registered", |s| !of_group(s, &vip).is_empty());
+    let p = of_group(&s, &vip)[0].clone();
+    assert_eq!(p.priority, 2, "the priority believed is the policy's: {p:?}");
+    assert!(p.capped.contains("priority 1000000 -> 2"), "{p:?}");
+    assert!(p.entitlement.contains(&format!("uid {OTHER}")), "{p:?}");
+    assert!(b.ready()[0] < 2 * GIB, "the burst waited and timed out\n{}", b.diagnostics());
+    assert!(alive(a.pid()) && !arbiter.log_text().contains("terminating"), "{}", arbiter.log_text());
+    assert!(arbiter.log_text().contains("declared more than its entitlement"), "{}", arbiter.log_text());
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+/// A limit above the entitlement: bursts stop at the entitled limit. A request above it:
+/// only the entitled request is guaranteed, so another group's request still fits.
+#[test]
+fn a_request_or_limit_above_the_entitlement_gets_only_the_entitlement() {
+    let gpu = gpu();
+    let file = policy(
+        &gpu,
+        &format!(
+            r#"{{ "uids": {{
+                "0": {{ "max_request": "3GiB", "max_limit": "3GiB" }},
+                "{OTHER}": {{ "max_request": "1GiB", "max_limit": "2GiB" }} }} }}"#
+        ),
+    );
+    let arbiter = arbiter(&gpu, "r.sock", &["--policy", file.to_str().unwrap()]);
+    // Declares a 3.5 GiB limit; entitled to 2 GiB.
+    let greedy = unique("greedy");
+    let d = Declared { uid: OTHER, group: &greedy, limit: "3584MiB", wait: "2s", ..Declared::default() };
+    let mut a = shim(&gpu, &arbiter, &d, 3584 * MIB);
+    let got = a.ready()[0];
+    assert!(got <= 2 * GIB, "held {got} past the entitled limit\n{}", a.diagnostics());
+    let s = status(&arbiter);
+    let p = of_group(&s, &greedy)[0].clone();
+    assert_eq!((p.request, p.limit), (GIB, 2 * GIB), "{p:?}");
+    assert!(p.capped.contains("limit 3758096384 -> 2147483648"), "{p:?}");
+    a.close_stdin();
+    a.finish();
+
+    // Declares the whole GPU as its request; entitled to 1 GiB.
+    let squatter = unique("squat");
+    let d = Declared { uid: OTHER, group: &squatter, request: "4GiB", limit: "4GiB", ..Declared::default() };
+    let mut b = shim(&gpu, &arbiter, &d, 256 * MIB);
+    b.ready();
+    let s = status(&arbiter);
+    assert_eq!(s.gpus[0].guaranteed, GIB, "only the entitled request is guaranteed: {s:?}");
+    // Root's 3 GiB request fits beside it (it would not beside a 4 GiB one).
+    let owner = unique("owner");
+    let mut c =
+        shim(&gpu, &arbiter, &Declared { group: &owner, request: "3GiB", ..Declared::default() }, 256 * MIB);
+    assert_eq!(c.ready()[0], 256 * MIB, "admitted\n{}", c.diagnostics());
+    assert_eq!(status(&arbiter).gpus[0].guaranteed, 4 * GIB);
+    c.close_stdin();
+    c.finish();
+    b.close_stdin();
+    b.finish();
+}
+
+/// A client of another user naming a root group's name gets a group of its own: it shares
+/// neither the guarantee nor the burst room, and the root group keeps its request and limit.
+#[test]
+fn naming_another_users_group_does_not_join_it() {
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "g.sock", &[]);
+    let group = unique("shared");
+    let mut a = shim(&gpu, &arbiter, &Declared { group: &group, ..Declared::default() }, 2 * GIB);
+    assert_eq!(a.ready()[0], 2 * GIB, "{}", a.diagnostics());
+    let d = Declared { uid: OTHER, group: &group, request: "512MiB", limit: "512MiB", ..Declared::default() };
+    let mut b = shim(&gpu, &arbiter, &d, 256 * MIB);
+    assert_eq!(b.ready()[0], 256 * MIB, "{}", b.diagnostics());
+    let s = status(&arbiter);
+    let members = of_group(&s, &group);
+    assert_eq!(members.len(), 2, "{s:?}");
+    let root = members.iter().find(|p| p.uid == 0).expect("root's member");
+    let other = members.iter().find(|p| p.uid == OTHER).expect("the other user's member");
+    assert_eq!((root.request, root.limit), (GIB, 3 * GIB), "root's group is unchanged");
+    assert_eq!((other.request, other.limit), (512 * MIB, 512 * MIB), "a group of its own");
+    assert_eq!(s.gpus[0].guaranteed, GIB + 512 * MIB, "two guarantees, not one shared");
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+/// `gpufrac status` as another user lists only that user's processes; root and members of
+/// `--admin-group` see everyone.
+#[test]
+fn status_shows_a_user_only_its_own_processes() {
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "s.sock", &["--admin-group", "4242"]);
+    let mine = unique("root");
+    let mut a = shim(&gpu, &arbiter, &Declared { group: &mine, ..Declared::default() }, 256 * MIB);
+    a.ready();
+    let theirs = unique("other");
+    let mut b =
+        shim(&gpu, &arbiter, &Declared { uid: OTHER, group: &theirs, ..Declared::default() }, 256 * MIB);
+    b.ready();
+    let json = |uid: u32, groups: &str| -> Status {
+        let mut cmd = Command::new("setpriv");
+        cmd.arg(format!("--reuid={uid}")).arg(format!("--regid={uid}"));
+        if groups.is_empty() {
+            cmd.arg("--clear-groups");
+        } else {
+            cmd.arg(format!("--groups={groups}"));
+        }
+        let out = cmd
+            .arg("--")
+            .arg(artifact("gpufrac"))
+            .args(["status", "--json", "--socket"])
+            .arg(arbiter.socket())
+            .output()
+            .expect("gpufrac status");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("status JSON")
+    };
+    let seen = |s: &Status| {
+        let mut groups: Vec<String> = processes(s).iter().map(|p| p.group.clone()).collect();
+        groups.sort();
+        groups
+    };
+    let mut both = vec![mine.clone(), theirs.clone()];
+    both.sort();
+    assert_eq!(seen(&json(OTHER, "")), vec![theirs.clone()], "the other user sees its own only");
+    let other = json(OTHER, "");
+    assert_eq!(other.gpus[0].guaranteed, 2 * GIB, "the GPU's totals stay");
+    assert_eq!(seen(&json(OTHER, "4242")), both, "a member of --admin-group sees everyone");
+    assert_eq!(seen(&json(1000, "")), Vec::<String>::new(), "a user with no process sees none");
+    assert_eq!(seen(&status(&arbiter)), both, "root sees everyone");
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
+/// A raw client of the protocol.
+struct Raw {
+    s: UnixStream,
+}
+
+impl Raw {
+    fn connect(arbiter: &Arbiter) -> Raw {
+        let s = UnixStream::connect(arbiter.socket()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Raw { s }
+    }
+
+    fn send(&mut self, r: &Request) {
+        self.s.write_all(&r.encode()).expect("send a frame");
+    }
+
+    fn reply(&mut self) -> Reply {
+        Reply::decode(&read_frame(&mut self.s, MAX_FRAME).expect("a reply")).expect("a reply frame")
+    }
+
+    fn hello(arbiter: &Arbiter, group: &str, priority: i32) -> Raw {
+        let mut raw = Raw::connect(arbiter);
+        raw.send(&Request::Hello {
+            version: VERSION,
+            group: group.into(),
+            pod: String::new(),
+            resolver: Resolver::Swap,
+            priority,
+            wait_timeout_ms: 100,
+        });
+        assert!(matches!(raw.reply(), Reply::Welcome { .. }));
+        raw
+    }
+}
+
+/// The simulated GPU's ID, as the arbiter knows it.
+fn device(arbiter: &Arbiter) -> [u8; 16] {
+    gpufrac_common::gpu_uuid::parse(&status(arbiter).gpus[0].uuid).expect("a GPU UUID")
+}
+
+/// Frames claiming 2^64-1 of everything, from 8 members of one group and from 4 groups,
+/// never put more in the ledger than the GPU has and the entitlement allows, and a
+/// well-behaved process is still admitted and served.
+#[test]
+fn overflowing_and_contradictory_reports_stay_within_the_gpu_and_the_entitlement() {
+    for with_policy in [false, true] {
+        let gpu = gpu();
+        let file = policy(&gpu, r#"{ "default": { "max_request": "512MiB", "max_limit": "1GiB" } }"#);
+        let args: Vec<&str> = if with_policy {
+            vec!["--policy", file.to_str().unwrap(), "--swap-limit", "3GiB"]
+        } else {
+            vec![]
+        };
+        let arbiter = arbiter(&gpu, "o.sock", &args);
+        let device = device(&arbiter);
+        let total = 4 * GIB;
+        let mut clients = Vec::new();
+        for i in 0..12 {
+            let group = if i < 8 { "crowd".to_owned() } else { format!("solo{i}") };
+            let mut raw = Raw::hello(&arbiter, &group, 0);
+            let request = if with_policy { u64::MAX } else { total / 8 };
+            raw.send(&Request::Register {
+                device,
+                total: u64::MAX,
+                request,
+                limit: u64::MAX,
+                held: u64::MAX,
+                granted: u64::MAX,
+                swapped: u64::MAX,
+            });
+            let reply = raw.reply();
+            assert!(matches!(reply, Reply::Registered { .. } | Reply::Refused { .. }), "{reply:?}");
+            raw.send(&Request::Acquire {
+                seq: 1,
+                device,
+                bytes: u64::MAX / 2,
+                preferred: u64::MAX,
+                held: u64::MAX,
+                resume: false,
+            });
+            raw.send(&Request::Swapped {
+                device,
+                direction: SwapDirection::Out,
+                bytes: u64::MAX,
+                granted: u64::MAX,
+                host_bytes: u64::MAX,
+                held: u64::MAX,
+                micros: u64::MAX,
+            });
+            raw.send(&Request::Release { device, bytes: 0, held: u64::MAX });
+            clients.push(raw);
+        }
+        // A status after the frames: they are handled in order per connection.
+        std::thread::sleep(Duration::from_millis(300));
+        let s = status(&arbiter);
+        let g = &s.gpus[0];
+        assert!(g.guaranteed <= total && g.burst <= total, "{with_policy}: {g:?}");
+        assert!(g.guaranteed + g.burst <= total, "{with_policy}: {g:?}");
+        assert_eq!(g.burst, 0, "{with_policy}: a claimed grant NVML does not show is not believed: {g:?}");
+        for p in &g.processes {
+            assert!(p.request <= p.limit && p.limit <= total, "{with_policy}: {p:?}");
+            if with_policy {
+                assert!(p.request <= 512 * MIB && p.limit <= GIB && p.host_bytes <= GIB, "{p:?}");
+            }
+        }
+        if with_policy {
+            assert!(g.swapped <= 3 * GIB, "the node's swap limit: {g:?}");
+        }
+        // One group ("crowd") and four solo groups, each its own request.
+        let crowd: Vec<_> = g.processes.iter().filter(|p| p.group == "crowd").collect();
+        assert_eq!(crowd.len(), 8, "{with_policy}: {g:?}");
+        drop(clients);
+        wait_for(&arbiter, "the raw clients gone", |s| s.gpus[0].processes.is_empty());
+        // Nothing is left behind: a well-behaved process gets its request and burst.
+        let d = Declared { group: &unique("fine"), request: "512MiB", limit: "1GiB", ..Declared::default() };
+        let mut ok = shim(&gpu, &arbiter, &d, GIB);
+        // Its limit counts its context's 64 MiB.
+        assert_eq!(ok.ready()[0], GIB - 64 * MIB, "{with_policy}\n{}", ok.diagnostics());
+        ok.close_stdin();
+        ok.finish();
+    }
+}
+
+/// What a process of the test spawned with `fork` does: connects, says hello, registers,
+/// takes a 1.5 GiB grant, forks a child that keeps the connection and sleeps, and exits.
+/// Everything is prepared before the fork: in the child only system calls run.
+struct ForkedHolder {
+    /// The process that connected (exited and reaped when `spawn` returns).
+    connected: u32,
+    /// The child that holds the connection now.
+    holder: u32,
+}
+
+impl ForkedHolder {
+    fn spawn(arbiter: &Arbiter, device: [u8; 16], group: &str) -> ForkedHolder {
+        let mut frames = Request::Hello {
+            version: VERSION,
+            group: group.into(),
+            pod: String::new(),
+            resolver: Resolver::Wait,
+            priority: 0,
+            wait_timeout_ms: 1000,
+        }
+        .encode();
+        frames.extend(
+            Request::Register {
+                device,
+                total: 4 * GIB,
+                request: GIB,
+                limit: 3 * GIB,
+                held: 0,
+                granted: 0,
+                swapped: 0,
+            }
+            .encode(),
+        );
+        frames.extend(
+            Request::Acquire {
+                seq: 1,
+                device,
+                bytes: 1536 * MIB,
+                preferred: 1536 * MIB,
+                held: GIB,
+                resume: false,
+            }
+            .encode(),
+        );
+        let path = std::ffi::CString::new(arbiter.socket().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a zeroed sockaddr_un is valid; the path fits (checked below).
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_bytes_with_nul();
+        assert!(bytes.len() <= addr.sun_path.len(), "socket path too long");
+        for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        let mut pipe = [0; 2];
+        // SAFETY: `pipe` holds two descriptors.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: the child runs only system calls on memory prepared before the fork, then
+        // `_exit`s (or pauses until killed): nothing that takes a lock another thread held.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            // SAFETY: as above; every buffer lives in this frame or was made before the fork.
+            unsafe {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+                if fd < 0 || libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                    libc::_exit(10);
+                }
+                if libc::write(fd, frames.as_ptr().cast(), frames.len()) != frames.len() as isize {
+                    libc::_exit(11);
+                }
+                // Welcome, Registered, Granted: read until the grant is in (a few frames).
+                let mut buf = [0u8; 512];
+                let mut got = 0usize;
+                let deadline = libc::time(std::ptr::null_mut()) + 30;
+                // Frames: Welcome (4+3), Registered (4+1+16+16), Granted (4+1+16).
+                while got < 7 + 37 + 21 && libc::time(std::ptr::null_mut()) < deadline {
+                    let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), buf.len() - got);
+                    if n <= 0 {
+                        libc::_exit(12);
+                    }
+                    got += n as usize;
+                }
+                let holder = libc::fork();
+                if holder == 0 {
+                    loop {
+                        libc::pause();
+                    }
+                }
+                libc::write(
+                    pipe[1],
+                    (&holder as *const libc::pid_t).cast(),
+                    std::mem::size_of::<libc::pid_t>(),
+                );
+                libc::_exit(0);
+            }
+        }
+        // SAFETY: closing our copy of the write end; reading the child's PID into a local.
+        let holder = unsafe {
+            libc::close(pipe[1]);
+            let mut holder: libc::pid_t = 0;
+            let n = libc::read(
+                pipe[0],
+                (&mut holder as *mut libc::pid_t).cast(),
+                std::mem::size_of::<libc::pid_t>(),
+            );
+            libc::close(pipe[0]);
+            assert_eq!(n, std::mem::size_of::<libc::pid_t>() as isize, "the holder's PID");
+            holder
+        };
+        let mut wstatus = 0;
+        // SAFETY: reaping our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut wstatus, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(wstatus) && libc::WEXITSTATUS(wstatus) == 0,
+            "the connecting process: {wstatus}"
+        );
+        ForkedHolder { connected: pid as u32, holder: holder as u32 }
+    }
+}
+
+impl Drop for ForkedHolder {
+    fn drop(&mut self) {
+        // SAFETY: the holder is a process this test made; it is reparented, not ours to reap.
+        unsafe { libc::kill(self.holder as libc::pid_t, libc::SIGKILL) };
+    }
+}
+
+/// Starts a process with PID `pid` (the last one handed out is set just below it), or
+/// returns `None` when another process took the PID first.
+fn sleeper_with_pid(pid: u32) -> Option<std::process::Child> {
+    for _ in 0..20 {
+        if std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_err() {
+            return None;
+        }
+        let child = Command::new("sleep").arg("120").spawn().expect("spawn sleep");
+        if child.id() == pid {
+            return Some(child);
+        }
+        let mut child = child;
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    None
+}
+
+/// The issue's report: a holder forked, left its connection to the child and exited; its
+/// PID was reused by an unrelated root `sleep`, which the arbiter then SIGTERMed. Signals
+/// go through the pidfd of the process that connected: it has exited, so nothing is
+/// signalled, and the connection is closed instead (its grant comes back).
+#[test]
+fn a_holder_that_forked_and_exited_is_never_signalled_by_its_reused_pid() {
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "f.sock", &["--kill-grace", "1s"]);
+    let device = device(&arbiter);
+    let group = unique("forked");
+    let forked = ForkedHolder::spawn(&arbiter, device, &group);
+    let s = wait_for(&arbiter, "the forked holder's grant", |s| s.gpus[0].burst == 1536 * MIB);
+    assert_eq!(of_group(&s, &group)[0].pid, forked.connected);
+    // Its PID, reused on purpose where the kernel lets us (ns_last_pid, as root).
+    let mut reused = sleeper_with_pid(forked.connected);
+    let started = Instant::now();
+    let vip = unique("vip");
+    let d = Declared { group: &vip, resolver: "priority", priority: 10, ..Declared::default() };
+    let mut b = shim(&gpu, &arbiter, &d, 2 * GIB);
+    assert_eq!(b.ready()[0], 2 * GIB, "the priority burst is served\n{}", arbiter.log_text());
+    assert!(started.elapsed() < TIMEOUT);
+    let log = arbiter.log_text();
+    assert!(log.contains("has exited but its connection is still open"), "{log}");
+    if let Some(sleep) = reused.as_mut() {
+        assert!(
+            sleep.try_wait().expect("try_wait").is_none(),
+            "the process that reused PID {} was signalled\n{log}",
+            forked.connected
+        );
+        let _ = sleep.kill();
+        let _ = sleep.wait();
+    } else {
+        eprintln!("PID {} could not be reused on purpose: checked the pidfd path only", forked.connected);
+    }
+    assert!(alive(forked.holder), "the child holding the connection is not signalled either");
+    b.close_stdin();
+    b.finish();
+}
