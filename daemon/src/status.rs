@@ -234,6 +234,16 @@ impl Status {
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms)
                 );
+                // What it declared beyond its entitlement (issue 12): the mismatch, shown.
+                if !p.capped.is_empty() {
+                    let _ = writeln!(
+                        out,
+                        "  {:>8}  declared beyond its entitlement ({}): {}",
+                        "",
+                        printable(&p.entitlement),
+                        printable(&p.capped)
+                    );
+                }
             }
             if g.truncated > 0 {
                 let _ = writeln!(out, "  ... and {} more processes, not listed", g.truncated);
@@ -278,6 +288,15 @@ mod tests {
         assert!(!table.contains('\x1b') && !table.contains('\u{7f}'), "{table}");
         assert!(table.contains("evil\\u{1b}[2J\\nforged line"), "{table}");
         assert_eq!(table.lines().count(), 4, "no forged line: {table}");
+        let mut capped = status.clone();
+        capped.gpus[0].processes[0].entitlement = "policy /etc/p.json: uid 7".into();
+        capped.gpus[0].processes[0].capped = "priority 99 -> 0\x1b]0;t\x07".into();
+        let table = capped.table();
+        assert!(
+            table.contains("declared beyond its entitlement (policy /etc/p.json: uid 7): priority 99 -> 0"),
+            "{table}"
+        );
+        assert!(!table.contains('\x1b') && !table.contains('\x07'), "{table}");
     }
 
     #[test]
