@@ -250,6 +250,43 @@ fn a_request_or_limit_above_the_entitlement_gets_only_the_entitlement() {
     b.finish();
 }
 
+/// A shim holding itself to a larger request than its entitlement (it never asks the
+/// arbiter for memory within what it believes is its request) gets no more lent: what its
+/// process uses past the entitled request is seen through NVML as memory outside gpufrac.
+#[test]
+fn memory_used_past_the_entitlement_is_outside_gpufrac_and_never_lent() {
+    let gpu = gpu();
+    let file = policy(
+        &gpu,
+        &format!(
+            r#"{{ "uids": {{
+                "0": {{ "max_request": "1GiB", "max_limit": "3GiB" }},
+                "{OTHER}": {{ "max_request": "1GiB", "max_limit": "1GiB" }} }} }}"#
+        ),
+    );
+    let arbiter = arbiter(&gpu, "u.sock", &["--policy", file.to_str().unwrap()]);
+    let greedy = unique("greedy");
+    let d = Declared { uid: OTHER, group: &greedy, request: "3GiB", limit: "3GiB", ..Declared::default() };
+    let mut a = shim(&gpu, &arbiter, &d, 2560 * MIB);
+    assert_eq!(a.ready()[0], 2560 * MIB, "its shim believes its own request\n{}", a.diagnostics());
+    // 2.5 GiB and its 64 MiB context, 1 GiB of it guaranteed.
+    let s = wait_for(&arbiter, "the excess seen as outside gpufrac", |s| s.gpus[0].outside > 0);
+    assert_eq!(s.gpus[0].outside, 1536 * MIB + 64 * MIB, "{s:?}");
+    assert_eq!(s.gpus[0].guaranteed, GIB, "{s:?}");
+    // Root bursts: only what is really free is lent (4 - 1 - 1 - 1.5625 GiB), no more.
+    let owner = unique("owner");
+    let mut b =
+        shim(&gpu, &arbiter, &Declared { group: &owner, wait: "1s", ..Declared::default() }, 2560 * MIB);
+    let got = b.ready()[0];
+    assert!(got < 1536 * MIB, "lent only what is free: {got}\n{}", b.diagnostics());
+    let lent = status(&arbiter).gpus[0].burst;
+    assert!(lent + s.gpus[0].outside + 2 * GIB <= 4 * GIB, "lent {lent}");
+    b.close_stdin();
+    b.finish();
+    a.close_stdin();
+    a.finish();
+}
+
 /// A client of another user naming a root group's name gets a group of its own: it shares
 /// neither the guarantee nor the burst room, and the root group keeps its request and limit.
 #[test]

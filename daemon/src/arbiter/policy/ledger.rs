@@ -8,6 +8,10 @@ use gpufrac_common::protocol::DeviceId;
 
 use super::{gib, uuid_string, Answer, ConnId, Group, Member, Policy};
 
+/// Least memory a group's processes may use beyond what it is guaranteed and lent before
+/// the excess counts as used outside gpufrac (or 1/64 of the GPU, if more).
+const OVERUSE_SLACK: u64 = 256 << 20;
+
 impl Policy {
     /// Registers `conn` on a device. A new group is admitted if its request fits beside
     /// the other groups' requests and the memory used outside gpufrac: memory lent out is
@@ -160,6 +164,30 @@ impl Policy {
             .filter(|&&(pid, bytes)| bytes > 0 && !registered.contains(&pid))
             .map(|&(pid, bytes)| (pid, bytes.min(total)))
             .collect();
+        // A group's processes are believed to use what it is guaranteed and lent. What
+        // they use beyond that (a shim holding itself to a larger request than the arbiter
+        // believes, or memory taken past the shim) is outside gpufrac as well: never lent,
+        // and the guarantees are kept despite it. Measurement differs a little between
+        // the shim and NVML (contexts, rounding): only a clear excess counts.
+        let slack = OVERUSE_SLACK.max(total / 64);
+        let peers = &self.peers;
+        let mut over = Vec::new();
+        for group in gpu.groups.values() {
+            let mut pids: Vec<u32> =
+                group.members.keys().filter_map(|c| peers.get(c).map(|p| p.pid)).collect();
+            pids.sort_unstable();
+            pids.dedup();
+            let used_by = |pid: &u32| gpu.seen.get(pid).copied().unwrap_or(0);
+            let used = pids.iter().fold(0u64, |sum, pid| sum.saturating_add(used_by(pid)));
+            let believed = group.request.saturating_add(group.granted());
+            if used > believed.saturating_add(slack) {
+                // Named after its largest user: that process's own registration does not
+                // count it against itself (see `register`).
+                let pid = pids.iter().copied().max_by_key(used_by).unwrap_or(0);
+                over.push((pid, (used - believed).min(total)));
+            }
+        }
+        gpu.outside.extend(over);
         Self::drain(device, gpu, now)
     }
 
@@ -283,6 +311,30 @@ mod tests {
         let s = &p.status().gpus[0];
         assert_eq!((s.guaranteed, s.burst, s.free), (4 * GIB, 6 * GIB, 6 * GIB));
         assert_eq!(s.processes[0].held, 10 * GIB);
+    }
+
+    #[test]
+    fn memory_a_group_uses_beyond_its_guarantee_and_loans_counts_as_outside() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        // A shim holding itself to 8 GiB of request when the arbiter believes 2 GiB.
+        p.hello(1, Peer { pid: 100, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 4 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+        // Within its guarantee and loan (and a little measurement slack): nothing outside.
+        p.observe_processes(GPU, &[(100, 3 * GIB + 100 * (1 << 20))], now);
+        assert_eq!(p.status().gpus[0].outside, 0);
+        // 8 GiB used: 5 GiB past what it was guaranteed and lent are not lent to anyone.
+        p.observe_processes(GPU, &[(100, 8 * GIB)], now);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.outside, s.free), (5 * GIB, 16 * GIB - 2 * GIB - GIB - 5 * GIB));
+        // A group's members are counted together.
+        p.hello(2, Peer { pid: 200, ..peer("a", 1000) });
+        p.register(2, GPU, 16 * GIB, 2 * GIB, 4 * GIB, 0, 0, 0).unwrap();
+        p.observe_processes(GPU, &[(100, 2 * GIB), (200, GIB)], now);
+        assert_eq!(p.status().gpus[0].outside, 0);
+        p.observe_processes(GPU, &[(100, 2 * GIB), (200, 2 * GIB)], now);
+        assert_eq!(p.status().gpus[0].outside, GIB);
     }
 
     #[test]
