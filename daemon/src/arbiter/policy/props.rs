@@ -17,7 +17,9 @@
 //! - whatever members claim, the ledger never holds more than the GPU has (burst ≤ total,
 //!   each group's request and limit ≤ total) nor more than the group's entitlement: a
 //!   connection may have one (random caps applied as the server applies them), and no
-//!   group's request or limit is above the largest its members are entitled to.
+//!   group's request or limit is above the largest its members are entitled to;
+//! - the resolvers end only processes the arbiter holds a pidfd for, and a priority burst
+//!   ends a process of another user only when its priority is vouched for (`vetted`).
 //!
 //! Cases come from seeds: those in `daemon/tests/corpus/policy_seeds.txt` (failures once
 //! found, replayed every run) and a fixed number of fresh ones derived from a base seed.
@@ -213,7 +215,9 @@ impl Case {
                 self.next_conn += 1;
                 let peer = Peer {
                     pid: 100 + conn as u32,
-                    uid: 1000,
+                    // Two users: a group's members are one user's, and a priority that no
+                    // entitlement vouches for ends only its own user's processes.
+                    uid: self.rng.pick(&[1000, 1000, 1001]),
                     group: format!("g{}", self.rng.below(4)),
                     pod: String::new(),
                     resolver: self.rng.pick(&[
@@ -411,7 +415,35 @@ impl Case {
             "reclaim" => {
                 let plan = self.policy.reclaim(now, &[], self.rng.pick(&[0, u64::MAX]));
                 self.note(format!("reclaim: {plan:?}"));
-                let _ = self.policy.priority_victims(now, Duration::from_secs(300), &[]);
+                for v in &plan.end {
+                    if !self.policy.peers.get(&v.conn).is_some_and(|p| p.signalable) {
+                        self.fail(format!("reclaim ends {v:?}, which has no pidfd"));
+                    }
+                }
+                let idle = Duration::from_millis(self.rng.pick(&[0, 300_000]));
+                for v in self.policy.priority_victims(now, idle, &[]) {
+                    let Some(victim) = self.policy.peers.get(&v.conn) else {
+                        self.fail(format!("priority ends {v:?}, which is gone"));
+                    };
+                    if !victim.signalable {
+                        self.fail(format!("priority ends {v:?}, which has no pidfd"));
+                    }
+                    // Some priority waiter on a GPU the victim holds memory on may end it:
+                    // one of its own user, or one whose priority an entitlement vouches for.
+                    let justified = self.policy.gpus.values().any(|gpu| {
+                        gpu.members().any(|(_, c, _)| c == v.conn)
+                            && gpu.queue.iter().any(|w| {
+                                self.policy.peers.get(&w.conn).is_some_and(|asker| {
+                                    asker.resolver == Resolver::Priority
+                                        && (asker.uid == victim.uid || asker.vetted)
+                                        && asker.priority >= victim.priority
+                                })
+                            })
+                    });
+                    if !justified {
+                        self.fail(format!("priority ends {v:?} ({victim:?}) for no waiter allowed to"));
+                    }
+                }
             }
             "resume_candidates" => {
                 let out =
