@@ -234,6 +234,9 @@ exports! {
     cuEventDestroy_v2(e: CUevent) => stream::event_destroy(e);
     cuEventRecord(e: CUevent, s: CUstream) => stream::event_record(e, s, Legacy);
     cuEventRecord_ptsz(e: CUevent, s: CUstream) => stream::event_record(e, s, PerThread);
+    // Flags (CU_EVENT_RECORD_EXTERNAL, for graphs) change nothing outside a capture.
+    cuEventRecordWithFlags(e: CUevent, s: CUstream, flags: c_uint) => stream::event_record_with_flags(e, s, flags, Legacy);
+    cuEventRecordWithFlags_ptsz(e: CUevent, s: CUstream, flags: c_uint) => stream::event_record_with_flags(e, s, flags, PerThread);
     cuEventSynchronize(e: CUevent) => stream::event_synchronize(e);
     cuEventQuery(e: CUevent) => stream::event_query(e);
     cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) => stream::event_elapsed_time(ms, start, end);
@@ -245,6 +248,10 @@ exports! {
         => module::module_load_data(m, image);
     cuModuleUnload(m: CUmodule) => module::module_unload(m);
     cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) => module::module_get_function(f, m, name);
+    cuModuleGetGlobal_v2(_dptr: *mut CUdeviceptr, _bytes: *mut usize, m: CUmodule, name: *const c_char)
+        => module::module_get_global(m, name);
+    cuLibraryGetGlobal(_dptr: *mut CUdeviceptr, _bytes: *mut usize, lib: CUlibrary, name: *const c_char)
+        => module::library_get_global(lib, name);
     cuFuncGetAttribute(value: *mut c_int, attrib: c_int, f: CUfunction) => module::func_get_attribute(value, attrib, f);
     cuFuncGetName(name: *mut *const c_char, f: CUfunction) => module::kernel_get_name(name, f);
     cuLibraryLoadData(lib: *mut CUlibrary, image: *const c_void, _jit_opts: *mut c_int, _jit_vals: *mut *mut c_void, _jit_n: c_uint,
@@ -276,7 +283,7 @@ exports! {
 // Entry points that exist in the real driver but are not simulated: programs that probe
 // for them get a clean error rather than a missing symbol.
 unsupported! {
-    cuModuleLoad, cuModuleLoadFatBinary, cuModuleGetGlobal_v2, cuLaunchCooperativeKernel,
+    cuModuleLoad, cuModuleLoadFatBinary, cuLaunchCooperativeKernel,
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
@@ -287,7 +294,7 @@ unsupported! {
     cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
-    cuEventRecordWithFlags, cuMemsetD2D8_v2, cuDeviceGetLuid,
+    cuMemsetD2D8_v2, cuDeviceGetLuid,
     cuDeviceGetP2PAttribute, cuCtxResetPersistingL2Cache, cuProfilerStart, cuProfilerStop,
     cuMemcpy2D_v2_ptds, cuMemcpy2DUnaligned_v2, cuMemcpy2DUnaligned_v2_ptds, cuMemcpy2DAsync_v2_ptsz,
     cuMemcpy3D_v2_ptds, cuMemcpy3DAsync_v2_ptsz, cuMemcpyPeer_ptds, cuMemcpyPeerAsync_ptsz,
@@ -296,6 +303,10 @@ unsupported! {
     cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, cuLaunchCooperativeKernel_ptsz,
     cuGraphLaunch_ptsz, cuStreamBeginCapture, cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz,
     cuStreamEndCapture_ptsz,
+    // PyTorch's driver table (c10/cuda/driver_api) requires these to exist, and looks for
+    // the multicast ones (a miss leaves an error behind in the CUDA runtime).
+    cuStreamWriteValue32, cuStreamWriteValue32_ptsz, cuStreamWriteValue32_v2, cuStreamWriteValue32_v2_ptsz,
+    cuMulticastCreate, cuMulticastAddDevice, cuMulticastBindMem, cuMulticastUnbind,
 }
 
 #[cfg(test)]

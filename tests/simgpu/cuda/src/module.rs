@@ -80,6 +80,26 @@ pub(crate) fn module_get_function(out: *mut CUfunction, module: CUmodule, name: 
     write_out(out, as_function(find_kernel(name)?))
 }
 
+/// `cuModuleGetGlobal`: simgpu does not read images, so a module has no variables; a
+/// loaded module answers `CUDA_ERROR_NOT_FOUND` for every name. (The CUDA runtime looks up
+/// the variables a program registered when it sets a context up; it needs the entry point
+/// and takes NOT_FOUND, as it does from `cuModuleGetFunction`.)
+pub(crate) fn module_get_global(module: CUmodule, name: *const c_char) -> CuResult {
+    driver()?;
+    read_str(name)?;
+    if !MODULES.lock().contains(&(module as usize)) {
+        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    }
+    Err(CUresult::CUDA_ERROR_NOT_FOUND)
+}
+
+/// `cuLibraryGetGlobal`: as [`module_get_global`], for a library.
+pub(crate) fn library_get_global(handle: CUlibrary, name: *const c_char) -> CuResult {
+    library(handle)?;
+    read_str(name)?;
+    Err(CUresult::CUDA_ERROR_NOT_FOUND)
+}
+
 /// `cuLibraryLoadData`: loads any image, like `cuModuleLoadData`, without a context.
 pub(crate) fn library_load_data(out: *mut CUlibrary, image: *const c_void) -> CuResult {
     driver()?;

@@ -281,6 +281,20 @@ pub(crate) fn event_destroy(handle: CUevent) -> CuResult {
     EVENTS.lock().remove(&(handle as usize)).map(|_| ()).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
+/// `cuEventRecordWithFlags`: as `cuEventRecord`; the one flag (CU_EVENT_RECORD_EXTERNAL)
+/// matters only in stream capture, which simgpu does not do.
+pub(crate) fn event_record_with_flags(
+    handle: CUevent,
+    stream: CUstream,
+    flags: c_uint,
+    default: DefaultStream,
+) -> CuResult {
+    if flags & !1 != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    event_record(handle, stream, default)
+}
+
 pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultStream) -> CuResult {
     let ev = event(handle)?;
     let stream = resolve(stream, default)?;
