@@ -398,6 +398,19 @@ impl Raw {
     }
 }
 
+/// This process's resident and swapped host memory, in bytes, with a margin for growth.
+fn host_memory() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kb = |field: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    (kb("VmRSS:") + kb("VmSwap:")) * 1024 * 2
+}
+
 /// The simulated GPU's ID, as the arbiter knows it.
 fn device(arbiter: &Arbiter) -> [u8; 16] {
     gpufrac_common::gpu_uuid::parse(&status(arbiter).gpus[0].uuid).expect("a GPU UUID")
@@ -471,6 +484,9 @@ fn overflowing_and_contradictory_reports_stay_within_the_gpu_and_the_entitlement
         if with_policy {
             assert!(g.swapped <= 3 * GIB, "the node's swap limit: {g:?}");
         }
+        // Each raw client is this test process: it keeps at most its own host memory.
+        let own = host_memory();
+        assert!(g.swapped <= 12 * own, "{with_policy}: {} swapped, this process holds {own}", g.swapped);
         // One group ("crowd") and four solo groups, each its own request.
         let crowd: Vec<_> = g.processes.iter().filter(|p| p.group == "crowd").collect();
         assert_eq!(crowd.len(), 8, "{with_policy}: {g:?}");

@@ -424,6 +424,21 @@ impl Shared {
         }
     }
 
+    /// The most host RAM the process on `conn` can really hold for swapped-out memory
+    /// (its resident and swapped host memory, read while its pidfd shows it alive, so the
+    /// file was its own): a report of more is not believed. Without a pidfd it cannot be
+    /// read safely and is not capped here (the group's limit and the swap limit still are).
+    fn host_memory_cap(&self, conn: ConnId, pid: u32) -> u64 {
+        let pidfd =
+            self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn).and_then(|c| c.pidfd.clone());
+        let Some(pidfd) = pidfd else { return u64::MAX };
+        let held = identity::host_memory_of(pid);
+        match held {
+            Some(bytes) if pidfd.alive() => bytes,
+            _ => 0,
+        }
+    }
+
     /// The verdict on `who`: from the cache, else from the source in a blocking task
     /// within [`LOOKUP_TIMEOUT`]; without a source, `Unrestricted` at once.
     async fn verdict(self: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
@@ -1062,6 +1077,8 @@ fn on_frame(
                     }
                 }
             }
+            // Swapped-out memory it says it keeps is in its own host memory, or nowhere.
+            let swapped = if swapped > 0 { swapped.min(shared.host_memory_cap(conn, pid)) } else { 0 };
             let result =
                 shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
             match result {
@@ -1136,6 +1153,8 @@ fn on_frame(
                     shared.metrics.count_swap(gpu, direction, bytes, took);
                 }
             }
+            let host_bytes =
+                if host_bytes > 0 { host_bytes.min(shared.host_memory_cap(conn, pid)) } else { 0 };
             let answers = shared.policy().swapped(conn, device, granted, host_bytes, held, Instant::now());
             shared.deliver(answers);
         }

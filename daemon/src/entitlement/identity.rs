@@ -230,6 +230,23 @@ fn parse_start_ticks(stat: &str) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Host memory process `pid` holds, resident or swapped to disk (`VmRSS` + `VmSwap` in
+/// `/proc/<pid>/status`): the most it can really keep in host RAM for swapped-out GPU
+/// memory, whatever it reports. `None` when unreadable.
+pub fn host_memory_of(pid: u32) -> Option<u64> {
+    parse_host_memory(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+/// `VmRSS` + `VmSwap` (kB) of a `/proc/<pid>/status` text, in bytes.
+fn parse_host_memory(status: &str) -> Option<u64> {
+    let kb = |field: &str| -> Option<u64> {
+        let line = status.lines().find_map(|l| l.strip_prefix(field))?;
+        line.split_whitespace().next()?.parse().ok()
+    };
+    let rss = kb("VmRSS:")?;
+    Some(rss.saturating_add(kb("VmSwap:").unwrap_or(0)).saturating_mul(1024))
+}
+
 /// The peer's supplementary groups as they were at connect (`SO_PEERGROUPS`, Linux
 /// 4.13+): from the kernel, with no `/proc` read and no race with the PID's reuse.
 pub fn peer_groups(socket: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
@@ -412,6 +429,15 @@ mod tests {
         assert_eq!(parse_start_ticks("1 (x) S 0"), None);
         let own = start_ticks(std::process::id()).expect("own start time");
         assert!(own <= boot_ticks().expect("boot clock"), "a running process started in the past");
+    }
+
+    #[test]
+    fn host_memory_is_resident_plus_swapped() {
+        let status = "Name:\tx\nVmRSS:\t  2048 kB\nVmSwap:\t   512 kB\n";
+        assert_eq!(parse_host_memory(status), Some(2560 * 1024));
+        assert_eq!(parse_host_memory("VmRSS:\t1 kB\n"), Some(1024));
+        assert_eq!(parse_host_memory("Name:\tkthread\n"), None);
+        assert!(host_memory_of(std::process::id()).is_some_and(|b| b > 0));
     }
 
     #[test]
