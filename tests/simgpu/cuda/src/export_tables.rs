@@ -6,7 +6,8 @@
 //! `libcudart` 12.9 (PyPI `nvidia-cuda-runtime-cu12` 12.9.79) against simgpu, logging
 //! every table it asked for, every slot it called and the arguments it passed: each slot
 //! below says what is known of it and how the runtime was seen to use it. No NVIDIA code
-//! was read or disassembled.
+//! was read or disassembled. The same tables serve libcudart 12.8 (PyTorch 2.9's) and
+//! CuPy's static copy of 12.9.
 //!
 //! A table is an array of pointer-sized slots. In most tables slot 0 holds the table's
 //! size in bytes and the others are functions; the context-local-storage table has no
