@@ -597,6 +597,45 @@ mod tests {
     }
 
     #[test]
+    fn unknown_slots_answer_not_supported() {
+        for (table, slot) in [(CUDART_INTERFACE.start(), 3), (TOOLS_TLS.start(), 1), (INTEGRITY.start(), 2)] {
+            // SAFETY: these slots hold `unknown!` functions, which take no arguments.
+            let f: extern "C" fn() -> CUresult =
+                unsafe { std::mem::transmute((*table.cast::<Slot>().add(slot)).function) };
+            assert_eq!(f(), CUresult::CUDA_ERROR_NOT_SUPPORTED);
+            assert_eq!(f(), CUresult::CUDA_ERROR_NOT_SUPPORTED, "the second call answers the same");
+        }
+    }
+
+    static DESTROYED: Mutex<Vec<(usize, usize, usize)>> = Mutex::new(Vec::new());
+
+    unsafe extern "C" fn record_destroyed(ctx: CUcontext, key: *mut c_void, value: *mut c_void) {
+        DESTROYED.lock().push((ctx as usize, key as usize, value as usize));
+    }
+
+    #[test]
+    fn context_storage_keeps_a_value_per_context_and_key_until_the_context_goes() {
+        let (ctx, other) = (0x7000_0010 as CUcontext, 0x7000_0020 as CUcontext);
+        let (key, value) = (0x10 as *mut c_void, 0x1234 as *mut c_void);
+        let mut got = std::ptr::null_mut();
+        assert_eq!(storage_get(&mut got, ctx, key), CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(storage_put(ctx, key, value, Some(record_destroyed)), CUresult::CUDA_SUCCESS);
+        assert_eq!(storage_put(other, key, 0x99 as *mut c_void, None), CUresult::CUDA_SUCCESS);
+        assert_eq!(storage_get(&mut got, ctx, key), CUresult::CUDA_SUCCESS);
+        assert_eq!(got, value);
+        assert_eq!(storage_get(&mut got, ctx, 0x20 as *mut c_void), CUresult::CUDA_ERROR_INVALID_VALUE);
+        // The context goes: its destructor runs once with its value, the other context keeps
+        // its own.
+        context_destroyed(ctx as usize);
+        context_destroyed(ctx as usize);
+        assert_eq!(*DESTROYED.lock(), [(ctx as usize, key as usize, value as usize)]);
+        assert_eq!(storage_get(&mut got, ctx, key), CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(storage_get(&mut got, other, key), CUresult::CUDA_SUCCESS);
+        assert_eq!(storage_delete(other, key), CUresult::CUDA_SUCCESS);
+        assert_eq!(storage_get(&mut got, other, key), CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+
+    #[test]
     fn unknown_tables_are_refused() {
         let mut out = std::ptr::dangling::<c_void>();
         let id = CUuuid { bytes: [7; 16] };
