@@ -158,14 +158,24 @@ impl Metrics {
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                     .set(gauge(v));
             }
-            let mut groups: std::collections::BTreeMap<&str, (u64, u64, u64, u64, u64)> = Default::default();
+            // A group is one user's: two users naming the same group have two groups.
+            type Sums = (u64, u64, u64, u64, u64);
+            let mut groups: std::collections::BTreeMap<(&str, u32), Sums> = Default::default();
             for p in &g.processes {
-                let e = groups.entry(&p.group).or_insert((p.request, p.limit, 0, 0, 0));
-                e.2 += p.held;
-                e.3 += p.granted;
-                e.4 += p.host_bytes;
+                let e = groups.entry((&p.group, p.uid)).or_insert((p.request, p.limit, 0, 0, 0));
+                e.2 = e.2.saturating_add(p.held);
+                e.3 = e.3.saturating_add(p.granted);
+                e.4 = e.4.saturating_add(p.host_bytes);
             }
-            for (group, (request, limit, held, granted, host)) in groups {
+            let mut users_of: std::collections::HashMap<&str, usize> = Default::default();
+            for (name, _) in groups.keys() {
+                *users_of.entry(name).or_default() += 1;
+            }
+            for ((name, uid), (request, limit, held, granted, host)) in &groups {
+                // Named as shown in status; with the user only where two users share a name.
+                let group =
+                    if users_of[name] > 1 { format!("{name} (uid {uid})") } else { (*name).to_owned() };
+                let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
                     ("request", request),
                     ("limit", limit),
@@ -173,8 +183,7 @@ impl Metrics {
                     ("granted", granted),
                     ("swapped_to_host", host),
                 ] {
-                    let labels =
-                        GroupKind { gpu: g.uuid.clone(), group: group.to_owned(), kind: kind.into() };
+                    let labels = GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(gauge(v));
                 }
             }
@@ -255,5 +264,26 @@ mod tests {
         assert!(!text.contains(" -"), "{text}");
         assert!(text.contains(r#"kind="total"} 9223372036854775807"#), "{text}");
         assert!(text.contains(r#"kind="held"} 9223372036854775807"#), "{text}");
+    }
+
+    #[test]
+    fn two_users_naming_one_group_have_two_series() {
+        let p = |uid, held| ProcessStatus { uid, group: "g".into(), held, ..ProcessStatus::default() };
+        let status = Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                processes: vec![p(0, 1), p(7, 2), p(7, 3)],
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let text = Metrics::new().render(&status);
+        assert!(text.contains(r#"group="g (uid 0)",kind="held"} 1"#), "{text}");
+        assert!(text.contains(r#"group="g (uid 7)",kind="held"} 5"#), "{text}");
+        let alone = Status {
+            gpus: vec![GpuStatus { processes: vec![p(7, 2)], ..status.gpus[0].clone() }],
+            swap_limit: 0,
+        };
+        assert!(Metrics::new().render(&alone).contains(r#"group="g",kind="held"} 2"#));
     }
 }
