@@ -160,7 +160,8 @@ impl Entitlements for NoPolicy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Believed {
     /// The group's key in the ledger: `@<derived>` for a group the entitlement names,
-    /// `<uid>/<name>` for the client's own choice (so no other user can take the name).
+    /// `<uid>/<name>` for the client's own choice (so no other user can take the name),
+    /// `<uid>:<pid>/<name>` for a client not entitled (a group of its own).
     pub group_key: String,
     /// The resolver it is held to.
     pub resolver: Resolver,
@@ -205,7 +206,9 @@ pub fn believe_hello(
             capped: Vec::new(),
         },
         Verdict::NotEntitled { why } => Believed {
-            group_key: own_group,
+            // A group of its own, whatever it names: joining another group (even one of
+            // its own user, such as a host process's) would let it borrow that group's room.
+            group_key: format!("{}:{}/{group}", who.uid, who.pid),
             // It can never burst: its resolver and priority do not matter.
             resolver: Resolver::Wait,
             priority: priority.min(0),
@@ -324,6 +327,11 @@ mod tests {
         );
         assert_eq!((b.resolver, b.priority, b.vetted), (Resolver::Wait, 0, false));
         assert!(b.entitlement.contains("no shares"));
+        assert_eq!(
+            (b.group_key.as_str(), shown_group(&b.group_key)),
+            ("1000:9/a", "a"),
+            "a group of its own"
+        );
     }
 
     #[test]
