@@ -117,7 +117,22 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
     while answers < c.registrations.len() + 1 {
         let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
         match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
-            Reply::Welcome { .. } | Reply::Registered { .. } => answers += 1,
+            Reply::Welcome { .. } => answers += 1,
+            Reply::Registered { device, request, limit } => {
+                answers += 1;
+                // The arbiter believes what this process's entitlement allows (issue 12):
+                // say so at each registration, so that a cut request or limit is no mystery.
+                let declared = c.registrations.iter().find(|r| r.device == device);
+                if let Some(r) = declared.filter(|r| request < r.request || limit < r.limit) {
+                    tracing::warn!(
+                        declared_request = r.request,
+                        declared_limit = r.limit,
+                        request,
+                        limit,
+                        "the arbiter holds this process to less than it declared (its entitlement): memory past its request is counted as used outside gpufrac, bursts past its limit are refused"
+                    );
+                }
+            }
             Reply::Refused { reason, .. } => return Err(Handshake::Refused(reason)),
             other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
         }

@@ -228,6 +228,9 @@ fn a_request_or_limit_above_the_entitlement_gets_only_the_entitlement() {
     let p = of_group(&s, &greedy)[0].clone();
     assert_eq!((p.request, p.limit), (GIB, 2 * GIB), "{p:?}");
     assert!(p.capped.contains("limit 3758096384 -> 2147483648"), "{p:?}");
+    // The shim is told, and says so.
+    let said = a.stderr_text();
+    assert!(said.contains("the arbiter holds this process to less than it declared"), "{said}");
     a.close_stdin();
     a.finish();
 
