@@ -338,6 +338,31 @@ mod tests {
     }
 
     #[test]
+    fn members_claiming_the_groups_whole_grant_share_one_burst_range() {
+        // The report: 8 members of one group each re-registering with the group's
+        // whole grant reached 56 GiB of burst on a 16 GiB GPU.
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        let listed: Vec<(u32, u64)> = (0..8).map(|i| (100 + i, 16 * GIB)).collect();
+        p.observe_processes(GPU, &listed, now);
+        for i in 0..8u32 {
+            p.hello(u64::from(i) + 1, Peer { pid: 100 + i, ..peer("a", 1000) });
+            p.register(u64::from(i) + 1, GPU, 16 * GIB, GIB, 8 * GIB, 8 * GIB, 7 * GIB, 0).unwrap();
+        }
+        let s = &p.status().gpus[0];
+        assert_eq!((s.guaranteed, s.burst), (GIB, 7 * GIB), "one request, one burst range");
+        // Nor is more believed than NVML shows a process using.
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.observe_processes(GPU, &[(100, 2 * GIB)], now);
+        p.hello(1, Peer { pid: 100, ..peer("a", 1000) });
+        p.register(1, GPU, 16 * GIB, GIB, 8 * GIB, 8 * GIB, 7 * GIB, 0).unwrap();
+        assert_eq!(p.status().gpus[0].burst, 2 * GIB);
+        p.hello(2, Peer { pid: 200, ..peer("b", 1000) });
+        p.register(2, GPU, 16 * GIB, GIB, 8 * GIB, 8 * GIB, 7 * GIB, 0).unwrap();
+        assert_eq!(p.status().gpus[0].burst, 2 * GIB, "a process NVML does not list holds no grant");
+    }
+
+    #[test]
     fn memory_used_outside_gpufrac_is_never_lent() {
         let now = Instant::now();
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);
