@@ -97,8 +97,8 @@ procs! {
     "cuDeviceSetMemPool": [11020 => "cuDeviceSetMemPool"];
     // Contexts.
     "cuDevicePrimaryCtxRetain": [7000 => "cuDevicePrimaryCtxRetain"];
-    "cuDevicePrimaryCtxRelease": [11000 => "cuDevicePrimaryCtxRelease_v2"];
-    "cuDevicePrimaryCtxReset": [11000 => "cuDevicePrimaryCtxReset_v2"];
+    "cuDevicePrimaryCtxRelease": [7000 => "cuDevicePrimaryCtxRelease", 11000 => "cuDevicePrimaryCtxRelease_v2"];
+    "cuDevicePrimaryCtxReset": [7000 => "cuDevicePrimaryCtxReset", 11000 => "cuDevicePrimaryCtxReset_v2"];
     "cuDevicePrimaryCtxSetFlags": [11000 => "cuDevicePrimaryCtxSetFlags_v2"];
     "cuDevicePrimaryCtxGetState": [7000 => "cuDevicePrimaryCtxGetState"];
     "cuCtxCreate": [3020 => "cuCtxCreate_v2", 11040 => "cuCtxCreate_v3", 12050 => "cuCtxCreate_v4"];

@@ -189,6 +189,14 @@ pub(crate) fn primary_reset(dev: c_int) -> Status {
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset_v2(dev)))
 }
 
+pub(crate) fn primary_release_v1(dev: c_int) -> Status {
+    after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease(dev)))
+}
+
+pub(crate) fn primary_reset_v1(dev: c_int) -> Status {
+    after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset(dev)))
+}
+
 fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status {
     match enforcer() {
         Some(e) if dev >= 0 => measured(

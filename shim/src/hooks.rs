@@ -145,6 +145,9 @@ hooks! {
         Cuda cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) => crate::context::primary_retain;
         Cuda cuDevicePrimaryCtxRelease_v2(dev: c_int) => crate::context::primary_release;
         Cuda cuDevicePrimaryCtxReset_v2(dev: c_int) => crate::context::primary_reset;
+        // The CUDA 7.0 versions, which libcudart 12 still asks cuGetProcAddress for.
+        Cuda cuDevicePrimaryCtxRelease(dev: c_int) => crate::context::primary_release_v1;
+        Cuda cuDevicePrimaryCtxReset(dev: c_int) => crate::context::primary_reset_v1;
         Cuda cuCtxCreate_v2(ctx: *mut Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v2;
         Cuda cuCtxCreate_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) => crate::context::ctx_create_v3;
         Cuda cuCtxCreate_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v4;

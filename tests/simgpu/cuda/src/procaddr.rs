@@ -28,7 +28,6 @@ pub(crate) fn get_proc_address(
     }
     let query = match resolve(name, version, flags) {
         ProcQuery::SymbolNotFound => resolve_simgpu(name, version, flags),
-        ProcQuery::VersionNotSufficient => resolve_older(name, version),
         known => known,
     };
     let (found, code) = match query {
@@ -114,22 +113,6 @@ fn resolve_simgpu(name: &str, cuda_version: c_int, flags: c_ulonglong) -> ProcQu
     }
 }
 
-/// Entry points the shared table lists from a later version only, whose first version
-/// callers still ask for: (name, first CUDA version, symbol). libcudart 12.9 asks for
-/// `cuDevicePrimaryCtxRelease` and `cuDevicePrimaryCtxReset` at CUDA 7.0, and without
-/// them `cudaDeviceReset` fails with `cudaErrorCallRequiresNewerDriver`.
-static OLDER_VERSIONS: &[(&str, c_int, &str)] = &[
-    ("cuDevicePrimaryCtxRelease", 7000, "cuDevicePrimaryCtxRelease"),
-    ("cuDevicePrimaryCtxReset", 7000, "cuDevicePrimaryCtxReset"),
-];
-
-fn resolve_older(name: &str, cuda_version: c_int) -> ProcQuery {
-    OLDER_VERSIONS
-        .iter()
-        .find(|&&(n, since, _)| n == name && since <= cuda_version)
-        .map_or(ProcQuery::VersionNotSufficient, |&(_, _, symbol)| ProcQuery::Found(symbol))
-}
-
 /// (code, name, description) of the results simgpu returns and common ones callers print.
 static ERRORS: &[(c_uint, &std::ffi::CStr, &std::ffi::CStr)] = &[
     (0, c"CUDA_SUCCESS", c"no error"),
@@ -196,11 +179,11 @@ mod tests {
         );
         assert_eq!(resolve_simgpu("cuLibraryLoadData", 11080, 0), ProcQuery::VersionNotSufficient);
         assert_eq!(resolve_simgpu("cuNoSuchThing", 12090, 0), ProcQuery::SymbolNotFound);
-        for &(name, since, symbol) in OLDER_VERSIONS {
-            assert_eq!(resolve(name, since, 0), ProcQuery::VersionNotSufficient, "{name}");
-            assert_eq!(resolve_older(name, since), ProcQuery::Found(symbol));
-            assert!(lookup(symbol).is_some(), "{symbol} is not exported");
+        // libcudart 12.9 asks for these at CUDA 7.0; without them cudaDeviceReset fails.
+        for name in ["cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxReset"] {
+            assert_eq!(resolve(name, 7000, 0), ProcQuery::Found(name));
+            assert!(lookup(name).is_some(), "{name} is not exported");
         }
-        assert_eq!(resolve_older("cuDevicePrimaryCtxReset", 6050), ProcQuery::VersionNotSufficient);
+        assert_eq!(resolve("cuDevicePrimaryCtxReset", 6050, 0), ProcQuery::VersionNotSufficient);
     }
 }
