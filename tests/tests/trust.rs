@@ -5,7 +5,8 @@
 //! does not join it; a holder that forked and exited is never signalled by its (reused)
 //! PID; overflowing and contradictory raw frames never put more in the ledger than the GPU
 //! and the entitlement allow; and `gpufrac status` shows a user only its own processes
-//! unless it is root or in `--admin-group`.
+//! unless it is root or in `--admin-group`; memory used past the entitlement is seen as used
+//! outside gpufrac; and bad entitlement flags are refused naming the flag.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -688,4 +689,61 @@ fn a_holder_that_forked_and_exited_is_never_signalled_by_its_reused_pid() {
     assert!(alive(forked.holder), "the child holding the connection is not signalled either");
     b.close_stdin();
     b.finish();
+}
+
+/// Every entitlement flag is checked at start, and a refusal names the flag.
+#[test]
+fn bad_entitlement_flags_are_refused_naming_the_flag() {
+    let gpu = gpu();
+    let bad_policy = policy(&gpu, r#"{ "uids": { "bob": { "max_request": "1GiB", "max_limit": "1GiB" } } }"#);
+    let socket = gpu.lib_dir().join("never.sock");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--policy".into(), "/nonexistent/policy.json".into()],
+            "--policy: policy file /nonexistent/policy.json: cannot read",
+        ),
+        (vec!["--policy".into(), bad_policy.display().to_string()], "\"bob\" is not a numeric uid"),
+        (
+            vec!["--policy".into(), bad_policy.display().to_string(), "--kubernetes".into()],
+            "'--policy <FILE>' cannot be used with '--kubernetes'",
+        ),
+        (vec!["--pod-resources-socket".into(), "/x".into()], "--kubernetes"),
+        (
+            vec!["--admin-group".into(), "no-such-group-gpufrac".into()],
+            "--admin-group \"no-such-group-gpufrac\": no such group",
+        ),
+        (vec!["--kubernetes".into(), "--shares-per-gpu".into(), "0".into()], "--shares-per-gpu 0"),
+    ];
+    for (args, want) in cases {
+        let out = gpu
+            .command(artifact("gpufrac-arbiter"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(&args)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .expect("run gpufrac-arbiter");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    // Outside a pod, --kubernetes says what is missing.
+    let out = gpu
+        .command(artifact("gpufrac-arbiter"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--kubernetes")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .expect("run gpufrac-arbiter");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("--kubernetes")
+            && stderr.contains("KUBERNETES_SERVICE_HOST"),
+        "{stderr}"
+    );
+    // A group name is looked up (root's group is 0 everywhere).
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("ok.sock"), &["--admin-group", "root"]);
+    assert!(arbiter.log_text().contains("gid=0"), "{}", arbiter.log_text());
 }
