@@ -128,7 +128,7 @@ pub struct Shared {
     options: Options,
     terminator: Box<dyn Terminator>,
     /// Connections being ended, and when they were sent SIGTERM.
-    ending: Mutex<HashMap<ConnId, (u32, Instant)>>,
+    ending: Mutex<HashMap<ConnId, Ending>>,
     policy: Mutex<Policy>,
     writers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<Vec<u8>>>>,
     /// The metrics, also served over HTTP.
@@ -153,6 +153,14 @@ pub struct Shared {
     conns: Mutex<HashMap<ConnId, ConnHandle>>,
     /// Verdicts by process (PID, start time), reused while its shim reconnects.
     verdicts: Mutex<HashMap<(u32, u64), (Instant, crate::entitlement::Verdict)>>,
+}
+
+/// A process being ended.
+struct Ending {
+    pid: u32,
+    /// When it was sent SIGTERM, or SIGKILL once `killed`.
+    since: Instant,
+    killed: bool,
 }
 
 /// What the server keeps of an open connection to act on it from elsewhere.
@@ -462,8 +470,7 @@ impl Shared {
             let key = started.map(|t| (who.pid, t));
             if let Some(key) = key.filter(|_| pidfd.is_some()) {
                 let cache = shared.verdicts.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some((at, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
-                    let _ = at;
+                if let Some((_, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
                     return v.clone();
                 }
             }
@@ -496,10 +503,10 @@ impl Shared {
 
     /// Ends `victim`: SIGTERM now, SIGKILL after `--kill-grace` if it is still connected;
     /// its memory comes back when its connection closes.
-    fn end(&self, ending: &mut HashMap<ConnId, (u32, Instant)>, victim: &Victim, reason: &str, now: Instant) {
+    fn end(&self, ending: &mut HashMap<ConnId, Ending>, victim: &Victim, reason: &str, now: Instant) {
         self.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
         self.signal(victim.conn, victim.pid, libc::SIGTERM);
-        ending.insert(victim.conn, (victim.pid, now));
+        ending.insert(victim.conn, Ending { pid: victim.pid, since: now, killed: false });
     }
 
     /// Signals the process that opened `conn`, through its pidfd only. Without a pidfd
@@ -533,15 +540,27 @@ impl Shared {
 
     /// Connections being ended: those past the grace period get SIGKILL; those gone are
     /// forgotten. Returns the ones still under way.
-    fn ending(&self, now: Instant) -> MutexGuard<'_, HashMap<ConnId, (u32, Instant)>> {
+    fn ending(&self, now: Instant) -> MutexGuard<'_, HashMap<ConnId, Ending>> {
         let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
-        for (conn, (pid, since)) in ending.iter_mut() {
-            if now.saturating_duration_since(*since) >= self.options.kill_grace
-                && self.policy().peer(*conn).is_some()
-            {
-                tracing::warn!(pid = *pid, "still running after --kill-grace: SIGKILL");
-                self.signal(*conn, *pid, libc::SIGKILL);
-                *since = now + Duration::from_secs(3600);
+        for (conn, e) in ending.iter_mut() {
+            let overdue = now.saturating_duration_since(e.since) >= self.options.kill_grace;
+            if !overdue || self.policy().peer(*conn).is_none() {
+                continue;
+            }
+            if !e.killed {
+                tracing::warn!(pid = e.pid, "still running after --kill-grace: SIGKILL");
+                self.signal(*conn, e.pid, libc::SIGKILL);
+                (e.since, e.killed) = (now, true);
+            } else if let Some(handle) = self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(conn) {
+                // Connected a grace after SIGKILL: the process that connected cannot be
+                // running (a zombie whose children hold its connection?). Its connection is
+                // closed; whatever memory is still in use NVML shows as outside gpufrac.
+                tracing::warn!(
+                    pid = e.pid,
+                    "still connected a --kill-grace after SIGKILL: closing its connection"
+                );
+                handle.close.notify_one();
+                e.since = now + Duration::from_secs(3600);
             }
         }
         ending.retain(|conn, _| self.policy().peer(*conn).is_some());
@@ -1208,6 +1227,59 @@ mod tests {
         );
         child.kill().expect("kill");
         child.wait().expect("reap");
+    }
+
+    #[test]
+    fn a_process_still_connected_a_grace_after_sigkill_has_its_connection_closed() {
+        let record = Recording::default();
+        let sent = record.0.clone();
+        let grace = Duration::from_secs(10);
+        let shared =
+            Shared::with(&[], Options { kill_grace: grace, ..Options::default() }, Box::new(record), None);
+        let child = Reaped(std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep"));
+        let close = handle(&shared, 1, Some(Pidfd::open(child.0.id()).expect("pidfd_open")));
+        let now = Instant::now();
+        let peer = Peer {
+            pid: child.0.id(),
+            uid: 0,
+            group: "g".into(),
+            pod: String::new(),
+            resolver: gpufrac_common::Resolver::Wait,
+            priority: 0,
+            wait_timeout: Duration::ZERO,
+            last_active: now,
+            activity: 0,
+            vetted: false,
+            signalable: true,
+            entitlement: String::new(),
+            capped: String::new(),
+        };
+        shared.policy().hello(1, peer);
+        let victim = Victim { conn: 1, pid: child.0.id(), group: "g".into(), bytes: 1, why: "test".into() };
+        shared.end(&mut shared.ending(now), &victim, "test", now);
+        drop(shared.ending(now + grace));
+        // The recording terminator sends nothing: the process "survives" SIGKILL.
+        drop(shared.ending(now + grace + grace / 2));
+        assert_eq!(
+            sent.lock().unwrap().iter().map(|s| s.2).collect::<Vec<_>>(),
+            [libc::SIGTERM, libc::SIGKILL]
+        );
+        drop(shared.ending(now + 2 * grace));
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let closed =
+            runtime.block_on(async { tokio::time::timeout(Duration::from_secs(1), close.notified()).await });
+        assert!(closed.is_ok(), "the connection is closed");
+        assert_eq!(sent.lock().unwrap().len(), 2, "no more signals");
+    }
+
+    /// Kills and reaps a child when dropped.
+    struct Reaped(std::process::Child);
+
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 
     #[test]
