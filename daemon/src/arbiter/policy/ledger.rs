@@ -100,7 +100,7 @@ impl Policy {
                 // is guaranteed if its difference fits (admission as for a new group), a
                 // larger limit is taken. Never smaller: members still hold what they got.
                 if request > group.request {
-                    let others = gpu.guaranteed() - group.request;
+                    let others = gpu.guaranteed().saturating_sub(group.request);
                     if others.saturating_add(outside).saturating_add(request) > gpu.total {
                         return Err(refuse(gpu, request));
                     }
