@@ -87,6 +87,8 @@ pub(crate) struct Client {
     answered: Condvar,
     next_seq: AtomicU64,
     connected: AtomicBool,
+    /// Per device, the request and limit the arbiter believes (its last `Registered`).
+    believed: Mutex<HashMap<DeviceId, (u64, u64)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -120,6 +122,7 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
             Reply::Welcome { .. } => answers += 1,
             Reply::Registered { device, request, limit } => {
                 answers += 1;
+                lock(&c.believed).insert(device, (request, limit));
                 // The arbiter believes what this process's entitlement allows (issue 12):
                 // say so at each registration, so that a cut request or limit is no mystery.
                 let declared = c.registrations.iter().find(|r| r.device == device);
@@ -169,6 +172,7 @@ impl Client {
             answered: Condvar::new(),
             next_seq: AtomicU64::new(1),
             connected: AtomicBool::new(false),
+            believed: Mutex::new(HashMap::new()),
         });
         let first = match handshake(&client) {
             Ok(stream) => Some(stream),
@@ -191,6 +195,11 @@ impl Client {
             .spawn(move || reporter.report_activity())
             .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
         Ok(client)
+    }
+
+    /// The request and limit the arbiter believes for `device`, once it has registered.
+    pub(crate) fn believed(&self, device: &DeviceId) -> Option<(u64, u64)> {
+        lock(&self.believed).get(device).copied()
     }
 
     /// Reads replies; reconnects when the arbiter goes away.

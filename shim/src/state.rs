@@ -343,15 +343,20 @@ impl Enforcer {
                     Ok(slice)
                 })
                 .collect::<Result<Vec<Slice>, String>>()
-                .and_then(|slices| {
-                    self.connect_arbiter(&slices)?;
+                .and_then(|mut slices| {
+                    self.connect_arbiter(&mut slices)?;
                     Ok(slices)
                 })
         })
     }
 
-    /// Registers with the arbiter, if one is configured; a refusal fails `cuInit`.
-    fn connect_arbiter(&'static self, slices: &[Slice]) -> Result<(), String> {
+    /// Registers with the arbiter, if one is configured; a refusal fails `cuInit`. The
+    /// slices take the request and limit the arbiter believes (what this process is
+    /// entitled to, when that is less than it declared): the process sees and keeps to
+    /// its entitlement, not to what its environment says. If the arbiter cannot be
+    /// reached at `cuInit`, the declared slices stand (the arbiter still refuses bursts
+    /// past the entitlement).
+    fn connect_arbiter(&'static self, slices: &mut [Slice]) -> Result<(), String> {
         let Some(socket) = &self.config.arbiter_socket else { return Ok(()) };
         let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
         let hello = Request::Hello {
@@ -385,6 +390,16 @@ impl Enforcer {
             _ => {}
         });
         let client = Client::start(socket, hello, registrations, usage, pushed)?;
+        for slice in slices.iter_mut() {
+            if let Some((request, limit)) = client.believed(&slice.uuid) {
+                let limit = limit.min(slice.limit);
+                let request = request.min(slice.request).min(limit);
+                if (request, limit) != (slice.request, slice.limit) {
+                    tracing::info!(request, limit, "device slice as the arbiter believes it");
+                }
+                (slice.request, slice.limit) = (request, limit);
+            }
+        }
         let _ = self.arbiter.set(client.clone());
         if self.config.resolver == gpufrac_common::Resolver::Swap {
             crate::swap::start(self, client)?;

@@ -254,11 +254,12 @@ fn a_request_or_limit_above_the_entitlement_gets_only_the_entitlement() {
     b.finish();
 }
 
-/// A shim holding itself to a larger request than its entitlement (it never asks the
-/// arbiter for memory within what it believes is its request) gets no more lent: what its
-/// process uses past the entitled request is seen through NVML as memory outside gpufrac.
+/// The shim holds its process to what the arbiter believes (the entitlement), not to what
+/// its environment declares: entitled to 1 GiB, it sees a 1 GiB device and gets no more,
+/// and says why. A process that escapes the shim (no `LD_PRELOAD`) is seen through NVML as
+/// memory outside gpufrac, and none of that memory is lent.
 #[test]
-fn memory_used_past_the_entitlement_is_outside_gpufrac_and_never_lent() {
+fn memory_past_the_entitlement_is_refused_by_the_shim_and_outside_gpufrac_without_it() {
     let gpu = gpu();
     let file = policy(
         &gpu,
@@ -272,23 +273,36 @@ fn memory_used_past_the_entitlement_is_outside_gpufrac_and_never_lent() {
     let greedy = unique("greedy");
     let d = Declared { uid: OTHER, group: &greedy, request: "3GiB", limit: "3GiB", ..Declared::default() };
     let mut a = shim(&gpu, &arbiter, &d, 2560 * MIB);
-    assert_eq!(a.ready()[0], 2560 * MIB, "its shim believes its own request\n{}", a.diagnostics());
-    // 2.5 GiB and its 64 MiB context, 1 GiB of it guaranteed.
-    let s = wait_for(&arbiter, "the excess seen as outside gpufrac", |s| s.gpus[0].outside > 0);
+    // Its 1 GiB entitlement less its 64 MiB context, in 32 MiB chunks.
+    assert_eq!(a.ready()[0], GIB - 64 * MIB, "held to its entitlement\n{}", a.diagnostics());
+    a.close_stdin();
+    a.finish();
+    assert!(
+        a.stderr_text().contains("holds this process to less than it declared"),
+        "the shim says why\n{}",
+        a.diagnostics()
+    );
+
+    // The same user without the shim: 1.5 GiB and its context, all outside gpufrac.
+    let mut cmd = command_as(&gpu, OTHER, &compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.args(["alloc", &CHUNK.to_string(), &(1536 * MIB).to_string()]);
+    let mut escaped = ChildProcess::spawn(&mut cmd);
+    assert_eq!(escaped.ready()[0], 1536 * MIB);
+    let s = wait_for(&arbiter, "the escaped memory seen as outside gpufrac", |s| s.gpus[0].outside > 0);
     assert_eq!(s.gpus[0].outside, 1536 * MIB + 64 * MIB, "{s:?}");
-    assert_eq!(s.gpus[0].guaranteed, GIB, "{s:?}");
-    // Root bursts: only what is really free is lent (4 - 1 - 1 - 1.5625 GiB), no more.
+    // Root bursts: only what is really free is lent (4 GiB - 1.5625 outside - 1 guaranteed).
     let owner = unique("owner");
     let mut b =
         shim(&gpu, &arbiter, &Declared { group: &owner, wait: "1s", ..Declared::default() }, 2560 * MIB);
     let got = b.ready()[0];
-    assert!(got < 1536 * MIB, "lent only what is free: {got}\n{}", b.diagnostics());
-    let lent = status(&arbiter).gpus[0].burst;
-    assert!(lent + s.gpus[0].outside + 2 * GIB <= 4 * GIB, "lent {lent}");
+    assert!(got < 2560 * MIB - 64 * MIB, "lent only what is free: {got}\n{}", b.diagnostics());
+    let now = status(&arbiter);
+    let (lent, guaranteed) = (now.gpus[0].burst, now.gpus[0].guaranteed);
+    assert!(lent + s.gpus[0].outside + guaranteed <= 4 * GIB, "lent {lent}, guaranteed {guaranteed}");
     b.close_stdin();
     b.finish();
-    a.close_stdin();
-    a.finish();
+    escaped.close_stdin();
+    escaped.finish();
 }
 
 /// A client of another user naming a root group's name gets a group of its own: it shares
