@@ -9,11 +9,14 @@
 //! - [`compile_c`] builds the C test programs of `tests/c/` on demand;
 //! - [`ChildProcess`] runs a program that speaks the line protocol of the test programs
 //!   (`READY ...` once it holds what it was asked to, then waits for its stdin to close),
-//!   with a timeout on every wait, so a broken program fails its test instead of hanging it.
+//!   with a timeout on every wait, so a broken program fails its test instead of hanging it;
+//! - [`clients`] runs the checks of `tests/clients/` (clients from PyPI) bare or shimmed.
 //!
 //! The simulated libraries must have been built beforehand (`cargo build --workspace`):
 //! cargo cannot build a `cdylib` as a dependency of a test.
 #![deny(missing_docs)]
+
+pub mod clients;
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};

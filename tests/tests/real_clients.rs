@@ -9,99 +9,28 @@
 //! The checks themselves are the Python scripts in `tests/clients/`; this file starts
 //! them with the expectations in `CLIENT_*` variables and reads their verdict.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
 
-use gpufrac_e2e::size::{GIB, MIB};
-use gpufrac_e2e::{artifact, unique, ChildProcess, SimGpu};
+use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
+use gpufrac_e2e::size::MIB;
+use gpufrac_e2e::{unique, ChildProcess, SimGpu};
 
-const DEVICE: u64 = 16 * GIB;
-const OVERHEAD: u64 = 64 * MIB;
-const REQUEST: &str = "2GiB";
-const LIMIT: u64 = 4 * GIB;
-const CHUNK: u64 = 256 * MIB;
-/// A client's whole run, generous: numba and nvitop take seconds to import on a busy
-/// two-core machine.
-const RUN_TIMEOUT: Duration = Duration::from_secs(300);
-
-const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `.venv/bin/python` with every client importable; fails the test, saying how to install
-/// them, otherwise.
+/// `.venv/bin/python` with every client importable.
 fn python() -> PathBuf {
-    let python = root().join(".venv/bin/python");
-    let probe = Command::new(&python)
-        .args(["-c", "import pynvml, gpustat, nvitop, cuda.bindings, cuda.core, numba.cuda"])
-        .output();
-    match probe {
-        Ok(out) if out.status.success() => python,
-        Ok(out) => panic!(
-            "the clients are not installed in .venv ({}): {INSTALL}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-        Err(e) => panic!("{} cannot run ({e}): {INSTALL}", python.display()),
-    }
+    python_with(".venv", "pynvml, gpustat, nvitop, cuda.bindings, cuda.core, numba.cuda", INSTALL)
 }
 
-fn gpu() -> SimGpu {
-    SimGpu::new("16GiB").with_context_overhead("64MiB")
-}
-
-/// How a client runs: bare, or under the shim in `group`.
-#[derive(Clone, Copy)]
-enum Under<'a> {
-    Bare,
-    Shim { group: &'a str },
-}
-
-/// `script` of `tests/clients/` on `gpu`, with the device size and room it must see.
+/// `script` of `tests/clients/` on `gpu`, drawing (nvitop, gpustat) for a terminal of 160
+/// columns, in no colour.
 fn client(gpu: &SimGpu, script: &str, under: Under<'_>) -> Command {
-    let mut cmd = gpu.command(python());
-    cmd.arg(root().join("tests/clients").join(script))
-        .current_dir(root().join("tests/clients"))
-        .env("CLIENT_CHUNK", CHUNK.to_string())
-        // nvitop and gpustat draw for a terminal of this size, and in no colour.
-        .env("COLUMNS", "160")
-        .env("TERM", "dumb")
-        .env_remove("PYTHONPATH");
-    let total = match under {
-        Under::Bare => DEVICE,
-        Under::Shim { group } => {
-            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
-                .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
-                .env("GPUFRAC_GROUP", group);
-            LIMIT
-        }
-    };
-    cmd.env("CLIENT_TOTAL", total.to_string()).env("CLIENT_ROOM", (total - OVERHEAD).to_string());
+    let mut cmd = clients::client(gpu, &python(), script, under);
+    cmd.env("COLUMNS", "160").env("TERM", "dumb");
     cmd
 }
 
-/// Runs a client to its end: it must exit 0, end with `OK done`, and write no panic and
-/// no traceback. Returns its `OK` lines.
-fn passes(mut cmd: Command) -> Vec<String> {
-    let mut child = ChildProcess::spawn(&mut cmd);
-    child.close_stdin();
-    let mut lines = Vec::new();
-    while let Some(line) = child.next_line(RUN_TIMEOUT) {
-        lines.push(line);
-    }
-    let status = child.wait(RUN_TIMEOUT);
-    let stderr = child.stderr_text();
-    let failed = !status.success()
-        || lines.last().map(String::as_str) != Some("OK done")
-        || stderr.contains("panicked")
-        || stderr.contains("Traceback");
-    if failed {
-        panic!("{}", child.diagnostics());
-    }
-    lines
+fn passes(cmd: Command) -> Vec<String> {
+    clients::passes(cmd, &[])
 }
 
 fn bytes_of(lines: &[String], what: &str) -> u64 {

@@ -22,49 +22,19 @@
 //! cargo build --workspace && cargo test -p gpufrac-e2e --test runtime_clients -- --ignored
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
 
-use gpufrac_e2e::size::{GIB, MIB};
-use gpufrac_e2e::{artifact, unique, ChildProcess, SimGpu};
-
-const DEVICE: u64 = 16 * GIB;
-const OVERHEAD: u64 = 64 * MIB;
-const REQUEST: &str = "2GiB";
-const LIMIT: u64 = 4 * GIB;
-const CHUNK: u64 = 256 * MIB;
-/// A client's whole run, generous: CuPy takes seconds to import on a busy two-core machine.
-const RUN_TIMEOUT: Duration = Duration::from_secs(300);
-
-const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
+use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
+use gpufrac_e2e::unique;
 
 /// What simgpu writes on stderr when the runtime asks for a table or calls a slot it
 /// does not implement (`export_tables.rs`).
 const UNKNOWN_TABLE: &str = "cuGetExportTable asked for the private table";
 const UNKNOWN_SLOT: &str = "which simgpu does not implement";
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 const INSTALL_TORCH: &str =
     "python3 -m venv .venv/torch && .venv/torch/bin/pip install -r tests/requirements-torch.txt";
-
-/// The Python of `venv` (relative to the repository) if it can import `modules`; fails the
-/// test, saying how to install them with `install`, otherwise.
-fn python_with(venv: &str, modules: &str, install: &str) -> PathBuf {
-    let python = root().join(venv).join("bin/python");
-    let probe = Command::new(&python).args(["-c", &format!("import {modules}")]).output();
-    match probe {
-        Ok(out) if out.status.success() => python,
-        Ok(out) => panic!(
-            "{modules} are not installed in {venv} ({}): {install}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-        Err(e) => panic!("{} cannot run ({e}): {install}", python.display()),
-    }
-}
 
 /// The checks' Python for `script`: `.venv/torch` for PyTorch, `.venv` for the others.
 fn python(script: &str) -> PathBuf {
@@ -75,60 +45,17 @@ fn python(script: &str) -> PathBuf {
     }
 }
 
-fn gpu() -> SimGpu {
-    SimGpu::new("16GiB").with_context_overhead("64MiB")
+/// `script` of `tests/clients/`, bare or under the shim in a group of its own.
+fn client(gpu: &gpufrac_e2e::SimGpu, script: &str, shimmed: bool) -> Command {
+    let group = unique("runtime");
+    let under = if shimmed { Under::Shim { group: &group } } else { Under::Bare };
+    clients::client(gpu, &python(script), script, under)
 }
 
-/// How a client runs: bare, or under the shim in a group of its own.
-#[derive(Clone, Copy, PartialEq)]
-enum Under {
-    Bare,
-    Shim,
-}
-
-/// `script` of `tests/clients/` on `gpu`, with the device size and room it must see.
-fn client(gpu: &SimGpu, script: &str, under: Under) -> Command {
-    let mut cmd = gpu.command(python(script));
-    cmd.arg(root().join("tests/clients").join(script))
-        .current_dir(root().join("tests/clients"))
-        .env("CLIENT_CHUNK", CHUNK.to_string())
-        .env_remove("PYTHONPATH");
-    let total = match under {
-        Under::Bare => DEVICE,
-        Under::Shim => {
-            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
-                .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
-                .env("GPUFRAC_GROUP", unique("runtime"));
-            LIMIT
-        }
-    };
-    cmd.env("CLIENT_TOTAL", total.to_string()).env("CLIENT_ROOM", (total - OVERHEAD).to_string());
-    cmd
-}
-
-/// Runs a client to its end: it must exit 0, end with `OK done`, write no panic and no
-/// traceback, and never reach a private table or slot simgpu lacks. Returns its `OK`
-/// lines.
-fn passes(mut cmd: Command) -> Vec<String> {
-    let mut child = ChildProcess::spawn(&mut cmd);
-    child.close_stdin();
-    let mut lines = Vec::new();
-    while let Some(line) = child.next_line(RUN_TIMEOUT) {
-        lines.push(line);
-    }
-    let status = child.wait(RUN_TIMEOUT);
-    let stderr = child.stderr_text();
-    let failed = !status.success()
-        || lines.last().map(String::as_str) != Some("OK done")
-        || stderr.contains("panicked")
-        || stderr.contains("Traceback")
-        || stderr.contains(UNKNOWN_TABLE)
-        || stderr.contains(UNKNOWN_SLOT);
-    if failed {
-        panic!("{}", child.diagnostics());
-    }
-    lines
+/// Runs a client to its end (see [`clients::passes`]); it must never reach a private
+/// table or slot simgpu lacks either.
+fn passes(cmd: Command) -> Vec<String> {
+    clients::passes(cmd, &[UNKNOWN_TABLE, UNKNOWN_SLOT])
 }
 
 fn line<'a>(lines: &'a [String], what: &str) -> &'a str {
@@ -158,7 +85,7 @@ fn filled_the_room(lines: &[String], total: u64, paths: &[&str]) {
 #[test]
 fn cudart_bare() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "cudart_check.py", Under::Bare));
+    let lines = passes(client(&gpu, "cudart_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
     assert!(value(&lines, "runtime", "runtime") >= 12000);
     filled_the_room(&lines, DEVICE, &["cudaMalloc", "cudaMallocAsync"]);
@@ -168,7 +95,7 @@ fn cudart_bare() {
 #[test]
 fn cudart_shimmed() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "cudart_check.py", Under::Shim));
+    let lines = passes(client(&gpu, "cudart_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["cudaMalloc", "cudaMallocAsync"]);
 }
@@ -176,7 +103,7 @@ fn cudart_shimmed() {
 #[test]
 fn cupy_bare() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "cupy_check.py", Under::Bare));
+    let lines = passes(client(&gpu, "cupy_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
     filled_the_room(&lines, DEVICE, &["MemoryPool", "MemoryAsyncPool"]);
     line(&lines, "stream");
@@ -185,7 +112,7 @@ fn cupy_bare() {
 #[test]
 fn cupy_shimmed() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "cupy_check.py", Under::Shim));
+    let lines = passes(client(&gpu, "cupy_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["MemoryPool", "MemoryAsyncPool"]);
 }
@@ -194,7 +121,7 @@ fn cupy_shimmed() {
 #[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_bare() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "torch_check.py", Under::Bare));
+    let lines = passes(client(&gpu, "torch_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
     filled_the_room(&lines, DEVICE, &["caching-allocator"]);
 }
@@ -203,7 +130,7 @@ fn torch_bare() {
 #[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_shimmed() {
     let gpu = gpu();
-    let lines = passes(client(&gpu, "torch_check.py", Under::Shim));
+    let lines = passes(client(&gpu, "torch_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["caching-allocator"]);
     assert!(value(&lines, "caching-allocator", "reserved") <= LIMIT - OVERHEAD);

@@ -1,0 +1,106 @@
+//! Running the client checks of `tests/clients/` (Python scripts driving clients installed
+//! from PyPI) on a simgpu, bare or under the shim, with what each must see in `CLIENT_*`
+//! variables: `CLIENT_TOTAL` (16 GiB bare, the 4 GiB slice under the shim), `CLIENT_ROOM`
+//! (that less one context) and `CLIENT_CHUNK`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::size::{GIB, MIB};
+use crate::{artifact, ChildProcess, SimGpu};
+
+/// The simulated device, bare.
+pub const DEVICE: u64 = 16 * GIB;
+/// Device memory of each context on it.
+pub const OVERHEAD: u64 = 64 * MIB;
+/// The shimmed clients' request.
+pub const REQUEST: &str = "2GiB";
+/// The shimmed clients' limit: the device they see.
+pub const LIMIT: u64 = 4 * GIB;
+/// What the checks allocate at a time.
+pub const CHUNK: u64 = 256 * MIB;
+/// A client's whole run, generous: numba, nvitop and CuPy take seconds to import on a
+/// busy two-core machine.
+pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+/// How the test command installs the clients.
+pub const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
+
+/// The repository.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The Python of `venv` (relative to the repository) if it can import `modules`; fails
+/// the test, saying how to install them with `install`, otherwise.
+pub fn python_with(venv: &str, modules: &str, install: &str) -> PathBuf {
+    let python = root().join(venv).join("bin/python");
+    let probe = Command::new(&python).args(["-c", &format!("import {modules}")]).output();
+    match probe {
+        Ok(out) if out.status.success() => python,
+        Ok(out) => panic!(
+            "{modules} are not installed in {venv} ({}): {install}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => panic!("{} cannot run ({e}): {install}", python.display()),
+    }
+}
+
+/// A simgpu of [`DEVICE`] bytes with [`OVERHEAD`] per context.
+pub fn gpu() -> SimGpu {
+    SimGpu::new("16GiB").with_context_overhead("64MiB")
+}
+
+/// How a client runs: bare, or under the shim in `group`.
+#[derive(Clone, Copy)]
+pub enum Under<'a> {
+    /// Straight on simgpu.
+    Bare,
+    /// Under the shim, [`REQUEST`] and [`LIMIT`], in `group`.
+    Shim {
+        /// `GPUFRAC_GROUP`.
+        group: &'a str,
+    },
+}
+
+/// `script` of `tests/clients/`, run by `python` on `gpu`, with the device size and room
+/// it must see.
+pub fn client(gpu: &SimGpu, python: &Path, script: &str, under: Under<'_>) -> Command {
+    let mut cmd = gpu.command(python);
+    cmd.arg(root().join("tests/clients").join(script))
+        .current_dir(root().join("tests/clients"))
+        .env("CLIENT_CHUNK", CHUNK.to_string())
+        .env_remove("PYTHONPATH");
+    let total = match under {
+        Under::Bare => DEVICE,
+        Under::Shim { group } => {
+            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
+                .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
+                .env("GPUFRAC_GROUP", group);
+            LIMIT
+        }
+    };
+    cmd.env("CLIENT_TOTAL", total.to_string()).env("CLIENT_ROOM", (total - OVERHEAD).to_string());
+    cmd
+}
+
+/// Runs a client to its end: it must exit 0, end with `OK done`, and write no panic, no
+/// traceback and none of `forbidden` on stderr. Returns its `OK` lines.
+pub fn passes(mut cmd: Command, forbidden: &[&str]) -> Vec<String> {
+    let mut child = ChildProcess::spawn(&mut cmd);
+    child.close_stdin();
+    let mut lines = Vec::new();
+    while let Some(line) = child.next_line(RUN_TIMEOUT) {
+        lines.push(line);
+    }
+    let status = child.wait(RUN_TIMEOUT);
+    let stderr = child.stderr_text();
+    let failed = !status.success()
+        || lines.last().map(String::as_str) != Some("OK done")
+        || ["panicked", "Traceback"].iter().chain(forbidden).any(|text| stderr.contains(text));
+    if failed {
+        panic!("{}", child.diagnostics());
+    }
+    lines
+}
