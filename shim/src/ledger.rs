@@ -342,24 +342,20 @@ impl Ledger {
 
     /// PIDs of the group's live members (this process alone without a group).
     pub fn member_pids(&self) -> Vec<u32> {
+        self.live_members().map(|m| m.pid.load(Ordering::Relaxed)).collect()
+    }
+
+    /// The group's live members' slots.
+    fn live_members(&self) -> impl Iterator<Item = &Member> {
         self.forget_dead();
         let d = self.data();
         let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
-        d.members[..n]
-            .iter()
-            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
-            .map(|m| m.pid.load(Ordering::Relaxed))
-            .collect()
+        d.members[..n].iter().filter(|m| m.state.load(Ordering::Acquire) == LIVE)
     }
 
     /// Live members and what each holds on `dev`.
     pub fn members(&self, dev: usize) -> Vec<(u32, u64)> {
-        self.forget_dead();
-        let d = self.data();
-        let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
-        d.members[..n]
-            .iter()
-            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
+        self.live_members()
             .map(|m| (m.pid.load(Ordering::Relaxed), m.held[dev].load(Ordering::Relaxed)))
             .collect()
     }
