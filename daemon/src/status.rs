@@ -234,7 +234,7 @@ impl Status {
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms)
                 );
-                // What it declared beyond its entitlement (issue 12): the mismatch, shown.
+                // What it declared beyond its entitlement: the mismatch, shown.
                 if !p.capped.is_empty() {
                     let _ = writeln!(
                         out,

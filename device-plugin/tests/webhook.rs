@@ -944,7 +944,7 @@ fn review_is_pure_and_answers_malformed_input() {
     assert!(webhook::try_review(&json!("nonsense")).is_err());
 }
 
-// ---- The pod's author sets none of gpufrac's variables (issue 12) ----
+// ---- The pod's author sets none of gpufrac's variables ----
 
 /// An AdmissionReview as kube-apiserver 1.31 sends it for `kubectl apply` of a pod whose
 /// author wrote gpufrac's variables into the GPU container: plain values, a
