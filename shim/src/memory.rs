@@ -196,6 +196,13 @@ fn pooled(
     e.pools.allocate(e, target, bytes, dptr, &mut real, free)
 }
 
+/// A pooled allocation freed back (its charge refused): waits for `stream` to reach the
+/// free, so that the pool holds the block again and can be trimmed.
+fn free_and_wait(stream: Ptr, freed: Status) -> Status {
+    call!(cuStreamSynchronize(stream), 801);
+    freed
+}
+
 /// Whether swap may back allocations with the VMM API in this process.
 fn swapping(e: &Enforcer) -> bool {
     e.config.resolver == gpufrac_common::Resolver::Swap && e.arbiter.get().is_some()
@@ -208,7 +215,7 @@ pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) 
         None,
         stream,
         || call_real!(cuMemAllocAsync(dptr, size, stream)),
-        |p| call_real!(cuMemFreeAsync(p, stream)),
+        |p| free_and_wait(stream, call_real!(cuMemFreeAsync(p, stream))),
     )
 }
 
@@ -219,7 +226,7 @@ pub(crate) fn mem_alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: 
         None,
         stream,
         || call_real!(cuMemAllocAsync_ptsz(dptr, size, stream)),
-        |p| call_real!(cuMemFreeAsync_ptsz(p, stream)),
+        |p| free_and_wait(stream, call_real!(cuMemFreeAsync_ptsz(p, stream))),
     )
 }
 
@@ -235,7 +242,7 @@ pub(crate) fn mem_alloc_from_pool_async(
         Some(pool),
         stream,
         || call_real!(cuMemAllocFromPoolAsync(dptr, size, pool, stream)),
-        |p| call_real!(cuMemFreeAsync(p, stream)),
+        |p| free_and_wait(stream, call_real!(cuMemFreeAsync(p, stream))),
     )
 }
 
@@ -251,7 +258,7 @@ pub(crate) fn mem_alloc_from_pool_async_ptsz(
         Some(pool),
         stream,
         || call_real!(cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)),
-        |p| call_real!(cuMemFreeAsync_ptsz(p, stream)),
+        |p| free_and_wait(stream, call_real!(cuMemFreeAsync_ptsz(p, stream))),
     )
 }
 

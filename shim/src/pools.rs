@@ -41,6 +41,9 @@ struct Pool {
     charged: u64,
     /// Bytes of live allocations (and of allocations being made from the cache).
     in_use: u64,
+    /// Bytes charged to the group for allocations the driver is making from this pool
+    /// now: the pool may already reserve them, so they are not growth to charge again.
+    pending: u64,
 }
 
 /// One live allocation from a pool.
@@ -102,7 +105,7 @@ impl PoolBook {
         }
         inner.next_id += 1;
         let id = inner.next_id;
-        inner.pools.insert(id, Pool { handle, ordinal, device, charged: 0, in_use: 0 });
+        inner.pools.insert(id, Pool { handle, ordinal, device, charged: 0, in_use: 0, pending: 0 });
         inner.by_handle.insert(handle, id);
         self.pools.fetch_add(1, Ordering::AcqRel);
         id
@@ -124,7 +127,8 @@ impl PoolBook {
 
     /// Allocates `bytes` from `target` with `real`, charging what the pool's cache does
     /// not cover before the call and what the pool grew beyond its charge after it.
-    /// `free` gives the allocation back if that last charge is refused.
+    /// `free` gives the allocation back, and waits for its stream to get there, if that
+    /// last charge is refused.
     pub(crate) fn allocate(
         &self,
         e: &Enforcer,
@@ -140,7 +144,7 @@ impl PoolBook {
         let (id, cached) = {
             let mut inner = self.lock();
             let id = self.register(&mut inner, handle, target.ordinal, device);
-            let pool = inner.pools.get_mut(&id).expect("registered just now");
+            let Some(pool) = inner.pools.get_mut(&id) else { return OUT_OF_MEMORY };
             let cached = pool.charged.saturating_sub(pool.in_use).min(bytes);
             pool.in_use += cached;
             (id, cached)
@@ -149,29 +153,41 @@ impl PoolBook {
         let need = bytes - cached;
         if need > 0 {
             if let Err(status) = e.charge(target.ordinal, need) {
-                self.unuse(id, cached);
+                self.settle(id, cached, 0);
                 return status;
             }
+            // Known to the pool before the driver is asked: another thread's look at what
+            // the pool reserves must not take this allocation for growth to charge.
+            self.with_pool(id, |pool| pool.pending += need);
         }
         let status = e.physical(real);
         let addr = crate::ffi::read(out).filter(|_| status == SUCCESS);
         let Some(addr) = addr else {
-            self.unuse(id, cached);
+            self.settle(id, cached, need);
             e.release(device, need);
             return status;
         };
-        // Whatever the pool reserved beyond its charge is charged now; counted in the
-        // book first so that two threads do not both charge the same growth.
+        // Whatever the pool reserved beyond its charge (and the charges of allocations
+        // under way) is charged now, counted in the book first so that two threads do
+        // not both charge the same growth.
         let excess = {
             let mut inner = self.lock();
             inner.allocs.insert(addr, Alloc { pool: id, device, bytes, context: target.context });
             self.live.fetch_add(1, Ordering::AcqRel);
-            let pool = inner.pools.get_mut(&id).expect("pools leave the book only when destroyed");
-            pool.charged += need;
-            pool.in_use += need;
-            let excess = reserved(handle).map_or(0, |r| r.saturating_sub(pool.charged));
-            pool.charged += excess;
-            excess
+            match inner.pools.get_mut(&id) {
+                Some(pool) => {
+                    pool.pending = pool.pending.saturating_sub(need);
+                    pool.charged += need;
+                    pool.in_use += need;
+                    let known = pool.charged + pool.pending;
+                    let excess = reserved(handle).map_or(0, |r| r.saturating_sub(known));
+                    pool.charged += excess;
+                    excess
+                }
+                // Destroyed meanwhile (a program bug): the allocation keeps its charge
+                // until freed, as a destroyed pool's live allocations do.
+                None => 0,
+            }
         };
         if excess > 0 && e.charge(target.ordinal, excess).is_err() {
             {
@@ -189,10 +205,10 @@ impl PoolBook {
                 excess,
                 "gpufrac: out of memory: the pool grew past GPUFRAC_MEMORY_LIMIT"
             );
-            // The freed block reaches the pool once the stream gets there; then trimming
-            // gives its memory back.
+            // The freed block reaches the pool once its stream gets there (`free` waits
+            // for that); then trimming gives its memory back.
             free(addr);
-            call!(cuCtxSynchronize(), 801);
+            crate::ffi::write(out, 0);
             call_real!(cuMemPoolTrimTo(target.pool, 0));
             self.reconcile(e, Some(device), false);
             return OUT_OF_MEMORY;
@@ -200,11 +216,20 @@ impl PoolBook {
         SUCCESS
     }
 
-    /// Gives back `bytes` taken from a pool's cache for an allocation that failed.
-    fn unuse(&self, id: u64, bytes: u64) {
+    /// Runs `f` on pool `id`, if it is still in the book.
+    fn with_pool(&self, id: u64, f: impl FnOnce(&mut Pool)) {
         if let Some(pool) = self.lock().pools.get_mut(&id) {
-            pool.in_use = pool.in_use.saturating_sub(bytes);
+            f(pool);
         }
+    }
+
+    /// An allocation that failed: gives back the `cached` bytes it took from the pool's
+    /// cache and forgets the `pending` bytes charged for it.
+    fn settle(&self, id: u64, cached: u64, pending: u64) {
+        self.with_pool(id, |pool| {
+            pool.in_use = pool.in_use.saturating_sub(cached);
+            pool.pending = pool.pending.saturating_sub(pending);
+        });
     }
 
     /// Frees `addr` with `real` if it is a pooled allocation (`None` otherwise): its bytes

@@ -354,8 +354,8 @@ impl Enforcer {
     /// slices take the request and limit the arbiter believes (what this process is
     /// entitled to, when that is less than it declared): the process sees and keeps to
     /// its entitlement, not to what its environment says. If the arbiter cannot be
-    /// reached at `cuInit`, the declared slices stand (the arbiter still refuses bursts
-    /// past the entitlement).
+    /// reached at `cuInit`, or believes nothing (0 and 0), the declared slices stand (the
+    /// arbiter still refuses bursts past the entitlement).
     fn connect_arbiter(&'static self, slices: &mut [Slice]) -> Result<(), String> {
         let Some(socket) = &self.config.arbiter_socket else { return Ok(()) };
         let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
@@ -391,7 +391,12 @@ impl Enforcer {
         });
         let client = Client::start(socket, hello, registrations, usage, pushed)?;
         for slice in slices.iter_mut() {
-            if let Some((request, limit)) = client.believed(&slice.uuid) {
+            // Nothing believed at all (not entitled, or the arbiter could not decide yet):
+            // a slice of nothing would leave the process without memory for its whole
+            // life, so the declared one stands; the arbiter counts what it uses past its
+            // entitlement as outside gpufrac and lends it nothing.
+            let believed = client.believed(&slice.uuid).filter(|&believed| believed != (0, 0));
+            if let Some((request, limit)) = believed {
                 let limit = limit.min(slice.limit);
                 let request = request.min(slice.request).min(limit);
                 if (request, limit) != (slice.request, slice.limit) {
@@ -468,6 +473,12 @@ impl Enforcer {
                 }
                 Err(over) => over,
             };
+            // Counted as in use from here on, so that memory given back meanwhile (by the
+            // pools below, or by another thread) is not returned to the arbiter as unused.
+            if pending.is_none() {
+                self.pending[dev].fetch_add(bytes, Ordering::AcqRel);
+                pending = Some(Pending(&self.pending[dev], bytes));
+            }
             // Memory the pools keep (and the driver may already have taken back) is the
             // room, before the arbiter is asked or the charge refused.
             while reclaimed < 2 {
@@ -488,10 +499,6 @@ impl Enforcer {
             };
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
             let preferred = need.max(Self::chunk(&slice));
-            if pending.is_none() {
-                self.pending[dev].fetch_add(bytes, Ordering::AcqRel);
-                pending = Some(Pending(&self.pending[dev], bytes));
-            }
             match client.acquire(
                 slice.uuid,
                 need,
