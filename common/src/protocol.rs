@@ -166,6 +166,10 @@ pub enum Reply {
     Welcome {
         /// The arbiter's protocol version.
         version: u16,
+        /// The client's PID as the arbiter sees it (`SO_PEERCRED`): the host's PID when
+        /// the client runs in a PID namespace of its own (a container), which is the PID
+        /// NVML reports for it.
+        pid: u32,
     },
     /// The device is registered; the group's request is guaranteed.
     Registered {
@@ -260,6 +264,10 @@ impl Writer {
         Writer(v)
     }
     fn u16(mut self, v: u16) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u32(mut self, v: u32) -> Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
@@ -481,7 +489,7 @@ impl Reply {
     /// The frame (length prefix included).
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Reply::Welcome { version } => Writer::new(0x41).u16(*version),
+            Reply::Welcome { version, pid } => Writer::new(0x41).u16(*version).u32(*pid),
             Reply::Registered { device, request, limit } => {
                 Writer::new(0x42).device(device).u64(*request).u64(*limit)
             }
@@ -507,7 +515,7 @@ impl Reply {
     pub fn decode(body: &[u8]) -> Result<Reply, ProtocolError> {
         let mut r = Reader(body);
         let reply = match r.u8().map_err(|_| ProtocolError::Empty)? {
-            0x41 => Reply::Welcome { version: r.u16()? },
+            0x41 => Reply::Welcome { version: r.u16()?, pid: r.u32()? },
             0x42 => Reply::Registered { device: r.device()?, request: r.u64()?, limit: r.u64()? },
             0x43 => Reply::Refused { device: r.device()?, reason: r.string()? },
             0x44 => Reply::Granted { seq: r.u64()?, bytes: r.u64()? },
@@ -607,7 +615,7 @@ mod tests {
             });
         }
         for reply in [
-            Reply::Welcome { version: 1 },
+            Reply::Welcome { version: 1, pid: 4242 },
             Reply::Registered { device: [2; 16], request: 1 << 30, limit: u64::MAX },
             Reply::Refused { device: [2; 16], reason: "no room".into() },
             Reply::Granted { seq: 3, bytes: 77 },

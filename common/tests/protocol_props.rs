@@ -125,7 +125,7 @@ fn request(rng: &mut Rng) -> Request {
 
 fn reply(rng: &mut Rng) -> Reply {
     match rng.below(9) {
-        0 => Reply::Welcome { version: rng.next() as u16 },
+        0 => Reply::Welcome { version: rng.next() as u16, pid: rng.next() as u32 },
         1 => Reply::Registered { device: rng.device(), request: rng.u64(), limit: rng.u64() },
         2 => Reply::Refused { device: rng.device(), reason: rng.string(MAX_STRING) },
         3 => Reply::Granted { seq: rng.u64(), bytes: rng.u64() },

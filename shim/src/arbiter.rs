@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -89,6 +89,8 @@ pub(crate) struct Client {
     connected: AtomicBool,
     /// Per device, the request and limit the arbiter believes (its last `Registered`).
     believed: Mutex<HashMap<DeviceId, (u64, u64)>>,
+    /// This process's PID as the arbiter sees it (its `Welcome`), 0 until known.
+    seen_pid: AtomicU32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -119,7 +121,10 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
     while answers < c.registrations.len() + 1 {
         let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
         match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
-            Reply::Welcome { .. } => answers += 1,
+            Reply::Welcome { pid, .. } => {
+                answers += 1;
+                c.seen_pid.store(pid, Ordering::Relaxed);
+            }
             Reply::Registered { device, request, limit } => {
                 answers += 1;
                 lock(&c.believed).insert(device, (request, limit));
@@ -173,6 +178,7 @@ impl Client {
             next_seq: AtomicU64::new(1),
             connected: AtomicBool::new(false),
             believed: Mutex::new(HashMap::new()),
+            seen_pid: AtomicU32::new(0),
         });
         let first = match handshake(&client) {
             Ok(stream) => Some(stream),
@@ -195,6 +201,12 @@ impl Client {
             .spawn(move || reporter.report_activity())
             .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
         Ok(client)
+    }
+
+    /// This process's PID as the arbiter sees it (the host's, in a container), once the
+    /// arbiter has answered.
+    pub(crate) fn seen_pid(&self) -> Option<u32> {
+        Some(self.seen_pid.load(Ordering::Relaxed)).filter(|&pid| pid != 0)
     }
 
     /// The request and limit the arbiter believes for `device`, once it has registered.

@@ -17,8 +17,8 @@ use crate::state::{enforcer, refused, Enforcer};
 type Ptr = *mut c_void;
 
 /// Bytes in use as NVML sees them: this process's own usage if NVML lists this process
-/// (not when NVML reports PIDs of another namespace, as in containers), and the whole
-/// device's. `None` without NVML.
+/// (by the PID the arbiter saw, in a container, where NVML reports the host's PIDs; not
+/// found there without an arbiter), and the whole device's. `None` without NVML.
 fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
     let mut dev = 0;
     let mut uuid = [0u8; 16];
@@ -37,7 +37,7 @@ fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
     let mut count: c_uint = procs.len() as c_uint;
     let listed = call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13);
     // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
-    let me = std::process::id() as u64;
+    let me = enforcer().and_then(|e| e.ledger.my_host_pid()).unwrap_or_else(std::process::id) as u64;
     let own = (listed == SUCCESS)
         .then(|| {
             procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1])

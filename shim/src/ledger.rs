@@ -22,7 +22,9 @@ pub const MAX_DEVICES: usize = 16;
 /// Most processes in one group at once.
 pub const MAX_MEMBERS: usize = ledgers::MAX_MEMBERS;
 
-const MAGIC: u64 = 0x4750_5546_5241_4300 | (std::mem::size_of::<LedgerData>() as u64 & 0xff);
+/// Changed whenever the layout changes: a ledger of another layout is started afresh.
+const LAYOUT: u64 = 0x44;
+const MAGIC: u64 = 0x4750_5546_5241_0000 | LAYOUT << 8 | (std::mem::size_of::<LedgerData>() as u64 & 0xff);
 const FREE: u32 = 0;
 const LIVE: u32 = 1;
 
@@ -39,6 +41,10 @@ struct DeviceRecord {
 struct Member {
     state: AtomicU32,
     pid: AtomicU32,
+    /// Its PID as the arbiter sees it (the host's, in a container), 0 until known: NVML
+    /// lists processes by that PID.
+    host_pid: AtomicU32,
+    _pad: AtomicU32,
     held: [AtomicU64; MAX_DEVICES],
     /// Burst bytes the arbiter granted to this member (arbiter mode).
     granted: [AtomicU64; MAX_DEVICES],
@@ -159,6 +165,7 @@ impl Ledger {
             let m = &d.members[me];
             m.held.iter().chain(m.granted.iter()).for_each(|h| h.store(0, Ordering::Relaxed));
             m.pid.store(std::process::id(), Ordering::Relaxed);
+            m.host_pid.store(0, Ordering::Relaxed);
             m.state.store(LIVE, Ordering::Release);
             d.high_water.fetch_max(me as u32 + 1, Ordering::AcqRel);
             me
@@ -340,9 +347,22 @@ impl Ledger {
         self.data().devices[dev].context_bytes.store(bytes, Ordering::Relaxed);
     }
 
-    /// PIDs of the group's live members (this process alone without a group).
-    pub fn member_pids(&self) -> Vec<u32> {
-        self.live_members().map(|m| m.pid.load(Ordering::Relaxed)).collect()
+    /// The group's live members (this process alone without a group): each one's PID and
+    /// its PID as the arbiter sees it (0 where not known).
+    pub fn member_pids(&self) -> Vec<(u32, u32)> {
+        self.live_members()
+            .map(|m| (m.pid.load(Ordering::Relaxed), m.host_pid.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// This process's PID as the arbiter sees it, once known.
+    pub fn my_host_pid(&self) -> Option<u32> {
+        Some(self.data().members[self.me].host_pid.load(Ordering::Relaxed)).filter(|&pid| pid != 0)
+    }
+
+    /// Records this process's PID as the arbiter sees it.
+    pub fn set_host_pid(&self, pid: u32) {
+        self.data().members[self.me].host_pid.store(pid, Ordering::Relaxed);
     }
 
     /// The group's live members' slots.

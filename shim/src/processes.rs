@@ -78,32 +78,45 @@ struct UtilizationList {
 /// An entry that names a process.
 pub(crate) trait Entry: Copy + Default {
     fn pid(&self) -> u32;
+    fn set_pid(&mut self, pid: u32);
 }
 
-impl Entry for ProcessV1 {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-}
-impl Entry for ProcessV2 {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-}
-impl Entry for UtilizationSample {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-}
-impl Entry for UtilizationInfo {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
+macro_rules! entries {
+    ($($t:ty),*) => {$(
+        impl Entry for $t {
+            fn pid(&self) -> u32 {
+                self.pid
+            }
+            fn set_pid(&mut self, pid: u32) {
+                self.pid = pid;
+            }
+        }
+    )*};
 }
 
-/// The PIDs the caller may see, or `None` when the shim does not enforce here.
-fn visible() -> Option<Vec<u32>> {
+entries!(ProcessV1, ProcessV2, UtilizationSample, UtilizationInfo);
+
+/// The group's members the caller may see, or `None` when the shim does not enforce here.
+fn visible() -> Option<Vec<(u32, u32)>> {
     enforcer_any().map(|e| e.ledger.member_pids())
+}
+
+/// The group's entries among `all`, each under the PID its group knows it by. NVML lists
+/// processes by their PID in the outermost PID namespace (the driver knows no others), so
+/// in a container a member is found by the PID the arbiter saw (`host`) and shown by its
+/// own; a member whose outer PID is not known (no arbiter) is found by its own PID, which
+/// is the same outside a container.
+fn of_group<T: Entry>(all: Vec<T>, members: &[(u32, u32)]) -> Vec<T> {
+    all.into_iter()
+        .filter_map(|mut entry| {
+            let listed = entry.pid();
+            let (own, _) = members
+                .iter()
+                .find(|&&(own, host)| if host != 0 { host == listed } else { own == listed })?;
+            entry.set_pid(*own);
+            Some(entry)
+        })
+        .collect()
 }
 
 /// Asks `real` (count in/out, buffer) for every entry, growing the buffer until they fit.
@@ -160,8 +173,7 @@ fn filtered<T: Entry>(
     if status != SUCCESS {
         return status;
     }
-    let kept: Vec<T> = all.into_iter().filter(|entry| pids.contains(&entry.pid())).collect();
-    answer(count, out, &kept)
+    answer(count, out, &of_group(all, &pids))
 }
 
 macro_rules! process_lists {
@@ -210,9 +222,42 @@ pub(crate) fn utilization_info(device: Ptr, info: Ptr) -> Status {
     if status != SUCCESS {
         return status;
     }
-    let kept: Vec<UtilizationInfo> = all.into_iter().filter(|entry| pids.contains(&entry.pid)).collect();
+    let kept = of_group(all, &pids);
     let mut count = caller.count;
     let status = answer(&mut count, caller.entries, &kept);
     write(list, UtilizationList { count, ..caller });
     status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed(pids: &[u32]) -> Vec<ProcessV2> {
+        pids.iter().map(|&pid| ProcessV2 { pid, used: u64::from(pid) << 20, ..Default::default() }).collect()
+    }
+
+    fn pids(entries: &[ProcessV2]) -> Vec<(u32, u64)> {
+        entries.iter().map(|e| (e.pid, e.used)).collect()
+    }
+
+    #[test]
+    fn outside_a_container_members_are_found_by_their_own_pid() {
+        let kept = of_group(listed(&[100, 200, 300]), &[(100, 0), (300, 300)]);
+        assert_eq!(pids(&kept), [(100, 100 << 20), (300, 300 << 20)]);
+    }
+
+    #[test]
+    fn in_a_container_members_are_found_by_the_host_pid_and_shown_by_their_own() {
+        // Host PIDs 5001 and 5002 are the container's 1 and 7; 9999 is another tenant's.
+        let kept = of_group(listed(&[9999, 5001, 5002]), &[(1, 5001), (7, 5002)]);
+        assert_eq!(pids(&kept), [(1, 5001 << 20), (7, 5002 << 20)]);
+    }
+
+    #[test]
+    fn a_member_known_by_its_host_pid_is_not_matched_by_its_own() {
+        // The container's PID 7 is some other process's PID on the host.
+        let kept = of_group(listed(&[7]), &[(7, 5002)]);
+        assert!(kept.is_empty());
+    }
 }

@@ -390,6 +390,9 @@ impl Enforcer {
             _ => {}
         });
         let client = Client::start(socket, hello, registrations, usage, pushed)?;
+        if let Some(pid) = client.seen_pid() {
+            self.ledger.set_host_pid(pid);
+        }
         for slice in slices.iter_mut() {
             // Nothing believed at all (not entitled, or the arbiter could not decide yet):
             // a slice of nothing would leave the process without memory for its whole

@@ -66,7 +66,25 @@ pub enum Under<'a> {
 /// `script` of `tests/clients/`, run by `python` on `gpu`, with the device size and room
 /// it must see.
 pub fn client(gpu: &SimGpu, python: &Path, script: &str, under: Under<'_>) -> Command {
-    let mut cmd = gpu.command(python);
+    client_launched(gpu, &[], python, script, under)
+}
+
+/// [`client`], started through `launcher` (a program and its arguments, e.g. `unshare`).
+pub fn client_launched(
+    gpu: &SimGpu,
+    launcher: &[&str],
+    python: &Path,
+    script: &str,
+    under: Under<'_>,
+) -> Command {
+    let mut cmd = match launcher.split_first() {
+        Some((program, args)) => {
+            let mut cmd = gpu.command(program);
+            cmd.args(args).arg(python);
+            cmd
+        }
+        None => gpu.command(python),
+    };
     cmd.arg(root().join("tests/clients").join(script))
         .current_dir(root().join("tests/clients"))
         .env("CLIENT_CHUNK", CHUNK.to_string())

@@ -14,7 +14,7 @@ use std::process::Command;
 
 use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
 use gpufrac_e2e::size::MIB;
-use gpufrac_e2e::{unique, ChildProcess, SimGpu};
+use gpufrac_e2e::{unique, Arbiter, ChildProcess, SimGpu};
 
 /// `.venv/bin/python` with every client importable.
 fn python() -> PathBuf {
@@ -150,4 +150,34 @@ fn gpustat_sees_the_slice_and_its_own_processes() {
 #[test]
 fn nvitop_sees_the_slice_and_its_own_processes() {
     monitor("nvitop_check.py");
+}
+
+/// In a PID namespace of its own (a container), NVML lists a process by its PID on the
+/// host: the shim learns that PID from the arbiter and shows the process under its own,
+/// beside another tenant's process on the host, which stays hidden.
+#[test]
+fn in_a_pid_namespace_a_process_finds_itself_in_nvml_by_its_own_pid() {
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("ns.sock"), &[]);
+    let other = unique("other-tenant");
+    let mut theirs = client(&gpu, "holder.py", Under::Shim { group: &other });
+    theirs.env("CLIENT_HOLD", HELD.to_string()).env("GPUFRAC_ARBITER_SOCKET", arbiter.socket());
+    let mut theirs = ChildProcess::spawn(&mut theirs);
+    theirs.ready();
+
+    let group = unique("namespaced");
+    let launcher = ["unshare", "--pid", "--fork", "--"];
+    let mut mine = clients::client_launched(
+        &gpu,
+        &launcher,
+        &python(),
+        "own_process_check.py",
+        Under::Shim { group: &group },
+    );
+    mine.env("CLIENT_HOLD", HELD.to_string()).env("GPUFRAC_ARBITER_SOCKET", arbiter.socket());
+    let lines = passes(mine);
+    assert!(lines.iter().any(|l| l.starts_with("OK compute pid=1 ")), "found itself as PID 1: {lines:#?}");
+
+    theirs.close_stdin();
+    theirs.finish();
 }

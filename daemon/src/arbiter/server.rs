@@ -1021,7 +1021,7 @@ fn on_frame(
                 // shim allows is accepted.
                 check_group(&group)?;
                 check_pod(&pod)?;
-                reply(out, &Reply::Welcome { version: VERSION });
+                reply(out, &Reply::Welcome { version: VERSION, pid });
                 if version != VERSION {
                     return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
                 }

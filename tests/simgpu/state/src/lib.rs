@@ -192,13 +192,14 @@ impl Machine {
         self.shared().devices.get(device).map_or(0, |d| d.total.load(Ordering::Relaxed))
     }
 
-    /// Claims a process slot for this process, held until the process ends.
+    /// Claims a process slot for this process, held until the process ends. NVML lists
+    /// it by [`driver_pid`].
     pub fn attach(&self) -> Result<ProcessSlot<'_>, StateError> {
         let table = self.shm.lock_table();
         let i = self.shm.claim_slot(MAX_PROCESSES, &table).ok_or(StateError::TooManyProcesses)?;
         let rec = &self.shared().processes[i];
         rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        rec.pid.store(std::process::id(), Ordering::Relaxed);
+        rec.pid.store(driver_pid(), Ordering::Relaxed);
         rec.in_use.store(1, Ordering::Release);
         Ok(ProcessSlot { machine: self, index: i })
     }
@@ -367,4 +368,18 @@ pub fn remove_state(path: &str) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// The PID a real driver reports for this process: the driver knows no PID namespaces,
+/// so NVML lists a process in a container by its PID in the outermost namespace (the
+/// host's), the first of `NSpid` in `/proc/self/status` where `/proc` shows it (a
+/// container that mounts its own `/proc` shows only its own PID).
+pub fn driver_pid() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or_else(std::process::id)
 }
