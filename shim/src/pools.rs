@@ -83,14 +83,22 @@ pub(crate) struct Target {
     pub context: Option<usize>,
 }
 
-/// What the pool reserves from the device now, if the driver says.
+/// `CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_INVALID_HANDLE`: the driver knows no such pool.
+const NO_SUCH_POOL: [Status; 2] = [1, 400];
+
+/// What the pool reserves from the device now, if the driver says: nothing for a pool the
+/// driver no longer knows (gone with a context reset), `None` if it cannot say.
 fn reserved(handle: usize) -> Option<u64> {
     let mut value = 0u64;
     let status = call!(
         cuMemPoolGetAttribute(handle as Ptr, RESERVED_MEM_CURRENT, (&mut value as *mut u64).cast()),
         801
     );
-    (status == SUCCESS).then_some(value)
+    match status {
+        SUCCESS => Some(value),
+        gone if NO_SUCH_POOL.contains(&gone) => Some(0),
+        _ => None,
+    }
 }
 
 impl PoolBook {
