@@ -24,7 +24,9 @@ use gpufrac_daemon::entitlement::kubernetes::api::{
 };
 use gpufrac_daemon::entitlement::kubernetes::apiserver::ApiServerConfig;
 use gpufrac_daemon::entitlement::kubernetes::{KubernetesEntitlements, KubernetesError, KubernetesOptions};
-use gpufrac_daemon::entitlement::{Amount, ContainerRef, Entitlement, Entitlements, Identity, Verdict};
+use gpufrac_daemon::entitlement::{
+    Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict,
+};
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -306,7 +308,10 @@ fn process(pod_uid: &str, container_id: &str) -> Identity {
         pid: 4242,
         uid: 1000,
         gid: 1000,
-        container: Some(ContainerRef { pod_uid: pod_uid.into(), container_id: container_id.into() }),
+        cgroup: Cgroup::Container(ContainerRef {
+            pod_uid: pod_uid.into(),
+            container_id: container_id.into(),
+        }),
     }
 }
 
@@ -321,6 +326,14 @@ fn refused(verdict: Verdict) -> String {
     match verdict {
         Verdict::NotEntitled { why } => why,
         other => panic!("expected NotEntitled, got {other:?}"),
+    }
+}
+
+/// The lookup failed: no verdict (the arbiter asks again, never caches it).
+fn unknown(verdict: Verdict) -> String {
+    match verdict {
+        Verdict::Unknown { why } => why,
+        other => panic!("expected Unknown, got {other:?}"),
     }
 }
 
@@ -417,7 +430,8 @@ fn a_bad_annotation_is_named() {
     pod["spec"]["priority"] = json!("high");
     cluster.pods.put(pod);
     let k8s = cluster.entitlements();
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    // A pod the arbiter cannot read is no answer about it: asked again later.
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert!(why.contains("spec.priority"), "{why}");
 }
 
@@ -477,7 +491,7 @@ fn an_api_server_outage_is_covered_by_the_cache_only_within_its_ttl() {
     assert_eq!(e.max_limit, Amount::Fraction(0.5));
     assert_eq!(cluster.pods.gets.load(Ordering::SeqCst), gets);
     std::thread::sleep(Duration::from_millis(500));
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert!(why.contains("cannot read pod inference/vllm-small-6d8f7c9b54-x7k2p"), "{why}");
     assert!(
         why.contains(&format!(
@@ -488,7 +502,7 @@ fn an_api_server_outage_is_covered_by_the_cache_only_within_its_ttl() {
     );
     assert!(why.contains("cannot connect"), "{why}");
     // A pod never seen: the same, with the count of pods that could not be read.
-    let why = refused(k8s.lookup(&process(NEW_UID, WORKER_ID)));
+    let why = unknown(k8s.lookup(&process(NEW_UID, WORKER_ID)));
     assert!(why.contains(&format!("pod UID {NEW_UID}: not found among the pods")), "{why}");
     assert!(why.contains("could not be read") && why.contains("cannot connect"), "{why}");
 }
@@ -527,9 +541,28 @@ fn a_changed_pod_is_seen_after_the_ttl_with_get_or_list() {
 fn host_processes() {
     let cluster = Cluster::with_fixtures();
     let k8s = cluster.entitlements();
-    let root = Identity { pid: 1, uid: 0, gid: 0, container: None };
+    let root = Identity { pid: 1, uid: 0, gid: 0, cgroup: Cgroup::Host };
     assert_eq!(k8s.lookup(&root), Verdict::Unrestricted);
-    let user = Identity { pid: 2, uid: 1000, gid: 1000, container: None };
+    // Root whose cgroup is under kubepods but not understood (a pod's own slice, a nested
+    // cgroup without a container ID) is never taken for the host's root.
+    for cgroup in [
+        format!("0::/kubepods/burstable/pod{INFERENCE_UID}\n"),
+        "0::/kubepods.slice/kubepods-besteffort.slice\n".to_owned(),
+        format!("0::/kubepods/burstable/pod{INFERENCE_UID}/init.scope\n"),
+    ] {
+        let cgroup = gpufrac_daemon::entitlement::identity::parse_cgroup(&cgroup);
+        assert!(matches!(cgroup, Cgroup::Unknown(_)), "{cgroup:?}");
+        let pod_root = Identity { pid: 3, uid: 0, gid: 0, cgroup };
+        let why = refused(k8s.lookup(&pod_root));
+        assert!(why.contains("cannot tell which container"), "{why}");
+    }
+    // A container nested below the pod's (systemd in the container) is that container.
+    let nested = gpufrac_daemon::entitlement::identity::parse_cgroup(&format!(
+        "0::/kubepods/burstable/pod{INFERENCE_UID}/{SERVER_ID}/init.scope\n"
+    ));
+    let e = entitled(k8s.lookup(&Identity { pid: 4, uid: 0, gid: 0, cgroup: nested }));
+    assert!(e.source.contains("inference/"), "{}", e.source);
+    let user = Identity { pid: 2, uid: 1000, gid: 1000, cgroup: Cgroup::Host };
     let why = refused(k8s.lookup(&user));
     assert!(why.contains("uid 1000 runs outside any pod"), "{why}");
     let mut options = cluster.options();
@@ -543,7 +576,7 @@ fn a_refused_token_says_what_rbac_is_needed() {
     let cluster = Cluster::with_fixtures();
     std::fs::write(cluster.token(), "another-token").expect("token");
     let k8s = cluster.entitlements();
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert!(why.contains("HTTP 401: Unauthorized") && why.contains("needs `get` on pods"), "{why}");
     // The token file is read again for each request (the kubelet rotates it).
     std::fs::write(cluster.token(), TOKEN).expect("token");
@@ -551,11 +584,11 @@ fn a_refused_token_says_what_rbac_is_needed() {
 }
 
 #[test]
-fn the_kubelet_down_is_not_entitled() {
+fn the_kubelet_down_is_no_verdict() {
     let cluster = Cluster::with_fixtures();
     let k8s = cluster.entitlements();
     std::fs::remove_file(&cluster.socket).expect("remove the socket");
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert!(why.contains("cannot connect to the kubelet's PodResources socket"), "{why}");
     assert!(why.contains(&cluster.socket.display().to_string()), "{why}");
 }
@@ -651,6 +684,6 @@ fn https_with_the_service_account_ca() {
     let mut options = cluster.options();
     options.api_server = api;
     let k8s = KubernetesEntitlements::new(options).expect("new");
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert!(why.contains("TLS") && why.contains(&format!("https://127.0.0.1:{}", addr.port())), "{why}");
 }

@@ -3,7 +3,8 @@
 //! source is asked about the peer the kernel names (once per process); a Kubernetes-like entitlement caps the
 //! request, limit, priority and resolver, and puts every process in its derived group
 //! whatever group it names; `Registered` carries what is believed; a process that is not
-//! entitled gets no guarantee and no burst; a GPU outside the entitlement gets nothing.
+//! entitled gets no guarantee and no burst; a GPU outside the entitlement gets nothing; a
+//! lookup that fails is no verdict: never cached, asked again before a registration.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -21,16 +22,29 @@ const GIB: u64 = 1 << 30;
 const GPU: [u8; 16] = [7; 16];
 const OTHER_GPU: [u8; 16] = [8; 16];
 
-/// Answers one verdict, recording who it was asked about.
+/// Answers one verdict (after the `first` ones, if any), recording who it was asked about.
 struct Fixed {
     verdict: Verdict,
     asked: Mutex<Vec<Identity>>,
 }
 
+impl Fixed {
+    fn new(verdict: Verdict) -> Arc<Fixed> {
+        Arc::new(Fixed { verdict, asked: Mutex::new(Vec::new()) })
+    }
+}
+
 impl Entitlements for Fixed {
     fn lookup(&self, who: &Identity) -> Verdict {
-        self.asked.lock().unwrap().push(who.clone());
-        self.verdict.clone()
+        let mut asked = self.asked.lock().unwrap();
+        asked.push(who.clone());
+        // A failed lookup first (the kubelet down), then the answer.
+        match &self.verdict {
+            Verdict::Entitled(e) if e.source.starts_with("after-a-failure") && asked.len() == 1 => {
+                Verdict::Unknown { why: "the kubelet did not answer".into() }
+            }
+            other => other.clone(),
+        }
     }
 }
 
@@ -148,7 +162,7 @@ fn kubernetes_like() -> Verdict {
 
 #[test]
 fn an_entitled_client_gets_its_entitlement_and_its_derived_group() {
-    let source = Arc::new(Fixed { verdict: kubernetes_like(), asked: Mutex::new(Vec::new()) });
+    let source = Fixed::new(kubernetes_like());
     let served = Served::start(source.clone());
     let mut a = Client::hello(&served, "chosen-by-a", Resolver::Priority, 1_000_000);
     assert_eq!(a.register(GPU, 12 * GIB, 16 * GIB), Ok((4 * GIB, 8 * GIB)), "capped to 0.25 / 0.5 of 16 GiB");
@@ -187,7 +201,7 @@ fn an_entitled_client_gets_its_entitlement_and_its_derived_group() {
 #[test]
 fn a_client_that_is_not_entitled_gets_no_guarantee_and_no_burst() {
     let verdict = Verdict::NotEntitled { why: "no gpufrac.io/gpu shares".into() };
-    let served = Served::start(Arc::new(Fixed { verdict, asked: Mutex::new(Vec::new()) }));
+    let served = Served::start(Fixed::new(verdict));
     let mut c = Client::hello(&served, "g", Resolver::Priority, 50);
     assert_eq!(c.register(GPU, 8 * GIB, 16 * GIB), Ok((0, 0)));
     let reply = c.acquire(1, GIB);
@@ -201,4 +215,48 @@ fn a_client_that_is_not_entitled_gets_no_guarantee_and_no_burst() {
     let p = &gpu.processes[0];
     assert_eq!((p.priority, p.resolver.as_str()), (0, "wait"), "{p:?}");
     assert!(p.entitlement.contains("not entitled: no gpufrac.io/gpu shares"), "{p:?}");
+}
+
+#[test]
+fn a_failed_lookup_is_no_verdict_and_is_asked_again_at_registration() {
+    let Verdict::Entitled(mut e) = kubernetes_like() else { unreachable!() };
+    e.source = "after-a-failure: ns/pod container c".into();
+    let source = Fixed::new(Verdict::Entitled(e));
+    let served = Served::start(source.clone());
+    // The lookup at Hello fails; the one before the registration answers.
+    let mut a = Client::hello(&served, "chosen", Resolver::Wait, 0);
+    assert_eq!(
+        a.register(GPU, 12 * GIB, 16 * GIB),
+        Ok((4 * GIB, 8 * GIB)),
+        "entitled once the source answers"
+    );
+    assert_eq!(source.asked.lock().unwrap().len(), 2, "asked again, not a cached failure");
+    let s = served.status();
+    let gpu = s.gpus.iter().find(|g| !g.processes.is_empty()).expect("registered");
+    assert_eq!(gpu.processes[0].group, "k8s-0f3c-c", "the derived group, not a group of its own");
+    assert_eq!(gpu.guaranteed, 4 * GIB);
+    // The answer is cached for the process: a new connection is not asked again.
+    let mut b = Client::hello(&served, "other", Resolver::Wait, 0);
+    assert_eq!(b.register(GPU, GIB, GIB), Ok((4 * GIB, 8 * GIB)));
+    assert_eq!(source.asked.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_lookup_that_keeps_failing_gives_nothing_and_is_never_cached() {
+    let source = Fixed::new(Verdict::Unknown { why: "the API server did not answer".into() });
+    let served = Served::start(source.clone());
+    let mut a = Client::hello(&served, "g", Resolver::Priority, 9);
+    assert_eq!(a.register(GPU, 8 * GIB, 16 * GIB), Ok((0, 0)), "nothing while unknown");
+    assert!(matches!(a.acquire(1, GIB), Reply::Denied { seq: 1, .. }));
+    let s = served.status();
+    let p = &s.gpus.iter().find(|g| !g.processes.is_empty()).expect("registered").processes[0];
+    assert!(
+        p.entitlement.contains("entitlement unknown") && p.entitlement.contains("did not answer"),
+        "{p:?}"
+    );
+    assert_eq!(source.asked.lock().unwrap().len(), 2, "at Hello and again before the registration");
+    // A reconnecting shim is asked about again: a failure is no verdict to keep.
+    let mut b = Client::hello(&served, "g", Resolver::Wait, 0);
+    assert_eq!(b.register(GPU, GIB, GIB), Ok((0, 0)));
+    assert_eq!(source.asked.lock().unwrap().len(), 4);
 }

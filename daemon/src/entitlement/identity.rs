@@ -23,7 +23,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-use super::ContainerRef;
+use super::{Cgroup, ContainerRef};
 
 /// `SO_PEERPIDFD` (include/uapi/asm-generic/socket.h; the same on x86 and arm64).
 const SO_PEERPIDFD: libc::c_int = 77;
@@ -279,54 +279,125 @@ pub fn peer_groups(socket: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     }
 }
 
-/// The container of process `pid`, from `/proc/<pid>/cgroup`.
-pub fn container_of(pid: u32) -> Option<ContainerRef> {
-    parse_cgroup(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
-}
-
-/// The container a `/proc/<pid>/cgroup` text names, if it is a known layout: cgroup v2
-/// (`0::/path`) first, then any v1 hierarchy. Layouts:
-/// - systemd driver: `.../kubepods-<qos>-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope`
-///   (or `crio-<id>.scope`, `docker-<id>.scope`), and the v1 form `...slice:cri-containerd:<id>`;
-/// - cgroupfs driver: `/kubepods/<qos>/pod<uid>/<id>` (`<qos>` absent for Guaranteed pods);
-/// - docker without Kubernetes: `/system.slice/docker-<id>.scope` or `/docker/<id>`, with an
-///   empty `pod_uid`.
-pub fn parse_cgroup(text: &str) -> Option<ContainerRef> {
-    let paths = text.lines().filter_map(|line| {
-        let mut parts = line.splitn(3, ':');
-        let (id, _controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        Some((id == "0", path))
-    });
-    let (v2, v1): (Vec<_>, Vec<_>) = paths.partition(|(v2, _)| *v2);
-    v2.into_iter().chain(v1).find_map(|(_, path)| parse_cgroup_path(path))
-}
-
-/// The container one cgroup path names.
-fn parse_cgroup_path(path: &str) -> Option<ContainerRef> {
-    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
-    let (last, parents) = parts.split_last()?;
-    // The v1 systemd form puts the container in the last component: `slice:runtime:id`.
-    let (last, parents): (&str, Vec<&str>) = match last.split_once(':') {
-        Some((slice, rest)) => {
-            let id = rest.rsplit(':').next()?;
-            let mut parents = parents.to_vec();
-            parents.push(slice);
-            (id, parents)
-        }
-        None => (last, parents.to_vec()),
-    };
-    let container_id = container_id(last)?;
-    let pod_uid = parents.iter().rev().find_map(|p| pod_uid(p));
-    let kubepods = parents.iter().any(|p| p.starts_with("kubepods"));
-    match pod_uid {
-        Some(pod_uid) if kubepods => Some(ContainerRef { pod_uid, container_id }),
-        None if !kubepods => {
-            // Docker without a pod: only its own layouts.
-            let docker = last.starts_with("docker-") || parents.last() == Some(&"docker");
-            docker.then(|| ContainerRef { pod_uid: String::new(), container_id })
-        }
-        _ => None,
+/// Where process `pid` runs, from `/proc/<pid>/cgroup`; an unreadable file is
+/// [`Cgroup::Unknown`], never the host.
+pub fn cgroup_of(pid: u32) -> Cgroup {
+    match std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
+        Ok(text) => parse_cgroup(&text),
+        Err(e) => Cgroup::Unknown(format!("/proc/{pid}/cgroup unreadable: {e}")),
     }
+}
+
+/// Where a `/proc/<pid>/cgroup` text places its process, every hierarchy (v2 `0::/path`
+/// and each v1 one) considered:
+/// - [`Cgroup::Container`] when some path names a container and none names another or is
+///   not understood. Layouts, the container found in any component (a container may
+///   have cgroups of its own below it: systemd inside, `.../<id>.scope/init.scope`):
+///   - systemd driver: `.../kubepods-<qos>-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope`
+///     (or `crio-<id>.scope`, `docker-<id>.scope`), and the v1 form `...slice:cri-containerd:<id>`;
+///   - cgroupfs driver: `/kubepods/<qos>/pod<uid>/<id>` (`<qos>` absent for Guaranteed pods);
+///     under `kubepods` the container is the component right after the pod's;
+///   - docker without Kubernetes: `/system.slice/docker-<id>.scope` or `/docker/<id>`, with an
+///     empty `pod_uid`.
+/// - [`Cgroup::Host`] when no path is under `kubepods` or a container runtime's cgroup.
+/// - [`Cgroup::Unknown`] otherwise: under `kubepods` without a pod and a container of it,
+///   a runtime-looking component (`libpod-`, `crio-`, a 64-hex ID...) in no known layout,
+///   two different containers, or a text that is not a cgroup file.
+pub fn parse_cgroup(text: &str) -> Cgroup {
+    let mut found: Option<ContainerRef> = None;
+    let mut lines = 0;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_id), Some(_controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            return Cgroup::Unknown(format!("not a cgroup line: {}", shown_path(line)));
+        };
+        lines += 1;
+        match parse_cgroup_path(path) {
+            Cgroup::Host => {}
+            Cgroup::Container(c) => match &found {
+                Some(other) if *other != c => {
+                    return Cgroup::Unknown(format!(
+                        "its cgroups name two containers ({} and {})",
+                        other.container_id, c.container_id
+                    ))
+                }
+                _ => found = Some(c),
+            },
+            unknown @ Cgroup::Unknown(_) => return unknown,
+        }
+    }
+    if lines == 0 {
+        return Cgroup::Unknown("an empty cgroup file".into());
+    }
+    found.map_or(Cgroup::Host, Cgroup::Container)
+}
+
+/// A cgroup path for a message: at most 160 characters, escaped.
+fn shown_path(path: &str) -> String {
+    let cut: String = path.chars().take(160).collect();
+    let more = if cut.len() < path.len() { "..." } else { "" };
+    format!("{cut:?}{more}")
+}
+
+/// Where one cgroup path places its process (see [`parse_cgroup`]).
+fn parse_cgroup_path(path: &str) -> Cgroup {
+    // The v1 systemd form puts the container in a component: `slice:runtime:id`.
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/').filter(|p| !p.is_empty()) {
+        match part.split_once(':') {
+            Some((slice, rest)) => {
+                parts.push(slice);
+                parts.extend(rest.rsplit(':').next());
+            }
+            None => parts.push(part),
+        }
+    }
+    let unknown = |what: &str| Cgroup::Unknown(format!("cgroup {} {what}", shown_path(path)));
+    if let Some(kubepods) = parts.iter().position(|p| p.starts_with("kubepods")) {
+        // The pod: the first component under kubepods naming a pod UID; its container: the
+        // component right below it (anything deeper is the container's own business).
+        let Some((at, pod_uid)) =
+            parts[kubepods..].iter().enumerate().find_map(|(i, p)| pod_uid(p).map(|uid| (kubepods + i, uid)))
+        else {
+            return unknown("is under kubepods but names no pod");
+        };
+        return match parts.get(at + 1).and_then(|c| container_id(c)) {
+            Some(container_id) => Cgroup::Container(ContainerRef { pod_uid, container_id }),
+            None => unknown("is under a pod but names no container of it"),
+        };
+    }
+    // Docker without a pod: `docker-<id>.scope`, or `docker/<id>`, in any component.
+    for (i, part) in parts.iter().enumerate() {
+        let id = match *part {
+            "docker" => parts.get(i + 1).and_then(|next| container_id(next)),
+            scope if scope.starts_with("docker-") => container_id(scope),
+            _ => None,
+        };
+        if let Some(container_id) = id {
+            return Cgroup::Container(ContainerRef { pod_uid: String::new(), container_id });
+        }
+    }
+    if parts.iter().any(|p| runtime_like(p)) {
+        return unknown("looks like a container's but is no layout the arbiter knows");
+    }
+    Cgroup::Host
+}
+
+/// Whether a cgroup component looks like a container runtime's: a runtime's prefix, or a
+/// run of 64 hex digits (a container ID).
+fn runtime_like(component: &str) -> bool {
+    const PREFIXES: [&str; 6] = ["cri-containerd-", "crio-", "docker-", "libpod", "lxc", "containerd-"];
+    if component == "docker" || PREFIXES.iter().any(|p| component.starts_with(p)) {
+        return true;
+    }
+    let mut run = 0;
+    for b in component.bytes() {
+        run = if b.is_ascii_hexdigit() { run + 1 } else { 0 };
+        if run >= 64 {
+            return true;
+        }
+    }
+    false
 }
 
 /// The container ID in a cgroup's last component: `cri-containerd-<id>.scope`,
@@ -363,8 +434,13 @@ mod tests {
 
     fn expect(text: &str, pod: &str) {
         let got = parse_cgroup(text);
-        let want = Some(ContainerRef { pod_uid: pod.into(), container_id: ID.into() });
+        let want = Cgroup::Container(ContainerRef { pod_uid: pod.into(), container_id: ID.into() });
         assert_eq!(got, want, "{text}");
+    }
+
+    fn expect_unknown(text: &str) {
+        let got = parse_cgroup(text);
+        assert!(matches!(got, Cgroup::Unknown(_)), "{text}: {got:?}");
     }
 
     #[test]
@@ -379,6 +455,24 @@ mod tests {
             &format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{pod_}.slice/docker-{ID}.scope"),
             POD,
         );
+    }
+
+    #[test]
+    fn a_container_with_cgroups_of_its_own_is_still_that_container() {
+        let pod_ = POD.replace('-', "_");
+        // systemd inside a container moves itself to init.scope; a runtime nests its own.
+        expect(
+            &format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod_}.slice/cri-containerd-{ID}.scope/init.scope\n"),
+            POD,
+        );
+        expect(&format!("0::/kubepods/burstable/pod{POD}/{ID}/system.slice/app.service\n"), POD);
+        expect(&format!("0::/kubepods/pod{POD}/{ID}/docker/{}\n", "a".repeat(64)), POD);
+        expect(&format!("0::/system.slice/docker-{ID}.scope\n"), "");
+        expect(&format!("0::/docker/{ID}\n"), "");
+        expect(&format!("0::/system.slice/docker-{ID}.scope/init.scope\n"), "");
+        expect(&format!("0::/docker/{ID}/init.scope\n"), "");
+        // The arbiter in a cgroup namespace of its own sees paths relative to it.
+        expect(&format!("0::/../../kubepods/burstable/pod{POD}/{ID}\n"), POD);
     }
 
     #[test]
@@ -401,25 +495,56 @@ mod tests {
     }
 
     #[test]
-    fn docker_without_a_pod_and_what_is_no_container() {
-        expect(&format!("0::/system.slice/docker-{ID}.scope\n"), "");
-        expect(&format!("0::/docker/{ID}\n"), "");
-        for none in [
-            "0::/\n".to_owned(),
-            "0::/user.slice/user-1000.slice/session-3.scope\n".to_owned(),
-            format!("0::/system.slice/{ID}.scope\n"),
+    fn the_host_is_only_what_is_under_no_pod_and_no_runtime() {
+        for host in [
+            "0::/\n",
+            "0::/user.slice/user-1000.slice/session-3.scope\n",
+            "0::/init.scope\n",
+            "0::/system.slice/containerd.service\n",
+            "0::/system.slice/docker.service\n",
+            "12:pids:/user.slice\n1:name=systemd:/user.slice/user-0.slice/session-1.scope\n0::/\n",
+        ] {
+            assert_eq!(parse_cgroup(host), Cgroup::Host, "{host}");
+        }
+    }
+
+    #[test]
+    fn what_is_under_kubepods_or_a_runtime_but_not_understood_is_unknown_never_the_host() {
+        let pod_ = POD.replace('-', "_");
+        for unknown in [
             // A pod's own slice, not a container in it (the pause process's parent).
             format!("0::/kubepods/burstable/pod{POD}\n"),
+            format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod_}.slice\n"),
+            // Under kubepods without a pod UID.
+            "0::/kubepods\n".to_owned(),
+            "0::/kubepods.slice/kubepods-besteffort.slice\n".to_owned(),
+            format!("0::/kubepods/burstable/{ID}\n"),
+            // A pod, then something that is not one of its containers.
+            format!("0::/kubepods/burstable/pod{POD}/init.scope/{ID}\n"),
+            format!("0::/kubepods.slice/kubepods-pod{pod_}.slice/crio-conmon-{ID}.scope\n"),
             // Not hex, or not 64 characters.
             format!("0::/kubepods/burstable/pod{POD}/{}\n", &ID[..63]),
             format!("0::/kubepods/burstable/pod{POD}/{}\n", ID.to_uppercase()),
+            // A runtime outside Kubernetes that is not docker, or a container-looking ID.
+            format!("0::/machine.slice/libpod-{ID}.scope\n"),
+            format!("0::/system.slice/{ID}.scope\n"),
+            "0::/lxc.payload.c1\n".to_owned(),
             // Crafted: a path outside kubepods claiming a pod.
             format!("0::/evil/pod{POD}/{ID}\n"),
+            // Hybrid: the unified hierarchy says nothing, a v1 one is a pod's slice.
+            format!("0::/\n4:memory:/kubepods/burstable/pod{POD}\n"),
+            // Two hierarchies, two containers.
+            format!("0::/kubepods/pod{POD}/{ID}\n4:memory:/kubepods/pod{POD}/{}\n", "b".repeat(64)),
             "garbage".to_owned(),
             String::new(),
         ] {
-            assert_eq!(parse_cgroup(&none), None, "{none}");
+            expect_unknown(&unknown);
         }
+    }
+
+    #[test]
+    fn an_unreadable_cgroup_file_is_unknown() {
+        assert!(matches!(cgroup_of(u32::MAX - 1), Cgroup::Unknown(_)));
     }
 
     #[test]

@@ -23,9 +23,33 @@ pub struct Identity {
     pub uid: u32,
     /// The peer's effective GID at connect.
     pub gid: u32,
-    /// From /proc/<pid>/cgroup, when it is a known container layout (cgroup v1 or v2;
-    /// containerd, CRI-O, docker; systemd and cgroupfs drivers).
-    pub container: Option<ContainerRef>,
+    /// Where /proc/<pid>/cgroup places it: on the host, in a container of a known layout
+    /// (cgroup v1 or v2; containerd, CRI-O, docker; systemd and cgroupfs drivers), or
+    /// somewhere that is not understood (fail closed: never taken for the host).
+    pub cgroup: Cgroup,
+}
+
+impl Identity {
+    /// The container it runs in, if its cgroup names one.
+    pub fn container(&self) -> Option<&ContainerRef> {
+        match &self.cgroup {
+            Cgroup::Container(container) => Some(container),
+            _ => None,
+        }
+    }
+}
+
+/// Where a process's cgroup places it. Three answers, so that a path the arbiter does not
+/// understand is never mistaken for the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cgroup {
+    /// Outside any container: no path is under `kubepods` or a container runtime's cgroup.
+    Host,
+    /// In this container.
+    Container(ContainerRef),
+    /// Under `kubepods` or a container runtime, but not a layout the arbiter understands
+    /// (or the cgroup file could not be read): `why` says which path.
+    Unknown(String),
 }
 
 /// The container a process runs in, as its cgroup path names it.
@@ -104,10 +128,25 @@ pub enum Verdict {
     /// No source of entitlement is configured: the client is believed only about itself
     /// (its priority never ends a process of another UID).
     Unrestricted,
+    /// The source could not answer (a timeout, the kubelet or the API server unreachable):
+    /// no guarantee and no burst for now, like [`Verdict::NotEntitled`], but not a verdict:
+    /// never cached, and asked again at the connection's next registration and at every
+    /// new connection.
+    Unknown {
+        /// What failed, for the log and status.
+        why: String,
+    },
 }
 
-/// Why a source could not answer. A lookup failure is treated as
-/// [`Verdict::NotEntitled`] with the error as `why`, except where a variant says otherwise.
+impl Verdict {
+    /// Whether this came from a failed lookup rather than from an answer.
+    pub fn is_unknown(&self) -> bool {
+        matches!(self, Verdict::Unknown { .. })
+    }
+}
+
+/// Why a source could not answer. A lookup failure is treated as [`Verdict::Unknown`]
+/// with the error as `why`, except where a variant says otherwise.
 #[derive(Debug, thiserror::Error)]
 pub enum EntitlementError {
     /// The admin policy file could not be read or is invalid.
@@ -205,7 +244,7 @@ pub fn believe_hello(
             entitlement: "unrestricted (no policy)".into(),
             capped: Vec::new(),
         },
-        Verdict::NotEntitled { why } => Believed {
+        Verdict::NotEntitled { .. } | Verdict::Unknown { .. } => Believed {
             // A group of its own, whatever it names: joining another group (even one of
             // its own user, such as a host process's) would let it borrow that group's room.
             group_key: format!("{}:{}/{group}", who.uid, who.pid),
@@ -213,7 +252,13 @@ pub fn believe_hello(
             resolver: Resolver::Wait,
             priority: priority.min(0),
             vetted: false,
-            entitlement: format!("not entitled: {why}"),
+            entitlement: match verdict {
+                Verdict::Unknown { why } => {
+                    format!("entitlement unknown (asked again at its next registration): {why}")
+                }
+                Verdict::NotEntitled { why } => format!("not entitled: {why}"),
+                _ => unreachable!("matched above"),
+            },
             capped: vec!["no guarantee and no burst".into()],
         },
         Verdict::Entitled(e) => {
@@ -261,6 +306,10 @@ pub fn believe_register(
             let cut = (request, limit) != (0, 0);
             (0, 0, cut.then(|| "request and limit -> 0 (not entitled)".to_owned()))
         }
+        Verdict::Unknown { .. } => {
+            let cut = (request, limit) != (0, 0);
+            (0, 0, cut.then(|| "request and limit -> 0 (entitlement unknown: the lookup failed)".to_owned()))
+        }
         Verdict::Entitled(e) => {
             if e.devices.as_ref().is_some_and(|list| !list.contains(device)) {
                 return (0, 0, Some("request and limit -> 0 (not entitled to this GPU)".into()));
@@ -285,7 +334,7 @@ mod tests {
     use super::*;
 
     fn who() -> Identity {
-        Identity { pid: 9, uid: 1000, gid: 1000, container: None }
+        Identity { pid: 9, uid: 1000, gid: 1000, cgroup: Cgroup::Host }
     }
 
     fn entitled(group: Option<&str>) -> Verdict {
@@ -332,6 +381,23 @@ mod tests {
             ("1000:9/a", "a"),
             "a group of its own"
         );
+        let b = believe_hello(
+            &Verdict::Unknown { why: "timed out".into() },
+            &NoPolicy,
+            &who(),
+            "a",
+            Resolver::Priority,
+            7,
+        );
+        assert_eq!(
+            (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
+            ("1000:9/a", Resolver::Wait, 0, false)
+        );
+        assert!(
+            b.entitlement.contains("unknown") && b.entitlement.contains("timed out"),
+            "{}",
+            b.entitlement
+        );
     }
 
     #[test]
@@ -340,6 +406,11 @@ mod tests {
         let not = Verdict::NotEntitled { why: String::new() };
         assert_eq!(believe_register(&not, &[1; 16], 64, 0, 0), (0, 0, None));
         assert!(believe_register(&not, &[1; 16], 64, 1, 2).2.is_some());
+        // A failed lookup gives nothing either, but says why differently.
+        let unknown = Verdict::Unknown { why: "timeout".into() };
+        let (r, l, cut) = believe_register(&unknown, &[1; 16], 64, 1, 2);
+        assert_eq!((r, l), (0, 0));
+        assert!(cut.is_some_and(|c| c.contains("unknown")));
         // 0.25 of 64 = 16 request, limit 8: the request is cut to the limit.
         let (r, l, cut) = believe_register(&entitled(None), &[1; 16], 64, 32, 64);
         assert_eq!((r, l), (8, 8));

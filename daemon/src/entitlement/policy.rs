@@ -208,7 +208,7 @@ mod tests {
     use super::*;
 
     fn who(uid: u32, gid: u32) -> Identity {
-        Identity { pid: 42, uid, gid, container: None }
+        Identity { pid: 42, uid, gid, cgroup: crate::entitlement::Cgroup::Host }
     }
 
     fn parse(text: &str) -> Result<PolicyFile, String> {

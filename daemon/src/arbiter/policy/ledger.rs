@@ -49,6 +49,9 @@ impl Policy {
         // nor put in the ledger memory nobody holds.
         let granted =
             if gpu.observed { granted.min(gpu.seen.get(&peer.pid).copied().unwrap_or(0)) } else { granted };
+        // A process the arbiter cannot signal is lent nothing (see `acquire`), nor believed
+        // to hold a loan or to keep swapped-out memory.
+        let (granted, host_bytes) = if peer.signalable { (granted, host_bytes) } else { (0, 0) };
         // What this very process already uses is not someone else's. A process coming
         // back with burst memory after a restart holds it already: refusing it for memory
         // outside gpufrac would free nothing (and that memory may be its peers coming back

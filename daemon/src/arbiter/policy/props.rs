@@ -19,7 +19,9 @@
 //!   connection may have one (random caps applied as the server applies them), and no
 //!   group's request or limit is above the largest its members are entitled to;
 //! - the resolvers end only processes the arbiter holds a pidfd for, and a priority burst
-//!   ends a process of another user only when its priority is vouched for (`vetted`).
+//!   ends a process of another user only when its priority is vouched for (`vetted`);
+//! - a process the arbiter holds no pidfd for is never lent anything (nor believed to
+//!   keep swapped-out memory): no resolver could take such a loan back.
 //!
 //! Cases come from seeds: those in `daemon/tests/corpus/policy_seeds.txt` (failures once
 //! found, replayed every run) and a fixed number of fresh ones derived from a base seed.
@@ -492,7 +494,15 @@ impl Case {
                         ));
                     }
                 }
-                for m in g.members.values() {
+                for (conn, m) in &g.members {
+                    // A loan to a process without a pidfd could never be taken back.
+                    let signalable = self.policy.peers.get(conn).is_some_and(|p| p.signalable);
+                    if !signalable && (m.granted > 0 || m.host_bytes > 0) {
+                        self.fail(format!(
+                            "group {name}: conn {conn} has no pidfd but holds {} lent, {} in host RAM",
+                            m.granted, m.host_bytes
+                        ));
+                    }
                     if m.host_bytes > g.limit {
                         self.fail(format!(
                             "group {name}: a member keeps {} in host RAM, limit {}",

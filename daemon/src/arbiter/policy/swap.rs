@@ -136,6 +136,8 @@ impl Policy {
     ) -> Vec<Answer> {
         // Host RAM the node's other swapped-out memory leaves under the swap limit.
         let host_room = self.swap_limit.saturating_sub(self.host_committed_except(&device, conn));
+        // A process the arbiter cannot signal holds no loan, so it has none in host RAM.
+        let host_room = if self.peers.get(&conn).is_some_and(|p| p.signalable) { host_room } else { 0 };
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
         let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };

@@ -189,6 +189,15 @@ impl Policy {
     ) -> Outcome {
         let Some(peer) = self.peers.get(&conn) else { return Outcome::Denied(Denial::UnknownDevice) };
         let timeout = peer.wait_timeout;
+        // A loan must be takeable back: from a process the arbiter cannot signal (no
+        // pidfd) it never could be (neither resolver nor reclaim ever picks it), so it is
+        // lent nothing: its burst limit is its request. (A swap-in too: it holds no loan.)
+        if !peer.signalable {
+            if self.member_gpu(conn, &device).is_none() {
+                return Outcome::Denied(Denial::UnknownDevice);
+            }
+            return Outcome::Denied(Denial::OverLimit);
+        }
         let Some((gpu, group)) = self.member_gpu(conn, &device) else {
             return Outcome::Denied(Denial::UnknownDevice);
         };
@@ -416,6 +425,32 @@ mod tests {
     use super::super::testing::*;
     use super::super::*;
     use super::{GROWING_FOR, MAX_WAIT};
+
+    #[test]
+    fn a_process_that_cannot_be_signalled_is_lent_nothing() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        // A raw client without a pidfd (its process exited before the arbiter could pin
+        // it, or an old kernel), in a group with a guarantee and room to burst.
+        p.hello(1, Peer { signalable: false, ..peer("a", 1000) });
+        // It comes back claiming a loan and swapped-out memory: neither is believed.
+        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 6 * GIB, 2 * GIB).unwrap();
+        let s = &p.status().gpus[0];
+        assert_eq!((s.guaranteed, s.burst, s.swapped), (4 * GIB, 0, 0), "{s:?}");
+        // A burst is refused at once: no resolver could ever take it back.
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, false, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(p.acquire(1, GPU, 2, GIB, GIB, 0, true, now), Outcome::Denied(Denial::OverLimit));
+        assert_eq!(p.status().gpus[0].waiting, 0, "nothing queued");
+        // Nor does a report of swapped-out memory put any in the ledger.
+        p.swapped(1, GPU, 0, 3 * GIB, 0, now);
+        assert_eq!(p.status().gpus[0].swapped, 0);
+        // An unknown device is still answered as such.
+        assert_eq!(p.acquire(1, [9; 16], 3, GIB, GIB, 0, false, now), Outcome::Denied(Denial::UnknownDevice));
+        // A member of the same group that can be signalled still bursts.
+        p.hello(2, peer("a", 1000));
+        p.register(2, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
+    }
 
     #[test]
     fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {

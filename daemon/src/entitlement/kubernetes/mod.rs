@@ -27,13 +27,16 @@
 //! Answers are cached per pod UID for [`DEFAULT_CACHE_TTL`]: within it, neither the
 //! kubelet nor the API server is asked again (so an API server outage is felt only after
 //! it); only entitlements are cached, never refusals. Each lookup has a deadline
-//! ([`DEFAULT_LOOKUP_TIMEOUT`]) and answers [`Verdict::NotEntitled`] with the reason when
-//! anything fails.
+//! ([`DEFAULT_LOOKUP_TIMEOUT`]); when it passes, or the kubelet or the API server cannot be
+//! asked, the answer is [`Verdict::Unknown`] with the reason (not a verdict: the arbiter
+//! asks again later), and a refusal is [`Verdict::NotEntitled`].
 //!
-//! A process with no container (a host process): the node's root is
-//! [`Verdict::Unrestricted`] (believed about itself only: root can end any process anyway),
-//! unless [`KubernetesOptions::trust_host_root`] is off; any other host process is
-//! [`Verdict::NotEntitled`].
+//! A process with no container ([`Cgroup::Host`]: no cgroup under `kubepods` or a
+//! container runtime): the node's root is [`Verdict::Unrestricted`] (believed about
+//! itself only: root can end any process anyway), unless
+//! [`KubernetesOptions::trust_host_root`] is off; any other host process is
+//! [`Verdict::NotEntitled`]. A process whose cgroup is under `kubepods` or a runtime but
+//! not understood ([`Cgroup::Unknown`]) is [`Verdict::NotEntitled`], whatever its UID.
 //!
 //! # Selecting it (for `run.rs` and the arbiter's flags)
 //!
@@ -51,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use gpufrac_common::resolver::Resolver;
 
-use super::{Amount, ContainerRef, Entitlement, Entitlements, Identity, Verdict};
+use super::{Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict};
 
 pub mod apiserver;
 pub mod podresources;
@@ -249,7 +252,7 @@ impl Entitlements for KubernetesEntitlements {
         runtime.spawn(async move {
             let verdict = match tokio::time::timeout(timeout, inner.lookup(&who)).await {
                 Ok(verdict) => verdict,
-                Err(_) => Verdict::NotEntitled {
+                Err(_) => Verdict::Unknown {
                     why: format!(
                         "no answer from the kubelet and the API server ({}) within {timeout:?}",
                         inner.api.base()
@@ -258,7 +261,7 @@ impl Entitlements for KubernetesEntitlements {
             };
             let _ = tx.send(verdict);
         });
-        rx.recv_timeout(timeout + Duration::from_millis(500)).unwrap_or_else(|_| Verdict::NotEntitled {
+        rx.recv_timeout(timeout + Duration::from_millis(500)).unwrap_or_else(|_| Verdict::Unknown {
             why: format!("the Kubernetes entitlement lookup did not answer within {timeout:?}"),
         })
     }
@@ -271,6 +274,15 @@ struct Cached {
     pod: PodRecord,
     /// `None`: the kubelet does not run the pod.
     devices: Option<PodDevices>,
+}
+
+/// Why a lookup gives no entitlement.
+#[derive(Debug, Clone, PartialEq)]
+enum Failure {
+    /// An answer: nothing for this container.
+    No(String),
+    /// The kubelet or the API server could not be asked: no answer ([`Verdict::Unknown`]).
+    Unreachable(String),
 }
 
 /// Why a container gets nothing.
@@ -302,75 +314,92 @@ const CONCURRENT_GETS: usize = 8;
 
 impl Inner {
     async fn lookup(&self, who: &Identity) -> Verdict {
-        let Some(container) = &who.container else {
-            return if who.uid == 0 && self.trust_host_root {
-                Verdict::Unrestricted
-            } else {
-                Verdict::NotEntitled {
+        let container = match &who.cgroup {
+            Cgroup::Container(container) => container,
+            // Under kubepods or a runtime, but not understood: never taken for the host.
+            Cgroup::Unknown(why) => {
+                return Verdict::NotEntitled {
                     why: format!(
-                        "uid {} runs outside any pod on a Kubernetes node: only pods given {RESOURCE} \
-                         shares are entitled",
-                        who.uid
+                        "cannot tell which container it runs in ({why}): only processes of a known \
+                         container layout or of the host are looked up"
                     ),
                 }
-            };
+            }
+            Cgroup::Host => {
+                return if who.uid == 0 && self.trust_host_root {
+                    Verdict::Unrestricted
+                } else {
+                    Verdict::NotEntitled {
+                        why: format!(
+                            "uid {} runs outside any pod on a Kubernetes node: only pods given {RESOURCE} \
+                             shares are entitled",
+                            who.uid
+                        ),
+                    }
+                };
+            }
         };
         let deadline = Instant::now() + self.lookup_timeout;
         match self.resolve(container, deadline).await {
             Ok(entitlement) => Verdict::Entitled(entitlement),
-            Err(why) => Verdict::NotEntitled { why },
+            Err(Failure::No(why)) => Verdict::NotEntitled { why },
+            Err(Failure::Unreachable(why)) => Verdict::Unknown { why },
         }
     }
 
-    async fn resolve(&self, who: &ContainerRef, deadline: Instant) -> Result<Entitlement, String> {
+    async fn resolve(&self, who: &ContainerRef, deadline: Instant) -> Result<Entitlement, Failure> {
         let uid = who.pod_uid.to_ascii_lowercase();
         if !is_uid(&uid) {
-            return Err(format!("the cgroup's pod UID {} is not a UUID", cut(&who.pod_uid)));
+            return Err(Failure::No(format!("the cgroup's pod UID {} is not a UUID", cut(&who.pod_uid))));
         }
         let container_id = who.container_id.to_ascii_lowercase();
         if container_id.is_empty()
             || container_id.len() > 128
             || !container_id.bytes().all(|b| b.is_ascii_alphanumeric())
         {
-            return Err(format!(
+            return Err(Failure::No(format!(
                 "the cgroup's container ID {} is not a container ID",
                 cut(&who.container_id)
-            ));
+            )));
         }
 
         let known = self.cached(&uid);
         if let Some(entry) = known.as_ref().filter(|e| e.at.elapsed() < self.cache_ttl) {
             match self.decide(entry, &container_id) {
                 Ok(entitlement) => return Ok(entitlement),
-                Err(Refusal::No(why)) => return Err(why),
+                Err(Refusal::No(why)) => return Err(Failure::No(why)),
                 Err(Refusal::NotInStatus(_)) => {} // a newer status may have it
             }
         }
         // A pod seen before is asked about by name; the name must still have the same UID
         // (a StatefulSet pod is replaced under the same name).
         let mut entry = match &known {
-            Some(old) => self.fetch(&old.pod.namespace, &old.pod.name).await?.filter(|e| e.pod.uid == uid),
+            Some(old) => self
+                .fetch(&old.pod.namespace, &old.pod.name)
+                .await
+                .map_err(Failure::Unreachable)?
+                .filter(|e| e.pod.uid == uid),
             None => None,
         };
         if entry.is_none() {
             entry = Some(self.discover(&uid).await?);
         }
-        let Some(mut entry) = entry else { return Err(format!("pod UID {uid}: not found")) };
+        let Some(mut entry) = entry else { return Err(Failure::No(format!("pod UID {uid}: not found"))) };
         let mut pause = FIRST_RETRY;
         loop {
             match self.decide(&entry, &container_id) {
                 Ok(entitlement) => return Ok(entitlement),
-                Err(Refusal::No(why)) => return Err(why),
+                Err(Refusal::No(why)) => return Err(Failure::No(why)),
                 Err(Refusal::NotInStatus(why)) => {
                     if Instant::now() + pause >= deadline {
-                        return Err(why);
+                        return Err(Failure::No(why));
                     }
                     tokio::time::sleep(pause).await;
                     pause *= 2;
                     let (namespace, name) = (entry.pod.namespace.clone(), entry.pod.name.clone());
-                    entry = match self.fetch(&namespace, &name).await? {
+                    entry = match self.fetch(&namespace, &name).await.map_err(Failure::Unreachable)? {
                         Some(e) if e.pod.uid == uid => e,
-                        _ => return Err(format!("pod {namespace}/{name} (UID {uid}) is gone")),
+                        _ => return Err(Failure::No(format!("pod {namespace}/{name} (UID {uid}) is gone"))),
                     };
                 }
             }
@@ -415,8 +444,8 @@ impl Inner {
 
     /// The pod with `uid` among the pods the kubelet gave shares: each is read from the API
     /// server (up to [`CONCURRENT_GETS`] at once), skipping those known to be other pods.
-    async fn discover(&self, uid: &str) -> Result<Cached, String> {
-        let pods = self.kubelet.list().await.map_err(|e| e.to_string())?;
+    async fn discover(&self, uid: &str) -> Result<Cached, Failure> {
+        let pods = self.kubelet.list().await.map_err(|e| Failure::Unreachable(e.to_string()))?;
         let candidates: Vec<PodDevices> =
             pods.into_iter().filter(|p| !self.known_other(&p.namespace, &p.name, uid)).collect();
         let limit = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_GETS));
@@ -448,15 +477,16 @@ impl Inner {
         }
         match (found, failures.first()) {
             (Some(entry), _) => Ok(entry),
-            (None, None) => Err(format!(
+            (None, None) => Err(Failure::No(format!(
                 "pod UID {uid}: no pod the kubelet gave {RESOURCE} shares on this node has this UID \
                  (a pod without shares, or a pod of another node)"
-            )),
-            (None, Some(first)) => Err(format!(
+            ))),
+            // Perhaps one of those: not a verdict.
+            (None, Some(first)) => Err(Failure::Unreachable(format!(
                 "pod UID {uid}: not found among the pods with {RESOURCE} shares on this node; {} of them \
                  could not be read: {first}",
                 failures.len()
-            )),
+            ))),
         }
     }
 
