@@ -87,6 +87,11 @@ pub struct ProcessStatus {
     /// What it declared beyond its entitlement and was cut (`priority 100 -> 10`), or empty.
     #[serde(default)]
     pub capped: String,
+    /// Its group's key in the arbiter's ledger (`@<derived>`, `<uid>/<name>`,
+    /// `<uid>:<pid>/<name>`): what tells groups shown under one name apart (metrics).
+    /// Not sent to clients.
+    #[serde(skip)]
+    pub group_key: String,
 }
 
 /// Why the status could not be fetched.

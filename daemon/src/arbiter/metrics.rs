@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::status::Status;
+use crate::status::{ProcessStatus, Status};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuKind {
@@ -158,23 +158,28 @@ impl Metrics {
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                     .set(gauge(v));
             }
-            // A group is one user's: two users naming the same group have two groups.
+            // Series are per group as the ledger keys it, so tenants never merge: two users
+            // naming one group, a derived group and a host client naming its own group
+            // after it, processes that are not entitled (each a group of its own).
             type Sums = (u64, u64, u64, u64, u64);
-            let mut groups: std::collections::BTreeMap<(&str, u32), Sums> = Default::default();
+            let mut groups: std::collections::BTreeMap<String, (&ProcessStatus, Sums)> = Default::default();
             for p in &g.processes {
-                let e = groups.entry((&p.group, p.uid)).or_insert((p.request, p.limit, 0, 0, 0));
-                e.2 = e.2.saturating_add(p.held);
-                e.3 = e.3.saturating_add(p.granted);
-                e.4 = e.4.saturating_add(p.host_bytes);
+                let key = if p.group_key.is_empty() {
+                    format!("{}/{}", p.uid, p.group)
+                } else {
+                    p.group_key.clone()
+                };
+                let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0)));
+                e.1 .2 = e.1 .2.saturating_add(p.held);
+                e.1 .3 = e.1 .3.saturating_add(p.granted);
+                e.1 .4 = e.1 .4.saturating_add(p.host_bytes);
             }
-            let mut users_of: std::collections::HashMap<&str, usize> = Default::default();
-            for (name, _) in groups.keys() {
-                *users_of.entry(name).or_default() += 1;
+            let mut keys_of: std::collections::HashMap<&str, usize> = Default::default();
+            for (_, (p, _)) in groups.iter() {
+                *keys_of.entry(p.group.as_str()).or_default() += 1;
             }
-            for ((name, uid), (request, limit, held, granted, host)) in &groups {
-                // Named as shown in status; with the user only where two users share a name.
-                let group =
-                    if users_of[name] > 1 { format!("{name} (uid {uid})") } else { (*name).to_owned() };
+            for (key, (p, (request, limit, held, granted, host))) in &groups {
+                let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
                     ("request", request),
@@ -191,6 +196,23 @@ impl Metrics {
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The `group` label of the group with ledger key `key`, shown as `shown`: a derived group
+/// (`@name`) is its name; a client's own group (`<uid>/<name>`) its name, with its user
+/// where another group is shown under that name too; a process that is not entitled
+/// (`<uid>:<pid>/<name>`, a group of its own) always says so: `name (uid U, pid P)`.
+/// Group names have no spaces nor parentheses, so a qualified label is never a name.
+fn group_label(key: &str, shown: &str, shared_name: bool) -> String {
+    if key.starts_with('@') {
+        return shown.to_owned();
+    }
+    let owner = key.split_once('/').map_or("", |(owner, _)| owner);
+    match owner.split_once(':') {
+        Some((uid, pid)) => format!("{shown} (uid {uid}, pid {pid})"),
+        None if shared_name => format!("{shown} (uid {owner})"),
+        None => shown.to_owned(),
     }
 }
 
@@ -243,7 +265,7 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::{GpuStatus, ProcessStatus};
+    use crate::status::GpuStatus;
 
     #[test]
     fn bytes_past_i64_max_show_as_the_largest_gauge_not_negative() {
@@ -285,5 +307,44 @@ mod tests {
             swap_limit: 0,
         };
         assert!(Metrics::new().render(&alone).contains(r#"group="g",kind="held"} 2"#));
+    }
+
+    #[test]
+    fn groups_shown_under_one_name_never_merge() {
+        let p = |key: &str, uid, held| ProcessStatus {
+            uid,
+            group: crate::entitlement::shown_group(key).to_owned(),
+            group_key: key.into(),
+            held,
+            ..ProcessStatus::default()
+        };
+        let status = Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                processes: vec![
+                    // A pod's derived group, and a host client of root naming its own after it.
+                    p("@k8s-0f3c-c", 0, 1),
+                    p("@k8s-0f3c-c", 0, 2),
+                    p("0/k8s-0f3c-c", 0, 4),
+                    // Two processes of one user that are not entitled: a group each.
+                    p("1000:41/a", 1000, 8),
+                    p("1000:42/a", 1000, 16),
+                    // The same user's own group of that name, apart from both.
+                    p("1000/b", 1000, 32),
+                ],
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let text = Metrics::new().render(&status);
+        for series in [
+            r#"group="k8s-0f3c-c",kind="held"} 3"#,
+            r#"group="k8s-0f3c-c (uid 0)",kind="held"} 4"#,
+            r#"group="a (uid 1000, pid 41)",kind="held"} 8"#,
+            r#"group="a (uid 1000, pid 42)",kind="held"} 16"#,
+            r#"group="b",kind="held"} 32"#,
+        ] {
+            assert!(text.contains(series), "{series} missing:\n{text}");
+        }
     }
 }

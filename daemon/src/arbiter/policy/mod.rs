@@ -447,6 +447,7 @@ impl Policy {
                         swapped_ms: swapped.as_millis() as u64,
                         entitlement: peer.entitlement.clone(),
                         capped: peer.capped.clone(),
+                        group_key: name.clone(),
                     });
                 }
                 GpuStatus {
