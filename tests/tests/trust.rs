@@ -6,7 +6,8 @@
 //! PID; overflowing and contradictory raw frames never put more in the ledger than the GPU
 //! and the entitlement allow; and `gpufrac status` shows a user only its own processes
 //! unless it is root or in `--admin-group`; memory used past the entitlement is seen as used
-//! outside gpufrac; and bad entitlement flags are refused naming the flag.
+//! outside gpufrac; a connection whose process exited before its `Hello` is not entitled
+//! under a policy; and bad entitlement flags are refused naming the flag.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -760,4 +761,214 @@ fn bad_entitlement_flags_are_refused_naming_the_flag() {
     // A group name is looked up (root's group is 0 everywhere).
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("ok.sock"), &["--admin-group", "root"]);
     assert!(arbiter.log_text().contains("gid=0"), "{}", arbiter.log_text());
+}
+
+/// The frames a process that connected and exited before its `Hello` got: its child, which
+/// kept the connection, sends `Hello`, `Register` and `Acquire` once the connecting
+/// process is reaped (so that its PID names nobody), hands back every byte it read, and
+/// keeps the connection open until dropped.
+struct OrphanedConnection {
+    replies: Vec<Reply>,
+    holder: u32,
+}
+
+impl OrphanedConnection {
+    fn spawn(arbiter: &Arbiter, device: [u8; 16], group: &str) -> OrphanedConnection {
+        let mut frames = Request::Hello {
+            version: VERSION,
+            group: group.into(),
+            pod: String::new(),
+            resolver: Resolver::Wait,
+            priority: 0,
+            wait_timeout_ms: 100,
+        }
+        .encode();
+        for r in [
+            Request::Register {
+                device,
+                total: 4 * GIB,
+                request: GIB,
+                limit: 2 * GIB,
+                held: 0,
+                granted: 0,
+                swapped: 0,
+            },
+            Request::Acquire {
+                seq: 1,
+                device,
+                bytes: 256 * MIB,
+                preferred: 256 * MIB,
+                held: 0,
+                resume: false,
+            },
+        ] {
+            frames.extend(r.encode());
+        }
+        let path = std::ffi::CString::new(arbiter.socket().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a zeroed sockaddr_un is valid; the path fits (checked below).
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_bytes_with_nul();
+        assert!(bytes.len() <= addr.sun_path.len(), "socket path too long");
+        for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        // `go`: the test tells the holder the connecting process is reaped; `back`: the
+        // holder's PID, then what it read.
+        let (mut go, mut back) = ([0; 2], [0; 2]);
+        // SAFETY: each array holds two descriptors.
+        assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::pipe(back.as_mut_ptr()) }, 0);
+        // SAFETY: the child runs only system calls on memory prepared before the fork, then
+        // `_exit`s (or pauses until killed): nothing that takes a lock another thread held.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            // SAFETY: as above; every buffer lives in this frame or was made before the fork.
+            unsafe {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+                if fd < 0 || libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                    libc::_exit(10);
+                }
+                let holder = libc::fork();
+                if holder != 0 {
+                    libc::write(
+                        back[1],
+                        (&holder as *const libc::pid_t).cast(),
+                        std::mem::size_of::<libc::pid_t>(),
+                    );
+                    libc::_exit(0);
+                }
+                // The holder: waits for the word, speaks, hands back the replies.
+                let mut word = 0u8;
+                if libc::read(go[0], (&mut word as *mut u8).cast(), 1) != 1 {
+                    libc::_exit(11);
+                }
+                if libc::write(fd, frames.as_ptr().cast(), frames.len()) != frames.len() as isize {
+                    libc::_exit(12);
+                }
+                // Welcome (4+3), Registered (4+1+16+16), then the answer to the burst.
+                let mut buf = [0u8; 512];
+                let mut got = 0usize;
+                let deadline = libc::time(std::ptr::null_mut()) + 20;
+                while got < 7 + 37 + 8 && libc::time(std::ptr::null_mut()) < deadline {
+                    let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), buf.len() - got);
+                    if n <= 0 {
+                        break;
+                    }
+                    got += n as usize;
+                }
+                // One more moment for the rest of the last frame.
+                libc::usleep(200_000);
+                let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                while got < buf.len() && libc::poll(&mut pfd, 1, 0) == 1 && pfd.revents & libc::POLLIN != 0 {
+                    let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), buf.len() - got);
+                    if n <= 0 {
+                        break;
+                    }
+                    got += n as usize;
+                }
+                libc::write(back[1], buf.as_ptr().cast(), got);
+                libc::close(back[1]);
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        // SAFETY: closing our copies of the ends the children use; reading into locals.
+        let holder = unsafe {
+            libc::close(go[0]);
+            libc::close(back[1]);
+            let mut holder: libc::pid_t = 0;
+            let n = libc::read(
+                back[0],
+                (&mut holder as *mut libc::pid_t).cast(),
+                std::mem::size_of::<libc::pid_t>(),
+            );
+            assert_eq!(n, std::mem::size_of::<libc::pid_t>() as isize, "the holder's PID");
+            holder
+        };
+        let mut wstatus = 0;
+        // SAFETY: reaping our own child: its PID names nobody from here on.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut wstatus, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(wstatus) && libc::WEXITSTATUS(wstatus) == 0,
+            "the connecting process: {wstatus}"
+        );
+        // SAFETY: writing one byte from a local, then reading what the holder sends into a
+        // buffer of ours until it closes its end.
+        let read = unsafe {
+            assert_eq!(libc::write(go[1], [1u8].as_ptr().cast(), 1), 1);
+            libc::close(go[1]);
+            let mut read = Vec::new();
+            let mut buf = [0u8; 512];
+            loop {
+                let n = libc::read(back[0], buf.as_mut_ptr().cast(), buf.len());
+                if n <= 0 {
+                    break;
+                }
+                read.extend_from_slice(&buf[..n as usize]);
+            }
+            libc::close(back[0]);
+            read
+        };
+        let mut cursor = std::io::Cursor::new(read);
+        let mut replies = Vec::new();
+        while let Ok(frame) = read_frame(&mut cursor, MAX_FRAME) {
+            replies.push(Reply::decode(&frame).expect("a reply frame"));
+        }
+        OrphanedConnection { replies, holder: holder as u32 }
+    }
+}
+
+impl Drop for OrphanedConnection {
+    fn drop(&mut self) {
+        // SAFETY: the holder is a process this test made; it is reparented, not ours to reap.
+        unsafe { libc::kill(self.holder as libc::pid_t, libc::SIGKILL) };
+    }
+}
+
+/// A process that forks and lets the parent that opened the socket exit (reaped) before
+/// its `Hello` cannot be pinned: its cgroup, read by a PID that names nobody, says
+/// nothing, and must never make it a host process. Under a source of entitlements it is
+/// not entitled, whatever its user: no guarantee, no burst. (Kernels whose
+/// `SO_PEERPIDFD` hands a pidfd of the exited process make it "has exited"; older ones
+/// give none: "cannot pin".) The same user connecting itself gets its entitlement.
+#[test]
+fn a_connection_whose_process_exited_before_hello_is_not_entitled() {
+    let gpu = gpu();
+    let file = policy(&gpu, r#"{ "default": { "max_request": "1GiB", "max_limit": "2GiB" } }"#);
+    let arbiter = arbiter(&gpu, "n.sock", &["--policy", file.to_str().unwrap()]);
+    let device = device(&arbiter);
+    let orphan_group = unique("orphan");
+    let orphan = OrphanedConnection::spawn(&arbiter, device, &orphan_group);
+    let replies = &orphan.replies;
+    assert!(matches!(replies.first(), Some(Reply::Welcome { .. })), "{replies:?}");
+    assert!(
+        matches!(replies.get(1), Some(Reply::Registered { request: 0, limit: 0, .. })),
+        "nothing believed: {replies:?}\n{}",
+        arbiter.log_text()
+    );
+    assert!(matches!(replies.get(2), Some(Reply::Denied { seq: 1, .. })), "no burst: {replies:?}");
+    let s = status(&arbiter);
+    let p = of_group(&s, &orphan_group);
+    assert_eq!(p.len(), 1, "{s:?}");
+    assert!(p[0].entitlement.starts_with("not entitled"), "{:?}", p[0]);
+    assert_eq!((s.gpus[0].guaranteed, s.gpus[0].burst), (0, 0), "{s:?}");
+    // The same user, connecting itself, is entitled by the same policy.
+    let mut raw = Raw::hello(&arbiter, &unique("pinned"), 0);
+    raw.send(&Request::Register {
+        device,
+        total: 4 * GIB,
+        request: GIB,
+        limit: 2 * GIB,
+        held: 0,
+        granted: 0,
+        swapped: 0,
+    });
+    assert!(
+        matches!(raw.reply(), Reply::Registered { request, limit, .. } if request == GIB && limit == 2 * GIB)
+    );
 }
