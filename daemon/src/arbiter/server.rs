@@ -15,8 +15,10 @@
 //!
 //! Trusts nothing a client says about itself (README, "Security model"): who it is comes
 //! from the kernel at accept (`SO_PEERCRED`, a pidfd, its cgroup); what it may have from
-//! an [`Entitlements`] source, asked once per connection before its `Hello` is accepted;
-//! what it declares is capped by that. Processes are signalled only through their pidfd.
+//! an [`Entitlements`] source, asked once per connection before its `Hello` is accepted
+//! (and again before its first registration if that lookup failed); what it declares is
+//! capped by that. A process the arbiter cannot pin (no pidfd) is not entitled under a
+//! source and is lent nothing ever. Processes are signalled only through their pidfd.
 //! `gpufrac status` shows a client only its own user's processes unless it is an admin.
 
 use std::collections::{HashMap, VecDeque};
@@ -61,7 +63,8 @@ const MAX_LISTED_PER_GPU: usize = 4096;
 const MAX_GROUP: usize = 64;
 /// Longest pod (`namespace/name`, each part at most 253 characters).
 const MAX_POD: usize = 2 * 253 + 1;
-/// Longest an entitlement lookup may take before the client is held not entitled.
+/// Longest an entitlement lookup may take (waiting for a slot included) before its answer
+/// is `Unknown`: no guarantee nor burst for now, asked again later, never cached.
 const LOOKUP_TIMEOUT: Duration = Duration::from_millis(2500);
 /// How long a verdict is reused for the same process (its shim reconnecting).
 const VERDICT_TTL: Duration = Duration::from_secs(30);
