@@ -4,27 +4,14 @@ processes by their PIDs on the host, and the shim shows the group's own by the P
 know themselves by, so the process finds itself, with what it holds, and nothing else."""
 
 import os
-import sys
 
 import pynvml
-from cuda.bindings import driver as cu
 
 from common import expected, report
+from driver import hold, release
 
-
-def check(call, result):
-    status, *values = result
-    if status != cu.CUresult.CUDA_SUCCESS:
-        sys.exit(f"{call}: {status!r}")
-    return values[0] if values else None
-
-
-hold = expected("HOLD")
-check("cuInit", cu.cuInit(0))
-device = check("cuDeviceGet", cu.cuDeviceGet(0))
-ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device))
-check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
-pointer = check("cuMemAlloc", cu.cuMemAlloc(hold))
+size = expected("HOLD")
+held = hold(size)
 
 pynvml.nvmlInit()
 handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -39,8 +26,8 @@ for name, query in [
         assert not listed, f"{name}: {listed}"
         continue
     assert set(listed) == {me}, f"{name}: pid {me} (in its namespace) expected alone, got {listed}"
-    assert listed[me] >= hold, f"{name}: {listed[me]} bytes listed for {hold} held"
+    assert listed[me] >= size, f"{name}: {listed[me]} bytes listed for {size} held"
     report(name, pid=me, used=listed[me])
 pynvml.nvmlShutdown()
-check("cuMemFree", cu.cuMemFree(pointer))
+release(held)
 report("done")
