@@ -20,6 +20,9 @@ const INVALID_ARGUMENT: Status = 2;
 const INSUFFICIENT_SIZE: Status = 7;
 /// Times the real function is asked again when processes appear between two calls.
 const ATTEMPTS: usize = 4;
+/// Most entries asked for: a count past it from the library below is not believed
+/// (the buffer is the shim's, allocated in the host process).
+const MAX_ENTRIES: usize = 1 << 16;
 
 /// `nvmlProcessInfo_v1_t`.
 #[repr(C)]
@@ -131,7 +134,7 @@ fn everything<T: Entry>(
         let status = real(&mut count, buffer.as_mut_ptr());
         if status == INSUFFICIENT_SIZE && count as usize > room {
             // Room for processes that start before the next call, too.
-            room = count as usize + 16;
+            room = (count as usize).saturating_add(16).min(MAX_ENTRIES);
             continue;
         }
         buffer.truncate((count as usize).min(room));
