@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::size::{GIB, MIB};
@@ -25,6 +26,16 @@ pub const CHUNK: u64 = 256 * MIB;
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
 /// How the test command installs the clients.
 pub const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
+
+/// Clients that fill the device with VMM memory (`cuMemCreate`) take turns: simgpu backs
+/// physical allocations with host RAM at once (as a GPU has them from `cuMemCreate` on), so
+/// two 16 GiB fills at the same time would ask a small machine for 32 GB.
+static FILLS_RAM: Mutex<()> = Mutex::new(());
+
+/// This test's turn to fill the device with memory simgpu backs with host RAM.
+pub fn fills_ram() -> MutexGuard<'static, ()> {
+    FILLS_RAM.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The repository.
 pub fn root() -> PathBuf {

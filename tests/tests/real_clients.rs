@@ -46,6 +46,7 @@ fn bytes_of(lines: &[String], what: &str) -> u64 {
 
 #[test]
 fn cuda_bindings_bare() {
+    let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Bare));
     assert!(bytes_of(&lines, "cuMemAllocAsync") > DEVICE - OVERHEAD - 2 * CHUNK);
@@ -53,6 +54,7 @@ fn cuda_bindings_bare() {
 
 #[test]
 fn cuda_bindings_shimmed() {
+    let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Shim { group: &unique("bindings") }));
     for path in
@@ -65,12 +67,14 @@ fn cuda_bindings_shimmed() {
 
 #[test]
 fn cuda_core_bare() {
+    let _turn = clients::fills_ram();
     let gpu = gpu();
     passes(client(&gpu, "cuda_core_check.py", Under::Bare));
 }
 
 #[test]
 fn cuda_core_shimmed() {
+    let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_core_check.py", Under::Shim { group: &unique("core") }));
     assert!(bytes_of(&lines, "DeviceMemoryResource-1") <= LIMIT - OVERHEAD);
