@@ -52,6 +52,12 @@ pub enum RunError {
         "the shim {0} does not exist; build it (cargo build --release --workspace) or name it with --shim"
     )]
     NoShim(PathBuf),
+    /// The shim's core is not beside it.
+    #[error(
+        "the shim's core {0} does not exist: libgpufrac.so loads it from its own folder at the first CUDA call; \
+         install the two together (cargo build --release --workspace builds both)"
+    )]
+    NoCore(PathBuf),
     /// Nothing to run.
     #[error("no command given: gpufrac run [options] -- COMMAND [ARGS...]")]
     NoCommand,
@@ -114,6 +120,10 @@ impl RunSettings {
             (None, None) => PathBuf::from("libgpufrac.so"),
         };
         let path = std::fs::canonicalize(&path).map_err(|_| RunError::NoShim(path))?;
+        let core = path.with_file_name(SHIM_CORE);
+        if !core.is_file() {
+            return Err(RunError::NoCore(core));
+        }
         Ok(path)
     }
 
@@ -138,6 +148,9 @@ impl RunSettings {
         Ok(cmd)
     }
 }
+
+/// The library `libgpufrac.so` loads from its own folder.
+const SHIM_CORE: &str = "libgpufrac_core.so";
 
 /// Each `GPUFRAC_*` variable `gpufrac run` sets, with the flag that sets it.
 const FLAGS: [(&str, &str); 8] = [
@@ -245,6 +258,24 @@ mod tests {
         assert!(warning.contains("LD_LIBRARY_PATH"), "says what to do: {warning}");
         assert!(!warning.contains('\n'), "one line: {warning}");
         assert!(driver_warning("bad\0name").is_some());
+    }
+
+    #[test]
+    fn a_shim_without_its_core_beside_it_is_refused_naming_the_core() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-run-core-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("libgpufrac.so"), b"").unwrap();
+        let settings = RunSettings { request: "1GiB".into(), ..Default::default() };
+        let refused = settings.shim_path(Some(&dir)).expect_err("no core beside the shim");
+        std::fs::write(dir.join(SHIM_CORE), b"").unwrap();
+        let found = settings.shim_path(Some(&dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            matches!(&refused, RunError::NoCore(core) if core.ends_with("libgpufrac_core.so")),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("install the two together"), "{refused}");
+        assert!(found.is_ok_and(|p| p.ends_with("libgpufrac.so")));
     }
 
     #[test]

@@ -30,7 +30,7 @@ struct Cli {
     /// Shares each GPU is advertised as.
     #[arg(long, default_value_t = 100)]
     shares_per_gpu: u32,
-    /// Host folder holding libgpufrac.so (mounted read-only into containers).
+    /// Host folder holding libgpufrac.so and libgpufrac_core.so (mounted read-only into containers).
     #[arg(long, default_value = "/opt/gpufrac/lib")]
     shim_dir: PathBuf,
     /// The arbiter's socket (its folder is mounted into containers).

@@ -5,8 +5,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use gpufrac::ledger::Ledger;
-use gpufrac::records::{Path, Record, Records};
+use gpufrac_core::ledger::Ledger;
+use gpufrac_core::records::{Path, Record, Records};
 
 fn time(name: &str, n: u64, mut f: impl FnMut(u64)) {
     let mut best = f64::MAX;
@@ -34,7 +34,7 @@ fn main() {
         black_box(group.try_charge(gdev, 4096, 1 << 30)).ok();
         group.release(gdev, 4096);
     });
-    let _ = std::fs::remove_file(gpufrac::ledger::group_path(&format!("bench-{}", std::process::id())));
+    let _ = std::fs::remove_file(gpufrac_core::ledger::group_path(&format!("bench-{}", std::process::id())));
     let records = Records::new(1 << 14);
     // Some live allocations around, as in a real program.
     for k in 0..1000u64 {
@@ -46,7 +46,7 @@ fn main() {
         black_box(records.remove(key));
     });
     time("gate pass (launch, copy, set)", n * 10, |_| {
-        gpufrac::gate::pass_for_bench();
+        gpufrac_core::gate::pass_for_bench();
     });
 }
 

@@ -1,11 +1,7 @@
-//! The one list of hooked symbols. From it come the exported functions (each panic-safe),
-//! the name → hook table that `dlsym` and `cuGetProcAddress` answer from, the real
-//! functions' signatures, and the lazily resolved pointers to the real ones.
-//!
-//! Two kinds of entries:
-//! - `implemented`: the shim's own logic runs (accounting, the virtual device, contexts);
-//! - `gated`: launches, copies and sets, which pass through the gate (held while the
-//!   process's burst memory is swapped out) and then straight to the driver.
+//! The hooks built from the one list (`hook_list.rs`): the exported functions (each
+//! panic-safe), the name → hook table that `dlsym` and `cuGetProcAddress` answer from, the
+//! real functions' signatures, the lazily resolved pointers to the real ones, and the
+//! table handed to `libgpufrac.so` when it loads this library.
 
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -90,6 +86,17 @@ macro_rules! hooks {
             )*
         }
 
+        /// The hooks in list order, as `libgpufrac.so` indexes its entry points.
+        pub(crate) fn table() -> [Ptr; HOOK_COUNT] {
+            [$(exports::$iname as Ptr,)* $(exports::$gname as Ptr,)*]
+        }
+
+        /// What both libraries must agree on: every name and signature, in order.
+        pub(crate) const FINGERPRINT: u64 = crate::hook_list::fingerprint(concat!(
+            $(stringify!($iname ($($ity),*)), ";",)*
+            $(stringify!($gname ($($gty),*)), ";",)*
+        ));
+
         /// The hook exported under `name`, if the shim hooks that symbol.
         pub(crate) fn lookup(name: &str) -> Option<Ptr> {
             match name {
@@ -101,7 +108,7 @@ macro_rules! hooks {
     };
 }
 
-const HOOK_COUNT: usize = HOOKS.len();
+pub(crate) const HOOK_COUNT: usize = HOOKS.len();
 static REAL: [AtomicPtr<c_void>; HOOK_COUNT] = [const { AtomicPtr::new(std::ptr::null_mut()) }; HOOK_COUNT];
 
 /// The real function behind `hook`: one atomic load once resolved.
@@ -130,138 +137,4 @@ macro_rules! call_real {
 }
 pub(crate) use call_real;
 
-hooks! {
-    implemented {
-        // Initialisation and entry points.
-        Cuda cuInit(flags: c_uint) => crate::init::cu_init;
-        Cuda cuGetProcAddress(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong)
-            => crate::procaddr::get_proc_address;
-        Cuda cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong, status: *mut c_int)
-            => crate::procaddr::get_proc_address_v2;
-        // The virtual device.
-        Cuda cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => crate::device::mem_get_info;
-        Cuda cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) => crate::device::device_total_mem;
-        // Contexts and their own memory.
-        Cuda cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) => crate::context::primary_retain;
-        Cuda cuDevicePrimaryCtxRelease_v2(dev: c_int) => crate::context::primary_release;
-        Cuda cuDevicePrimaryCtxReset_v2(dev: c_int) => crate::context::primary_reset;
-        // The CUDA 7.0 versions, which libcudart 12 still asks cuGetProcAddress for.
-        Cuda cuDevicePrimaryCtxRelease(dev: c_int) => crate::context::primary_release_v1;
-        Cuda cuDevicePrimaryCtxReset(dev: c_int) => crate::context::primary_reset_v1;
-        Cuda cuCtxCreate_v2(ctx: *mut Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v2;
-        Cuda cuCtxCreate_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) => crate::context::ctx_create_v3;
-        Cuda cuCtxCreate_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v4;
-        Cuda cuCtxDestroy_v2(ctx: Ptr) => crate::context::ctx_destroy;
-        // Every allocation path.
-        Cuda cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => crate::memory::mem_alloc;
-        Cuda cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)
-            => crate::memory::mem_alloc_pitch;
-        Cuda cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) => crate::memory::mem_alloc_managed;
-        Cuda cuMemFree_v2(dptr: CUdeviceptr) => crate::memory::mem_free;
-        Cuda cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) => crate::memory::mem_alloc_async;
-        Cuda cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) => crate::memory::mem_alloc_async_ptsz;
-        Cuda cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: Ptr, stream: Ptr)
-            => crate::memory::mem_alloc_from_pool_async;
-        Cuda cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: Ptr, stream: Ptr)
-            => crate::memory::mem_alloc_from_pool_async_ptsz;
-        Cuda cuMemFreeAsync(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async;
-        Cuda cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: Ptr) => crate::memory::mem_free_async_ptsz;
-        Cuda cuMemPoolCreate(pool: *mut Ptr, props: *const c_void) => crate::memory::mem_pool_create;
-        Cuda cuMemPoolDestroy(pool: Ptr) => crate::memory::mem_pool_destroy;
-        Cuda cuMemPoolTrimTo(pool: Ptr, keep: usize) => crate::memory::mem_pool_trim_to;
-        Cuda cuArrayCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_create;
-        Cuda cuArray3DCreate_v2(array: *mut Ptr, desc: *const c_void) => crate::memory::array_3d_create;
-        Cuda cuArrayDestroy(array: Ptr) => crate::memory::array_destroy;
-        Cuda cuMipmappedArrayCreate(array: *mut Ptr, desc: *const c_void, levels: c_uint) => crate::memory::mipmapped_array_create;
-        Cuda cuMipmappedArrayDestroy(array: Ptr) => crate::memory::mipmapped_array_destroy;
-        Cuda cuMemCreate(handle: *mut Handle, size: usize, prop: *const c_void, flags: c_ulonglong) => crate::memory::mem_create;
-        Cuda cuMemRelease(handle: Handle) => crate::memory::mem_release;
-        Cuda cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: Handle, flags: c_ulonglong) => crate::memory::mem_map;
-        Cuda cuMemUnmap(ptr: CUdeviceptr, size: usize) => crate::memory::mem_unmap;
-        Cuda cuMemRetainAllocationHandle(handle: *mut Handle, addr: Ptr) => crate::memory::mem_retain_allocation_handle;
-        // NVML's view of the device.
-        Nvml nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info;
-        Nvml nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info_v2;
-        // NVML's process lists: the group's own processes only.
-        Nvml nvmlDeviceGetComputeRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v1;
-        Nvml nvmlDeviceGetComputeRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v2;
-        Nvml nvmlDeviceGetComputeRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::compute_v3;
-        Nvml nvmlDeviceGetGraphicsRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v1;
-        Nvml nvmlDeviceGetGraphicsRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v2;
-        Nvml nvmlDeviceGetGraphicsRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::graphics_v3;
-        Nvml nvmlDeviceGetMPSComputeRunningProcesses(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v1;
-        Nvml nvmlDeviceGetMPSComputeRunningProcesses_v2(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v2;
-        Nvml nvmlDeviceGetMPSComputeRunningProcesses_v3(device: Ptr, count: *mut c_uint, infos: Ptr) => crate::processes::mps_v3;
-        Nvml nvmlDeviceGetProcessUtilization(device: Ptr, samples: Ptr, count: *mut c_uint, last_seen: c_ulonglong)
-            => crate::processes::utilization;
-        Nvml nvmlDeviceGetProcessesUtilizationInfo(device: Ptr, info: Ptr) => crate::processes::utilization_info;
-    }
-    gated {
-        cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
-            stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
-        cuLaunchKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
-            stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
-        cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-        cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-        cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize);
-        cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize);
-        cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize);
-        cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize);
-        cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-        cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-        cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
-        cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
-        cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-        cuMemsetD8_v2(dst: CUdeviceptr, value: c_uchar, n: usize);
-        cuMemsetD8_v2_ptds(dst: CUdeviceptr, value: c_uchar, n: usize);
-        cuMemsetD16_v2(dst: CUdeviceptr, value: c_ushort, n: usize);
-        cuMemsetD16_v2_ptds(dst: CUdeviceptr, value: c_ushort, n: usize);
-        cuMemsetD32_v2(dst: CUdeviceptr, value: c_uint, n: usize);
-        cuMemsetD32_v2_ptds(dst: CUdeviceptr, value: c_uint, n: usize);
-        cuMemsetD8Async(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
-        cuMemsetD8Async_ptsz(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
-        cuMemsetD16Async(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
-        cuMemsetD16Async_ptsz(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
-        cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
-        cuMemsetD32Async_ptsz(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
-        cuMemcpy2D_v2(copy: *const c_void);
-        cuMemcpy2D_v2_ptds(copy: *const c_void);
-        cuMemcpy2DUnaligned_v2(copy: *const c_void);
-        cuMemcpy2DUnaligned_v2_ptds(copy: *const c_void);
-        cuMemcpy2DAsync_v2(copy: *const c_void, stream: Ptr);
-        cuMemcpy2DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
-        cuMemcpy3D_v2(copy: *const c_void);
-        cuMemcpy3D_v2_ptds(copy: *const c_void);
-        cuMemcpy3DAsync_v2(copy: *const c_void, stream: Ptr);
-        cuMemcpy3DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
-        cuMemcpyPeer(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
-        cuMemcpyPeer_ptds(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
-        cuMemcpyPeerAsync(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
-        cuMemcpyPeerAsync_ptsz(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
-        cuMemsetD2D8_v2(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
-        cuMemsetD2D8_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
-        cuMemsetD2D16_v2(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
-        cuMemsetD2D16_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
-        cuMemsetD2D32_v2(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
-        cuMemsetD2D32_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
-        cuMemsetD2D8Async(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
-        cuMemsetD2D8Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
-        cuMemsetD2D16Async(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
-        cuMemsetD2D16Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
-        cuMemsetD2D32Async(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
-        cuMemsetD2D32Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
-        cuLaunchKernelEx(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
-        cuLaunchKernelEx_ptsz(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
-        cuLaunchCooperativeKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
-            shared: c_uint, stream: Ptr, params: *mut Ptr);
-        cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
-            shared: c_uint, stream: Ptr, params: *mut Ptr);
-        cuGraphLaunch(exec: Ptr, stream: Ptr);
-        cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr);
-    }
-}
+hook_list!(hooks);

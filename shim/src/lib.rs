@@ -1,10 +1,13 @@
-//! `libgpufrac.so`, the shim preloaded into every process of a container: it holds the
-//! container's group to its GPU memory request and limit on every allocation path, shows
-//! the limit as the device's size (CUDA and NVML), and never takes the host down.
+//! `libgpufrac_core.so`, the shim proper: it holds the container's group to its GPU memory
+//! request and limit on every allocation path, shows the limit as the device's size (CUDA
+//! and NVML), and never takes the host down. It is not preloaded itself: the small
+//! `libgpufrac.so` (`shim/preload`) is, and loads this library beside it at the process's
+//! first CUDA or NVML call, so that processes that never use the GPU do not pay for it.
 //!
 //! Layout:
-//! - `hooks`: the one list of hooked symbols; exports, `dlsym` and `cuGetProcAddress`
-//!   answers and the real functions' pointers all come from it;
+//! - `hook_list`: the one list of hooked symbols, shared with `libgpufrac.so`; `hooks`:
+//!   the exports, `dlsym` and `cuGetProcAddress` answers and the real functions' pointers
+//!   built from it;
 //! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do; `pools`: what
 //!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
 //!   the group's own only;
@@ -19,6 +22,9 @@
 // Unit tests build the hooks without exporting them (no_mangle is off), so the hook
 // implementations look unused there; the cdylib build still checks for dead code.
 #![cfg_attr(test, allow(dead_code))]
+
+#[macro_use]
+mod hook_list;
 
 mod arbiter;
 mod context;

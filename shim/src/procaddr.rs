@@ -1,15 +1,17 @@
 //! The two ways programs find driver functions without linking them: `dlsym` on a
-//! `dlopen`ed libcuda (cudarc, ctypes, frameworks) and `cuGetProcAddress` (the CUDA
-//! runtime, PyTorch). Both answer with the hooks for hooked symbols, from the same list
-//! as the exports.
+//! `dlopen`ed libcuda (cudarc, ctypes, frameworks; `libgpufrac.so` exports `dlsym` and
+//! asks [`gpufrac_core_lookup`]) and `cuGetProcAddress` (the CUDA runtime, PyTorch). Both
+//! answer with the hooks for hooked symbols, from the same list as the exports. Also the
+//! handshake with `libgpufrac.so`, [`gpufrac_core_attach`].
 
 use std::ffi::{c_char, c_int, c_ulonglong, c_void};
+use std::panic::catch_unwind;
 
 use gpufrac_common::cuda_procs::{resolve, ProcQuery};
 
 use crate::ffi::{c_str, write, Status, SUCCESS};
-use crate::hooks::{call_real, lookup};
-use crate::real::real_dlsym;
+use crate::hooks::{call_real, lookup, table, FINGERPRINT, HOOK_COUNT};
+use crate::real::{set_real_dlsym, DlsymFn};
 use crate::state::enabled;
 
 type Ptr = *mut c_void;
@@ -55,49 +57,36 @@ pub(crate) fn get_proc_address_v2(
     status
 }
 
-/// Our `dlsym`: hooked `cu*` and `nvml*` names get the hook, whatever the handle; every
-/// other lookup goes to glibc's. Must never panic nor allocate for other names: it runs
-/// for every symbol lookup in the process, the Rust runtime's included.
-fn dlsym_hook(handle: Ptr, name: *const c_char) -> Ptr {
-    let Some(real) = real_dlsym() else { return std::ptr::null_mut() };
-    if !name.is_null() {
-        // SAFETY: a non-null symbol name is a NUL-terminated string by dlsym's contract.
-        let bytes = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
-        if bytes.starts_with(b"cu") || bytes.starts_with(b"nvml") {
-            let hooked = std::panic::catch_unwind(|| {
-                std::str::from_utf8(bytes).ok().filter(|_| enabled()).and_then(lookup)
-            });
-            if let Ok(Some(hook)) = hooked {
-                return hook;
-            }
-        }
+/// What `libgpufrac.so`'s `dlsym` hands out for a hooked `cu*` or `nvml*` name: the hook,
+/// or null when the shim passes through in this process (then glibc answers). Never
+/// panics and allocates nothing.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn gpufrac_core_lookup(name: *const c_char) -> Ptr {
+    let Some(name) = c_str(name) else { return std::ptr::null_mut() };
+    catch_unwind(|| if enabled() { lookup(name) } else { None })
+        .ok()
+        .flatten()
+        .unwrap_or(std::ptr::null_mut())
+}
+
+/// Called by `libgpufrac.so` once, when it loads this library at the process's first CUDA
+/// or NVML call: fills its `len` entry points (`slots`) with the hooks, in the order of
+/// the shared list, and hands over glibc's `dlsym`. Returns 0, or -1 (nothing written) when the two libraries were not
+/// built from the same list.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn gpufrac_core_attach(
+    fingerprint: u64,
+    dlsym: Option<DlsymFn>,
+    slots: *mut Ptr,
+    len: usize,
+) -> c_int {
+    let Some(dlsym) = dlsym else { return -1 };
+    if fingerprint != FINGERPRINT || len != HOOK_COUNT || slots.is_null() {
+        return -1;
     }
-    // SAFETY: forwarding the caller's arguments to glibc's dlsym.
-    unsafe { real(handle, name) }
-}
-
-// Export `dlsym` under both glibc versions: old binaries bind dlsym@GLIBC_2.2.5 (2.17 on
-// aarch64), binaries built against glibc >= 2.34 bind dlsym@GLIBC_2.34. build.rs declares
-// the versions in the linker's version script.
-#[cfg(all(not(test), target_arch = "x86_64"))]
-std::arch::global_asm!(
-    ".symver gpufrac_dlsym_old, dlsym@GLIBC_2.2.5",
-    ".symver gpufrac_dlsym_new, dlsym@@GLIBC_2.34"
-);
-#[cfg(all(not(test), target_arch = "aarch64"))]
-std::arch::global_asm!(
-    ".symver gpufrac_dlsym_old, dlsym@GLIBC_2.17",
-    ".symver gpufrac_dlsym_new, dlsym@@GLIBC_2.34"
-);
-
-/// `dlsym@GLIBC_2.2.5` (x86_64) / `dlsym@GLIBC_2.17` (aarch64).
-#[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn gpufrac_dlsym_old(handle: Ptr, name: *const c_char) -> Ptr {
-    dlsym_hook(handle, name)
-}
-
-/// `dlsym@GLIBC_2.34`.
-#[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn gpufrac_dlsym_new(handle: Ptr, name: *const c_char) -> Ptr {
-    dlsym_hook(handle, name)
+    set_real_dlsym(dlsym);
+    let table = table();
+    // SAFETY: the caller passes `len` writable pointers, and len is the table's length.
+    unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), slots, len) };
+    0
 }

@@ -4,6 +4,7 @@
 //! symbols resolved lazily, once, from the hooks.
 
 use std::ffi::{c_char, c_void, CStr, CString};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::ffi::Status;
@@ -39,20 +40,33 @@ impl Lib {
     }
 }
 
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+pub(crate) type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
-/// glibc's own `dlsym`, found with `dlvsym` so that our exported `dlsym` is bypassed.
+/// glibc's `dlsym` as `libgpufrac.so` found it (it exports `dlsym` itself, so a plain call
+/// would come back to it), handed over by [`crate::procaddr::gpufrac_core_attach`].
+static HANDED_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn set_real_dlsym(dlsym: DlsymFn) {
+    HANDED_DLSYM.store(dlsym as usize, Ordering::Release);
+}
+
+/// glibc's own `dlsym`: the one `libgpufrac.so` handed over, else (this library loaded
+/// some other way, as in its unit tests) the next one after this library, found with
+/// `dlvsym`.
 pub(crate) fn real_dlsym() -> Option<DlsymFn> {
-    static REAL: OnceLock<usize> = OnceLock::new();
-    let addr = *REAL.get_or_init(|| {
-        let old = if cfg!(target_arch = "aarch64") { c"GLIBC_2.17" } else { c"GLIBC_2.2.5" };
-        [old, c"GLIBC_2.34"]
-            .iter()
-            // SAFETY: dlvsym with RTLD_NEXT and valid C strings; the result is checked.
-            .map(|version| unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) })
-            .find(|p| !p.is_null())
-            .map_or(0, |p| p as usize)
-    });
+    static NEXT: OnceLock<usize> = OnceLock::new();
+    let mut addr = HANDED_DLSYM.load(Ordering::Acquire);
+    if addr == 0 {
+        addr = *NEXT.get_or_init(|| {
+            let old = if cfg!(target_arch = "aarch64") { c"GLIBC_2.17" } else { c"GLIBC_2.2.5" };
+            [old, c"GLIBC_2.34"]
+                .iter()
+                // SAFETY: dlvsym with RTLD_NEXT and valid C strings; the result is checked.
+                .map(|version| unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) })
+                .find(|p| !p.is_null())
+                .map_or(0, |p| p as usize)
+        });
+    }
     // SAFETY: a non-zero address is glibc's dlsym, whose signature is DlsymFn.
     (addr != 0).then(|| unsafe { std::mem::transmute::<usize, DlsymFn>(addr) })
 }

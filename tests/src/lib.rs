@@ -745,7 +745,7 @@ impl Arbiter {
     }
 }
 
-/// Where the shim keeps the ledger of `group` (as `gpufrac::ledger::group_path` says):
+/// Where the shim keeps the ledger of `group` (as `gpufrac_core::ledger::group_path` says):
 /// in the effective user's folder `/dev/shm/gpufrac-<euid>/`.
 pub fn ledger_path(group: &str) -> PathBuf {
     // SAFETY: geteuid has no preconditions and cannot fail.

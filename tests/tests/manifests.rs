@@ -227,14 +227,74 @@ fn the_daemonset_mounts_what_the_node_parts_need() {
         // NVML through the NVIDIA container runtime.
         "name: NVIDIA_VISIBLE_DEVICES\n              value: all",
         "name: NVIDIA_DRIVER_CAPABILITIES\n              value: utility",
-        // The shim installed on the host, replaced by a rename.
-        "cp /usr/lib/gpufrac/libgpufrac.so /host/opt/gpufrac/lib/",
-        "mv -f /host/opt/gpufrac/lib/.libgpufrac.so.new /host/opt/gpufrac/lib/libgpufrac.so",
+        // The shim installed on the host (the_install_container_... runs the script).
         "path: /opt/gpufrac/lib",
     ] {
         assert!(text.contains(needed), "daemonset.yaml lacks {needed:?}");
     }
     assert!(!text.contains("privileged: true"), "no container needs to be privileged");
+}
+
+/// The init container's script, run as the node would (the image's folder and the
+/// host's replaced by temporary ones): both libraries of the shim land on the host, each
+/// replaced by a rename, and the installed pair works (the preloaded library finds its
+/// core beside it, from the host folder).
+#[test]
+fn the_install_container_puts_both_shim_libraries_on_the_host() {
+    let docs = documents("daemonset.yaml");
+    let spec = &resource(&docs, "DaemonSet", "gpufrac-node")["spec"]["template"]["spec"];
+    let installer = spec["initContainers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "install-shim"))
+        .expect("an install-shim init container");
+    let command: Vec<&str> =
+        installer["command"].as_array().expect("a command").iter().filter_map(Value::as_str).collect();
+    assert_eq!(&command[..2], ["/bin/sh", "-ec"], "the script runs with -e: a failed copy fails the pod");
+    let root = std::env::temp_dir().join(format!("gpufrac-install-{}", std::process::id()));
+    let (image, host) = (root.join("image"), root.join("host"));
+    std::fs::create_dir_all(&image).expect("make the image folder");
+    std::fs::create_dir_all(&host).expect("make the host folder");
+    for lib in ["libgpufrac.so", "libgpufrac_core.so"] {
+        std::fs::copy(gpufrac_e2e::artifact(lib), image.join(lib)).expect("stage the built library");
+    }
+    let script = command[2]
+        .replace("/usr/lib/gpufrac", &image.display().to_string())
+        .replace("/host/opt/gpufrac/lib", &host.display().to_string());
+    let out = Command::new("/bin/sh").args(["-ec", &script]).output().expect("run /bin/sh");
+    assert!(out.status.success(), "the install script failed: {}", String::from_utf8_lossy(&out.stderr));
+    let mut installed: Vec<String> = std::fs::read_dir(&host)
+        .expect("read the host folder")
+        .map(|e| e.expect("a folder entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    installed.sort();
+    assert_eq!(
+        installed,
+        ["libgpufrac.so", "libgpufrac_core.so"],
+        "exactly the two libraries, no temporary left"
+    );
+    for lib in ["libgpufrac.so", "libgpufrac_core.so"] {
+        assert_eq!(
+            std::fs::read(host.join(lib)).expect("read the installed library"),
+            std::fs::read(image.join(lib)).expect("read the staged library"),
+            "{lib} installed whole"
+        );
+    }
+    // The installed libgpufrac.so loads its core from the host folder: with the staged
+    // copies gone, a CUDA program under it runs and sees its slice.
+    std::fs::remove_dir_all(&image).expect("remove the staged copies");
+    let gpu = gpufrac_e2e::SimGpu::new("2GiB");
+    let out = gpu
+        .command(gpufrac_e2e::compile_c("alloc_paths.c", &["MODE_DLSYM"], false))
+        .env("LD_PRELOAD", host.join("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", "640MiB")
+        .args(["alloc", &(32u64 << 20).to_string(), &(32u64 << 20).to_string()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run alloc_paths");
+    let _ = std::fs::remove_dir_all(&root);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("DONE"), "a CUDA program under the installed shim: {text}");
 }
 
 #[test]

@@ -12,7 +12,7 @@ use super::devices::parse_share_id;
 pub struct AllocationConfig {
     /// Shares per GPU.
     pub shares_per_gpu: u32,
-    /// Host folder holding `libgpufrac.so`, mounted read-only at the same path.
+    /// Host folder holding `libgpufrac.so` and `libgpufrac_core.so`, mounted read-only at the same path.
     pub shim_dir: PathBuf,
     /// The arbiter's socket; its folder is mounted at the same path.
     pub arbiter_socket: PathBuf,

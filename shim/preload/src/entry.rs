@@ -1,0 +1,77 @@
+//! The exported entry points, one per hooked symbol of the shared list: each calls the
+//! core's hook at the same position, loading the core first if it is not loaded yet.
+
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
+
+use crate::core::{hook, UNAVAILABLE};
+
+type Ptr = *mut c_void;
+type Handle = c_ulonglong;
+type CUdeviceptr = u64;
+/// A `CUresult` or `nvmlReturn_t`.
+type Status = c_uint;
+
+macro_rules! entry_points {
+    (
+        implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
+        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) ; )* }
+    ) => {
+        /// Every hooked symbol, numbered as in the list (and in the core's table).
+        #[allow(non_camel_case_types, dead_code)]
+        #[derive(Clone, Copy)]
+        enum Entry { $($iname,)* $($gname,)* }
+
+        /// How many entry points there are.
+        pub(crate) const ENTRY_COUNT: usize = [$(Entry::$iname,)* $(Entry::$gname,)*].len();
+
+        /// What the core must have been built from: every name and signature, in order.
+        pub(crate) const FINGERPRINT: u64 = crate::hook_list::fingerprint(concat!(
+            $(stringify!($iname ($($ity),*)), ";",)*
+            $(stringify!($gname ($($gty),*)), ";",)*
+        ));
+
+        /// This library's entry point for `name`, if `name` is hooked.
+        pub(crate) fn entry_point(name: &[u8]) -> Option<Ptr> {
+            let name = std::str::from_utf8(name).ok()?;
+            match name {
+                $(stringify!($iname) => Some(exports::$iname as Ptr),)*
+                $(stringify!($gname) => Some(exports::$gname as Ptr),)*
+                _ => None,
+            }
+        }
+
+        /// The exported entry points.
+        #[allow(non_snake_case, clippy::too_many_arguments)]
+        mod exports {
+            use super::*;
+            $(
+                #[no_mangle]
+                pub extern "C" fn $iname($($iarg: $ity),*) -> Status {
+                    match hook(Entry::$iname as usize) {
+                        // SAFETY: the core's hook at this position has the signature of
+                        // the shared list (the core's fingerprint matched); the caller's
+                        // arguments are passed on unchanged.
+                        Some(f) => unsafe {
+                            std::mem::transmute::<Ptr, unsafe extern "C" fn($($ity),*) -> Status>(f)($($iarg),*)
+                        },
+                        None => UNAVAILABLE,
+                    }
+                }
+            )*
+            $(
+                #[no_mangle]
+                pub extern "C" fn $gname($($garg: $gty),*) -> Status {
+                    match hook(Entry::$gname as usize) {
+                        // SAFETY: as above.
+                        Some(f) => unsafe {
+                            std::mem::transmute::<Ptr, unsafe extern "C" fn($($gty),*) -> Status>(f)($($garg),*)
+                        },
+                        None => UNAVAILABLE,
+                    }
+                }
+            )*
+        }
+    };
+}
+
+hook_list!(entry_points);
