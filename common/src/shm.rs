@@ -104,10 +104,22 @@ impl<T: SharedPlain> SharedFile<T> {
         if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{name:?} is not a file name")));
         }
-        let dir_fd = private_dir(dir)?;
         let path = dir.join(name);
         let c_name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let file = open_private_file(&dir_fd, &c_name, &path)?;
+        let mut attempts = 0;
+        let (dir_fd, file) = loop {
+            let opened = private_dir(dir).and_then(|dir_fd| {
+                let file = open_private_file(&dir_fd, &c_name, &path)?;
+                Ok((dir_fd, file))
+            });
+            match opened {
+                Ok(opened) => break opened,
+                // The folder was removed, empty, by the last member of another file
+                // leaving, while we were making or opening it: make it again.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 8 => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        };
         Self::map(file, path, Some((dir_fd, c_name)), prepare)
     }
 
@@ -211,7 +223,15 @@ impl<T: SharedPlain> SharedFile<T> {
             std::fs::remove_file(&self.path)?;
             return Ok(true);
         };
-        unlink_if_same(dir, name, &self.file)
+        let removed = unlink_if_same(dir, name, &self.file)?;
+        if removed {
+            // The folder goes with its last file; a process making a file in it meanwhile
+            // makes the folder again (open_private). Not empty: it stays.
+            if let Some(folder) = self.path.parent() {
+                let _ = std::fs::remove_dir(folder);
+            }
+        }
+        Ok(removed)
     }
 
     /// The table lock, polled for at most `wait` (for exit handlers, which must not hang).
@@ -645,6 +665,41 @@ mod tests {
         assert!(s.private().join("f").exists());
         assert!(b.leave_and_remove_if_unused(4, WAIT).unwrap(), "a gave its slot back");
         assert!(!s.private().join("f").exists());
+        assert!(!s.private().exists(), "the folder goes with its last file");
+    }
+
+    #[test]
+    fn the_folder_stays_while_another_file_is_in_it() {
+        let s = Scratch::new("two-files");
+        let (f, g) = (member(&s.private(), "f"), member(&s.private(), "g"));
+        assert!(f.leave_and_remove_if_unused(4, WAIT).unwrap());
+        assert!(s.private().join("g").exists(), "g is untouched");
+        assert!(g.leave_and_remove_if_unused(4, WAIT).unwrap());
+        assert!(!s.private().exists());
+    }
+
+    #[test]
+    fn a_file_made_while_the_last_one_leaves_finds_its_folder() {
+        // One thread keeps joining and leaving "f", another "g": each leave may remove
+        // the folder under the other's join; every join must still succeed.
+        let s = Scratch::new("leave-join");
+        let private = s.private();
+        std::thread::scope(|scope| {
+            for name in ["f", "g"] {
+                let private = &private;
+                scope.spawn(move || {
+                    for _ in 0..300 {
+                        let m = SharedFile::<Counter>::open_private(private, name, |_| {})
+                            .unwrap_or_else(|e| panic!("joining {name}: {e}"));
+                        let table = m.lock_table();
+                        assert!(m.claim_slot(4, &table).is_some());
+                        drop(table);
+                        m.leave_and_remove_if_unused(4, WAIT).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(!private.exists(), "nothing left");
     }
 
     #[test]
@@ -778,8 +833,12 @@ pub mod ledgers {
     }
 
     /// Removes this user's ledgers whose members are all gone (see [`super::sweep_dead`]);
-    /// ledgers in use are left. Returns how many were removed.
+    /// ledgers in use are left, and so is the folder unless it is empty then. Returns how
+    /// many were removed.
     pub fn sweep() -> io::Result<usize> {
-        super::sweep_dead(&dir(), SUFFIX, MAX_MEMBERS)
+        let removed = super::sweep_dead(&dir(), SUFFIX, MAX_MEMBERS)?;
+        // Only an empty folder goes; a shim making a ledger meanwhile makes it again.
+        let _ = std::fs::remove_dir(dir());
+        Ok(removed)
     }
 }

@@ -11,6 +11,25 @@ type CUdeviceptr = u64;
 /// A `CUresult` or `nvmlReturn_t`.
 type Status = c_uint;
 
+/// One exported entry point: the core's hook at the same position, called with the
+/// caller's arguments.
+macro_rules! entry_point {
+    ($name:ident($($arg:ident: $ty:ty),*)) => {
+        #[no_mangle]
+        pub extern "C" fn $name($($arg: $ty),*) -> Status {
+            match hook(Entry::$name as usize) {
+                // SAFETY: the core's hook at this position has the signature of the
+                // shared list (the core's fingerprint matched); the caller's arguments are
+                // passed on unchanged.
+                Some(f) => unsafe {
+                    std::mem::transmute::<Ptr, unsafe extern "C" fn($($ty),*) -> Status>(f)($($arg),*)
+                },
+                None => UNAVAILABLE,
+            }
+        }
+    };
+}
+
 macro_rules! entry_points {
     (
         implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
@@ -44,32 +63,8 @@ macro_rules! entry_points {
         #[allow(non_snake_case, clippy::too_many_arguments)]
         mod exports {
             use super::*;
-            $(
-                #[no_mangle]
-                pub extern "C" fn $iname($($iarg: $ity),*) -> Status {
-                    match hook(Entry::$iname as usize) {
-                        // SAFETY: the core's hook at this position has the signature of
-                        // the shared list (the core's fingerprint matched); the caller's
-                        // arguments are passed on unchanged.
-                        Some(f) => unsafe {
-                            std::mem::transmute::<Ptr, unsafe extern "C" fn($($ity),*) -> Status>(f)($($iarg),*)
-                        },
-                        None => UNAVAILABLE,
-                    }
-                }
-            )*
-            $(
-                #[no_mangle]
-                pub extern "C" fn $gname($($garg: $gty),*) -> Status {
-                    match hook(Entry::$gname as usize) {
-                        // SAFETY: as above.
-                        Some(f) => unsafe {
-                            std::mem::transmute::<Ptr, unsafe extern "C" fn($($gty),*) -> Status>(f)($($garg),*)
-                        },
-                        None => UNAVAILABLE,
-                    }
-                }
-            )*
+            $(entry_point!($iname($($iarg: $ity),*));)*
+            $(entry_point!($gname($($garg: $gty),*));)*
         }
     };
 }
