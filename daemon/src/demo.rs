@@ -347,7 +347,12 @@ struct Timeline {
     rx: mpsc::Receiver<(String, String)>,
     names_by_pid: HashMap<String, String>,
     queued: HashMap<String, Queued>,
+    /// The act's arbiter's last log lines, shown if the act fails.
+    arbiter_tail: std::collections::VecDeque<String>,
 }
+
+/// Log lines of the arbiter kept for a failing act.
+const ARBITER_TAIL: usize = 25;
 
 impl Timeline {
     fn forward(&self, name: &str, pipe: Box<dyn std::io::Read + Send>) {
@@ -380,6 +385,10 @@ impl Timeline {
 
     /// Prints an arbiter line worth showing, counting it in `summary`.
     fn arbiter_event(&mut self, line: &str, summary: &mut DemoSummary) {
+        if self.arbiter_tail.len() == ARBITER_TAIL {
+            self.arbiter_tail.pop_front();
+        }
+        self.arbiter_tail.push_back(line.to_owned());
         let who = field(line, "pid").and_then(|p| self.names_by_pid.get(p)).cloned().unwrap_or_default();
         let bytes = || mib(field(line, "bytes").unwrap_or("?"));
         let event = if line.contains("burst waits") {
@@ -411,6 +420,10 @@ impl Timeline {
             summary.terminated += 1;
             let why = line.split("why=").nth(1).and_then(|w| w.split(" bytes").next()).unwrap_or("?");
             format!("{who} is ended (SIGTERM) to serve a priority burst: {why}, holding {}", bytes())
+        } else if line.contains("ending a holder of burst memory for a guarantee") {
+            self.show_waits(true, summary);
+            summary.terminated += 1;
+            format!("{who} is ended (SIGTERM): a guarantee needs the {} it borrowed", bytes())
         } else if line.contains("asking a holder of burst memory to swap out") {
             self.show_waits(true, summary);
             format!("{who} is asked to move {} of burst memory to host RAM", bytes())
@@ -800,8 +813,14 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
     let sized = if config.device_memory.is_some() { "given" } else { "sized for them" };
     println!("gpufrac demo: inference servers on simulated GPUs (simgpu, no GPU needed)");
     let (tx, rx) = mpsc::channel::<(String, String)>();
-    let mut timeline =
-        Timeline { started: Instant::now(), tx, rx, names_by_pid: HashMap::new(), queued: HashMap::new() };
+    let mut timeline = Timeline {
+        started: Instant::now(),
+        tx,
+        rx,
+        names_by_pid: HashMap::new(),
+        queued: HashMap::new(),
+        arbiter_tail: Default::default(),
+    };
     let mut reaper = Reaper::default();
 
     let mut summary = DemoSummary { servers: config.servers, ..Default::default() };
@@ -821,6 +840,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
         }
         let before = summary.clone();
         summary.kept_expected += act.servers.iter().filter(|s| s.keeps && !s.ended).count();
+        timeline.arbiter_tail.clear();
         let played = stage.run_act(i + 1, act, &mut timeline, &mut summary, &mut reaper);
         let d = summary.since(&before);
         let batches = act.servers.iter().filter(|s| !s.ended).map(|s| s.steps).sum();
@@ -832,6 +852,12 @@ pub fn run(config: &DemoConfig) -> Result<DemoSummary, DemoError> {
         if let Err(e) = played {
             outcome.verdict = Some(Err(e.to_string()));
             failure = Some(e);
+            if !timeline.arbiter_tail.is_empty() {
+                println!("The arbiter's last log lines in this act:");
+                for line in &timeline.arbiter_tail {
+                    println!("  {line}");
+                }
+            }
         }
         println!("Outcome: {}", outcome.text);
         println!("Verdict: {}", verdict_word(&outcome.verdict));
