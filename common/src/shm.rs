@@ -114,9 +114,12 @@ impl<T: SharedPlain> SharedFile<T> {
             });
             match opened {
                 Ok(opened) => break opened,
-                // The folder was removed, empty, by the last member of another file
-                // leaving, while we were making or opening it: make it again.
-                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 8 => attempts += 1,
+                // The folder was removed, empty (a sweep, see `ledgers::sweep`), while we
+                // were making or opening it: make it again.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 8 => {
+                    attempts += 1;
+                    std::thread::yield_now();
+                }
                 Err(e) => return Err(e),
             }
         };
@@ -223,15 +226,9 @@ impl<T: SharedPlain> SharedFile<T> {
             std::fs::remove_file(&self.path)?;
             return Ok(true);
         };
-        let removed = unlink_if_same(dir, name, &self.file)?;
-        if removed {
-            // The folder goes with its last file; a process making a file in it meanwhile
-            // makes the folder again (open_private). Not empty: it stays.
-            if let Some(folder) = self.path.parent() {
-                let _ = std::fs::remove_dir(folder);
-            }
-        }
-        Ok(removed)
+        // The folder stays: removed, its name in a shared folder such as /dev/shm could be
+        // taken by another user, and this user's files would be refused until it goes.
+        unlink_if_same(dir, name, &self.file)
     }
 
     /// The table lock, polled for at most `wait` (for exit handlers, which must not hang).
@@ -665,41 +662,41 @@ mod tests {
         assert!(s.private().join("f").exists());
         assert!(b.leave_and_remove_if_unused(4, WAIT).unwrap(), "a gave its slot back");
         assert!(!s.private().join("f").exists());
-        assert!(!s.private().exists(), "the folder goes with its last file");
+        assert!(s.private().is_dir(), "the folder stays: its name is not given up to others");
     }
 
     #[test]
-    fn the_folder_stays_while_another_file_is_in_it() {
-        let s = Scratch::new("two-files");
-        let (f, g) = (member(&s.private(), "f"), member(&s.private(), "g"));
-        assert!(f.leave_and_remove_if_unused(4, WAIT).unwrap());
-        assert!(s.private().join("g").exists(), "g is untouched");
-        assert!(g.leave_and_remove_if_unused(4, WAIT).unwrap());
-        assert!(!s.private().exists());
-    }
-
-    #[test]
-    fn a_file_made_while_the_last_one_leaves_finds_its_folder() {
-        // One thread keeps joining and leaving "f", another "g": each leave may remove
-        // the folder under the other's join; every join must still succeed.
+    fn a_file_made_while_a_sweep_removes_the_empty_folder_finds_its_folder() {
+        // One thread keeps joining and leaving "f" while another removes the folder
+        // whenever it is empty (as `ledgers::sweep` does, here every 50 µs): every join
+        // succeeds.
         let s = Scratch::new("leave-join");
         let private = s.private();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
         std::thread::scope(|scope| {
-            for name in ["f", "g"] {
-                let private = &private;
-                scope.spawn(move || {
-                    for _ in 0..300 {
-                        let m = SharedFile::<Counter>::open_private(private, name, |_| {})
-                            .unwrap_or_else(|e| panic!("joining {name}: {e}"));
-                        let table = m.lock_table();
-                        assert!(m.claim_slot(4, &table).is_some());
-                        drop(table);
-                        m.leave_and_remove_if_unused(4, WAIT).unwrap();
-                    }
-                });
+            scope.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    let _ = std::fs::remove_dir(&private);
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+            });
+            // Stops the remover however this thread ends, a failed join included.
+            let _done = Done(&done);
+            for round in 0..500 {
+                let m = SharedFile::<Counter>::open_private(&private, "f", |_| {})
+                    .unwrap_or_else(|e| panic!("joining in round {round}: {e}"));
+                let table = m.lock_table();
+                assert!(m.claim_slot(4, &table).is_some());
+                drop(table);
+                m.leave_and_remove_if_unused(4, WAIT).unwrap();
             }
         });
-        assert!(!private.exists(), "nothing left");
     }
 
     #[test]

@@ -164,3 +164,8 @@ pub(crate) const fn fingerprint(list: &str) -> u64 {
     }
     hash
 }
+
+/// What `gpufrac_core_lookup` answers when it failed (a panic inside the core): the
+/// caller must not fall back to the real driver's function, which would run unaccounted.
+#[allow(dead_code)]
+pub(crate) const LOOKUP_FAILED: usize = usize::MAX;

@@ -385,8 +385,19 @@ impl Ledger {
 mod tests {
     use super::*;
 
+    /// Removes this user's ledger folder at the end of a test if it is empty then, so
+    /// that the tests leave nothing in /dev/shm (a test joining meanwhile makes it again).
+    struct FolderGoes;
+
+    impl Drop for FolderGoes {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(ledger_dir());
+        }
+    }
+
     #[test]
     fn the_last_member_to_leave_removes_the_file_and_nobody_joins_a_removed_one() {
+        let _folder = FolderGoes;
         let group = format!("leave-test-{}", std::process::id());
         let path = super::group_path(&group);
         // Two members (two open file descriptions count as two processes).
@@ -409,6 +420,7 @@ mod tests {
 
     #[test]
     fn joining_any_group_removes_ledgers_whose_members_all_died() {
+        let _folder = FolderGoes;
         let dead = format!("sweep-dead-{}", std::process::id());
         let live = format!("sweep-live-{}", std::process::id());
         let kept = Ledger::join(&live).unwrap();
@@ -425,6 +437,7 @@ mod tests {
 
     #[test]
     fn a_ledger_someone_else_could_read_or_write_is_never_joined() {
+        let _folder = FolderGoes;
         use std::os::unix::fs::PermissionsExt;
         let group = format!("mode-test-{}", std::process::id());
         let path = super::group_path(&group);
@@ -441,6 +454,7 @@ mod tests {
 
     #[test]
     fn charges_stay_within_the_limit_and_come_back() {
+        let _folder = FolderGoes;
         let l = Ledger::private();
         let dev = l.device_index(&[7; 16]).unwrap();
         assert_eq!(l.device_index(&[7; 16]), Some(dev));
@@ -453,6 +467,7 @@ mod tests {
 
     #[test]
     fn racing_threads_never_pass_the_limit_together() {
+        let _folder = FolderGoes;
         let l = std::sync::Arc::new(Ledger::private());
         let dev = l.device_index(&[1; 16]).unwrap();
         let ok = std::sync::Arc::new(AtomicU64::new(0));

@@ -58,15 +58,16 @@ pub(crate) fn get_proc_address_v2(
 }
 
 /// What `libgpufrac.so`'s `dlsym` hands out for a hooked `cu*` or `nvml*` name: the hook,
-/// or null when the shim passes through in this process (then glibc answers). Never
-/// panics and allocates nothing.
+/// null when the shim passes through in this process (then glibc answers), or
+/// `LOOKUP_FAILED` if the shim failed (then `libgpufrac.so` answers with its own entry
+/// point, which fails closed). Never panics and allocates nothing.
 #[cfg_attr(not(test), no_mangle)]
 pub extern "C" fn gpufrac_core_lookup(name: *const c_char) -> Ptr {
     let Some(name) = c_str(name) else { return std::ptr::null_mut() };
-    catch_unwind(|| if enabled() { lookup(name) } else { None })
-        .ok()
-        .flatten()
-        .unwrap_or(std::ptr::null_mut())
+    match catch_unwind(|| if enabled() { lookup(name) } else { None }) {
+        Ok(hook) => hook.unwrap_or(std::ptr::null_mut()),
+        Err(_) => crate::hook_list::LOOKUP_FAILED as Ptr,
+    }
 }
 
 /// Called by `libgpufrac.so` once, when it loads this library at the process's first CUDA

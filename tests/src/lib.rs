@@ -785,13 +785,25 @@ pub fn wait_for(
 
 /// Sweeps dead group ledgers when the [`SimGpu`] holding it goes: tests kill group
 /// members on purpose (SIGKILL runs no exit hook), and their ledgers go with the machine
-/// they ran on. Ledgers other tests still use are left.
+/// they ran on. Ledgers other tests still use are left. Then the empty ledger folders
+/// go, this user's (`sweep`) and those of the users the tests run processes as (only an empty
+/// folder can be removed; a shim making a ledger meanwhile makes its folder again).
 #[derive(Debug, Default)]
 struct LedgerSweep;
 
 impl Drop for LedgerSweep {
     fn drop(&mut self) {
         let _ = gpufrac_common::shm::ledgers::sweep();
+        let Some(base) = gpufrac_common::shm::ledgers::dir().parent().map(Path::to_path_buf) else { return };
+        for entry in std::fs::read_dir(base).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let uid =
+                name.to_str().and_then(|n| n.strip_prefix("gpufrac-")).and_then(|u| u.parse::<u32>().ok());
+            // `nobody` and the spare IDs above 2,000,000,000 are the tests' other users.
+            if uid.is_some_and(|u| u == 65534 || u >= 2_000_000_000) {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
     }
 }
 

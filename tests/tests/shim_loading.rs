@@ -135,22 +135,50 @@ fn without_its_core_the_shim_fails_every_cuda_call_and_says_why_once() {
     assert!(all.contains("gpufrac: libgpufrac_core.so was not built with this libgpufrac.so"), "{all}");
 }
 
+/// Builds `tests/c/<source>` as a shared library in `folder`.
+fn wrapper_library(folder: &Folder, source: &str) -> PathBuf {
+    let library = folder.0.join(format!("lib{}.so", source.trim_end_matches(".c")));
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
+        .arg(&library)
+        .arg(gpufrac_e2e::c_source_dir().join(source))
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("run cc");
+    assert!(status.success(), "cc failed on {source}");
+    library
+}
+
 #[test]
 fn a_wrapper_preloaded_beside_the_shim_finds_the_next_function_with_rtld_next() {
     let folder = Folder::new("next-wrapper");
-    let wrapper = folder.0.join("libnext_wrapper.so");
-    let status = Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o"])
-        .arg(&wrapper)
-        .arg(gpufrac_e2e::c_source_dir().join("next_wrapper.c"))
-        .arg("-ldl")
-        .status()
-        .expect("run cc");
-    assert!(status.success(), "cc failed on next_wrapper.c");
+    let wrapper = wrapper_library(&folder, "next_wrapper.c");
     let both = format!("{}:{}", artifact("libgpufrac.so").display(), wrapper.display());
     let out = Command::new("/bin/true").env("LD_PRELOAD", &both).output().expect("run /bin/true");
     assert!(text(&out).contains("NEXT libc"), "dlsym(RTLD_NEXT) from the wrapper: {}", text(&out));
     // The same answer as without the shim.
     let alone = Command::new("/bin/true").env("LD_PRELOAD", &wrapper).output().expect("run /bin/true");
     assert!(text(&alone).contains("NEXT libc"), "{}", text(&alone));
+}
+
+#[test]
+fn a_shim_preloaded_through_a_symbolic_link_finds_its_core() {
+    let gpu = SimGpu::new("2GiB");
+    let folder = Folder::new("linked-shim");
+    let link = folder.0.join("libgpufrac.so");
+    std::os::unix::fs::symlink(artifact("libgpufrac.so"), &link).expect("link the shim");
+    let out = cuda_program(&gpu, &link).output().expect("run alloc_paths");
+    assert!(out.status.success() && text(&out).contains("DONE"), "{}", text(&out));
+}
+
+#[test]
+fn a_child_forked_while_another_thread_loads_the_core_loads_it_itself() {
+    let gpu = SimGpu::new("2GiB");
+    let folder = Folder::new("fork-during-load");
+    let forker = wrapper_library(&folder, "fork_during_load.c");
+    let preload = format!("{}:{}", artifact("libgpufrac.so").display(), forker.display());
+    let out = cuda_program(&gpu, Path::new(&preload)).output().expect("run alloc_paths");
+    let all = text(&out);
+    assert!(all.contains("CHILD ok"), "the child's cuInit: {all}");
+    assert!(out.status.success() && all.contains("DONE"), "the parent goes on: {all}");
 }

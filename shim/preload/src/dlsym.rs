@@ -62,6 +62,8 @@ fn hooked(name: *const c_char) -> Option<Ptr> {
     match crate::core::lookup(name) {
         // The core passes through in this process: glibc answers.
         Some(hook) if hook.is_null() => None,
+        // The core failed: never the real function, which would run unaccounted.
+        Some(hook) if hook as usize == crate::hook_list::LOOKUP_FAILED => Some(own),
         Some(hook) => Some(hook),
         None => Some(own),
     }
@@ -77,14 +79,22 @@ std::arch::global_asm!(
     ".symver gpufrac_dlsym_new, dlsym@@GLIBC_2.34",
     "gpufrac_dlsym_old:",
     "gpufrac_dlsym_new:",
+    // Unwind information, so that debuggers and profilers can walk through it.
+    ".cfi_startproc",
     // Keep the arguments; realign the stack for the call (8 on entry, 3 pushes of 8).
     "push rdi",
+    ".cfi_adjust_cfa_offset 8",
     "push rsi",
+    ".cfi_adjust_cfa_offset 8",
     "sub rsp, 8",
+    ".cfi_adjust_cfa_offset 8",
     "call {decide}",
     "add rsp, 8",
+    ".cfi_adjust_cfa_offset -8",
     "pop rsi",
+    ".cfi_adjust_cfa_offset -8",
     "pop rdi",
+    ".cfi_adjust_cfa_offset -8",
     // Answer.symbol in rax, Answer.forward in rdx.
     "test rax, rax",
     "jnz 2f",
@@ -94,6 +104,7 @@ std::arch::global_asm!(
     "jmp rdx",
     "2:",
     "ret",
+    ".cfi_endproc",
     ".size gpufrac_dlsym_old, . - gpufrac_dlsym_old",
     ".size gpufrac_dlsym_new, . - gpufrac_dlsym_new",
     decide = sym decide,
