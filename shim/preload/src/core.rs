@@ -65,6 +65,10 @@ pub(crate) fn lookup(name: *const c_char) -> Option<Ptr> {
 /// Loads and attaches the core once; other threads calling meanwhile wait for it.
 #[cold]
 pub(crate) fn attach() {
+    // Settled (loaded or failed): nothing to do, nothing written.
+    if STATE.load(Ordering::Acquire) >= ATTACHED {
+        return;
+    }
     watch_forks();
     match STATE.compare_exchange(NOT_LOADED, LOADING, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
