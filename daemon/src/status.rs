@@ -33,6 +33,16 @@ pub struct GpuStatus {
     /// while its memory was lent out): nothing is lent until it is back.
     #[serde(default)]
     pub reclaiming: u64,
+    /// Bytes of such debts paid back so far by their borrowers giving back (unused grants,
+    /// or memory freed while the debt was open).
+    #[serde(default)]
+    pub repaid_given_back: u64,
+    /// Bytes of such debts paid back by swapping holders out to host RAM.
+    #[serde(default)]
+    pub repaid_swapped: u64,
+    /// Bytes of such debts paid back by ending holders (after the reclaim grace).
+    #[serde(default)]
+    pub repaid_ended: u64,
     /// Processes waiting for a grant.
     pub waiting: usize,
     /// Bytes of its processes' burst memory swapped out to host RAM.
@@ -204,6 +214,16 @@ impl Status {
                     out,
                     "  {} of lent memory being taken back for the guarantees (nothing is lent meanwhile)",
                     gib(g.reclaiming)
+                );
+            }
+            let repaid = g.repaid_given_back.saturating_add(g.repaid_swapped).saturating_add(g.repaid_ended);
+            if repaid > 0 {
+                let _ = writeln!(
+                    out,
+                    "  taken back for guarantees so far: {} given back, {} swapped to host, {} by ending holders",
+                    gib(g.repaid_given_back),
+                    gib(g.repaid_swapped),
+                    gib(g.repaid_ended)
                 );
             }
             let _ = writeln!(

@@ -1,6 +1,6 @@
 //! Contexts and the device memory each one takes, measured rather than guessed: the
 //! process's own usage as NVML reports it, just before and just after the driver creates
-//! the context. A context is charged before it is created, so the group (and the arbiter)
+//! the context, never the device's (other processes allocate meanwhile). A context is charged before it is created, so the group (and the arbiter)
 //! count it while it comes into being: the size measured before on that device (kept in
 //! the group's ledger), refused up front if it does not fit; never measured, a
 //! conservative estimate (at most what the limit leaves). The charge is then corrected to
@@ -16,14 +16,23 @@ use crate::state::{enforcer, refused, Enforcer};
 
 type Ptr = *mut c_void;
 
-/// Bytes in use as NVML sees them: this process's own usage if NVML lists this process
-/// (by the PID the arbiter saw, in a container, where NVML reports the host's PIDs; not
-/// found there without an arbiter), and the whole device's. `None` without NVML.
-fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
-    let mut dev = 0;
+/// This process's own usage on CUDA device `ordinal` as NVML lists it (by the PID the
+/// arbiter saw, in a container, where NVML reports the host's PIDs), next to what the shim
+/// has charged this process there (`mine`, contexts and allocations). `own` is `None`
+/// when NVML does not list the process (no context yet, or listed by a PID the shim does
+/// not know: a container without an arbiter); the whole outer `None` without NVML. The
+/// device's total is never used: other processes allocate on it at any moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Usage {
+    own: Option<u64>,
+    mine: u64,
+}
+
+fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
+    let mut device = 0;
     let mut uuid = [0u8; 16];
-    if call!(cuDeviceGet(&mut dev, ordinal as c_int), 801) != SUCCESS
-        || call!(cuDeviceGetUuid(&mut uuid, dev), 801) != SUCCESS
+    if call!(cuDeviceGet(&mut device, ordinal as c_int), 801) != SUCCESS
+        || call!(cuDeviceGetUuid(&mut uuid, device), 801) != SUCCESS
         || call!(nvmlInit_v2(), 13) != SUCCESS
     {
         return None;
@@ -35,25 +44,56 @@ fn usage(ordinal: usize) -> Option<(Option<u64>, u64)> {
     }
     let mut procs = [[0u64; 3]; 256];
     let mut count: c_uint = procs.len() as c_uint;
-    let listed = call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13);
+    if call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13) != SUCCESS {
+        return None;
+    }
     // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
-    let me = enforcer().and_then(|e| e.ledger.my_host_pid()).unwrap_or_else(std::process::id) as u64;
-    let own = (listed == SUCCESS)
-        .then(|| {
-            procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1])
-        })
-        .flatten();
-    let mut mem = [0u64; 3];
-    (call!(nvmlDeviceGetMemoryInfo(handle, &mut mem), 13) == SUCCESS).then_some((own, mem[2]))
+    let me = e.ledger.my_host_pid().unwrap_or_else(std::process::id) as u64;
+    let own =
+        procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1]);
+    Some(Usage { own, mine: e.ledger.held_by_me(dev) })
 }
 
-/// Bytes a context took, from usage before and after creating it: this process's own
-/// usage when NVML lists it afterwards (before its first context it is not listed: 0),
-/// otherwise the whole device's (noisier when other processes allocate meanwhile).
-fn delta(before: Option<(Option<u64>, u64)>, after: Option<(Option<u64>, u64)>) -> Option<u64> {
-    match (before?, after?) {
-        ((b, _), (Some(a), _)) => a.checked_sub(b.unwrap_or(0)),
-        ((_, b), (None, a)) => a.checked_sub(b),
+/// Bytes a context took, from this process's own usage before and after creating it, less
+/// what the process's other threads were charged for meanwhile (their allocations show in
+/// its usage too). `None` when it cannot be measured cleanly: NVML does not list the
+/// process afterwards.
+fn delta(before: Usage, after: Usage) -> Option<u64> {
+    let grown = after.own?.saturating_sub(before.own.unwrap_or(0));
+    Some(grown.saturating_sub(after.mine.saturating_sub(before.mine)))
+}
+
+/// Whether `bytes` is far from the last clean measurement `known` (more than twice, or
+/// less than half): then it is believed only if a second look agrees.
+fn far_from(bytes: u64, known: Option<u64>) -> bool {
+    known.is_some_and(|known| bytes > known.saturating_mul(2) || bytes.saturating_mul(2) < known)
+}
+
+/// The context's size from the usage measured before creating it: a clean measurement
+/// (looked at twice when far from the last one), or `None`.
+fn measure(e: &Enforcer, ordinal: usize, dev: usize, before: Option<Usage>) -> Option<u64> {
+    let before = before?;
+    let first = delta(before, usage(e, ordinal, dev)?)?;
+    if !far_from(first, e.ledger.context_bytes(dev)) {
+        return Some(first);
+    }
+    // A second look: another thread's allocation caught between NVML's answer and the
+    // shim's count, or a driver still settling, gives a different figure.
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let second = delta(before, usage(e, ordinal, dev)?)?;
+    (second == first).then_some(first)
+}
+
+/// Says once per process, at debug level, that a context could not be measured cleanly.
+fn unmeasured_once(ordinal: usize, charged: u64) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::debug!(
+            ordinal,
+            charged,
+            "a new context could not be measured cleanly (NVML does not list this process, or two looks disagreed): \
+             charged the last clean measurement or the estimate, and nothing was stored"
+        );
     }
 }
 
@@ -92,14 +132,14 @@ fn measured(
         );
         return status;
     }
-    let before = usage(ordinal);
+    let before = usage(e, ordinal, dev);
     let (status, handle) = create();
     if status != SUCCESS {
         e.release(dev, estimate);
         return status;
     }
-    let after = usage(ordinal);
-    let bytes = match delta(before, after) {
+    // Only a clean measurement is kept for the group's later contexts.
+    let bytes = match measure(e, ordinal, dev, before) {
         Some(bytes) => {
             if bytes > 0 && e.ledger.context_bytes(dev).is_none_or(|known| known != bytes) {
                 e.ledger.set_context_bytes(dev, bytes);
@@ -107,11 +147,7 @@ fn measured(
             bytes
         }
         None => {
-            tracing::warn!(
-                ordinal,
-                estimate,
-                "cannot measure a new context through NVML; charging the last measurement or the estimate"
-            );
+            unmeasured_once(ordinal, estimate);
             estimate
         }
     };
@@ -245,16 +281,31 @@ pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
 
 #[cfg(test)]
 mod tests {
-    use super::delta;
+    use super::{delta, far_from, Usage};
+
+    fn at(own: Option<u64>, mine: u64) -> Usage {
+        Usage { own, mine }
+    }
 
     #[test]
-    fn context_measurement_prefers_own_usage_and_falls_back_to_the_device() {
+    fn a_context_is_measured_by_this_process_own_usage_only() {
         // Not listed before the first context, listed after.
-        assert_eq!(delta(Some((None, 1000)), Some((Some(256), 1300))), Some(256));
+        assert_eq!(delta(at(None, 0), at(Some(256), 0)), Some(256));
         // Listed both times.
-        assert_eq!(delta(Some((Some(100), 1000)), Some((Some(356), 1300))), Some(256));
-        // Never listed (PIDs of another namespace): the device's change.
-        assert_eq!(delta(Some((None, 1000)), Some((None, 1300))), Some(300));
-        assert_eq!(delta(None, Some((None, 1300))), None);
+        assert_eq!(delta(at(Some(100), 100), at(Some(356), 100)), Some(256));
+        // Another thread of this process allocated 1000 meanwhile: not the context's.
+        assert_eq!(delta(at(Some(100), 100), at(Some(1356), 1100)), Some(256));
+        // Not listed afterwards (a PID the shim does not know): not measurable, whatever
+        // the device's usage did.
+        assert_eq!(delta(at(None, 0), at(None, 0)), None);
+    }
+
+    #[test]
+    fn a_measurement_far_from_the_last_one_needs_a_second_look() {
+        assert!(!far_from(300, None));
+        assert!(!far_from(300, Some(256)));
+        assert!(far_from(4 << 30, Some(256 << 20)));
+        assert!(far_from(0, Some(256 << 20)));
+        assert!(!far_from(0, Some(0)));
     }
 }

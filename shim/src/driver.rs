@@ -50,7 +50,6 @@ real_fns! {
     Nvml nvmlInit_v2();
     Nvml nvmlDeviceGetHandleByUUID(*const c_char, *mut *mut c_void);
     Nvml nvmlDeviceGetUUID(*mut c_void, *mut c_char, c_uint);
-    Nvml nvmlDeviceGetMemoryInfo(*mut c_void, *mut [u64; 3]);
     Nvml nvmlDeviceGetComputeRunningProcesses_v3(*mut c_void, *mut c_uint, *mut [u64; 3]);
 }
 

@@ -51,6 +51,8 @@ pub(crate) struct Refusal {
 /// The arbiter's metrics.
 pub struct Metrics {
     gpu_memory: Family<GpuKind, Gauge>,
+    /// Debts owed to guarantees, paid back, by how (`given_back`, `swapped`, `ended`).
+    reclaimed: Family<GpuKind, Gauge>,
     group_memory: Family<GroupKind, Gauge>,
     pub(crate) grants: Family<GpuLabel, Counter>,
     pub(crate) granted_bytes: Family<GpuLabel, Counter>,
@@ -76,6 +78,7 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("gpufrac");
         let gpu_memory = Family::<GpuKind, Gauge>::default();
+        let reclaimed = Family::<GpuKind, Gauge>::default();
         let group_memory = Family::<GroupKind, Gauge>::default();
         let grants = Family::<GpuLabel, Counter>::default();
         let granted_bytes = Family::<GpuLabel, Counter>::default();
@@ -95,6 +98,11 @@ impl Metrics {
             "gpu_memory_bytes",
             "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), reclaiming (lent memory being taken back for the guarantees); swapped_to_host is in host RAM",
             gpu_memory.clone(),
+        );
+        registry.register(
+            "reclaimed_bytes",
+            "Lent memory taken back for the guarantees since the arbiter started, by how (kind): given_back by borrowers, swapped to host, ended (holders ended once the reclaim grace was over)",
+            reclaimed.clone(),
         );
         registry.register(
             "group_memory_bytes",
@@ -120,6 +128,7 @@ impl Metrics {
             swap_bytes,
             swap_seconds,
             gpu_memory,
+            reclaimed,
             group_memory,
             grants,
             granted_bytes,
@@ -155,6 +164,15 @@ impl Metrics {
                 ("swapped_to_host", g.swapped),
             ] {
                 self.gpu_memory
+                    .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
+                    .set(gauge(v));
+            }
+            for (kind, v) in [
+                ("given_back", g.repaid_given_back),
+                ("swapped", g.repaid_swapped),
+                ("ended", g.repaid_ended),
+            ] {
+                self.reclaimed
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                     .set(gauge(v));
             }

@@ -45,7 +45,10 @@ use crate::status::Status;
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// How often waiters are checked against their deadlines.
 const TICK: Duration = Duration::from_millis(5);
-/// How often holders are reminded to give back unused grants while bursts wait.
+/// A burst that waited at least this long is logged at INFO (shorter waits at debug: a
+/// burst asks in chunks, and most chunks wait a little while bursts take turns).
+const LOGGED_WAIT: Duration = Duration::from_secs(1);
+/// How often holders are reminded to give back while bursts wait or a guarantee is owed.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 /// How often NVML is asked which processes use memory (for memory used outside gpufrac).
 const OBSERVE_EVERY: Duration = Duration::from_millis(250);
@@ -105,6 +108,9 @@ pub struct Options {
     pub swap_quantum: Duration,
     /// Most host RAM, in bytes, holding swapped-out memory on the node (`--swap-limit`).
     pub swap_limit: u64,
+    /// How long borrowers may give back what a guarantee is owed before holders are
+    /// ended for it (`--reclaim-grace`).
+    pub reclaim_grace: Duration,
     /// Most connections open at once from one UID (`--max-connections-per-uid`).
     pub max_connections_per_uid: usize,
     /// A connection that has not sent `Hello` or `Status` by then is closed.
@@ -123,6 +129,7 @@ impl Default for Options {
             kill_grace: Duration::from_secs(10),
             swap_quantum: Duration::from_secs(10),
             swap_limit: u64::MAX,
+            reclaim_grace: crate::arbiter::policy::DEFAULT_RECLAIM_GRACE,
             max_connections_per_uid: 512,
             hello_timeout: Duration::from_secs(5),
             register_timeout: Duration::from_secs(30),
@@ -251,6 +258,7 @@ impl Shared {
     ) -> Arc<Shared> {
         let mut policy = Policy::new(gpus);
         policy.set_swap_limit(options.swap_limit);
+        policy.set_reclaim_grace(options.reclaim_grace);
         Arc::new(Shared {
             processes,
             options,
@@ -718,7 +726,12 @@ impl Shared {
                         self.metrics.grants.get_or_create(gpu).inc();
                         self.metrics.granted_bytes.get_or_create(gpu).inc_by(bytes);
                     }
-                    tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
+                    // Operators see bursts that waited long, not allocator traffic.
+                    if a.waited >= LOGGED_WAIT {
+                        tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "a burst waited {} ms for its memory", a.waited.as_millis());
+                    } else {
+                        tracing::debug!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
+                    }
                     self.send(a.conn, &Reply::Granted { seq: a.seq, bytes });
                 }
                 Err(reason) => {
@@ -1252,7 +1265,7 @@ fn on_frame(
                     if let Some(gpu) = gpu {
                         shared.metrics.waits.get_or_create(gpu).inc();
                     }
-                    tracing::info!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
+                    tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
                     let answers = shared.policy().settle(device, Instant::now());
                     shared.deliver(answers);
                     shared.ask_to_give_back();

@@ -36,6 +36,11 @@ struct Args {
     /// Priority resolver: time between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s")]
     kill_grace: String,
+    /// When a guarantee is owed memory that is lent out: how long borrowers have to give
+    /// it back as they free (unused grants come back at once, swap-resolver holders are
+    /// swapped out) before holders are ended for what is still owed.
+    #[arg(long, default_value = "5s")]
+    reclaim_grace: String,
     /// Swap resolver: how long a holder keeps its burst memory on the GPU before a swap
     /// burst may move it to host RAM (turns are taken in quanta of this length).
     #[arg(long, default_value = "10s")]
@@ -230,6 +235,7 @@ fn run(args: Args) -> Result<()> {
         idle_timeout: gpufrac_common::parse_duration("--idle-timeout", &args.idle_timeout)?,
         kill_grace: gpufrac_common::parse_duration("--kill-grace", &args.kill_grace)?,
         swap_quantum: gpufrac_common::parse_duration("--swap-quantum", &args.swap_quantum)?,
+        reclaim_grace: gpufrac_common::parse_duration("--reclaim-grace", &args.reclaim_grace)?,
         swap_limit: match args.swap_limit.trim() {
             "0" => 0,
             limit => gpufrac_common::parse_size("--swap-limit", limit)?.resolve(host_memory()),

@@ -209,10 +209,14 @@ impl Policy {
             g.last_ask = None;
         }
         let held = held.min(gpu.total);
+        let owed = gpu.shortfall();
+        let mut given = 0;
         if let Some(m) = gpu.member_mut(&group, conn) {
-            m.granted = m.granted.saturating_sub(bytes);
+            given = bytes.min(m.granted);
+            m.granted -= given;
             m.held = held;
         }
+        gpu.repaid.given_back = gpu.repaid.given_back.saturating_add(given.min(owed));
         Self::drain(device, gpu, now)
     }
 

@@ -26,7 +26,7 @@ mod reclaim;
 mod swap;
 mod wait;
 
-pub use reclaim::Reclaim;
+pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
 
 /// A connection (one shim process).
 pub type ConnId = u64;
@@ -232,6 +232,19 @@ struct Gpu {
     reconnecting_until: Instant,
     /// Since when guarantees have been owed memory that is lent out.
     short_since: Option<Instant>,
+    /// How the debts owed to guarantees here were paid, bytes in all.
+    repaid: Repaid,
+}
+
+/// Bytes of the debts owed to guarantees on a GPU, by how they were paid back.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Repaid {
+    /// Given back by their borrowers (unused grants, or freed while the debt was open).
+    pub given_back: u64,
+    /// Moved to host RAM by swap-resolver holders.
+    pub swapped: u64,
+    /// Freed by ending holders after the reclaim grace.
+    pub ended: u64,
 }
 
 /// How long after the arbiter starts memory outside gpufrac may be shims reconnecting.
@@ -306,6 +319,9 @@ pub struct Policy {
     /// Most host RAM for swapped-out memory (`--swap-limit`): what re-registering
     /// processes are believed to keep there at most, all together.
     swap_limit: u64,
+    /// How long borrowers may give back what a guarantee is owed before holders are ended
+    /// (`--reclaim-grace`).
+    reclaim_grace: Duration,
 }
 
 pub use gpufrac_common::gpu_uuid::format as uuid_string;
@@ -332,13 +348,21 @@ impl Policy {
                         observed: false,
                         reconnecting_until: now + RECONNECT_GRACE,
                         short_since: None,
+                        repaid: Repaid::default(),
                     };
                     (id, gpu)
                 })
                 .collect(),
             peers: HashMap::new(),
             swap_limit: u64::MAX,
+            reclaim_grace: reclaim::DEFAULT_RECLAIM_GRACE,
         }
+    }
+
+    /// Sets how long borrowers may give back what a guarantee is owed before holders are
+    /// ended for it (`--reclaim-grace`).
+    pub fn set_reclaim_grace(&mut self, grace: Duration) {
+        self.reclaim_grace = grace;
     }
 
     /// Sets the node's limit on host RAM for swapped-out memory (`--swap-limit`).
@@ -458,6 +482,9 @@ impl Policy {
                     free: gpu.free(),
                     outside: gpu.outside(),
                     reclaiming: gpu.shortfall(),
+                    repaid_given_back: gpu.repaid.given_back,
+                    repaid_swapped: gpu.repaid.swapped,
+                    repaid_ended: gpu.repaid.ended,
                     waiting: gpu.queue.len(),
                     swapped: gpu.members().map(|(_, _, m)| m.host_bytes).sum(),
                     processes,

@@ -1,10 +1,15 @@
 //! Taking loans back for the guarantees. A group is admitted while its request is lent
 //! out (see `ledger`), and memory used outside gpufrac may grow: either way the GPU then
-//! owes its guarantees memory that borrowers hold. It is taken back at once, cheapest
-//! first: holders give back grants they do not use; then holders whose resolver is swap
-//! move their burst memory to host RAM (no quantum: a guarantee comes first); then holders
-//! of burst memory are ended, lowest priority first, then the one borrowing the most. Until
-//! the debt is paid nothing is lent, so bursts never block a request.
+//! owes its guarantees memory that borrowers hold (the *debt*). It is taken back cheapest
+//! first: holders give back grants they do not use (asked at once, believed for
+//! [`GIVE_BACK_GRACE`]); holders whose resolver is swap move their burst memory to host
+//! RAM (no quantum: a guarantee comes first); every other borrower gives back as it frees
+//! (holders keep no slack while a debt is open), for up to the reclaim grace
+//! (`--reclaim-grace`, [`DEFAULT_RECLAIM_GRACE`]); only what is still owed after it is
+//! taken by ending holders, lowest priority first, then the one borrowing the most. Until
+//! the debt is paid nothing is lent, so bursts never block a request, and the newcomer's
+//! own allocations wait for their memory meanwhile. How each debt was paid (given back,
+//! swapped, ended) is counted per GPU for status and metrics.
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +22,11 @@ use super::{gib, ConnId, Policy, Residency, SwapVictim, Victim};
 /// from memory in use (their answer takes milliseconds; what they use is known only as
 /// last reported, so it is not trusted longer).
 pub const GIVE_BACK_GRACE: Duration = Duration::from_millis(500);
+
+/// How long borrowers have to give back what a guarantee is owed, as they free, before
+/// holders are ended for it (`--reclaim-grace`): servers free memory every few hundred
+/// milliseconds to seconds; ending one that would have given back loses its work.
+pub const DEFAULT_RECLAIM_GRACE: Duration = Duration::from_secs(5);
 
 /// What to do now so that the guarantees get the memory they are owed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -82,6 +92,7 @@ impl Policy {
             if owed <= 0 {
                 continue;
             }
+            let in_grace = now.saturating_duration_since(since) < self.reclaim_grace;
             // Swap first: nothing is lost. Idle holders, then the largest.
             let mut swappable: Vec<(bool, std::cmp::Reverse<u64>, ConnId)> = gpu
                 .members()
@@ -112,8 +123,10 @@ impl Policy {
                 owed -= bytes as i128;
                 swapped_now.push(conn);
                 swaps.push((device, conn));
+                gpu.repaid.swapped = gpu.repaid.swapped.saturating_add(bytes);
             }
-            if owed <= 0 {
+            // Within the grace the other borrowers give back as they free.
+            if owed <= 0 || in_grace {
                 continue;
             }
             // Then end holders: lowest priority first, then the one borrowing the most.
@@ -135,6 +148,7 @@ impl Policy {
                 }
                 let Some(peer) = self.peers.get(&conn) else { continue };
                 owed -= bytes as i128;
+                gpu.repaid.ended = gpu.repaid.ended.saturating_add(bytes);
                 plan.end.push(Victim {
                     conn,
                     pid: peer.pid,
@@ -157,7 +171,7 @@ impl Policy {
 mod tests {
     use super::super::testing::*;
     use super::super::*;
-    use super::GIVE_BACK_GRACE;
+    use super::{DEFAULT_RECLAIM_GRACE, GIVE_BACK_GRACE};
 
     /// An 8 GiB GPU: `holders` (conn, resolver, priority, bytes borrowed and in use), each
     /// with a request of 0.5 GiB and a limit of 3.5 GiB.
@@ -210,21 +224,27 @@ mod tests {
         p.register(10, GPU, 8 * GIB, GIB / 2, GIB, 0, 0, 0).unwrap();
         assert_eq!(p.acquire(10, GPU, 1, 64 << 20, 64 << 20, 0, false, now), Outcome::Queued);
         // Everyone is asked to give back unused grants; nobody has any: both swap holders
-        // go to host RAM (3 GiB), then the lowest priority wait holder is ended.
+        // go to host RAM (3 GiB); the wait holders have the reclaim grace to give back.
         let plan = p.reclaim(now, &[], u64::MAX);
         assert_eq!(plan.give_back.len(), 4, "{plan:?}");
         let mut swapped: Vec<_> = plan.swap_out.iter().map(|v| (v.conn, v.bytes)).collect();
         swapped.sort();
         assert_eq!(swapped, vec![(1, 2 * GIB), (2, GIB)]);
+        assert!(plan.end.is_empty(), "nobody is ended within the grace: {plan:?}");
+        assert!(p.reclaim(now + DEFAULT_RECLAIM_GRACE / 2, &[], u64::MAX).is_empty());
+        // Still owed after the grace: the lowest priority wait holder is ended.
+        let plan = p.reclaim(now + DEFAULT_RECLAIM_GRACE, &[], u64::MAX);
         assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![4], "{plan:?}");
         assert!(plan.end[0].why.contains("guarantee"));
         // Under way: asked again, nothing more is done.
-        assert!(p.reclaim(now, &[4], u64::MAX).is_empty());
+        assert!(p.reclaim(now + DEFAULT_RECLAIM_GRACE, &[4], u64::MAX).is_empty());
         // The swap-outs are answered and 4 exits: the debt is paid, the late burst is served.
         p.swapped(1, GPU, 0, 2 * GIB, GIB / 4, now);
         p.swapped(2, GPU, 0, GIB, GIB / 4, now);
         let answers = p.disconnect(4, now);
-        assert_eq!(p.status().gpus[0].reclaiming, 0);
+        let s = &p.status().gpus[0];
+        assert_eq!(s.reclaiming, 0);
+        assert_eq!((s.repaid_given_back, s.repaid_swapped, s.repaid_ended), (0, 3 * GIB, 2 * GIB));
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(10, Ok(64 << 20))]);
     }
 
@@ -252,7 +272,47 @@ mod tests {
         p.hello(2, peer("new", 60_000));
         p.register(2, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
         let plan = p.reclaim(now, &[], GIB);
+        assert!(plan.swap_out.is_empty() && plan.end.is_empty(), "{plan:?}");
+        let plan = p.reclaim(now + DEFAULT_RECLAIM_GRACE, &[], GIB);
         assert!(plan.swap_out.is_empty());
         assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
+    }
+
+    #[test]
+    fn borrowers_that_give_back_as_they_free_within_the_grace_are_not_ended() {
+        let now = Instant::now();
+        // Two wait borrowers of 3 GiB each, all in use; a 5 GiB guarantee arrives: 8 - 6
+        // requests = 2 GiB to lend, 6 lent, 4 owed.
+        let mut p = lent_out(&[(1, Resolver::Wait, 0, 3 * GIB), (2, Resolver::Wait, 0, 3 * GIB)]);
+        p.hello(3, peer("new", 60_000));
+        p.register(3, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.status().gpus[0].reclaiming, 4 * GIB);
+        assert!(p.reclaim(now, &[], u64::MAX).end.is_empty());
+        // They free as their bursts end, in pieces, within the grace.
+        let later = now + DEFAULT_RECLAIM_GRACE / 2;
+        p.release(1, GPU, 2 * GIB, GIB / 2 + GIB, later);
+        assert!(p.reclaim(later, &[], u64::MAX).is_empty());
+        p.release(2, GPU, 3 * GIB, GIB / 2, later);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.reclaiming, s.repaid_given_back, s.repaid_ended), (0, 4 * GIB, 0));
+        // Paid: after the grace nobody is ended.
+        assert!(p.reclaim(now + 2 * DEFAULT_RECLAIM_GRACE, &[], u64::MAX).is_empty());
+    }
+
+    #[test]
+    fn only_what_is_still_owed_after_the_grace_is_taken_by_ending() {
+        let now = Instant::now();
+        let mut p = lent_out(&[(1, Resolver::Wait, 0, 3 * GIB), (2, Resolver::Wait, 5, GIB)]);
+        p.hello(3, peer("new", 60_000));
+        p.register(3, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
+        // 2 GiB owed; 1 gives back 1 GiB within the grace, 1 GiB is still owed after it.
+        assert!(p.reclaim(now, &[], u64::MAX).end.is_empty());
+        p.release(1, GPU, GIB, GIB / 2 + 2 * GIB, now);
+        assert_eq!(p.status().gpus[0].reclaiming, GIB);
+        let plan = p.reclaim(now + DEFAULT_RECLAIM_GRACE, &[], u64::MAX);
+        // The lowest priority holder, which borrows enough, is the one ended.
+        assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1], "{plan:?}");
+        let s = &p.status().gpus[0];
+        assert_eq!((s.repaid_given_back, s.repaid_ended), (GIB, 2 * GIB));
     }
 }

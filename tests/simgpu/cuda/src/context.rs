@@ -100,6 +100,11 @@ pub(crate) fn current() -> CuResult<Arc<Context>> {
 fn create(device: usize, flags: c_uint, primary: Option<usize>) -> CuResult<Arc<Context>> {
     let d = driver()?;
     d.slot.charge(device, d.context_overhead).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    d.slot.context_created(device);
+    // The context's memory is taken; setting it up takes a while longer.
+    if !d.context_create_time.is_zero() {
+        std::thread::sleep(d.context_create_time);
+    }
     let ctx = Arc::new_cyclic(|weak: &std::sync::Weak<Context>| {
         // The handle is the context's own address, known before it is built.
         let handle = primary.unwrap_or(weak.as_ptr() as usize);
@@ -135,6 +140,7 @@ fn destroy(ctx: &Arc<Context>) {
     with_stack(|stack| stack.retain(|&h| h != ctx.handle));
     if let Ok(d) = driver() {
         d.slot.release(ctx.device, d.context_overhead);
+        d.slot.context_destroyed(ctx.device);
     }
 }
 

@@ -19,6 +19,9 @@ pub(crate) struct Driver {
     pub machine: &'static Machine,
     pub slot: ProcessSlot<'static>,
     pub context_overhead: u64,
+    /// How long creating a context takes (`SIMGPU_CONTEXT_CREATE_TIME`, default 0): a real
+    /// driver takes 100-500 ms, during which other processes go on allocating.
+    pub context_create_time: std::time::Duration,
 }
 
 static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
@@ -31,10 +34,15 @@ fn start() -> Result<Driver, String> {
         "0" => 0,
         text => parse_bytes("SIMGPU_CONTEXT_OVERHEAD", text).map_err(|e| format!("simgpu: {e}"))?,
     };
+    let context_create_time = match std::env::var("SIMGPU_CONTEXT_CREATE_TIME") {
+        Ok(text) => gpufrac_common::parse_duration("SIMGPU_CONTEXT_CREATE_TIME", &text)
+            .map_err(|e| format!("simgpu: {e}"))?,
+        Err(_) => std::time::Duration::ZERO,
+    };
     // The machine lives for the rest of the process: leak it so slots can borrow it.
     let machine: &'static Machine = Box::leak(Box::new(machine));
     let slot = machine.attach().map_err(|e| e.to_string())?;
-    Ok(Driver { machine, slot, context_overhead })
+    Ok(Driver { machine, slot, context_overhead, context_create_time })
 }
 
 /// `cuInit`: opens the simulated machine once; a bad setting is reported on stderr once.

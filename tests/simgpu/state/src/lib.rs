@@ -97,6 +97,9 @@ struct ProcessRecord {
     in_use: AtomicU32,
     pid: AtomicU32,
     used: [AtomicU64; MAX_DEVICES],
+    /// Contexts it has on each device: NVML lists a process with a context, as the driver
+    /// does, even when the context takes no memory (`SIMGPU_CONTEXT_OVERHEAD=0`).
+    contexts: [AtomicU32; MAX_DEVICES],
 }
 
 #[repr(C)]
@@ -199,6 +202,7 @@ impl Machine {
         let i = self.shm.claim_slot(MAX_PROCESSES, &table).ok_or(StateError::TooManyProcesses)?;
         let rec = &self.shared().processes[i];
         rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         rec.pid.store(driver_pid(), Ordering::Relaxed);
         rec.in_use.store(1, Ordering::Release);
         Ok(ProcessSlot { machine: self, index: i })
@@ -211,7 +215,7 @@ impl Machine {
         self.sum_used(device)
     }
 
-    /// Live processes holding memory on `device`.
+    /// Live processes with a context or memory on `device`.
     pub fn processes(&self, device: usize) -> Vec<ProcessUsage> {
         let _guard = self.shm.lock_table();
         self.reap_dead();
@@ -221,7 +225,8 @@ impl Machine {
             .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
             .filter_map(|p| {
                 let used = p.used.get(device)?.load(Ordering::Relaxed);
-                (used > 0).then(|| ProcessUsage { pid: p.pid.load(Ordering::Relaxed), used })
+                let contexts = p.contexts.get(device)?.load(Ordering::Relaxed);
+                (used > 0 || contexts > 0).then(|| ProcessUsage { pid: p.pid.load(Ordering::Relaxed), used })
             })
             .collect()
     }
@@ -271,6 +276,7 @@ impl Machine {
             if rec.in_use.load(Ordering::Acquire) == 1 && !self.slot_alive(i) {
                 rec.in_use.store(0, Ordering::Release);
                 rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+                rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
             }
         }
     }
@@ -321,6 +327,19 @@ impl ProcessSlot<'_> {
         let _ = u.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(bytes)));
     }
 
+    /// Counts a context created on `device` (NVML lists the process while it has one).
+    pub fn context_created(&self, device: usize) {
+        if let Some(c) = self.record().contexts.get(device) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a context destroyed on `device`.
+    pub fn context_destroyed(&self, device: usize) {
+        let Some(c) = self.record().contexts.get(device) else { return };
+        let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(1)));
+    }
+
     /// Bytes this process holds on `device`.
     pub fn held(&self, device: usize) -> u64 {
         self.record().used.get(device).map_or(0, |u| u.load(Ordering::Relaxed))
@@ -333,6 +352,7 @@ impl Drop for ProcessSlot<'_> {
         let rec = self.record();
         rec.in_use.store(0, Ordering::Release);
         rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         self.machine.shm.release_slot(self.index);
     }
 }
@@ -348,6 +368,7 @@ fn reset(s: &Shared, devices: &[u64]) {
         p.in_use.store(0, Ordering::Relaxed);
         p.pid.store(0, Ordering::Relaxed);
         p.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+        p.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
     }
     s.device_count.store(devices.len() as u32, Ordering::Relaxed);
     s.generation.fetch_add(1, Ordering::Relaxed);
