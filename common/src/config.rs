@@ -3,6 +3,23 @@
 //! NVML call, and checked by `gpufrac run` before it starts a command. A bad value is
 //! refused with a message naming the variable; the shim's `cuInit` then fails with
 //! `CUDA_ERROR_NOT_INITIALIZED`.
+//!
+//! **A limit is always a limit.** What switches the shim on is a request or a limit:
+//!
+//! | `GPUFRAC_MEMORY_REQUEST` | `GPUFRAC_MEMORY_LIMIT` | the shim |
+//! | --- | --- | --- |
+//! | set | set | guarantees the request, enforces the limit |
+//! | set | unset | guarantees the request, which is also the limit |
+//! | unset | set | guarantees nothing (request 0 bytes), enforces the limit: everything the group holds is a loan, granted by the arbiter when one is configured (like any burst), else taken while the device has it free |
+//! | unset | unset | passes every call through, whatever other `GPUFRAC_*` variables say |
+//!
+//! The other variables (`GPUFRAC_RESOLVER`, `GPUFRAC_PRIORITY`, `GPUFRAC_WAIT_TIMEOUT`,
+//! `GPUFRAC_GROUP`, `GPUFRAC_ARBITER_SOCKET`, `GPUFRAC_POD`, `GPUFRAC_LOG`) only say how
+//! a request and a limit are kept; alone they ask for no slice, so the shim passes
+//! through and does not even read them (a bad value among them is then not reported).
+//! That is not a silent loss: there is no amount to hold the process to, and with an
+//! arbiter a process that registers nothing has its memory counted as used outside
+//! gpufrac (never lent, and the guarantees are kept despite it).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,9 +47,10 @@ pub enum ConfigError {
 /// What the environment asks of the shim.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// Guaranteed memory of the group on each visible device.
+    /// Guaranteed memory of the group on each visible device; `Bytes(0)` when only a
+    /// limit was given (nothing guaranteed).
     pub request: SizeSpec,
-    /// Most the group may hold on each device.
+    /// Most the group may hold on each device, at least the request.
     pub limit: SizeSpec,
     /// What a colliding burst does.
     pub resolver: Resolver,
@@ -66,36 +84,27 @@ fn invalid(name: &'static str, value: &str, reason: impl Into<String>) -> Config
 }
 
 impl Config {
-    /// Reads the process environment. `Ok(None)`: `GPUFRAC_MEMORY_REQUEST` is unset and the
-    /// shim passes every call through untouched.
+    /// Reads the process environment. `Ok(None)`: neither `GPUFRAC_MEMORY_REQUEST` nor
+    /// `GPUFRAC_MEMORY_LIMIT` is set and the shim passes every call through untouched.
     pub fn from_env() -> Result<Option<Config>, ConfigError> {
         Config::from_lookup(|name| std::env::var(name).ok())
     }
 
     /// Reads the configuration through `get` (the environment, or a map in tests).
+    ///
+    /// A request alone is also the limit; a limit alone guarantees nothing (the request is
+    /// `SizeSpec::Bytes(0)`) and is enforced, everything above the request being a loan
+    /// like any burst; neither is `Ok(None)`, pass-through (see the module's table).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Config>, ConfigError> {
-        let Some(request_text) = get("GPUFRAC_MEMORY_REQUEST") else { return Ok(None) };
-        let request = parse_size("GPUFRAC_MEMORY_REQUEST", &request_text)?;
-        let limit = match get("GPUFRAC_MEMORY_LIMIT") {
-            Some(text) => {
-                let limit = parse_size("GPUFRAC_MEMORY_LIMIT", &text)?;
-                // Comparable without a device when both are bytes or both fractions;
-                // otherwise the check happens per device at cuInit.
-                let smaller = match (request, limit) {
-                    (SizeSpec::Bytes(r), SizeSpec::Bytes(l)) => l < r,
-                    (SizeSpec::Fraction(r), SizeSpec::Fraction(l)) => l < r,
-                    _ => false,
-                };
-                if smaller {
-                    return Err(invalid(
-                        "GPUFRAC_MEMORY_LIMIT",
-                        &text,
-                        format!("the limit must be at least GPUFRAC_MEMORY_REQUEST ({request_text})"),
-                    ));
-                }
-                limit
+        let (request_text, limit_text) = (get("GPUFRAC_MEMORY_REQUEST"), get("GPUFRAC_MEMORY_LIMIT"));
+        let (request, limit) = match (request_text, limit_text) {
+            (None, None) => return Ok(None),
+            // Nothing guaranteed, the limit enforced: a limit is always a limit.
+            (None, Some(text)) => (SizeSpec::Bytes(0), parse_size("GPUFRAC_MEMORY_LIMIT", &text)?),
+            (Some(request_text), limit_text) => {
+                let request = parse_size("GPUFRAC_MEMORY_REQUEST", &request_text)?;
+                (request, Self::limit_of(request, &request_text, limit_text)?)
             }
-            None => request,
         };
         let resolver = match get("GPUFRAC_RESOLVER") {
             Some(text) => text.parse().map_err(|reason| invalid("GPUFRAC_RESOLVER", &text, reason))?,
@@ -172,6 +181,32 @@ impl Config {
         }
         Ok(Some(Config { request, limit, resolver, priority, wait_timeout, group, arbiter_socket, pod, log }))
     }
+
+    /// The limit that goes with `request` (written `request_text`): `limit_text` read, at
+    /// least the request, or the request itself when unset.
+    fn limit_of(
+        request: SizeSpec,
+        request_text: &str,
+        limit_text: Option<String>,
+    ) -> Result<SizeSpec, ConfigError> {
+        let Some(text) = limit_text else { return Ok(request) };
+        let limit = parse_size("GPUFRAC_MEMORY_LIMIT", &text)?;
+        // Comparable without a device when both are bytes or both fractions; otherwise
+        // the check happens per device at cuInit.
+        let smaller = match (request, limit) {
+            (SizeSpec::Bytes(r), SizeSpec::Bytes(l)) => l < r,
+            (SizeSpec::Fraction(r), SizeSpec::Fraction(l)) => l < r,
+            _ => false,
+        };
+        if smaller {
+            return Err(invalid(
+                "GPUFRAC_MEMORY_LIMIT",
+                &text,
+                format!("the limit must be at least GPUFRAC_MEMORY_REQUEST ({request_text})"),
+            ));
+        }
+        Ok(limit)
+    }
 }
 
 #[cfg(test)]
@@ -185,8 +220,80 @@ mod tests {
     }
 
     #[test]
-    fn unset_request_means_pass_through() {
-        assert_eq!(read(&[("GPUFRAC_MEMORY_LIMIT", "4GiB")]).unwrap(), None);
+    fn neither_request_nor_limit_means_pass_through() {
+        assert_eq!(read(&[]).unwrap(), None);
+        // The other variables only say how a request and a limit are kept: alone they ask
+        // for nothing, and are not even read (a bad value among them is not reported).
+        let others = [
+            ("GPUFRAC_RESOLVER", "swap"),
+            ("GPUFRAC_PRIORITY", "7"),
+            ("GPUFRAC_WAIT_TIMEOUT", "5s"),
+            ("GPUFRAC_GROUP", "g"),
+            ("GPUFRAC_ARBITER_SOCKET", "/run/gpufrac/arbiter.sock"),
+            ("GPUFRAC_POD", "default/p"),
+            ("GPUFRAC_LOG", "debug"),
+        ];
+        for var in others {
+            assert_eq!(read(&[var]).unwrap(), None, "{var:?} alone");
+        }
+        assert_eq!(read(&others).unwrap(), None, "all of them, without a request or a limit");
+        assert_eq!(read(&[("GPUFRAC_RESOLVER", "fight")]).unwrap(), None);
+    }
+
+    #[test]
+    fn a_limit_alone_guarantees_nothing_and_is_enforced() {
+        let c = read(&[("GPUFRAC_MEMORY_LIMIT", "2GiB")]).unwrap().expect("a limit alone enforces");
+        assert_eq!((c.request, c.limit), (SizeSpec::Bytes(0), SizeSpec::Bytes(2 << 30)));
+        assert_eq!((c.request.resolve(8 << 30), c.limit.resolve(8 << 30)), (0, 2 << 30));
+        assert_eq!((c.resolver, c.priority, c.wait_timeout), (Resolver::Wait, 0, Duration::from_secs(30)));
+        // A fraction or a percentage too; request 0 is below any limit.
+        let c = read(&[("GPUFRAC_MEMORY_LIMIT", "25%")]).unwrap().unwrap();
+        assert_eq!((c.request, c.limit), (SizeSpec::Bytes(0), SizeSpec::Fraction(0.25)));
+        let c = read(&[("GPUFRAC_MEMORY_LIMIT", "0.5")]).unwrap().unwrap();
+        assert_eq!(c.limit.resolve(8 << 30), 4 << 30);
+        // The other settings apply to it as to any slice.
+        let c = read(&[
+            ("GPUFRAC_MEMORY_LIMIT", "1GiB"),
+            ("GPUFRAC_RESOLVER", "priority"),
+            ("GPUFRAC_GROUP", "web"),
+            ("GPUFRAC_ARBITER_SOCKET", "/run/gpufrac/arbiter.sock"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (c.request, c.limit, c.resolver),
+            (SizeSpec::Bytes(0), SizeSpec::Bytes(1 << 30), Resolver::Priority)
+        );
+        assert_eq!(c.group.as_deref(), Some("web"));
+        assert_eq!(c.arbiter_socket, Some(PathBuf::from("/run/gpufrac/arbiter.sock")));
+        // And so are their bad values, now that there is a slice to keep.
+        let err = read(&[("GPUFRAC_MEMORY_LIMIT", "1GiB"), ("GPUFRAC_RESOLVER", "fight")]).unwrap_err();
+        assert_eq!(err.parts().0, "GPUFRAC_RESOLVER");
+    }
+
+    #[test]
+    fn a_bad_limit_alone_is_refused_naming_it() {
+        for bad in ["lots", "0", "0%", "-1GiB", ""] {
+            let err = read(&[("GPUFRAC_MEMORY_LIMIT", bad)]).expect_err(bad);
+            assert_eq!((err.parts().0, err.parts().1), ("GPUFRAC_MEMORY_LIMIT", bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_request_alone_is_also_the_limit_and_a_limit_below_it_is_refused() {
+        let c = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB")]).unwrap().unwrap();
+        assert_eq!((c.request, c.limit), (SizeSpec::Bytes(1 << 30), SizeSpec::Bytes(1 << 30)));
+        let err = read(&[("GPUFRAC_MEMORY_REQUEST", "2GiB"), ("GPUFRAC_MEMORY_LIMIT", "1GiB")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid GPUFRAC_MEMORY_LIMIT=\"1GiB\": the limit must be at least GPUFRAC_MEMORY_REQUEST (2GiB)"
+        );
+        let err = read(&[("GPUFRAC_MEMORY_REQUEST", "50%"), ("GPUFRAC_MEMORY_LIMIT", "0.25")]).unwrap_err();
+        assert_eq!(err.parts().0, "GPUFRAC_MEMORY_LIMIT");
+        // Bytes against a fraction: checked per device at cuInit.
+        assert!(read(&[("GPUFRAC_MEMORY_REQUEST", "2GiB"), ("GPUFRAC_MEMORY_LIMIT", "0.1")])
+            .unwrap()
+            .is_some());
     }
 
     #[test]

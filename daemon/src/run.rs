@@ -1,6 +1,9 @@
 //! `gpufrac run`: runs a command under the shim with a request, a limit and the other
 //! settings of the shim (README.md, "The shim (`libgpufrac.so`)"), validated here with the
-//! shim's own reader, `gpufrac_common::config`.
+//! shim's own reader, `gpufrac_common::config`. A request, a limit or both must be given:
+//! a limit alone guarantees nothing and is enforced (memory above the request of 0 is a
+//! loan, as any burst); with neither the shim would hold the command to nothing, so it is
+//! refused.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -12,10 +15,12 @@ use gpufrac_common::config::Config;
 /// Settings for the command, as given on the command line (`gpufrac run` flags).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct RunSettings {
-    /// Guaranteed GPU memory on each device (512MiB, 4GiB, 0.25, 25%).
+    /// Guaranteed GPU memory on each device (512MiB, 4GiB, 0.25, 25%); default: nothing
+    /// guaranteed, when --limit is given.
     #[arg(long)]
-    pub request: String,
-    /// Burst ceiling, at least the request (default: the request).
+    pub request: Option<String>,
+    /// Burst ceiling, at least the request (default: the request). Alone, without
+    /// --request: nothing guaranteed, all of it a loan, this limit enforced.
     #[arg(long)]
     pub limit: Option<String>,
     /// What a colliding burst does: wait, priority or swap.
@@ -47,6 +52,12 @@ pub enum RunError {
     /// A setting the shim would refuse.
     #[error("{0}")]
     Setting(String),
+    /// Neither `--request` nor `--limit`: nothing to hold the command to.
+    #[error(
+        "give --request SIZE (guaranteed GPU memory), --limit SIZE (the most the command may hold; \
+         alone, nothing is guaranteed) or both: with neither, the shim would hold the command to nothing"
+    )]
+    NoSlice,
     /// The shim library is not where it should be.
     #[error(
         "the shim {0} does not exist; build it (cargo build --release --workspace) or name it with --shim"
@@ -74,8 +85,11 @@ pub enum RunError {
 impl RunSettings {
     /// The environment the command gets, validated as the shim validates it.
     pub fn environment(&self) -> Result<Vec<(&'static str, String)>, RunError> {
-        let mut env: Vec<(&'static str, String)> = vec![("GPUFRAC_MEMORY_REQUEST", self.request.clone())];
+        if self.request.is_none() && self.limit.is_none() {
+            return Err(RunError::NoSlice);
+        }
         let optional = [
+            ("GPUFRAC_MEMORY_REQUEST", self.request.clone()),
             ("GPUFRAC_MEMORY_LIMIT", self.limit.clone()),
             ("GPUFRAC_RESOLVER", self.resolver.clone()),
             ("GPUFRAC_PRIORITY", self.priority.map(|p| p.to_string())),
@@ -84,7 +98,8 @@ impl RunSettings {
             ("GPUFRAC_ARBITER_SOCKET", self.arbiter_socket.as_ref().map(|p| p.display().to_string())),
             ("GPUFRAC_POD", self.pod.clone()),
         ];
-        env.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
+        let env: Vec<(&'static str, String)> =
+            optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect();
         let map: HashMap<&str, String> = env.iter().map(|(k, v)| (*k, v.clone())).collect();
         Config::from_lookup(|name| map.get(name).cloned()).map_err(|e| {
             let (name, value, reason) = e.parts();
@@ -142,12 +157,23 @@ impl RunSettings {
         }
         let mut cmd = Command::new(program);
         cmd.args(args).env("LD_PRELOAD", preload);
+        // The slice is what the flags say: a request or limit inherited from this
+        // environment would otherwise change it (a request under `--limit` alone, a limit
+        // under `--request` alone) past the validation above.
+        for name in SLICE_VARIABLES {
+            if !env.iter().any(|(k, _)| *k == name) {
+                cmd.env_remove(name);
+            }
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }
         Ok(cmd)
     }
 }
+
+/// The variables that size the command's slice, set from `--request` and `--limit` only.
+const SLICE_VARIABLES: [&str; 2] = ["GPUFRAC_MEMORY_REQUEST", "GPUFRAC_MEMORY_LIMIT"];
 
 /// The library `libgpufrac.so` loads from its own folder.
 const SHIM_CORE: &str = "libgpufrac_core.so";
@@ -237,14 +263,21 @@ mod tests {
 
     #[test]
     fn settings_are_validated_as_the_shim_does() {
-        let ok = RunSettings { request: "1GiB".into(), limit: Some("2GiB".into()), ..Default::default() };
+        let ok =
+            RunSettings { request: Some("1GiB".into()), limit: Some("2GiB".into()), ..Default::default() };
         let env = ok.environment().unwrap();
         assert!(env.contains(&("GPUFRAC_MEMORY_LIMIT", "2GiB".into())));
         for bad in [
-            RunSettings { request: "lots".into(), ..Default::default() },
-            RunSettings { request: "2GiB".into(), limit: Some("1GiB".into()), ..Default::default() },
-            RunSettings { request: "1GiB".into(), resolver: Some("fight".into()), ..Default::default() },
-            RunSettings { request: "1GiB".into(), group: Some("a/b".into()), ..Default::default() },
+            RunSettings { request: Some("lots".into()), ..Default::default() },
+            RunSettings { request: Some("2GiB".into()), limit: Some("1GiB".into()), ..Default::default() },
+            RunSettings {
+                request: Some("1GiB".into()),
+                resolver: Some("fight".into()),
+                ..Default::default()
+            },
+            RunSettings { request: Some("1GiB".into()), group: Some("a/b".into()), ..Default::default() },
+            RunSettings { limit: Some("lots".into()), ..Default::default() },
+            RunSettings { limit: Some("1GiB".into()), resolver: Some("fight".into()), ..Default::default() },
         ] {
             assert!(matches!(bad.environment(), Err(RunError::Setting(_))), "{bad:?}");
         }
@@ -265,7 +298,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gpufrac-run-core-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("libgpufrac.so"), b"").unwrap();
-        let settings = RunSettings { request: "1GiB".into(), ..Default::default() };
+        let settings = RunSettings { request: Some("1GiB".into()), ..Default::default() };
         let refused = settings.shim_path(Some(&dir)).expect_err("no core beside the shim");
         std::fs::write(dir.join(SHIM_CORE), b"").unwrap();
         let found = settings.shim_path(Some(&dir));
@@ -290,7 +323,7 @@ mod tests {
 
     #[test]
     fn refusals_name_the_flag_typed() {
-        let request = |r: &str| RunSettings { request: r.into(), ..Default::default() };
+        let request = |r: &str| RunSettings { request: Some(r.into()), ..Default::default() };
         assert_eq!(
             refusal(request("0")),
             "invalid --request \"0\": expected a size above 0 such as 512MiB, 4GiB, 0.25 (of the device) or 25%"
@@ -320,8 +353,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gpufrac-run-warning-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a temporary folder");
         let path = dir.join("arbiter.sock");
-        let settings =
-            RunSettings { request: "1GiB".into(), arbiter_socket: Some(path.clone()), ..Default::default() };
+        let settings = RunSettings {
+            request: Some("1GiB".into()),
+            arbiter_socket: Some(path.clone()),
+            ..Default::default()
+        };
         let warning = settings.arbiter_warning().expect("nobody listens");
         assert_eq!(
             warning,
@@ -329,7 +365,96 @@ mod tests {
         );
         let _listener = std::os::unix::net::UnixListener::bind(&path).expect("binding a test socket");
         assert_eq!(settings.arbiter_warning(), None);
-        assert_eq!(RunSettings { request: "1GiB".into(), ..Default::default() }.arbiter_warning(), None);
+        assert_eq!(
+            RunSettings { request: Some("1GiB".into()), ..Default::default() }.arbiter_warning(),
+            None
+        );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_limit_alone_is_enough_and_sets_no_request() {
+        let settings = RunSettings { limit: Some("2GiB".into()), ..Default::default() };
+        let env = settings.environment().expect("--limit alone is accepted");
+        assert_eq!(env, vec![("GPUFRAC_MEMORY_LIMIT", "2GiB".to_owned())]);
+        let settings = RunSettings {
+            limit: Some("25%".into()),
+            resolver: Some("swap".into()),
+            group: Some("web".into()),
+            ..Default::default()
+        };
+        let env = settings.environment().expect("with other settings too");
+        assert!(!env.iter().any(|(k, _)| *k == "GPUFRAC_MEMORY_REQUEST"), "{env:?}");
+        assert!(env.contains(&("GPUFRAC_RESOLVER", "swap".into())), "{env:?}");
+        // Its bad values are named by the flag, as any other.
+        let text = refusal(RunSettings { limit: Some("0".into()), ..Default::default() });
+        assert!(text.starts_with("invalid --limit \"0\": expected a size above 0"), "{text}");
+    }
+
+    #[test]
+    fn neither_request_nor_limit_is_refused_naming_both_flags() {
+        for settings in [
+            RunSettings::default(),
+            RunSettings { resolver: Some("swap".into()), group: Some("g".into()), ..Default::default() },
+            RunSettings { arbiter_socket: Some("/run/gpufrac/arbiter.sock".into()), ..Default::default() },
+        ] {
+            let err = settings.environment().expect_err("nothing to hold the command to");
+            assert!(matches!(err, RunError::NoSlice), "{err:?}");
+            let text = err.to_string();
+            assert!(text.contains("--request") && text.contains("--limit"), "{text}");
+            assert!(!text.contains('\n') && !text.contains("GPUFRAC_"), "{text}");
+        }
+        // Before anything else is looked at (the shim, the arbiter's socket).
+        let err = RunSettings::default()
+            .command(&["true".into()], Some(Path::new("/nonexistent")))
+            .expect_err("refused");
+        assert!(matches!(err, RunError::NoSlice), "{err:?}");
+    }
+
+    #[test]
+    fn the_slice_is_what_the_flags_say_not_what_the_environment_inherited() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-run-slice-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("libgpufrac.so"), b"").unwrap();
+        std::fs::write(dir.join(SHIM_CORE), b"").unwrap();
+        let envs = |settings: RunSettings| -> Vec<(String, Option<String>)> {
+            let cmd = settings.command(&["true".into()], Some(&dir)).expect("a command");
+            cmd.get_envs()
+                .filter(|(k, _)| k.to_string_lossy().starts_with("GPUFRAC_MEMORY_"))
+                .map(|(k, v)| (k.to_string_lossy().into_owned(), v.map(|v| v.to_string_lossy().into_owned())))
+                .collect()
+        };
+        let limit_alone = envs(RunSettings { limit: Some("2GiB".into()), ..Default::default() });
+        let request_alone = envs(RunSettings { request: Some("1GiB".into()), ..Default::default() });
+        let both = envs(RunSettings {
+            request: Some("1GiB".into()),
+            limit: Some("2GiB".into()),
+            ..Default::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        // An inherited request would guarantee what --limit alone does not; an inherited
+        // limit would let --request alone burst: both are removed from the command's
+        // environment (None), the flags' values set.
+        assert_eq!(
+            limit_alone,
+            vec![
+                ("GPUFRAC_MEMORY_LIMIT".into(), Some("2GiB".into())),
+                ("GPUFRAC_MEMORY_REQUEST".into(), None)
+            ]
+        );
+        assert_eq!(
+            request_alone,
+            vec![
+                ("GPUFRAC_MEMORY_LIMIT".into(), None),
+                ("GPUFRAC_MEMORY_REQUEST".into(), Some("1GiB".into()))
+            ]
+        );
+        assert_eq!(
+            both,
+            vec![
+                ("GPUFRAC_MEMORY_LIMIT".into(), Some("2GiB".into())),
+                ("GPUFRAC_MEMORY_REQUEST".into(), Some("1GiB".into()))
+            ]
+        );
     }
 }

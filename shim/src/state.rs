@@ -397,7 +397,10 @@ impl Enforcer {
             // Nothing believed at all (not entitled, or the arbiter could not decide yet):
             // a slice of nothing would leave the process without memory for its whole
             // life, so the declared one stands; the arbiter counts what it uses past its
-            // entitlement as outside gpufrac and lends it nothing.
+            // entitlement as outside gpufrac and lends it nothing. Only (0, 0) means that:
+            // a limit alone registers (0, limit) and is believed as (0, limit) or less.
+            // Declared (0, limit) and believed (0, 0), it keeps its view of the limit but
+            // has nothing it may use without a grant, and none comes (out-of-memory).
             let believed = client.believed(&slice.uuid).filter(|&believed| believed != (0, 0));
             if let Some((request, limit)) = believed {
                 let limit = limit.min(slice.limit);
