@@ -1,5 +1,5 @@
 //! The shim's process-wide state, set up at the first CUDA or NVML call: pass-through
-//! (no request configured), enforcing, or broken (a bad setting, reported by `cuInit`).
+//! (neither a request nor a limit configured), enforcing, or broken (a bad setting, reported by `cuInit`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -16,9 +16,13 @@ use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::ledger::Ledger;
 use crate::records::Records;
 
+/// The least time a guaranteed or granted allocation waits for its memory with an arbiter:
+/// the arbiter's default reclaim grace (5 s) and kill grace (10 s), and some to spare.
+pub(crate) const OWED_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// What the shim does in this process.
 pub(crate) enum Mode {
-    /// `GPUFRAC_MEMORY_REQUEST` unset: every call goes to the driver untouched.
+    /// Neither `GPUFRAC_MEMORY_REQUEST` nor `GPUFRAC_MEMORY_LIMIT` set: every call goes to the driver untouched.
     PassThrough,
     /// Holding the group to its request and limit.
     Enforcing(Box<Enforcer>),
@@ -557,13 +561,15 @@ impl Enforcer {
     /// Calls the driver; with an arbiter, an out-of-memory answer for memory the group is
     /// guaranteed or was granted is transient (loans are being taken back for a guarantee,
     /// or a killed process's memory is still being torn down by the driver), so the call
-    /// is retried until `GPUFRAC_WAIT_TIMEOUT`.
+    /// is retried until `GPUFRAC_WAIT_TIMEOUT`, and at least [`OWED_WAIT`]: the arbiter
+    /// takes a guarantee's memory back within its reclaim and kill graces, so a short
+    /// burst timeout must not turn a guaranteed allocation into out-of-memory.
     pub(crate) fn physical(&self, mut call: impl FnMut() -> Status) -> Status {
         let mut status = call();
         if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
             return status;
         }
-        let deadline = std::time::Instant::now() + self.config.wait_timeout;
+        let deadline = std::time::Instant::now() + self.config.wait_timeout.max(OWED_WAIT);
         let mut pause = std::time::Duration::from_millis(1);
         while status == OUT_OF_MEMORY && std::time::Instant::now() < deadline {
             std::thread::sleep(pause);
@@ -572,8 +578,8 @@ impl Enforcer {
         }
         if status == OUT_OF_MEMORY {
             tracing::warn!(
-                "gpufrac: out of memory: the GPU had no memory free within GPUFRAC_WAIT_TIMEOUT ({:?}) for memory this group is guaranteed or was granted: guarantees and memory used outside gpufrac fill it",
-                self.config.wait_timeout
+                "gpufrac: out of memory: the GPU had no memory free within {:?} (GPUFRAC_WAIT_TIMEOUT, at least {OWED_WAIT:?}) for memory this group is guaranteed or was granted: guarantees and memory used outside gpufrac fill it",
+                self.config.wait_timeout.max(OWED_WAIT)
             );
         }
         status

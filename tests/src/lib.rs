@@ -14,8 +14,14 @@
 //!
 //! The simulated libraries must have been built beforehand (`cargo build --workspace`):
 //! cargo cannot build a `cdylib` as a dependency of a test.
+//!
+//! With `GPUFRAC_E2E_REAL_GPU=1` ([`real_gpu`]) the same tests run on the machine's real
+//! CUDA driver (`libcuda.so.1`) and NVML (`libnvidia-ml.so.1`): a [`SimGpu`] is then a
+//! handle on the real devices (sizes read through NVML, see [`SimGpu::device_total`]) and
+//! tests that need the simulator say so with [`skip_on_real_gpu!`].
 #![deny(missing_docs)]
 
+pub mod busy;
 pub mod clients;
 
 use std::collections::HashSet;
@@ -26,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use simgpu_state::env::SimGpuDir;
@@ -66,15 +72,168 @@ pub fn artifact(name: &str) -> PathBuf {
     path
 }
 
-/// A private simulated GPU for one test.
+/// The environment variable that runs the end-to-end tests on the machine's real GPU:
+/// `1` for the real CUDA driver and NVML, `0` or unset for simgpu (see [`real_gpu`]).
+pub const REAL_GPU_VAR: &str = "GPUFRAC_E2E_REAL_GPU";
+
+/// What a value of [`REAL_GPU_VAR`] asks for: `Ok(true)` for the real GPU (`1`),
+/// `Ok(false)` for simgpu (unset or `0`), and for anything else an error naming the
+/// variable and what it accepts.
+pub fn parse_real_gpu_switch(value: Option<&OsStr>) -> Result<bool, String> {
+    match value.map(OsStr::to_str) {
+        None | Some(Some("0")) => Ok(false),
+        Some(Some("1")) => Ok(true),
+        Some(_) => Err(format!(
+            "{REAL_GPU_VAR}={:?} is not understood: set it to 1 to run the end-to-end tests on \
+             the machine's real GPU, or to 0 (or leave it unset) to run them on simgpu",
+            value.unwrap_or_default()
+        )),
+    }
+}
+
+/// Whether the end-to-end tests run on the machine's real GPU: [`REAL_GPU_VAR`] read once
+/// per test process. Panics, naming the variable, on a value other than `0` or `1`.
+pub fn real_gpu() -> bool {
+    static SWITCH: OnceLock<Result<bool, String>> = OnceLock::new();
+    match SWITCH.get_or_init(|| parse_real_gpu_switch(std::env::var_os(REAL_GPU_VAR).as_deref())) {
+        Ok(on) => *on,
+        Err(message) => panic!("{message}"),
+    }
+}
+
+/// Returns from the calling test, after printing `skipped on a real GPU: <reason>`, when
+/// the tests run on a real GPU ([`real_gpu`]): for a test that needs simgpu (injected
+/// XIDs, its built-in kernels, its context overhead, a simulated device's exact size, or
+/// several devices). On simgpu it does nothing.
+#[macro_export]
+macro_rules! skip_on_real_gpu {
+    ($reason:expr) => {
+        if $crate::real_gpu() {
+            $crate::report_skipped_on_real_gpu($reason);
+            return;
+        }
+    };
+}
+
+/// Prints why a test is skipped on a real GPU (what [`skip_on_real_gpu!`] says).
+pub fn report_skipped_on_real_gpu(reason: &str) {
+    eprintln!("skipped on a real GPU: {reason}");
+}
+
+/// How much more than a test sized for simgpu's small contexts (64 or 256 MiB) a process
+/// needs on a real GPU, where a context takes a few hundred MiB of device memory (about
+/// 500 MiB on an H100): see [`SimGpu::plus_real_context`].
+pub const REAL_CONTEXT_ROOM: u64 = 1 << 30;
+
+/// The machine's real GPUs, as NVML lists them.
+#[derive(Debug)]
+struct RealMachine {
+    /// Total memory of each device, in NVML's order.
+    totals: Vec<u64>,
+}
+
+/// The real GPUs, found once per test process; panics, saying what is missing, on a
+/// machine without a CUDA driver, NVML or a device.
+fn real_machine() -> &'static RealMachine {
+    static MACHINE: OnceLock<Result<RealMachine, String>> = OnceLock::new();
+    match MACHINE.get_or_init(find_real_machine) {
+        Ok(machine) => machine,
+        Err(message) => panic!("{message}"),
+    }
+}
+
+fn find_real_machine() -> Result<RealMachine, String> {
+    let unset = format!("or unset {REAL_GPU_VAR} to run the tests on simgpu");
+    // The driver the test programs will load, found the way they find it. It stays loaded
+    // (nothing in it runs before cuInit, which this process never calls).
+    // SAFETY: dlopen takes a NUL-terminated name and flags; dlerror returns a string the
+    // loader owns, valid until the next dl* call on this thread, copied at once.
+    let driver = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if driver.is_null() {
+        // SAFETY: as above.
+        let why = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                String::new()
+            } else {
+                std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        return Err(format!(
+            "no real CUDA driver: libcuda.so.1 not found ({why}); {REAL_GPU_VAR}=1 runs the \
+             end-to-end tests on the machine's GPU: install the NVIDIA driver (or put its folder \
+             on LD_LIBRARY_PATH), {unset}"
+        ));
+    }
+    let nvml = nvml_wrapper::Nvml::init()
+        .map_err(|e| format!("no real NVML: libnvidia-ml.so.1 cannot be initialised ({e}); {unset}"))?;
+    let count = nvml.device_count().map_err(|e| format!("NVML cannot count the GPUs ({e}); {unset}"))?;
+    if count == 0 {
+        return Err(format!("no GPU: NVML lists no device; {unset}"));
+    }
+    let totals = (0..count)
+        .map(|i| {
+            let device = nvml.device_by_index(i).map_err(|e| format!("NVML device {i}: {e}"))?;
+            device.memory_info().map(|m| m.total).map_err(|e| format!("NVML device {i} memory: {e}"))
+        })
+        .collect::<Result<Vec<u64>, String>>()?;
+    Ok(RealMachine { totals })
+}
+
+/// A private folder under the temp dir (mode 0700), removed with everything in it when
+/// dropped: on a real GPU, where [`SimGpu::lib_dir`] holds no driver links, the place
+/// tests keep their sockets and files in.
+#[derive(Debug)]
+struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    fn new() -> PrivateDir {
+        use std::os::unix::fs::DirBuilderExt;
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let nanos =
+                SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+            let dir = std::env::temp_dir().join(format!("gpufrac-e2e-{}-{n}-{nanos}", std::process::id()));
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => return PrivateDir(dir),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => panic!("cannot create {}: {e}", dir.display()),
+            }
+        }
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What a [`SimGpu`] runs programs on.
+#[derive(Debug)]
+enum Machine {
+    /// simgpu: driver links and a state file of its own.
+    Simulated(SimGpuDir),
+    /// The machine's real GPUs ([`real_gpu`]), and a private folder for files.
+    Real(PrivateDir),
+}
+
+/// A private simulated GPU for one test, or with `GPUFRAC_E2E_REAL_GPU=1` ([`real_gpu`])
+/// the machine's real GPUs.
 ///
 /// It owns a private folder (see `simgpu_state::env::SimGpuDir`) holding `libcuda.so*`
 /// and `libnvidia-ml.so*` symlinks to the simgpu libraries and the `SIMGPU_STATE` file, so
 /// every process started with [`SimGpu::command`] shares the same simulated devices and
 /// no other test's. Dropping it removes the folder.
+///
+/// On a real GPU the folder is empty of drivers and not put on `LD_LIBRARY_PATH`, no
+/// `SIMGPU_*` variable is set, the simulated sizes asked for are not applied, and
+/// [`SimGpu::devices`], [`SimGpu::device_count`] and [`SimGpu::device_total`] describe the
+/// real devices as NVML reports them.
 #[derive(Debug)]
 pub struct SimGpu {
-    sim: SimGpuDir,
+    machine: Machine,
     devices: String,
     context_overhead: String,
     _sweep: LedgerSweep,
@@ -83,14 +242,27 @@ pub struct SimGpu {
 impl SimGpu {
     /// A simulated machine with the devices `devices` (the `SIMGPU_DEVICES` syntax: a comma
     /// list of sizes, `"1GiB"`, `"16GiB,16GiB"`) and the default context overhead (256 MiB).
+    ///
+    /// On a real GPU ([`real_gpu`]), `devices` is not applied: the handle is for the
+    /// machine's devices; panics with `no real CUDA driver: libcuda.so.1 not found` (or what
+    /// else is missing) on a machine without them.
     pub fn new(devices: &str) -> SimGpu {
+        if real_gpu() {
+            let totals = &real_machine().totals;
+            return SimGpu {
+                machine: Machine::Real(PrivateDir::new()),
+                devices: totals.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
+                context_overhead: "256MiB".to_owned(),
+                _sweep: LedgerSweep,
+            };
+        }
         artifact(SIMGPU_CUDA);
         artifact(SIMGPU_NVML);
         let sim = SimGpuDir::new(&std::env::temp_dir(), &target_dir(), devices)
             .unwrap_or_else(|e| panic!("cannot prepare a simulated GPU: {e}"))
             .with_context_overhead("256MiB");
         SimGpu {
-            sim,
+            machine: Machine::Simulated(sim),
             devices: devices.to_owned(),
             context_overhead: "256MiB".to_owned(),
             _sweep: LedgerSweep,
@@ -98,44 +270,102 @@ impl SimGpu {
     }
 
     /// Sets the device memory each CUDA context takes (`SIMGPU_CONTEXT_OVERHEAD`, a size
-    /// such as `"64MiB"`).
+    /// such as `"64MiB"`). Not applied on a real GPU, whose contexts take what they take.
     pub fn with_context_overhead(mut self, overhead: &str) -> SimGpu {
         overhead.clone_into(&mut self.context_overhead);
-        self.sim = self.sim.with_context_overhead(overhead);
+        if let Machine::Simulated(sim) = self.machine {
+            self.machine = Machine::Simulated(sim.with_context_overhead(overhead));
+        }
         self
     }
 
+    /// Whether this is the machine's real GPU ([`real_gpu`]) rather than simgpu.
+    pub fn is_real(&self) -> bool {
+        matches!(self.machine, Machine::Real(_))
+    }
+
     /// The folder with the `libcuda.so*` and `libnvidia-ml.so*` symlinks, which
-    /// [`SimGpu::command`] puts first on `LD_LIBRARY_PATH`.
+    /// [`SimGpu::command`] puts first on `LD_LIBRARY_PATH`; tests keep their sockets and
+    /// files there too. On a real GPU: a private folder of the test's, empty, not on
+    /// `LD_LIBRARY_PATH`.
     pub fn lib_dir(&self) -> &Path {
-        self.sim.lib_dir()
+        match &self.machine {
+            Machine::Simulated(sim) => sim.lib_dir(),
+            Machine::Real(dir) => &dir.0,
+        }
     }
 
-    /// The `SIMGPU_STATE` file shared by the processes of this simulated machine.
+    /// The `SIMGPU_STATE` file shared by the processes of this simulated machine (on a
+    /// real GPU a path in [`SimGpu::lib_dir`] that nothing uses).
     pub fn state_path(&self) -> PathBuf {
-        self.sim.state_path()
+        match &self.machine {
+            Machine::Simulated(sim) => sim.state_path(),
+            Machine::Real(dir) => dir.0.join("state"),
+        }
     }
 
-    /// The `SIMGPU_DEVICES` value.
+    /// The `SIMGPU_DEVICES` value (on a real GPU, each device's total memory in bytes,
+    /// in the same syntax).
     pub fn devices(&self) -> &str {
         &self.devices
     }
 
-    /// The `SIMGPU_CONTEXT_OVERHEAD` value.
+    /// The number of devices.
+    pub fn device_count(&self) -> usize {
+        self.device_totals().len()
+    }
+
+    /// Total memory of device `index`, in bytes: the simulated size asked for, or on a real
+    /// GPU what NVML reports. For tests that size what they ask for from the device.
+    pub fn device_total(&self, index: usize) -> u64 {
+        let totals = self.device_totals();
+        *totals.get(index).unwrap_or_else(|| panic!("no device {index}: the machine has {}", totals.len()))
+    }
+
+    fn device_totals(&self) -> Vec<u64> {
+        match &self.machine {
+            Machine::Simulated(_) => simgpu_state::parse_device_list(&self.devices)
+                .unwrap_or_else(|e| panic!("the simulated devices {:?}: {e}", self.devices)),
+            Machine::Real(_) => real_machine().totals.clone(),
+        }
+    }
+
+    /// The `SIMGPU_CONTEXT_OVERHEAD` value (on a real GPU, the value asked for, not applied).
     pub fn context_overhead(&self) -> &str {
         &self.context_overhead
+    }
+
+    /// `size` (such as `"640MiB"`), a limit or request a test sized for simgpu's small
+    /// contexts, for the test's processes: as is on simgpu; on a real GPU in bytes with
+    /// [`REAL_CONTEXT_ROOM`] added, so that it also holds a real context.
+    pub fn plus_real_context(&self, size: &str) -> String {
+        if !self.is_real() {
+            return size.to_owned();
+        }
+        let bytes =
+            gpufrac_common::size::parse_bytes("a test's size", size).unwrap_or_else(|e| panic!("{e}"));
+        (bytes + REAL_CONTEXT_ROOM).to_string()
     }
 
     /// A command for `program` that runs on this simulated machine: `LD_LIBRARY_PATH`
     /// starts with [`SimGpu::lib_dir`], the `SIMGPU_*` variables are set, and `LD_PRELOAD`
     /// and every `GPUFRAC_*` variable inherited from the test's environment are removed,
-    /// so only what the test sets reaches the child.
+    /// so only what the test sets reaches the child. On a real GPU `LD_LIBRARY_PATH` is
+    /// left as inherited (the real driver is found as any program finds it) and inherited
+    /// `SIMGPU_*` variables are removed too.
     pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
         let mut cmd = Command::new(program);
-        self.sim.apply(&mut cmd);
+        let real = match &self.machine {
+            Machine::Simulated(sim) => {
+                sim.apply(&mut cmd);
+                false
+            }
+            Machine::Real(_) => true,
+        };
         cmd.env_remove("LD_PRELOAD");
         for (name, _) in std::env::vars_os() {
-            if name.as_encoded_bytes().starts_with(b"GPUFRAC_") {
+            let name_bytes = name.as_encoded_bytes();
+            if name_bytes.starts_with(b"GPUFRAC_") || (real && name_bytes.starts_with(b"SIMGPU_")) {
                 cmd.env_remove(name);
             }
         }

@@ -25,11 +25,17 @@
 //! ```text
 //! cargo build --release --workspace
 //! cargo run --release -p gpufrac-e2e --bin density_bench -- [--servers 8] [--bursts 10] \
-//!     [--device 16GiB] [--only static,bare,wait,priority,swap] [--verify]
+//!     [--device 16GiB] [--only static,bare,wait,priority,swap] [--verify] [--rounds 1] \
+//!     [--busy 0] [--context 64MiB] [--check]
 //! ```
 //!
 //! `--verify` makes every server fill and check its bursts (slow: each 3 GiB burst is
-//! faulted in on the host).
+//! faulted in on the host). `--rounds N` plays the trace N times on one arbiter per
+//! configuration, all servers of a round started at the same moment; `--busy N` keeps N
+//! threads spinning on the CPU meanwhile; `--context SIZE` sets simgpu's context size (the
+//! request and limit grow with it); `--check` exits 1 if any round under `wait` had an
+//! out-of-memory error or a server that failed. The arbiter's INFO lines per second (per
+//! server) are printed under the table: what an operator's log receives.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -46,6 +52,7 @@ const STEP: u64 = 64 * MIB;
 const STEP_MS: u64 = 5;
 const HOLD_MS: u64 = 300;
 const GAP_MS: &str = "100-1500";
+/// simgpu's context size unless `--context` says otherwise.
 const CONTEXT: u64 = 64 * MIB;
 /// Guaranteed above the model and the context, so that the request is 1 GiB.
 const MARGIN: u64 = 448 * MIB;
@@ -56,7 +63,7 @@ const SILENCE: Duration = Duration::from_secs(300);
 const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
 
 const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
-[--only static,bare,wait,priority,swap] [--verify]";
+[--only static,bare,wait,priority,swap] [--verify] [--rounds N] [--busy N] [--context SIZE] [--check]";
 
 struct Options {
     servers: usize,
@@ -64,6 +71,10 @@ struct Options {
     device: u64,
     only: Vec<&'static str>,
     verify: bool,
+    rounds: u32,
+    busy: usize,
+    context: u64,
+    check: bool,
 }
 
 fn bad(message: String) -> ! {
@@ -72,7 +83,17 @@ fn bad(message: String) -> ! {
 }
 
 fn parse_options() -> Options {
-    let mut o = Options { servers: 8, bursts: 10, device: 16 * GIB, only: CONFIGS.to_vec(), verify: false };
+    let mut o = Options {
+        servers: 8,
+        bursts: 10,
+        device: 16 * GIB,
+        only: CONFIGS.to_vec(),
+        verify: false,
+        rounds: 1,
+        busy: 0,
+        context: CONTEXT,
+        check: false,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -83,11 +104,17 @@ fn parse_options() -> Options {
             o.verify = true;
             continue;
         }
+        if flag == "--check" {
+            o.check = true;
+            continue;
+        }
         let (name, inline) = match flag.split_once('=') {
             Some((n, v)) if n.starts_with("--") => (n.to_owned(), Some(v.to_owned())),
             _ => (flag.clone(), None),
         };
-        if !["--servers", "--bursts", "--device", "--only"].contains(&name.as_str()) {
+        if !["--servers", "--bursts", "--device", "--only", "--rounds", "--busy", "--context"]
+            .contains(&name.as_str())
+        {
             bad(format!("unknown argument {flag:?}"));
         }
         let value = inline.or_else(|| args.next()).unwrap_or_else(|| bad(format!("{name} needs a value")));
@@ -100,6 +127,21 @@ fn parse_options() -> Options {
         match name.as_str() {
             "--servers" => o.servers = count(256) as usize,
             "--bursts" => o.bursts = count(10_000) as u32,
+            "--rounds" => o.rounds = count(1000) as u32,
+            "--busy" => {
+                o.busy = match value.trim().parse::<usize>() {
+                    Ok(n) if n <= 64 => n,
+                    _ => bad(format!("--busy {value:?}: expected a whole number from 0 to 64")),
+                }
+            }
+            "--context" => {
+                o.context = match value.trim() {
+                    "0" => 0,
+                    text => {
+                        gpufrac_common::parse_bytes("--context", text).unwrap_or_else(|e| bad(e.to_string()))
+                    }
+                }
+            }
             "--device" => {
                 o.device =
                     gpufrac_common::parse_bytes("--device", &value).unwrap_or_else(|e| bad(e.to_string()))
@@ -118,7 +160,7 @@ fn parse_options() -> Options {
             }
         }
     }
-    let request = BASE + CONTEXT + MARGIN;
+    let request = BASE + o.context + MARGIN;
     let arbitrated = o.only.iter().any(|c| ["wait", "priority", "swap"].contains(c));
     if arbitrated && o.servers as u64 * request > o.device {
         bad(format!(
@@ -130,7 +172,7 @@ fn parse_options() -> Options {
             o.device / MIB
         ));
     }
-    if o.device < BASE + CONTEXT {
+    if o.device < BASE + o.context {
         bad(format!("--device {} MiB cannot hold even one server's model and context", o.device / MIB));
     }
     o
@@ -147,6 +189,8 @@ struct Outcome {
     waits: Vec<u64>,
     wall: Duration,
     notes: Vec<String>,
+    /// Rounds with an out-of-memory error or a server that failed.
+    broken_rounds: u32,
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -229,17 +273,18 @@ fn summarize_log(log: &str) -> String {
 }
 
 fn run(config: &str, o: &Options) -> Outcome {
-    let peak = BASE + BURST + CONTEXT;
-    let request = BASE + CONTEXT + MARGIN;
+    let peak = BASE + BURST + o.context;
+    let request = BASE + o.context + MARGIN;
     let servers = if config == "static" { (o.device / peak) as usize } else { o.servers };
     let mut out = Outcome { servers, ..Outcome::default() };
     if servers == 0 {
         out.notes.push(format!("no server sized for the peak ({} MiB) fits the device", peak / MIB));
         return out;
     }
-    eprintln!("density_bench: {config}: {servers} servers...");
+    eprintln!("density_bench: {config}: {servers} servers, {} round(s)...", o.rounds);
 
-    let gpu = SimGpu::new(&format!("{}MiB", o.device.div_ceil(MIB))).with_context_overhead("64MiB");
+    let context = if o.context == 0 { "0".to_owned() } else { format!("{}MiB", o.context.div_ceil(MIB)) };
+    let gpu = SimGpu::new(&format!("{}MiB", o.device.div_ceil(MIB))).with_context_overhead(&context);
     let metrics_port = free_port();
     let arbiter = (!matches!(config, "static" | "bare")).then(|| {
         let mut args = Vec::new();
@@ -254,63 +299,74 @@ fn run(config: &str, o: &Options) -> Outcome {
     });
 
     let started = Instant::now();
-    let mut children: Vec<ChildProcess> = (0..servers)
-        .map(|k| {
-            let mut cmd = gpu.command(artifact("bursty_server"));
-            cmd.args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
-                .args(["--step", &STEP.to_string(), "--step-ms", &STEP_MS.to_string()])
-                .args(["--hold", &HOLD_MS.to_string()])
-                .args(["--bursts", &o.bursts.to_string(), "--gap-ms", GAP_MS])
-                .args(["--seed", &(1000 + k).to_string()]);
-            if o.verify {
-                cmd.arg("--verify");
-            }
-            match config {
-                "bare" => {}
-                "static" => {
-                    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-                        .env("GPUFRAC_MEMORY_REQUEST", peak.to_string())
-                        .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
-                        .env("GPUFRAC_GROUP", unique(&format!("density-static-{k}")));
+    for round in 0..o.rounds {
+        let (oom_before, notes_before) = (out.oom, out.notes.len());
+        // Every server of the round is spawned before any is read: they start together.
+        let mut children: Vec<ChildProcess> = (0..servers)
+            .map(|k| {
+                let mut cmd = gpu.command(artifact("bursty_server"));
+                cmd.args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
+                    .args(["--step", &STEP.to_string(), "--step-ms", &STEP_MS.to_string()])
+                    .args(["--hold", &HOLD_MS.to_string()])
+                    .args(["--bursts", &o.bursts.to_string(), "--gap-ms", GAP_MS])
+                    .args(["--seed", &(1000 + k + 100 * round as usize).to_string()]);
+                if o.verify {
+                    cmd.arg("--verify");
                 }
-                resolver => {
-                    let arbiter = arbiter.as_ref().expect("started for the arbitrated configurations");
-                    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-                        .env("GPUFRAC_MEMORY_REQUEST", request.to_string())
-                        .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
-                        .env("GPUFRAC_RESOLVER", resolver)
-                        .env("GPUFRAC_WAIT_TIMEOUT", WAIT_TIMEOUT)
-                        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-                        .env("GPUFRAC_GROUP", unique(&format!("density-{resolver}-{k}")));
+                match config {
+                    "bare" => {}
+                    "static" => {
+                        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                            .env("GPUFRAC_MEMORY_REQUEST", peak.to_string())
+                            .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
+                            .env("GPUFRAC_GROUP", unique(&format!("density-static-{k}")));
+                    }
+                    resolver => {
+                        let arbiter = arbiter.as_ref().expect("started for the arbitrated configurations");
+                        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                            .env("GPUFRAC_MEMORY_REQUEST", request.to_string())
+                            .env("GPUFRAC_MEMORY_LIMIT", peak.to_string())
+                            .env("GPUFRAC_RESOLVER", resolver)
+                            .env("GPUFRAC_WAIT_TIMEOUT", WAIT_TIMEOUT)
+                            .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+                            .env("GPUFRAC_GROUP", unique(&format!("density-{resolver}-{k}")));
+                    }
                 }
-            }
-            ChildProcess::spawn(&mut cmd)
-        })
-        .collect();
+                ChildProcess::spawn(&mut cmd)
+            })
+            .collect();
 
-    for (k, child) in children.iter_mut().enumerate() {
-        let mut done = false;
-        while let Some(line) = child.next_line(SILENCE) {
-            let mut words = line.split_whitespace();
-            match (words.next(), words.nth(1)) {
-                (Some("BURST"), Some("ok")) => {
-                    out.ok += 1;
-                    out.waits.push(field(&line, "wait_ms=").and_then(|v| v.parse().ok()).unwrap_or(0));
+        for (k, child) in children.iter_mut().enumerate() {
+            let mut done = false;
+            while let Some(line) = child.next_line(SILENCE) {
+                let mut words = line.split_whitespace();
+                match (words.next(), words.nth(1)) {
+                    (Some("BURST"), Some("ok")) => {
+                        out.ok += 1;
+                        out.waits.push(field(&line, "wait_ms=").and_then(|v| v.parse().ok()).unwrap_or(0));
+                    }
+                    (Some("BURST"), Some("oom")) => out.oom += 1,
+                    (Some("DONE"), _) => done = true,
+                    _ => {}
                 }
-                (Some("BURST"), Some("oom")) => out.oom += 1,
-                (Some("DONE"), _) => done = true,
-                _ => {}
+            }
+            let status = child.wait(SILENCE);
+            if !status.success() || !done {
+                let stderr = child.stderr_text();
+                let last = stderr.lines().last().unwrap_or("").to_owned();
+                out.notes.push(format!(
+                    "round {}: server {k}: {} {last}",
+                    round + 1,
+                    describe_status(status)
+                ));
             }
         }
-        let status = child.wait(SILENCE);
-        if !status.success() || !done {
-            let stderr = child.stderr_text();
-            let last = stderr.lines().last().unwrap_or("").to_owned();
-            out.notes.push(format!("server {k}: {} {last}", describe_status(status)));
+        if out.oom > oom_before || out.notes.len() > notes_before {
+            out.broken_rounds += 1;
         }
     }
     out.wall = started.elapsed();
-    out.bursts = servers as u64 * u64::from(o.bursts);
+    out.bursts = servers as u64 * u64::from(o.bursts) * u64::from(o.rounds);
     if let Some(port) = metrics_port.filter(|_| arbiter.is_some()) {
         match fetch_metrics(port) {
             Some(text) => out.notes.push(format!("arbiter: {}", summarize_metrics(&text))),
@@ -318,7 +374,23 @@ fn run(config: &str, o: &Options) -> Outcome {
         }
     }
     if let Some(arbiter) = &arbiter {
-        out.notes.push(format!("arbiter log: {}", summarize_log(&arbiter.log_text())));
+        let log = arbiter.log_text();
+        out.notes.push(format!("arbiter log: {}", summarize_log(&log)));
+        // What an operator's log receives (the arbiter logs at INFO here).
+        let lines = log.lines().count() as f64;
+        let seconds = out.wall.as_secs_f64().max(0.001);
+        out.notes.push(format!(
+            "arbiter log volume at INFO: {lines} lines in {seconds:.1} s = {:.2} lines/s, {:.3} per server per second",
+            lines / seconds,
+            lines / seconds / servers as f64
+        ));
+    }
+    if o.rounds > 1 {
+        out.notes.push(format!(
+            "{} of {} rounds held (no out-of-memory error, no server failed)",
+            o.rounds - out.broken_rounds,
+            o.rounds
+        ));
     }
     out.waits.sort_unstable();
     drop(arbiter);
@@ -331,23 +403,26 @@ fn ms(v: Option<u64>) -> String {
 
 fn main() {
     let o = parse_options();
+    let _busy = gpufrac_e2e::busy::BusyLoops::start(o.busy);
     // Fail early, with the build hint, if something is missing.
     artifact("bursty_server");
     artifact("libgpufrac.so");
     artifact("gpufrac-arbiter");
     println!(
         "density_bench: one simgpu GPU of {} MiB ({} MiB per context); servers: model {} MiB, bursts of {} MiB \
-         in {} MiB steps held {HOLD_MS} ms, gaps {GAP_MS} ms, {} bursts each; gpufrac request {} MiB, limit {} MiB; \
-         {} CPUs",
+         in {} MiB steps held {HOLD_MS} ms, gaps {GAP_MS} ms, {} bursts each, {} round(s); gpufrac request {} MiB, \
+         limit {} MiB; {} CPUs, {} busy threads",
         o.device / MIB,
-        CONTEXT / MIB,
+        o.context / MIB,
         BASE / MIB,
         BURST / MIB,
         STEP / MIB,
         o.bursts,
-        (BASE + CONTEXT + MARGIN) / MIB,
-        (BASE + BURST + CONTEXT) / MIB,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        o.rounds,
+        (BASE + o.context + MARGIN) / MIB,
+        (BASE + BURST + o.context) / MIB,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        o.busy
     );
     let mut results = Vec::new();
     for config in CONFIGS.iter().filter(|c| o.only.contains(c)) {
@@ -391,6 +466,17 @@ fn main() {
     for (config, r) in &results {
         for note in &r.notes {
             println!("- {config}: {note}");
+        }
+    }
+    if o.check {
+        if let Some(w) = find("wait") {
+            if w.broken_rounds > 0 {
+                eprintln!(
+                    "density_bench: --check: {} round(s) under wait broke the promise",
+                    w.broken_rounds
+                );
+                exit(1);
+            }
         }
     }
 }

@@ -80,7 +80,7 @@ impl Policy {
         match gpu.groups.get(&peer.group) {
             None => {
                 let committed = gpu.guaranteed().saturating_add(outside);
-                if committed.saturating_add(request) > gpu.total {
+                if request > 0 && committed.saturating_add(request) > gpu.total {
                     return Err(refuse(gpu, request));
                 }
                 gpu.groups.insert(
