@@ -26,6 +26,10 @@ pub const CHUNK: u64 = 256 * MIB;
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(300);
 /// How the test command installs the clients.
 pub const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
+/// Why the checks that fill the device need simgpu (`skip_on_real_gpu!`): each expects its
+/// room to be the device (or slice) less exactly simgpu's context ([`OVERHEAD`]).
+pub const EXACT_ROOM: &str =
+    "the check fills exactly the device or slice less simgpu's 64 MiB context (CLIENT_ROOM)";
 
 /// Clients that fill the device with VMM memory (`cuMemCreate`) take turns: simgpu backs
 /// physical allocations with host RAM at once (as a GPU has them from `cuMemCreate` on), so
@@ -75,7 +79,7 @@ pub enum Under<'a> {
 }
 
 /// `script` of `tests/clients/`, run by `python` on `gpu`, with the device size and room
-/// it must see.
+/// it must see (bare: the device's size, [`DEVICE`] on the simgpu of [`gpu`]).
 pub fn client(gpu: &SimGpu, python: &Path, script: &str, under: Under<'_>) -> Command {
     client_launched(gpu, &[], python, script, under)
 }
@@ -101,7 +105,7 @@ pub fn client_launched(
         .env("CLIENT_CHUNK", CHUNK.to_string())
         .env_remove("PYTHONPATH");
     let total = match under {
-        Under::Bare => DEVICE,
+        Under::Bare => gpu.device_total(0),
         Under::Shim { group } => {
             cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
                 .env("GPUFRAC_MEMORY_REQUEST", REQUEST)

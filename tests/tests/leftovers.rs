@@ -21,7 +21,7 @@ fn member(gpu: &SimGpu, group: &str) -> Command {
     let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
         .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "512MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("512MiB"))
         .env("GPUFRAC_GROUP", group)
         .args(["alloc", &(16 * MIB).to_string(), &(16 * MIB).to_string()]);
     cmd

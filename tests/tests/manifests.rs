@@ -287,7 +287,7 @@ fn the_install_container_puts_both_shim_libraries_on_the_host() {
         .command(gpufrac_e2e::compile_c("alloc_paths.c", &["MODE_DLSYM"], false))
         .env("LD_PRELOAD", host.join("libgpufrac.so"))
         .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "640MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("640MiB"))
         .args(["alloc", &(32u64 << 20).to_string(), &(32u64 << 20).to_string()])
         .stdin(std::process::Stdio::null())
         .output()

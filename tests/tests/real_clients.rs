@@ -14,7 +14,7 @@ use std::process::Command;
 
 use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
 use gpufrac_e2e::size::MIB;
-use gpufrac_e2e::{unique, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{skip_on_real_gpu, unique, Arbiter, ChildProcess, SimGpu};
 
 /// `.venv/bin/python` with every client importable.
 fn python() -> PathBuf {
@@ -46,6 +46,7 @@ fn bytes_of(lines: &[String], what: &str) -> u64 {
 
 #[test]
 fn cuda_bindings_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Bare));
@@ -54,6 +55,7 @@ fn cuda_bindings_bare() {
 
 #[test]
 fn cuda_bindings_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_bindings_check.py", Under::Shim { group: &unique("bindings") }));
@@ -67,6 +69,7 @@ fn cuda_bindings_shimmed() {
 
 #[test]
 fn cuda_core_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let _turn = clients::fills_ram();
     let gpu = gpu();
     passes(client(&gpu, "cuda_core_check.py", Under::Bare));
@@ -74,6 +77,7 @@ fn cuda_core_bare() {
 
 #[test]
 fn cuda_core_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let _turn = clients::fills_ram();
     let gpu = gpu();
     let lines = passes(client(&gpu, "cuda_core_check.py", Under::Shim { group: &unique("core") }));
@@ -82,12 +86,14 @@ fn cuda_core_shimmed() {
 
 #[test]
 fn numba_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     passes(client(&gpu, "numba_check.py", Under::Bare));
 }
 
 #[test]
 fn numba_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "numba_check.py", Under::Shim { group: &unique("numba") }));
     assert!(bytes_of(&lines, "device_array-again") <= LIMIT - OVERHEAD);

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
-use gpufrac_e2e::unique;
+use gpufrac_e2e::{skip_on_real_gpu, unique};
 
 /// What simgpu writes on stderr when the runtime asks for a table or calls a slot it
 /// does not implement (`export_tables.rs`).
@@ -84,6 +84,7 @@ fn filled_the_room(lines: &[String], total: u64, paths: &[&str]) {
 
 #[test]
 fn cudart_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "cudart_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
@@ -94,6 +95,7 @@ fn cudart_bare() {
 
 #[test]
 fn cudart_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "cudart_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
@@ -102,6 +104,7 @@ fn cudart_shimmed() {
 
 #[test]
 fn cupy_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "cupy_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
@@ -111,6 +114,7 @@ fn cupy_bare() {
 
 #[test]
 fn cupy_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "cupy_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
@@ -120,6 +124,7 @@ fn cupy_shimmed() {
 #[test]
 #[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_bare() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "torch_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
@@ -129,6 +134,7 @@ fn torch_bare() {
 #[test]
 #[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_shimmed() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "torch_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use gpufrac_e2e::size::MIB;
-use gpufrac_e2e::{artifact, compile_c, ledger_path, unique, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, ledger_path, skip_on_real_gpu, unique, ChildProcess, SimGpu};
 
 fn gpu() -> SimGpu {
     SimGpu::new("2GiB").with_context_overhead("64MiB")
@@ -24,7 +24,7 @@ fn member(gpu: &SimGpu, group: &str) -> Command {
     let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
         .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "640MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("640MiB"))
         .env("GPUFRAC_GROUP", group)
         .args(["alloc", &(32 * MIB).to_string(), &(32 * MIB).to_string()]);
     cmd
@@ -214,6 +214,7 @@ fn watch_device(gpu: &SimGpu) -> (Arc<AtomicBool>, std::thread::JoinHandle<u64>)
 
 #[test]
 fn a_context_larger_than_the_limit_is_refused_and_holds_nothing() {
+    skip_on_real_gpu!("needs simgpu's 256 MiB contexts (SIMGPU_CONTEXT_OVERHEAD) and watches its device state (SIMGPU_STATE)");
     // Contexts of 256 MiB, a limit of 128 MiB.
     let gpu = SimGpu::new("2GiB").with_context_overhead("256MiB");
     let group = unique("big-context");

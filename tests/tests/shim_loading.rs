@@ -37,7 +37,7 @@ fn cuda_program(gpu: &SimGpu, shim: &Path) -> Command {
     let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     cmd.env("LD_PRELOAD", shim)
         .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "640MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("640MiB"))
         .args(["alloc", &(32u64 << 20).to_string(), &(32u64 << 20).to_string()])
         .stdin(Stdio::null());
     cmd
@@ -79,11 +79,14 @@ fn a_process_that_never_calls_cuda_never_maps_the_core() {
     );
 
     // And a program linked with -lcuda gets it at its first call: it sees its 256 MiB
-    // limit as the device (2 GiB bare) and fills no more than that.
+    // limit as the device (2 GiB bare) and fills no more than that. (On a real GPU the
+    // limit also has room for a real context.)
+    let request = gpu.plus_real_context("256MiB");
+    let slice = gpufrac_common::size::parse_bytes("the request", &request).expect("a size");
     let mut linked = gpu.command(compile_c("alloc_paths.c", &["MODE_LINKED"], true));
     linked
         .env("LD_PRELOAD", &shim)
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
+        .env("GPUFRAC_MEMORY_REQUEST", &request)
         .args(["alloc", &(32u64 << 20).to_string()])
         .stdin(Stdio::null());
     let out = linked.output().expect("run alloc_paths");
@@ -95,7 +98,7 @@ fn a_process_that_never_calls_cuda_never_maps_the_core() {
         .unwrap_or_default();
     assert!(out.status.success() && all.contains("DONE"), "{all}");
     assert!(
-        ready.len() == 3 && ready[2] == 256 << 20 && ready[0] <= 256 << 20,
+        ready.len() == 3 && ready[2] == slice && ready[0] <= slice,
         "a linked program is held to its slice by the core: {all}"
     );
 }

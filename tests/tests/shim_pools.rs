@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu, TIMEOUT};
 
 const LIMIT: u64 = 4 * GIB;
 const OVERHEAD: u64 = 64 * MIB;
@@ -51,6 +51,7 @@ fn used_now(gpu: &SimGpu, device: usize) -> u64 {
 
 /// The numbers of each output line, by its first words (`SYNCED 1` → free after pool 1).
 fn run(scenario: &str, devices: usize) {
+    skip_on_real_gpu!("reads what the process holds from simgpu's device state (SIMGPU_STATE), on one or two simulated 16 GiB devices with 64 MiB contexts");
     let gpu = SimGpu::new(if devices == 2 { "16GiB,16GiB" } else { "16GiB" }).with_context_overhead("64MiB");
     let (stop, watcher) = watch(&gpu, devices);
     let mut cmd = gpu.command(compile_c("pool_limits.c", &[], false));

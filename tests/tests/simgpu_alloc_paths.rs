@@ -11,13 +11,17 @@
 use std::path::PathBuf;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{compile_c, describe_status, process_state, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{
+    compile_c, describe_status, process_state, skip_on_real_gpu, ChildProcess, SimGpu, TIMEOUT,
+};
 
 const DEVICE: u64 = GIB;
 const OVERHEAD: u64 = 64 * MIB;
 const CHUNK: u64 = 32 * MIB;
 /// What one process can hold on an otherwise idle device: all but its context.
 const ROOM: u64 = DEVICE - OVERHEAD;
+/// Why every test here needs simgpu.
+const SIMULATOR: &str = "tests the simulator itself: a 1 GiB simulated device with 64 MiB contexts";
 
 /// How `alloc_paths` reaches the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +112,7 @@ fn setup() -> SimGpu {
 /// Two processes share one device, each sees only what the other left, and everything
 /// freed is available again.
 fn device_is_shared(case: Case) {
+    skip_on_real_gpu!(SIMULATOR);
     let gpu = setup();
 
     // A fills the device.
@@ -173,6 +178,7 @@ fn device_is_shared(case: Case) {
 /// A process killed while it holds the whole device gives all of it back, whether or not
 /// its parent has reaped it yet.
 fn killed_process_releases(case: Case, reap: bool) {
+    skip_on_real_gpu!(SIMULATOR);
     let gpu = setup();
     let mut a = case.start(&gpu, None);
     let ra = case.report(&mut a);

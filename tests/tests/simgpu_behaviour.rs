@@ -4,7 +4,10 @@
 
 use std::process::Output;
 
-use gpufrac_e2e::{artifact, SimGpu};
+use gpufrac_e2e::{artifact, skip_on_real_gpu, SimGpu};
+
+/// Why every test here needs simgpu.
+const SIMULATOR: &str = "tests the simulator itself (simgpu_probe loads simgpu's built-in kernels)";
 
 fn sim(devices: &str) -> SimGpu {
     SimGpu::new(devices).with_context_overhead("64MiB")
@@ -29,26 +32,31 @@ fn probe(sim: &SimGpu, what: &str) {
 
 #[test]
 fn queued_work_runs_later_in_order_and_events_order_streams() {
+    skip_on_real_gpu!(SIMULATOR);
     probe(&sim("1GiB"), "async-order");
 }
 
 #[test]
 fn vmm_data_survives_unmap_release_and_remap_at_the_same_address() {
+    skip_on_real_gpu!(SIMULATOR);
     probe(&sim("1GiB"), "vmm-remap");
 }
 
 #[test]
 fn pools_release_freed_memory_at_synchronize_above_their_threshold() {
+    skip_on_real_gpu!(SIMULATOR);
     probe(&sim("1GiB"), "pool-release");
 }
 
 #[test]
 fn nvml_sees_the_same_devices_usage_and_processes_and_delivers_injected_xids() {
+    skip_on_real_gpu!("injects an XID through simgpu_inject_xid, on two simulated devices");
     probe(&sim("1GiB,2GiB"), "nvml");
 }
 
 #[test]
 fn a_cudarc_client_runs_and_its_data_survives_copies_and_kernels() {
+    skip_on_real_gpu!(SIMULATOR);
     let sim = sim("2GiB");
     let server = artifact("sample-inference-server");
     let out = run(
@@ -66,6 +74,7 @@ fn a_cudarc_client_runs_and_its_data_survives_copies_and_kernels() {
 
 #[test]
 fn a_bad_setting_fails_cuinit_naming_the_variable() {
+    skip_on_real_gpu!("SIMGPU_DEVICES is simgpu's setting");
     let sim = SimGpu::new("lots");
     let out = sim.command(env!("CARGO_BIN_EXE_simgpu_probe")).arg("async-order").output().expect("run");
     assert!(!out.status.success());

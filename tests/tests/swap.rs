@@ -8,10 +8,15 @@
 use std::time::{Duration, Instant};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{
+    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+};
 
 const BURST: u64 = 256 * MIB;
 const BURSTS: u64 = 4;
+/// Why the swap tests need simgpu.
+const KERNELS: &str =
+    "simgpu_probe hold-bursts fills memory with simgpu's built-in kernels, and the bursts collide on its 4 GiB device";
 
 fn gpu() -> SimGpu {
     SimGpu::new("4GiB").with_context_overhead("64MiB")
@@ -71,6 +76,7 @@ fn check_intact(a: &mut ChildProcess) {
 
 #[test]
 fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched() {
+    skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
     // A port the system just handed out and took back: free, barring a rare race.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -153,6 +159,7 @@ fn scrape(address: &str) -> String {
 
 #[test]
 fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
+    skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
     let socket = gpu.lib_dir().join("k.sock");
     let args = ["--swap-quantum", "0s"];
@@ -180,6 +187,7 @@ fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
 
 #[test]
 fn the_host_ram_cap_is_honoured_and_the_burst_waits_instead() {
+    skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
     let arbiter = Arbiter::start_at(
         &gpu,
@@ -202,6 +210,7 @@ fn the_host_ram_cap_is_honoured_and_the_burst_waits_instead() {
 
 #[test]
 fn a_swapped_out_process_that_exits_frees_its_host_copy() {
+    skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("e.sock"), &["--swap-quantum", "0s"]);
     let (ga, gb) = (unique("holder"), unique("burst"));
@@ -223,6 +232,7 @@ fn a_swapped_out_process_that_exits_frees_its_host_copy() {
 
 #[test]
 fn without_the_arbiter_a_swapped_process_comes_back_when_the_device_has_room() {
+    skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
     let mut arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("g.sock"), &["--swap-quantum", "0s"]);
     let (ga, gb) = (unique("holder"), unique("burst"));
