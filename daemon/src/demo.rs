@@ -395,7 +395,7 @@ impl Timeline {
             // Shown once it has waited more than a few ms: most are granted at once.
             self.queued.insert(who, Queued { since: Instant::now(), bytes: bytes(), shown: false });
             return;
-        } else if line.contains("grant after wait") {
+        } else if line.contains("grant after wait") || line.contains("a burst waited") {
             let waited: u64 = field(line, "waited_ms").and_then(|w| w.parse().ok()).unwrap_or(0);
             let shown = self.queued.remove(&who).is_some_and(|q| q.shown);
             if !shown && waited <= WAIT_SHOWN_MS {
@@ -471,8 +471,9 @@ impl Stage<'_> {
             let mut cmd = Command::new(bin);
             cmd.arg("--socket")
                 .arg(&socket)
-                .args(["--swap-quantum", "2s", "--kill-grace", "3s"])
-                .env("GPUFRAC_LOG", "info")
+                .args(["--swap-quantum", "2s", "--kill-grace", "3s", "--reclaim-grace", "2s"])
+                // The demo narrates every wait, short ones too (debug in the arbiter's log).
+                .env("GPUFRAC_LOG", "info,gpufrac_daemon::arbiter::server=debug")
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped());
             sim.apply(&mut cmd);

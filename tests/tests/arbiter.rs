@@ -57,6 +57,18 @@ fn state_of<'a>(s: &'a Status, group: &str) -> Option<&'a str> {
 }
 
 /// A holds 2.5 GiB (1 GiB guaranteed + 1.5 GiB lent); B wants 2 GiB and has to wait.
+/// An arbiter that also logs every grant after a wait (at debug: at INFO only waits of a
+/// second or more are logged).
+fn arbiter_logging_grants(gpu: &SimGpu) -> Arbiter {
+    let log = std::ffi::OsStr::new("info,gpufrac_daemon::arbiter::server=debug");
+    Arbiter::start_with_env(gpu, gpu.lib_dir().join("arbiter.sock"), &[], &[("GPUFRAC_LOG", log)])
+}
+
+/// Whether the arbiter's log shows a burst granted after waiting.
+fn granted_after_wait(log: &str) -> bool {
+    log.contains("grant after wait") || log.contains("a burst waited")
+}
+
 fn collision(gpu: &SimGpu, arbiter: &Arbiter, wait: &str) -> (ChildProcess, ChildProcess) {
     let mut a = server(gpu, arbiter, &unique("a"), 2560 * MIB, "30s");
     let ra = a.ready();
@@ -69,7 +81,7 @@ fn collision(gpu: &SimGpu, arbiter: &Arbiter, wait: &str) -> (ChildProcess, Chil
 fn a_burst_into_lent_memory_waits_and_succeeds_when_it_is_freed() {
     skip_on_real_gpu!(COLLIDE);
     let gpu = gpu();
-    let arbiter = Arbiter::start(&gpu);
+    let arbiter = arbiter_logging_grants(&gpu);
     let (mut a, mut b) = collision(&gpu, &arbiter, "30s");
     // B is shown waiting, in the table and in JSON.
     let s = wait_for(&arbiter, "B waiting", |s| state_of(s, "b") == Some("waiting"));
@@ -90,7 +102,7 @@ fn a_burst_into_lent_memory_waits_and_succeeds_when_it_is_freed() {
     a.finish();
     let rb = b.ready();
     assert_eq!(rb[0], 2 * GIB, "B got all it asked for ({})", mib(rb[0]));
-    assert!(arbiter.log_text().contains("grant after wait"), "{}", arbiter.log_text());
+    assert!(granted_after_wait(&arbiter.log_text()), "{}", arbiter.log_text());
     b.close_stdin();
     b.finish();
     let s = wait_for(&arbiter, "everything released", |s| s.gpus[0].processes.is_empty());
@@ -185,7 +197,7 @@ fn a_restarted_arbiter_lends_nothing_a_holder_not_yet_back_still_holds() {
 fn memory_held_by_a_program_without_the_shim_is_not_lent() {
     skip_on_real_gpu!(COLLIDE);
     let gpu = gpu();
-    let arbiter = Arbiter::start(&gpu);
+    let arbiter = arbiter_logging_grants(&gpu);
     // A program the shim is not preloaded into holds 2 GiB.
     let mut outsider =
         ChildProcess::spawn(gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false)).args([
@@ -207,7 +219,7 @@ fn memory_held_by_a_program_without_the_shim_is_not_lent() {
     outsider.kill();
     outsider.wait(TIMEOUT);
     assert_eq!(a.ready()[0], 2 * GIB, "A is served once the outsider is gone");
-    assert!(arbiter.log_text().contains("grant after wait"), "{}", arbiter.log_text());
+    assert!(granted_after_wait(&arbiter.log_text()), "{}", arbiter.log_text());
     a.close_stdin();
     a.finish();
 }

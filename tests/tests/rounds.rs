@@ -58,3 +58,37 @@ fn churning_processes_half_of_them_killed_leave_nothing_behind_run_after_run() {
     assert!(out.contains("2 of 2 runs held the promise"), "{out}");
     assert!(out.contains("12 of 12 survivors exited cleanly"), "{out}");
 }
+
+/// The collapse once seen on this trace: servers started together, each context taking
+/// 300 ms to create while the others load their models. A context measured by the
+/// device's usage took the neighbours' models for its own; charged above the request it
+/// became a loan the arbiter made for memory nobody used and nobody gave back (the shim
+/// counted it in use), so the GPU's spare memory went to phantoms and the real bursts
+/// queued behind them until they failed. Contexts are measured by their own process's
+/// usage now: every burst is served.
+#[test]
+fn contexts_created_while_neighbours_load_take_no_burst_memory_from_them() {
+    skip_on_real_gpu!(WHY);
+    let out = run(
+        "density_bench",
+        &[
+            "--only",
+            "wait",
+            "--servers",
+            "8",
+            "--device",
+            "16GiB",
+            "--bursts",
+            "2",
+            "--rounds",
+            "2",
+            "--context",
+            "0",
+            "--context-create-time",
+            "300ms",
+            "--check",
+        ],
+    );
+    assert!(out.contains("2 of 2 rounds held"), "{out}");
+    assert!(out.contains("| wait | 8 | 32 / 32 | 0 |"), "{out}");
+}

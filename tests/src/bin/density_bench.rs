@@ -26,14 +26,16 @@
 //! cargo build --release --workspace
 //! cargo run --release -p gpufrac-e2e --bin density_bench -- [--servers 8] [--bursts 10] \
 //!     [--device 16GiB] [--only static,bare,wait,priority,swap] [--verify] [--rounds 1] \
-//!     [--busy 0] [--context 64MiB] [--check]
+//!     [--busy 0] [--context 64MiB] [--context-create-time 0ms] [--check]
 //! ```
 //!
 //! `--verify` makes every server fill and check its bursts (slow: each 3 GiB burst is
 //! faulted in on the host). `--rounds N` plays the trace N times on one arbiter per
 //! configuration, all servers of a round started at the same moment; `--busy N` keeps N
 //! threads spinning on the CPU meanwhile; `--context SIZE` sets simgpu's context size (the
-//! request and limit grow with it); `--check` exits 1 if any round under `wait` had an
+//! request and limit grow with it); `--context-create-time DURATION` makes each server's
+//! context take that long to create (`SIMGPU_CONTEXT_CREATE_TIME`: a real driver takes
+//! 100-500 ms, while the other servers load their models); `--check` exits 1 if any round under `wait` had an
 //! out-of-memory error or a server that failed. The arbiter's INFO lines per second (per
 //! server) are printed under the table: what an operator's log receives.
 
@@ -63,7 +65,8 @@ const SILENCE: Duration = Duration::from_secs(300);
 const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
 
 const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
-[--only static,bare,wait,priority,swap] [--verify] [--rounds N] [--busy N] [--context SIZE] [--check]";
+[--only static,bare,wait,priority,swap] [--verify] [--rounds N] [--busy N] [--context SIZE] \
+[--context-create-time DURATION] [--check]";
 
 struct Options {
     servers: usize,
@@ -74,6 +77,7 @@ struct Options {
     rounds: u32,
     busy: usize,
     context: u64,
+    context_create_time: String,
     check: bool,
 }
 
@@ -92,6 +96,7 @@ fn parse_options() -> Options {
         rounds: 1,
         busy: 0,
         context: CONTEXT,
+        context_create_time: "0ms".to_owned(),
         check: false,
     };
     let mut args = std::env::args().skip(1);
@@ -112,8 +117,17 @@ fn parse_options() -> Options {
             Some((n, v)) if n.starts_with("--") => (n.to_owned(), Some(v.to_owned())),
             _ => (flag.clone(), None),
         };
-        if !["--servers", "--bursts", "--device", "--only", "--rounds", "--busy", "--context"]
-            .contains(&name.as_str())
+        if ![
+            "--servers",
+            "--bursts",
+            "--device",
+            "--only",
+            "--rounds",
+            "--busy",
+            "--context",
+            "--context-create-time",
+        ]
+        .contains(&name.as_str())
         {
             bad(format!("unknown argument {flag:?}"));
         }
@@ -133,6 +147,11 @@ fn parse_options() -> Options {
                     Ok(n) if n <= 64 => n,
                     _ => bad(format!("--busy {value:?}: expected a whole number from 0 to 64")),
                 }
+            }
+            "--context-create-time" => {
+                gpufrac_common::parse_duration("--context-create-time", &value)
+                    .unwrap_or_else(|e| bad(e.to_string()));
+                o.context_create_time = value.trim().to_owned();
             }
             "--context" => {
                 o.context = match value.trim() {
@@ -305,7 +324,8 @@ fn run(config: &str, o: &Options) -> Outcome {
         let mut children: Vec<ChildProcess> = (0..servers)
             .map(|k| {
                 let mut cmd = gpu.command(artifact("bursty_server"));
-                cmd.args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
+                cmd.env("SIMGPU_CONTEXT_CREATE_TIME", &o.context_create_time)
+                    .args(["--base", &BASE.to_string(), "--burst", &BURST.to_string()])
                     .args(["--step", &STEP.to_string(), "--step-ms", &STEP_MS.to_string()])
                     .args(["--hold", &HOLD_MS.to_string()])
                     .args(["--bursts", &o.bursts.to_string(), "--gap-ms", GAP_MS])
@@ -411,7 +431,7 @@ fn main() {
     println!(
         "density_bench: one simgpu GPU of {} MiB ({} MiB per context); servers: model {} MiB, bursts of {} MiB \
          in {} MiB steps held {HOLD_MS} ms, gaps {GAP_MS} ms, {} bursts each, {} round(s); gpufrac request {} MiB, \
-         limit {} MiB; {} CPUs, {} busy threads",
+         limit {} MiB; contexts take {} to create; {} CPUs, {} busy threads",
         o.device / MIB,
         o.context / MIB,
         BASE / MIB,
@@ -421,6 +441,7 @@ fn main() {
         o.rounds,
         (BASE + o.context + MARGIN) / MIB,
         (BASE + BURST + o.context) / MIB,
+        o.context_create_time,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         o.busy
     );
