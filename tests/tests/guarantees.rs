@@ -132,6 +132,39 @@ fn a_request_is_served_by_ending_a_holder_that_cannot_swap() {
     b.finish();
 }
 
+#[test]
+fn a_holder_that_gives_back_within_the_reclaim_grace_is_not_ended() {
+    skip_on_real_gpu!(FULL);
+    let _turn = heavy();
+    let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start(&gpu);
+    let (ga, gb) = (unique("lender"), unique("guaranteed"));
+    // A (resolver wait): guaranteed 512 MiB, holds 3 GiB with its context.
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "wait");
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    assert_eq!(a.ready()[0], 3008 * MIB);
+
+    // B's guarantee is owed A's loan; A's batch ends a second later (well within the
+    // 5 s reclaim grace) and it frees everything.
+    let started = Instant::now();
+    let mut b = guaranteed_2gib(&gpu, &arbiter, &gb);
+    wait_for(&arbiter, "the debt", |s| s.gpus[0].reclaiming > 0);
+    std::thread::sleep(Duration::from_secs(1));
+    a.close_stdin();
+    a.finish();
+    let got = b.ready()[0];
+    assert_eq!(got, 1984 * MIB, "B allocated its whole request ({})\n{}", mib(got), arbiter.log_text());
+    assert!(started.elapsed() < Duration::from_secs(8), "B served within seconds: {:?}", started.elapsed());
+    let log = arbiter.log_text();
+    assert!(!log.contains("ending a holder"), "nobody is ended: {log}");
+    let s = status(&arbiter);
+    assert!(s.gpus[0].repaid_given_back > 0 && s.gpus[0].repaid_ended == 0, "{:?}", s.gpus[0]);
+    b.close_stdin();
+    b.finish();
+}
+
 /// The lines `BURST <i> ok wait_ms=<ms>` / `BURST <i> oom ...` and the final `DONE` of a
 /// `bursty_server`: (waits of the bursts served, out-of-memory errors).
 fn burst_outcomes(server: &mut ChildProcess) -> (Vec<u64>, u64) {

@@ -227,8 +227,13 @@ impl Policy {
         let mut grants = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
             gpu.queue.retain(|w| w.conn != conn);
+            let owed = gpu.shortfall();
             for group in gpu.groups.values_mut() {
-                group.members.remove(&conn);
+                // A borrower that exits while a guarantee is owed gives its loan back
+                // (one ended for the debt was counted when it was chosen).
+                if let Some(m) = group.members.remove(&conn).filter(|m| !m.ended_for_debt) {
+                    gpu.repaid.given_back = gpu.repaid.given_back.saturating_add(m.granted.min(owed));
+                }
             }
             gpu.groups.retain(|_, g| !g.members.is_empty());
             grants.extend(Self::drain(device, gpu, now));

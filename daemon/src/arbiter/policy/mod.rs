@@ -119,6 +119,8 @@ struct Member {
     swapped_since: Option<Instant>,
     /// Told that memory is free to come back (once per swap-out).
     resume_sent: bool,
+    /// Chosen to be ended for a guarantee: what it held is counted as paid by ending it.
+    ended_for_debt: bool,
     /// Time spent in waits already answered.
     waited: Duration,
     /// Time spent swapped out, swap-ins already done.

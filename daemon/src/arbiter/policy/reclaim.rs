@@ -149,6 +149,9 @@ impl Policy {
                 let Some(peer) = self.peers.get(&conn) else { continue };
                 owed -= bytes as i128;
                 gpu.repaid.ended = gpu.repaid.ended.saturating_add(bytes);
+                if let Some(m) = gpu.groups.values_mut().find_map(|g| g.members.get_mut(&conn)) {
+                    m.ended_for_debt = true;
+                }
                 plan.end.push(Victim {
                     conn,
                     pid: peer.pid,
