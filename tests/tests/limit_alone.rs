@@ -8,9 +8,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, wait_for, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu};
 
 const DEVICE: u64 = 8 * GIB;
+/// Why the tests here need simgpu: they check sizes to the byte against its 64 MiB contexts
+/// on its 8 GiB device.
+const EXACT: &str = "exact sizes against simgpu's 64 MiB contexts (SIMGPU_CONTEXT_OVERHEAD) and 8 GiB device";
 const LIMIT: u64 = 2 * GIB;
 const OVERHEAD: u64 = 64 * MIB;
 const CHUNK: u64 = 32 * MIB;
@@ -70,21 +73,25 @@ fn held_to_the_limit(mode: &str, path: &str) {
 
 #[test]
 fn linked_alloc_stops_at_the_limit_with_out_of_memory() {
+    skip_on_real_gpu!(EXACT);
     held_to_the_limit("linked", "alloc");
 }
 
 #[test]
 fn dlsym_async_stops_at_the_limit_with_out_of_memory() {
+    skip_on_real_gpu!(EXACT);
     held_to_the_limit("dlsym", "async");
 }
 
 #[test]
 fn procaddr_vmm_stops_at_the_limit_with_out_of_memory() {
+    skip_on_real_gpu!(EXACT);
     held_to_the_limit("procaddr", "vmm");
 }
 
 #[test]
 fn cuda_and_nvml_show_the_limit_as_the_device() {
+    skip_on_real_gpu!(EXACT);
     let gpu = gpu();
     let probe = env!("CARGO_BIN_EXE_simgpu_probe");
     // cuMemGetInfo, cuDeviceTotalMem and NVML agree (the probe asserts it) on the limit.
@@ -105,6 +112,7 @@ fn cuda_and_nvml_show_the_limit_as_the_device() {
 
 #[test]
 fn gpufrac_h_reports_a_request_of_nothing_and_the_limit() {
+    skip_on_real_gpu!(EXACT);
     let gpu = gpu();
     let (out, stdout, stderr) = output(&mut limited(&gpu, compile_c("query.c", &[], false)));
     assert!(out.status.success(), "{stdout}{stderr}");
@@ -117,6 +125,7 @@ fn gpufrac_h_reports_a_request_of_nothing_and_the_limit() {
 
 #[test]
 fn a_cudarc_server_under_gpufrac_run_limit_alone_gets_out_of_memory_past_it() {
+    skip_on_real_gpu!(EXACT);
     let gpu = gpu();
     // README's quick start, with --limit alone.
     let (out, stdout, stderr) = output(
@@ -134,6 +143,7 @@ fn a_cudarc_server_under_gpufrac_run_limit_alone_gets_out_of_memory_past_it() {
 
 #[test]
 fn gpufrac_run_limit_alone_holds_the_command_to_it_and_guarantees_nothing() {
+    skip_on_real_gpu!(EXACT);
     let gpu = gpu();
     let mut cmd = gpu.command(artifact("gpufrac"));
     cmd.args(["run", "--limit", "2GiB", "--"]).arg(alloc_paths("dlsym")).args(["alloc", &CHUNK.to_string()]);
@@ -160,6 +170,7 @@ fn gpufrac_run_limit_alone_holds_the_command_to_it_and_guarantees_nothing() {
 
 #[test]
 fn with_an_arbiter_all_it_holds_is_a_burst_the_arbiter_lent() {
+    skip_on_real_gpu!(EXACT);
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
     let mut cmd = limited(&gpu, alloc_paths("dlsym"));
@@ -249,6 +260,7 @@ fn machine_preload() -> Option<Vec<u8>> {
 
 #[test]
 fn from_etc_ld_so_preload_a_limit_alone_is_enforced_too() {
+    skip_on_real_gpu!(EXACT);
     let before = machine_preload();
     let gpu = gpu();
     let scratch = gpu.lib_dir().join("preload-namespace");
