@@ -105,6 +105,16 @@ fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_d
     a.finish();
 }
 
+/// A (resolver wait): guaranteed 512 MiB, holding 3 GiB with its context, most of it lent.
+fn lender_holding_3gib(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess {
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim(&mut cmd, arbiter, group, "512MiB", "3584MiB", "wait");
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    assert_eq!(a.ready()[0], 3008 * MIB);
+    a
+}
+
 #[test]
 fn a_request_is_served_by_ending_a_holder_that_cannot_swap() {
     skip_on_real_gpu!(FULL);
@@ -112,12 +122,7 @@ fn a_request_is_served_by_ending_a_holder_that_cannot_swap() {
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
     let arbiter = Arbiter::start(&gpu);
     let (ga, gb) = (unique("lender"), unique("guaranteed"));
-    // A (resolver wait): guaranteed 512 MiB, holds 3 GiB with its context.
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "wait");
-    cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
-    let mut a = ChildProcess::spawn(&mut cmd);
-    assert_eq!(a.ready()[0], 3008 * MIB);
+    let mut a = lender_holding_3gib(&gpu, &arbiter, &ga);
 
     let started = Instant::now();
     let mut b = guaranteed_2gib(&gpu, &arbiter, &gb);
@@ -139,12 +144,7 @@ fn a_holder_that_gives_back_within_the_reclaim_grace_is_not_ended() {
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
     let arbiter = Arbiter::start(&gpu);
     let (ga, gb) = (unique("lender"), unique("guaranteed"));
-    // A (resolver wait): guaranteed 512 MiB, holds 3 GiB with its context.
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "wait");
-    cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
-    let mut a = ChildProcess::spawn(&mut cmd);
-    assert_eq!(a.ready()[0], 3008 * MIB);
+    let mut a = lender_holding_3gib(&gpu, &arbiter, &ga);
 
     // B's guarantee is owed A's loan; A's batch ends a second later (well within the
     // 5 s reclaim grace) and it frees everything.

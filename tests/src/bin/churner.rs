@@ -18,6 +18,7 @@ use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
+use gpufrac_e2e::rng::Rng;
 
 const USAGE: &str = "usage: churner [--seconds N] [--min SIZE] [--max SIZE] [--most SIZE] [--seed N]";
 
@@ -58,21 +59,6 @@ fn parse_args() -> Args {
     a
 }
 
-/// xorshift64*: a seeded, repeatable sequence.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn between(&mut self, min: u64, max: u64) -> u64 {
-        min + self.next() % (max - min + 1)
-    }
-}
-
 fn error_name(r: CUresult) -> String {
     format!("{r:?}")
 }
@@ -84,7 +70,7 @@ fn failed(what: &str, r: CUresult) -> ! {
 
 fn main() {
     let args = parse_args();
-    let mut rng = Rng(args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(args.seed);
     // SAFETY: plain driver calls with valid out-pointers, in order.
     unsafe {
         if !sys::is_culib_present() {
