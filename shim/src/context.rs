@@ -20,8 +20,9 @@ type Ptr = *mut c_void;
 /// arbiter saw, in a container, where NVML reports the host's PIDs), next to what the shim
 /// has charged this process there (`mine`, contexts and allocations). `own` is `None`
 /// when NVML does not list the process (no context yet, or listed by a PID the shim does
-/// not know: a container without an arbiter); the whole outer `None` without NVML. The
-/// device's total is never used: other processes allocate on it at any moment.
+/// not know: a container without an arbiter); the whole outer `None` without NVML, or when
+/// this process's charge moved while NVML answered. The device's total is never used:
+/// other processes allocate on it at any moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Usage {
     own: Option<u64>,
@@ -44,14 +45,19 @@ fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
     }
     let mut procs = [[0u64; 3]; 256];
     let mut count: c_uint = procs.len() as c_uint;
+    let mine = e.ledger.held_by_me(dev);
     if call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13) != SUCCESS {
+        return None;
+    }
+    // Another thread charged or freed while NVML answered: the two do not match.
+    if e.ledger.held_by_me(dev) != mine {
         return None;
     }
     // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
     let me = e.ledger.my_host_pid().unwrap_or_else(std::process::id) as u64;
     let own =
         procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1]);
-    Some(Usage { own, mine: e.ledger.held_by_me(dev) })
+    Some(Usage { own, mine })
 }
 
 /// Bytes a context took, from this process's own usage before and after creating it, less
@@ -59,8 +65,10 @@ fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
 /// its usage too). `None` when it cannot be measured cleanly: NVML does not list the
 /// process afterwards.
 fn delta(before: Usage, after: Usage) -> Option<u64> {
-    let grown = after.own?.saturating_sub(before.own.unwrap_or(0));
-    Some(grown.saturating_sub(after.mine.saturating_sub(before.mine)))
+    // Signed: another thread may have freed meanwhile (both figures fall by it).
+    let grown = i128::from(after.own?) - i128::from(before.own.unwrap_or(0));
+    let others = i128::from(after.mine) - i128::from(before.mine);
+    Some((grown - others).clamp(0, i128::from(u64::MAX)) as u64)
 }
 
 /// Whether `bytes` is far from the last clean measurement `known` (more than twice, or
@@ -295,6 +303,8 @@ mod tests {
         assert_eq!(delta(at(Some(100), 100), at(Some(356), 100)), Some(256));
         // Another thread of this process allocated 1000 meanwhile: not the context's.
         assert_eq!(delta(at(Some(100), 100), at(Some(1356), 1100)), Some(256));
+        // Or freed 500 meanwhile: the context still took 256.
+        assert_eq!(delta(at(Some(1000), 1000), at(Some(756), 500)), Some(256));
         // Not listed afterwards (a PID the shim does not know): not measurable, whatever
         // the device's usage did.
         assert_eq!(delta(at(None, 0), at(None, 0)), None);

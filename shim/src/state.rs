@@ -569,7 +569,10 @@ impl Enforcer {
         if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
             return status;
         }
-        let deadline = std::time::Instant::now() + self.config.wait_timeout.max(OWED_WAIT);
+        let now = std::time::Instant::now();
+        // A timeout too large to add is as good as none.
+        let deadline =
+            now.checked_add(self.config.wait_timeout.max(OWED_WAIT)).unwrap_or(now + OWED_WAIT * 1000);
         let mut pause = std::time::Duration::from_millis(1);
         while status == OUT_OF_MEMORY && std::time::Instant::now() < deadline {
             std::thread::sleep(pause);

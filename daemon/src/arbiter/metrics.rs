@@ -52,7 +52,7 @@ pub(crate) struct Refusal {
 pub struct Metrics {
     gpu_memory: Family<GpuKind, Gauge>,
     /// Debts owed to guarantees, paid back, by how (`given_back`, `swapped`, `ended`).
-    reclaimed: Family<GpuKind, Gauge>,
+    reclaimed: Family<GpuKind, Counter>,
     group_memory: Family<GroupKind, Gauge>,
     pub(crate) grants: Family<GpuLabel, Counter>,
     pub(crate) granted_bytes: Family<GpuLabel, Counter>,
@@ -78,7 +78,7 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("gpufrac");
         let gpu_memory = Family::<GpuKind, Gauge>::default();
-        let reclaimed = Family::<GpuKind, Gauge>::default();
+        let reclaimed = Family::<GpuKind, Counter>::default();
         let group_memory = Family::<GroupKind, Gauge>::default();
         let grants = Family::<GpuLabel, Counter>::default();
         let granted_bytes = Family::<GpuLabel, Counter>::default();
@@ -172,9 +172,10 @@ impl Metrics {
                 ("swapped", g.repaid_swapped),
                 ("ended", g.repaid_ended),
             ] {
-                self.reclaimed
-                    .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
-                    .set(gauge(v));
+                // The arbiter's totals only grow: the counter catches up with them.
+                let counter =
+                    self.reclaimed.get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() });
+                counter.inc_by(v.saturating_sub(counter.get()));
             }
             // Series are per group as the ledger keys it, so tenants never merge: two users
             // naming one group, a derived group and a host client naming its own group
@@ -284,6 +285,28 @@ pub async fn serve(
 mod tests {
     use super::*;
     use crate::status::GpuStatus;
+
+    #[test]
+    fn loans_taken_back_for_guarantees_are_counted_by_how() {
+        let metrics = Metrics::new();
+        let status = |given_back| Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                repaid_given_back: given_back,
+                repaid_ended: 7,
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let text = metrics.render(&status(5));
+        assert!(text.contains("# TYPE gpufrac_reclaimed_bytes counter"), "{text}");
+        assert!(text.contains(r#"gpufrac_reclaimed_bytes_total{gpu="GPU-1",kind="given_back"} 5"#), "{text}");
+        assert!(text.contains(r#"gpufrac_reclaimed_bytes_total{gpu="GPU-1",kind="ended"} 7"#), "{text}");
+        // Rendered again with more given back: the counter follows the total, once.
+        let text = metrics.render(&status(9));
+        assert!(text.contains(r#"gpufrac_reclaimed_bytes_total{gpu="GPU-1",kind="given_back"} 9"#), "{text}");
+        assert!(text.contains(r#"gpufrac_reclaimed_bytes_total{gpu="GPU-1",kind="ended"} 7"#), "{text}");
+    }
 
     #[test]
     fn bytes_past_i64_max_show_as_the_largest_gauge_not_negative() {

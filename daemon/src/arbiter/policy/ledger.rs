@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use gpufrac_common::protocol::DeviceId;
 
-use super::{gib, uuid_string, Answer, ConnId, Group, Member, Policy};
+use super::{gib, uuid_string, Answer, ConnId, Group, Member, Policy, Residency};
 
 /// Least memory a group's processes may use beyond what it is guaranteed and lent before
 /// the excess counts as used outside gpufrac (or 1/64 of the GPU, if more).
@@ -209,12 +209,16 @@ impl Policy {
             g.last_ask = None;
         }
         let held = held.min(gpu.total);
-        let owed = gpu.shortfall();
+        let owed = gpu.open_debt();
         let mut given = 0;
         if let Some(m) = gpu.member_mut(&group, conn) {
             given = bytes.min(m.granted);
             m.granted -= given;
             m.held = held;
+            // Being ended or swapped out for the debt: counted there, not here.
+            if m.ended_for_debt || m.residency == Residency::SwappingOut {
+                given = 0;
+            }
         }
         gpu.repaid.given_back = gpu.repaid.given_back.saturating_add(given.min(owed));
         Self::drain(device, gpu, now)
@@ -227,11 +231,14 @@ impl Policy {
         let mut grants = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
             gpu.queue.retain(|w| w.conn != conn);
-            let owed = gpu.shortfall();
+            let owed = gpu.open_debt();
             for group in gpu.groups.values_mut() {
-                // A borrower that exits while a guarantee is owed gives its loan back
-                // (one ended for the debt was counted when it was chosen).
-                if let Some(m) = group.members.remove(&conn).filter(|m| !m.ended_for_debt) {
+                // A borrower that exits while a guarantee is owed gives its loan back (one
+                // ended or swapping out for the debt is counted there).
+                let removed = group.members.remove(&conn);
+                if let Some(m) =
+                    removed.filter(|m| !m.ended_for_debt && m.residency != Residency::SwappingOut)
+                {
                     gpu.repaid.given_back = gpu.repaid.given_back.saturating_add(m.granted.min(owed));
                 }
             }

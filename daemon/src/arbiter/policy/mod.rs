@@ -121,6 +121,8 @@ struct Member {
     resume_sent: bool,
     /// Chosen to be ended for a guarantee: what it held is counted as paid by ending it.
     ended_for_debt: bool,
+    /// Told to swap out for a guarantee: what its answer moves is counted as swapped.
+    swapping_for_debt: bool,
     /// Time spent in waits already answered.
     waited: Duration,
     /// Time spent swapped out, swap-ins already done.
@@ -232,8 +234,11 @@ struct Gpu {
     /// Until when memory outside gpufrac may be shims still coming back to a restarted
     /// arbiter (their reconnect backoff is at most 2 s).
     reconnecting_until: Instant,
-    /// Since when guarantees have been owed memory that is lent out.
+    /// Since when guarantees have been owed memory that is lent out (restarted when the
+    /// debt grows: a new guarantee gets a grace of its own).
     short_since: Option<Instant>,
+    /// The debt when it was last looked at.
+    short_last: u64,
     /// How the debts owed to guarantees here were paid, bytes in all.
     repaid: Repaid,
 }
@@ -275,6 +280,15 @@ impl Gpu {
     /// What the guarantees are owed: lent memory that must come back.
     fn shortfall(&self) -> u64 {
         (-self.room()).clamp(0, u64::MAX as i128) as u64
+    }
+    /// What the guarantees are owed beyond what is on its way back already (holders being
+    /// ended or swapped out for it): what a borrower giving back now pays.
+    fn open_debt(&self) -> u64 {
+        let settling = self
+            .members()
+            .filter(|(_, _, m)| m.ended_for_debt || m.residency == Residency::SwappingOut)
+            .fold(0u64, |sum, (_, _, m)| sum.saturating_add(m.granted));
+        self.shortfall().saturating_sub(settling)
     }
     fn members(&self) -> impl Iterator<Item = (&String, ConnId, &Member)> {
         self.groups.iter().flat_map(|(name, g)| g.members.iter().map(move |(&c, m)| (name, c, m)))
@@ -350,6 +364,7 @@ impl Policy {
                         observed: false,
                         reconnecting_until: now + RECONNECT_GRACE,
                         short_since: None,
+                        short_last: 0,
                         repaid: Repaid::default(),
                     };
                     (id, gpu)

@@ -57,9 +57,14 @@ impl Policy {
         for (&device, gpu) in self.gpus.iter_mut() {
             let short = gpu.shortfall();
             if short == 0 {
-                gpu.short_since = None;
+                (gpu.short_since, gpu.short_last) = (None, 0);
                 continue;
             }
+            // A debt that grew is a new guarantee's: it gets its own ask and grace.
+            if short > gpu.short_last {
+                gpu.short_since = None;
+            }
+            gpu.short_last = short;
             let since = *gpu.short_since.get_or_insert_with(|| {
                 plan.give_back.extend(gpu.groups.values().flat_map(|g| {
                     g.members.iter().filter(|(_, m)| m.granted > 0).map(|(&c, _)| (c, device))
@@ -123,7 +128,6 @@ impl Policy {
                 owed -= bytes as i128;
                 swapped_now.push(conn);
                 swaps.push((device, conn));
-                gpu.repaid.swapped = gpu.repaid.swapped.saturating_add(bytes);
             }
             // Within the grace the other borrowers give back as they free.
             if owed <= 0 || in_grace {
@@ -147,8 +151,10 @@ impl Policy {
                     break;
                 }
                 let Some(peer) = self.peers.get(&conn) else { continue };
+                // What ending it pays of this debt (the rest of its loan is freed too).
+                let paid = (bytes as i128).min(owed) as u64;
                 owed -= bytes as i128;
-                gpu.repaid.ended = gpu.repaid.ended.saturating_add(bytes);
+                gpu.repaid.ended = gpu.repaid.ended.saturating_add(paid);
                 if let Some(m) = gpu.groups.values_mut().find_map(|g| g.members.get_mut(&conn)) {
                     m.ended_for_debt = true;
                 }
@@ -164,8 +170,17 @@ impl Policy {
                 });
             }
         }
-        plan.swap_out =
-            swaps.into_iter().filter_map(|(device, conn)| self.start_swap_out(device, conn, now)).collect();
+        plan.swap_out = swaps
+            .into_iter()
+            .filter_map(|(device, conn)| {
+                let victim = self.start_swap_out(device, conn, now)?;
+                // What its answer moves to host RAM is counted as this debt's (see `swapped`).
+                if let Some(m) = self.gpus.get_mut(&device).and_then(|g| g.member_mut(&victim.group, conn)) {
+                    m.swapping_for_debt = true;
+                }
+                Some(victim)
+            })
+            .collect();
         plan
     }
 }
@@ -247,7 +262,8 @@ mod tests {
         let answers = p.disconnect(4, now);
         let s = &p.status().gpus[0];
         assert_eq!(s.reclaiming, 0);
-        assert_eq!((s.repaid_given_back, s.repaid_swapped, s.repaid_ended), (0, 3 * GIB, 2 * GIB));
+        // The debt, 4.5 GiB, paid once: 3 GiB swapped out, 1.5 GiB of the loan of the one ended.
+        assert_eq!((s.repaid_given_back, s.repaid_swapped, s.repaid_ended), (0, 3 * GIB, 3 * GIB / 2));
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(10, Ok(64 << 20))]);
     }
 
@@ -316,6 +332,46 @@ mod tests {
         // The lowest priority holder, which borrows enough, is the one ended.
         assert_eq!(plan.end.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1], "{plan:?}");
         let s = &p.status().gpus[0];
-        assert_eq!((s.repaid_given_back, s.repaid_ended), (GIB, 2 * GIB));
+        assert_eq!((s.repaid_given_back, s.repaid_ended), (GIB, GIB), "the 2 GiB debt paid once");
+        // What it frees while being ended is not counted again, nor is its exit.
+        p.release(1, GPU, GIB, GIB / 2 + GIB, now + DEFAULT_RECLAIM_GRACE);
+        p.disconnect(1, now + DEFAULT_RECLAIM_GRACE);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.repaid_given_back, s.repaid_ended), (GIB, GIB));
+    }
+
+    #[test]
+    fn a_debt_that_grows_is_a_new_guarantees_with_a_grace_of_its_own() {
+        let now = Instant::now();
+        let mut p = lent_out(&[(1, Resolver::Wait, 0, 3 * GIB), (2, Resolver::Wait, 0, 3 * GIB)]);
+        p.hello(3, peer("first", 60_000));
+        p.register(3, GPU, 8 * GIB, 5 * GIB / 2, 5 * GIB / 2, 0, 0, 0).unwrap();
+        assert!(p.reclaim(now, &[], u64::MAX).end.is_empty());
+        // Just before the first grace ends a second guarantee arrives: asked afresh, and
+        // nobody is ended for it until its own grace is over.
+        let later = now + DEFAULT_RECLAIM_GRACE - Duration::from_millis(100);
+        p.hello(4, peer("second", 60_000));
+        p.register(4, GPU, 8 * GIB, GIB, GIB, 0, 0, 0).unwrap();
+        let plan = p.reclaim(later, &[], u64::MAX);
+        assert_eq!(plan.give_back.len(), 2, "{plan:?}");
+        assert!(p.reclaim(now + DEFAULT_RECLAIM_GRACE, &[], u64::MAX).end.is_empty());
+        assert!(!p.reclaim(later + DEFAULT_RECLAIM_GRACE, &[], u64::MAX).end.is_empty());
+    }
+
+    #[test]
+    fn a_swap_out_for_a_debt_counts_what_it_moved_once() {
+        let now = Instant::now();
+        let mut p = lent_out(&[(1, Resolver::Swap, 0, 3 * GIB)]);
+        p.hello(2, peer("new", 60_000));
+        p.register(2, GPU, 8 * GIB, 5 * GIB, 5 * GIB, 0, 0, 0).unwrap();
+        // 8 - 5.5 requests = 2.5 to lend, 3 lent: 0.5 GiB owed.
+        let plan = p.reclaim(now + GIVE_BACK_GRACE, &[], u64::MAX);
+        assert_eq!(plan.swap_out.len(), 1, "{plan:?}");
+        // A release crossing the swap-out is not counted as given back.
+        p.release(1, GPU, GIB / 4, GIB / 2 + 3 * GIB - GIB / 4, now);
+        assert_eq!(p.status().gpus[0].repaid_given_back, 0);
+        p.swapped(1, GPU, 0, 3 * GIB - GIB / 4, GIB / 2, now);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.repaid_given_back, s.repaid_swapped, s.reclaiming), (0, GIB / 4, 0), "{s:?}");
     }
 }

@@ -44,6 +44,7 @@ impl Policy {
                         tracing::warn!(group = %name, "no answer to a swap-out after {SWAP_OUT_ANSWER:?}");
                         (m.residency, m.swapped_since, m.resident_since) =
                             (Residency::Resident, None, Some(now));
+                        m.swapping_for_debt = false;
                     }
                 }
             }
@@ -140,6 +141,7 @@ impl Policy {
         let host_room = if self.peers.get(&conn).is_some_and(|p| p.signalable) { host_room } else { 0 };
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
+        let owed = gpu.shortfall();
         let Some(g) = gpu.groups.get_mut(&group) else { return Vec::new() };
         // A report cannot put more in the ledger than was lent: a swap gives grants back or
         // uses one already made (the grant of its swap-in), never takes new ones. What it
@@ -150,6 +152,11 @@ impl Policy {
         let held = held.min(total);
         if let Some(m) = g.members.get_mut(&conn) {
             let granted = granted.min(m.granted);
+            if std::mem::take(&mut m.swapping_for_debt) {
+                // Swapped out for a guarantee: what it moved off the GPU paid the debt.
+                let moved = (m.granted - granted).min(owed);
+                gpu.repaid.swapped = gpu.repaid.swapped.saturating_add(moved);
+            }
             let host_bytes = host_bytes.min(g.limit).min(host_room);
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
             m.resume_sent = false;
