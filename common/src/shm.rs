@@ -115,10 +115,12 @@ impl<T: SharedPlain> SharedFile<T> {
             match opened {
                 Ok(opened) => break opened,
                 // The folder was removed, empty (a sweep, see `ledgers::sweep`), while we
-                // were making or opening it: make it again.
-                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 8 => {
+                // were making or opening it: make it again. A busy machine can lose the race
+                // several times in a row, so the tries back off (at most about 50 ms in all);
+                // a folder that really cannot be made fails the same way every time.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 100 => {
                     attempts += 1;
-                    std::thread::yield_now();
+                    std::thread::sleep(std::time::Duration::from_micros((attempts * 10).min(1000)));
                 }
                 Err(e) => return Err(e),
             }
