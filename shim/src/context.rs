@@ -1,11 +1,11 @@
 //! Contexts and the device memory each one takes, measured rather than guessed: the
 //! process's own usage as NVML reports it, just before and just after the driver creates
-//! the context, never the device's (other processes allocate meanwhile). A context is charged before it is created, so the group (and the arbiter)
-//! count it while it comes into being: the size measured before on that device (kept in
-//! the group's ledger), refused up front if it does not fit; never measured, a
-//! conservative estimate (at most what the limit leaves). The charge is then corrected to
-//! the measurement, and a context that turns out not to fit is destroyed and refused with
-//! `CUDA_ERROR_OUT_OF_MEMORY`.
+//! the context, never the device's (other processes allocate meanwhile). A context is
+//! charged before it is created, so the group (and the arbiter) count it while it comes
+//! into being: the size measured before on that device (kept in the group's ledger),
+//! refused up front if it does not fit; never measured, a conservative estimate (at most
+//! what the limit leaves). The charge is then corrected to the measurement, and a context
+//! that turns out not to fit is destroyed and refused with `CUDA_ERROR_OUT_OF_MEMORY`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 

@@ -1,5 +1,6 @@
 //! The shim's process-wide state, set up at the first CUDA or NVML call: pass-through
-//! (neither a request nor a limit configured), enforcing, or broken (a bad setting, reported by `cuInit`).
+//! (neither a request nor a limit configured), enforcing, or broken (a bad setting,
+//! reported by `cuInit`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -22,7 +23,8 @@ pub(crate) const OWED_WAIT: std::time::Duration = std::time::Duration::from_secs
 
 /// What the shim does in this process.
 pub(crate) enum Mode {
-    /// Neither `GPUFRAC_MEMORY_REQUEST` nor `GPUFRAC_MEMORY_LIMIT` set: every call goes to the driver untouched.
+    /// Neither `GPUFRAC_MEMORY_REQUEST` nor `GPUFRAC_MEMORY_LIMIT` set: every call goes to
+    /// the driver untouched.
     PassThrough,
     /// Holding the group to its request and limit.
     Enforcing(Box<Enforcer>),
