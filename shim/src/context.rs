@@ -53,11 +53,19 @@ fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
     if e.ledger.held_by_me(dev) != mine {
         return None;
     }
-    // nvmlProcessInfo_t: pid (u32, padded), usedGpuMemory (u64), instance ids.
-    let me = e.ledger.my_host_pid().unwrap_or_else(std::process::id) as u64;
-    let own =
-        procs[..(count as usize).min(procs.len())].iter().find(|p| p[0] & 0xffff_ffff == me).map(|p| p[1]);
+    let me = e.ledger.my_host_pid().unwrap_or_else(std::process::id);
+    let own = own_usage(&procs[..(count as usize).min(procs.len())], me);
     Some(Usage { own, mine })
+}
+
+/// NVML's `NVML_VALUE_NOT_AVAILABLE`: a process listed whose usage the driver does not
+/// report (some containers, Windows guests).
+const NOT_AVAILABLE: u64 = u64::MAX;
+
+/// The usage NVML lists for `pid` (`nvmlProcessInfo_t`: pid as u32, padded; usedGpuMemory;
+/// instance ids), if it is listed with a usage.
+fn own_usage(listed: &[[u64; 3]], pid: u32) -> Option<u64> {
+    listed.iter().find(|p| p[0] & 0xffff_ffff == u64::from(pid)).map(|p| p[1]).filter(|&b| b != NOT_AVAILABLE)
 }
 
 /// Bytes a context took, from this process's own usage before and after creating it, less
@@ -289,7 +297,7 @@ pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
 
 #[cfg(test)]
 mod tests {
-    use super::{delta, far_from, Usage};
+    use super::{delta, far_from, own_usage, Usage};
 
     fn at(own: Option<u64>, mine: u64) -> Usage {
         Usage { own, mine }
@@ -308,6 +316,14 @@ mod tests {
         // Not listed afterwards (a PID the shim does not know): not measurable, whatever
         // the device's usage did.
         assert_eq!(delta(at(None, 0), at(None, 0)), None);
+    }
+
+    #[test]
+    fn a_usage_the_driver_does_not_report_is_no_measurement() {
+        let listed = [[7, 300, 0], [9, u64::MAX, 0]];
+        assert_eq!(own_usage(&listed, 7), Some(300));
+        assert_eq!(own_usage(&listed, 9), None, "NVML_VALUE_NOT_AVAILABLE");
+        assert_eq!(own_usage(&listed, 8), None, "not listed");
     }
 
     #[test]
