@@ -12,6 +12,8 @@ pub mod cuda_procs;
 pub mod cuda_sizes;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+#[cfg(feature = "dra")]
+pub mod dra;
 pub mod gpu_uuid;
 pub mod protocol;
 pub mod resolver;

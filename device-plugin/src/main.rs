@@ -1,5 +1,7 @@
 //! `gpufrac-device-plugin`: advertises each GPU as shares of `gpufrac.io/gpu` to the
-//! kubelet, or (`webhook`) serves the admission webhook for the gpu-fraction annotations.
+//! kubelet, or (`dra`) serves the DRA kubelet plugin that publishes each GPU's memory as a
+//! capacity claims share, or (`webhook`) serves the admission webhook for the
+//! gpu-fraction annotations.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,6 +12,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use gpufrac_device_plugin::plugin::allocation::AllocationConfig;
 use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
+use gpufrac_device_plugin::dra;
+use gpufrac_device_plugin::plugin::devices::Gpu;
 use gpufrac_device_plugin::plugin::{health, runner};
 use gpufrac_device_plugin::webhook;
 
@@ -31,10 +35,10 @@ struct Cli {
     #[arg(long, default_value_t = 100)]
     shares_per_gpu: u32,
     /// Host folder holding libgpufrac.so and libgpufrac_core.so (mounted read-only into containers).
-    #[arg(long, default_value = "/opt/gpufrac/lib")]
+    #[arg(long, global = true, default_value = "/opt/gpufrac/lib")]
     shim_dir: PathBuf,
-    /// The arbiter's socket (its folder is mounted into containers).
-    #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
+    /// The arbiter's socket, absolute (its folder is mounted into containers).
+    #[arg(long, global = true, default_value = "/run/gpufrac/arbiter.sock")]
     arbiter_socket: PathBuf,
     /// Our socket's file name in the device plugin folder.
     #[arg(long, default_value = "gpufrac.sock")]
@@ -45,6 +49,28 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the DRA kubelet plugin (Kubernetes 1.34+): publish each GPU as a device whose
+    /// memory claims share, and prepare claims (a CDI spec per claim). A node runs this or
+    /// the device plugin, not both.
+    Dra {
+        /// This node's name (the ResourceSlice's node and pool), e.g. from the downward
+        /// API's spec.nodeName.
+        #[arg(long, value_name = "NODE")]
+        node_name: String,
+        /// The kubelet's plugin registry, where the registration socket goes.
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/kubelet/plugins_registry")]
+        plugins_registry: PathBuf,
+        /// The plugin's own folder: its DRA socket and its checkpoint of prepared claims.
+        #[arg(long, value_name = "DIR", default_value = gpufrac_common::dra::DEFAULT_PLUGIN_DIR)]
+        plugin_dir: PathBuf,
+        /// Where the claims' CDI specs are written (the container runtime's CDI folder).
+        #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
+        cdi_dir: PathBuf,
+        /// Also give containers NVIDIA's own CDI device (nvidia.com/gpu=<UUID>, from
+        /// `nvidia-ctk cdi generate`) besides NVIDIA_VISIBLE_DEVICES.
+        #[arg(long)]
+        nvidia_cdi: bool,
+    },
     /// Serve the admission webhook (HTTPS, POST /mutate).
     Webhook {
         /// Address to listen on.
@@ -73,6 +99,58 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
+        Some(Command::Dra { node_name, plugins_registry, plugin_dir, cdi_dir, nvidia_cdi }) => {
+            check_node_name(&node_name)?;
+            for (flag, path) in [
+                ("--plugins-registry", &plugins_registry),
+                ("--plugin-dir", &plugin_dir),
+                ("--cdi-dir", &cdi_dir),
+                ("--shim-dir", &cli.shim_dir),
+                ("--arbiter-socket", &cli.arbiter_socket),
+            ] {
+                if !path.is_absolute() {
+                    bail!("{flag} {} must be an absolute path (containers see it at the same place)", path.display());
+                }
+            }
+            if !plugins_registry.is_dir() {
+                bail!(
+                    "--plugins-registry {} is not a folder (is this the kubelet's plugins_registry?)",
+                    plugins_registry.display()
+                );
+            }
+            let gpus = dra::gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
+            if gpus.is_empty() {
+                bail!("NVML reports no GPU on this node");
+            }
+            let health_list = gpus.iter().map(|g| Gpu { uuid: g.uuid.clone(), healthy: true }).collect();
+            let (tx, rx) = tokio::sync::watch::channel(health_list);
+            let stop = Arc::new(AtomicBool::new(false));
+            let watcher = {
+                let stop = stop.clone();
+                std::thread::Builder::new().name("xid-events".into()).spawn(move || health::watch_xids(tx, stop))?
+            };
+            let config = dra::runner::DraConfig {
+                node_name,
+                registry_dir: plugins_registry,
+                plugin_dir,
+                cdi: dra::cdi::CdiConfig {
+                    dir: cdi_dir,
+                    shim_dir: cli.shim_dir,
+                    arbiter_socket: cli.arbiter_socket,
+                    nvidia_cdi,
+                },
+            };
+            let result = runtime.block_on(async {
+                let client = kube::Client::try_default().await.context(
+                    "connecting to the Kubernetes API server (from KUBECONFIG, else the in-cluster service account)",
+                )?;
+                dra::runner::run(config, client, gpus, rx, gpufrac_common::daemon::terminated()).await?;
+                anyhow::Ok(())
+            });
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = watcher.join();
+            result
+        }
         Some(Command::Webhook { listen, tls_cert, tls_key }) => runtime.block_on(async {
             let tls = webhook::load_tls(&tls_cert, &tls_key)?;
             let listener = tokio::net::TcpListener::bind(listen)
@@ -128,4 +206,19 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Refuses a node name that is not a DNS subdomain (how Kubernetes names nodes).
+fn check_node_name(name: &str) -> Result<()> {
+    let label_ok = |label: &str| {
+        !label.is_empty()
+            && label.len() <= 63
+            && label.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+    };
+    if name.is_empty() || name.len() > 253 || !name.split('.').all(label_ok) {
+        bail!("--node-name {name:?} is not a Kubernetes node name (lowercase letters, digits, '-' and '.', at most 253)");
+    }
+    Ok(())
 }

@@ -1,0 +1,253 @@
+//! The claims the DRA kubelet plugin prepared on this node, as it records them in its
+//! checkpoint: the plugin writes the file (so that unpreparing never needs the API server,
+//! and a restarted plugin prepares nothing twice), the arbiter reads it to learn what a
+//! pod's processes are entitled to. Both sides use these types, so the file cannot drift.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::resolver::Resolver;
+
+/// The DRA driver's name: the ResourceSlices' `spec.driver`, the claims' configuration
+/// `driver`, the kubelet plugin's registered name and the DeviceClass's name.
+pub const DRIVER: &str = "gpu.gpufrac.io";
+
+/// The kubelet plugin's own folder (its DRA socket and checkpoint live there).
+pub const DEFAULT_PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpu.gpufrac.io";
+
+/// The checkpoint's file name in the plugin's folder.
+pub const CHECKPOINT_FILE: &str = "prepared-claims.json";
+
+/// The checkpoint format this build writes and reads.
+pub const CHECKPOINT_VERSION: u32 = 1;
+
+/// The group every process using the claim `claim_uid` shares: the claim's memory is one
+/// request and one limit, whichever containers of its pods use it.
+pub fn group_name(claim_uid: &str) -> String {
+    format!("dra-{claim_uid}")
+}
+
+/// Every claim prepared on this node and not yet unprepared, by claim UID.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Checkpoint {
+    /// [`CHECKPOINT_VERSION`].
+    pub version: u32,
+    /// The prepared claims, by `metadata.uid`.
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+/// One prepared claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PreparedClaim {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The claim's `metadata.uid`.
+    pub uid: String,
+    /// The pods the claim is reserved for (`status.reservedFor`), by UID: the only pods
+    /// whose processes the arbiter entitles to it.
+    pub pod_uids: Vec<String>,
+    /// The GPUs allocated to the claim by this driver.
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// One GPU of a prepared claim, with the fraction the claim holds of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PreparedDevice {
+    /// The claim's requests this device satisfies.
+    pub request_names: Vec<String>,
+    /// The ResourceSlice pool (the node's name).
+    pub pool: String,
+    /// The device's name in the slice (`gpu-<index>`).
+    pub device: String,
+    /// The GPU's UUID (`GPU-...`).
+    pub gpu_uuid: String,
+    /// The allocation's share ID, when the device allows several allocations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+    /// The guarantee: the `memory` capacity the claim consumed on the device, in bytes.
+    pub request_bytes: u64,
+    /// The burst ceiling, in bytes (at least the request, at most the GPU).
+    pub limit_bytes: u64,
+    /// The resolver the claim's configuration names, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "resolver_name")]
+    pub resolver: Option<Resolver>,
+    /// The priority the claim's configuration names; `None`: the pod's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// The CDI device ID given to the kubelet for this device.
+    pub cdi_device_id: String,
+}
+
+/// Why the checkpoint could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file could not be read or written.
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// The file is not a checkpoint this build understands.
+    #[error("checkpoint {path}: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl Checkpoint {
+    /// An empty checkpoint.
+    pub fn new() -> Checkpoint {
+        Checkpoint { version: CHECKPOINT_VERSION, claims: BTreeMap::new() }
+    }
+
+    /// Reads `path`; a file that does not exist is an empty checkpoint (nothing prepared yet).
+    pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+        let text = match std::fs::read(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Checkpoint::new()),
+            Err(source) => return Err(CheckpointError::Io { path: path.to_owned(), source }),
+        };
+        let invalid = |reason: String| CheckpointError::Invalid { path: path.to_owned(), reason };
+        let checkpoint: Checkpoint = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
+        if checkpoint.version != CHECKPOINT_VERSION {
+            return Err(invalid(format!(
+                "version {} (this build reads version {CHECKPOINT_VERSION})",
+                checkpoint.version
+            )));
+        }
+        for (uid, claim) in &checkpoint.claims {
+            if *uid != claim.uid {
+                return Err(invalid(format!("claim {uid} is recorded with uid {}", claim.uid)));
+            }
+        }
+        Ok(checkpoint)
+    }
+
+    /// Writes the checkpoint to `path` atomically (a temporary file beside it, synced, then
+    /// renamed over it), readable by its owner and group only: a reader sees the old or the
+    /// new checkpoint, never half of one.
+    pub fn store(&self, path: &Path) -> Result<(), CheckpointError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let io = |source| CheckpointError::Io { path: path.to_owned(), source };
+        let text = serde_json::to_vec_pretty(self).map_err(|e| io(std::io::Error::other(e)))?;
+        let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or(CHECKPOINT_FILE);
+        let temporary = path.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
+        let written = (|| {
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o640)
+                .open(&temporary)?;
+            file.write_all(&text)?;
+            file.sync_all()?;
+            std::fs::rename(&temporary, path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&temporary);
+        }
+        written.map_err(io)
+    }
+
+    /// The prepared claims reserved for the pod `pod_uid`.
+    pub fn claims_of_pod<'a>(&'a self, pod_uid: &'a str) -> impl Iterator<Item = &'a PreparedClaim> + 'a {
+        self.claims.values().filter(move |claim| claim.pod_uids.iter().any(|uid| uid == pod_uid))
+    }
+}
+
+/// A resolver written as its name (`wait`, `priority`, `swap`).
+mod resolver_name {
+    use super::Resolver;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(resolver: &Option<Resolver>, s: S) -> Result<S::Ok, S::Error> {
+        match resolver {
+            Some(resolver) => s.serialize_str(&resolver.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Resolver>, D::Error> {
+        let name: Option<String> = Option::deserialize(d)?;
+        name.map(|name| name.parse().map_err(|e| serde::de::Error::custom(format!("resolver {name:?}: {e}"))))
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim() -> PreparedClaim {
+        PreparedClaim {
+            namespace: "inference".into(),
+            name: "llm-gpu".into(),
+            uid: "0f3c2a9e-1111-2222-3333-444455556666".into(),
+            pod_uids: vec!["7a1b2c3d-0000-4000-8000-000000000001".into()],
+            devices: vec![PreparedDevice {
+                request_names: vec!["gpu".into()],
+                pool: "node-a".into(),
+                device: "gpu-0".into(),
+                gpu_uuid: "GPU-aaaaaaaa-0000-0000-0000-000000000000".into(),
+                share_id: Some("a1b2c".into()),
+                request_bytes: 20 << 30,
+                limit_bytes: 40 << 30,
+                resolver: Some(Resolver::Swap),
+                priority: None,
+                cdi_device_id: "gpufrac.io/claim=0f3c2a9e-1111-2222-3333-444455556666-gpu-0".into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_survives_a_round_trip_and_finds_claims_by_pod() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-dra-checkpoint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(CHECKPOINT_FILE);
+        assert_eq!(Checkpoint::load(&path).unwrap(), Checkpoint::new(), "a missing file is empty");
+        let mut checkpoint = Checkpoint::new();
+        let claim = claim();
+        checkpoint.claims.insert(claim.uid.clone(), claim.clone());
+        checkpoint.store(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"resolver\": \"swap\""), "{text}");
+        let back = Checkpoint::load(&path).unwrap();
+        assert_eq!(back, checkpoint);
+        assert_eq!(back.claims_of_pod("7a1b2c3d-0000-4000-8000-000000000001").count(), 1);
+        assert_eq!(back.claims_of_pod("another").count(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_is_refused_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-dra-damaged-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(CHECKPOINT_FILE);
+        std::fs::write(&path, r#"{"version": 7, "claims": {}}"#).unwrap();
+        let e = Checkpoint::load(&path).unwrap_err().to_string();
+        assert!(e.contains("version 7") && e.contains(CHECKPOINT_FILE), "{e}");
+        std::fs::write(&path, r#"{"version": 1, "claims": {"x": {"resolver": "fast"}}}"#).unwrap();
+        assert!(Checkpoint::load(&path).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_group_of_a_claim_fits_the_arbiter() {
+        let group = group_name("0f3c2a9e-1111-2222-3333-444455556666");
+        assert_eq!(group, "dra-0f3c2a9e-1111-2222-3333-444455556666");
+        assert!(group.len() <= 64);
+    }
+}

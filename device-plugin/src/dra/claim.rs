@@ -1,0 +1,196 @@
+//! An allocated ResourceClaim (`resource.k8s.io/v1`) → the fraction it holds of each of
+//! this node's GPUs: the request is the `memory` capacity the scheduler let it consume on
+//! the device; limit, resolver and priority come from its opaque configuration. Pure
+//! logic over the API's own types, tested from real claims' JSON.
+
+use gpufrac_common::dra::PreparedDevice;
+use gpufrac_common::size::{format_size, parse_bytes};
+use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+
+use super::config::{self, ConfigError, FractionConfig};
+use super::gpus::GpuInfo;
+use super::{cdi, DRIVER};
+
+/// The device capacity that holds a claim's guarantee.
+pub const MEMORY: &str = "memory";
+
+/// Why a claim cannot be prepared on this node; each names the claim's field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    /// The claim has not been allocated (the kubelet prepares allocated claims only).
+    #[error("claim {0} has no status.allocation (it is not allocated yet)")]
+    NotAllocated(String),
+    /// The claim holds no device of this driver.
+    #[error("claim {0} holds no device of driver {DRIVER}")]
+    NoDevice(String),
+    /// A device of this driver in the allocation is not one of this node's.
+    #[error("claim {claim}: status.allocation.devices.results[{index}]: {reason}")]
+    Result {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// The result's index.
+        index: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The claim's opaque configuration is invalid.
+    #[error("claim {claim}: status.allocation.devices.config[{index}].opaque.{source}")]
+    Config {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// The configuration's index.
+        index: usize,
+        /// What is wrong, naming the field.
+        source: ConfigError,
+    },
+    /// The configured limit does not fit the request or the GPU.
+    #[error("claim {claim}: parameters.limit: {reason}")]
+    Limit {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// What preparing a claim needs from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimFraction {
+    /// The pods it is reserved for (`status.reservedFor`), by UID and name.
+    pub pods: Vec<(String, String)>,
+    /// Its devices of this driver on this node, one per GPU.
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// Reads the bytes of a Kubernetes quantity (`20Gi`, `21474836480`, `20G`, `2e9`).
+pub fn quantity_bytes(quantity: &str) -> Option<u64> {
+    let text = quantity.trim();
+    if let Some((mantissa, exponent)) = text.split_once(['e', 'E']) {
+        let mantissa: u64 = mantissa.parse().ok()?;
+        let exponent: u32 = exponent.parse().ok()?;
+        return mantissa.checked_mul(10u64.checked_pow(exponent)?);
+    }
+    parse_bytes("quantity", text).ok()
+}
+
+/// The fraction of this node's GPUs that `claim` holds. `pool` is this node's pool name;
+/// `gpus` its GPUs. Devices of other drivers are left alone; a device of this driver that
+/// is not this node's is an error.
+pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<ClaimFraction, ClaimError> {
+    let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+    let name = format!("{namespace}/{}", claim.metadata.name.clone().unwrap_or_default());
+    let uid = claim.metadata.uid.clone().unwrap_or_default();
+    let status = claim.status.as_ref();
+    let Some(allocation) = status.and_then(|s| s.allocation.as_ref()).and_then(|a| a.devices.as_ref()) else {
+        return Err(ClaimError::NotAllocated(name));
+    };
+    let configs = allocation.config.as_deref().unwrap_or_default();
+    let mut devices: Vec<PreparedDevice> = Vec::new();
+    for (index, result) in allocation.results.iter().flatten().enumerate() {
+        if result.driver != DRIVER {
+            continue;
+        }
+        let bad = |reason: String| ClaimError::Result { claim: name.clone(), index, reason };
+        if result.pool != pool {
+            return Err(bad(format!("pool {:?} is not this node's ({pool:?})", result.pool)));
+        }
+        let Some(gpu) = gpus.iter().find(|g| g.device_name() == result.device) else {
+            return Err(bad(format!("device {:?} is not a GPU of this node", result.device)));
+        };
+        // Without consumable capacity (a cluster without DRAConsumableCapacity) the device
+        // is allocated whole: the claim is guaranteed the whole GPU.
+        let request = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
+            Some(quantity) => quantity_bytes(&quantity.0)
+                .ok_or_else(|| bad(format!("consumedCapacity.memory {:?} is not a quantity", quantity.0)))?,
+            None => gpu.memory,
+        };
+        if request > gpu.memory {
+            return Err(bad(format!(
+                "consumedCapacity.memory {} is more than the GPU's {}",
+                format_size(request),
+                format_size(gpu.memory)
+            )));
+        }
+        let settings = settings_for(&result.request, configs).map_err(|(index, source)| ClaimError::Config {
+            claim: name.clone(),
+            index,
+            source,
+        })?;
+        let limit = match settings.limit {
+            None => request,
+            Some(spec) => spec.resolve(gpu.memory),
+        };
+        if limit < request {
+            return Err(ClaimError::Limit {
+                claim: name.clone(),
+                reason: format!(
+                    "{} is below the memory the claim requests on {} ({})",
+                    format_size(limit),
+                    result.device,
+                    format_size(request)
+                ),
+            });
+        }
+        if limit > gpu.memory {
+            return Err(ClaimError::Limit {
+                claim: name.clone(),
+                reason: format!("{} is more than the GPU's {}", format_size(limit), format_size(gpu.memory)),
+            });
+        }
+        // Two requests of one claim on one GPU: one fraction, their sums (a process uses
+        // one GPU, so it is one entitlement).
+        if let Some(same) = devices.iter_mut().find(|d| d.device == result.device) {
+            same.request_names.push(result.request.clone());
+            same.request_bytes = (same.request_bytes + request).min(gpu.memory);
+            same.limit_bytes = (same.limit_bytes + limit).min(gpu.memory);
+            continue;
+        }
+        devices.push(PreparedDevice {
+            request_names: vec![result.request.clone()],
+            pool: result.pool.clone(),
+            device: result.device.clone(),
+            gpu_uuid: gpu.uuid.clone(),
+            share_id: result.share_id.clone(),
+            request_bytes: request,
+            limit_bytes: limit,
+            resolver: settings.resolver,
+            priority: settings.priority,
+            cdi_device_id: cdi::device_id(&uid, &result.device),
+        });
+    }
+    if devices.is_empty() {
+        return Err(ClaimError::NoDevice(name));
+    }
+    let pods = status
+        .and_then(|s| s.reserved_for.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
+        .map(|r| (r.uid.clone(), r.name.clone()))
+        .collect();
+    Ok(ClaimFraction { pods, devices })
+}
+
+/// The settings of the request `request` (`name` or `name/subrequest`): every opaque
+/// configuration of this driver that applies to it, in order (the class's first, then
+/// the claim's), each overriding the ones before. An invalid configuration that applies
+/// is an error with its index.
+fn settings_for(
+    request: &str,
+    configs: &[DeviceAllocationConfiguration],
+) -> Result<FractionConfig, (usize, ConfigError)> {
+    let parent = request.split('/').next().unwrap_or(request);
+    let mut settings = FractionConfig::default();
+    for (index, entry) in configs.iter().enumerate() {
+        let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver == DRIVER) else { continue };
+        let applies = match entry.requests.as_deref() {
+            None | Some([]) => true,
+            Some(names) => names.iter().any(|n| n == request || n == parent),
+        };
+        if applies {
+            let parsed = config::parse(&opaque.parameters.0).map_err(|e| (index, e))?;
+            settings = settings.overridden_by(parsed);
+        }
+    }
+    Ok(settings)
+}
