@@ -23,6 +23,7 @@
 
 pub mod busy;
 pub mod clients;
+pub mod kubernetes_validate;
 pub mod rng;
 
 use std::collections::HashSet;

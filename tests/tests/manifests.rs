@@ -13,6 +13,14 @@
 //! built binary lists in `--help` (so the workspace must be built first, as for the other
 //! end-to-end tests).
 //!
+//! The DRA driver's manifests (`examples/kubernetes/dra/`, `resource.k8s.io/v1`) pass for
+//! Kubernetes 1.34, the first with that API, and 1.37; parsed, the DaemonSet runs the
+//! kubelet plugin with `dra --node-name=$(NODE_NAME)` and the host folders it writes in,
+//! and the arbiter with `--kubernetes --dra-checkpoint` in the plugin's folder, mounted
+//! read-only; a node runs it or the device plugin's DaemonSet, never both; its RBAC is what
+//! the plugin and the arbiter need; the claim example asks for memory with gpufrac's
+//! `GpuFractionConfig`; and every flag is one the built binaries list in `--help`.
+//!
 //! Needs `kubernetes-validate`, installed by the README's test command into the
 //! workspace's virtual environment `.venv/` (`python3 -m venv .venv && .venv/bin/pip
 //! install -r tests/requirements.txt`): without it these tests fail and say so; they
@@ -21,14 +29,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use gpufrac_e2e::kubernetes_validate::{self, INSTALL};
 use serde_json::{json, Value};
 
 /// Kubernetes versions whose schemas every manifest must pass: the oldest the docs
 /// support (`matchConditions` on webhooks is GA from 1.30) and the newest bundled with
 /// kubernetes-validate 1.37.0.
 const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.37"];
-
-const INSTALL: &str = "python3 -m venv .venv && .venv/bin/pip install -r tests/requirements.txt";
 
 /// The manifests every installation starts from.
 const EXPECTED: &[&str] =
@@ -72,74 +79,13 @@ impl Drop for TempDir {
     }
 }
 
-/// The workspace's virtual environment, where the README's test command installs the
-/// validator.
-fn venv_validator() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/kubernetes-validate")
-}
-
-/// The validator's command line: `$KUBERNETES_VALIDATE` if set, else
-/// `.venv/bin/kubernetes-validate` at the workspace root, else `kubernetes-validate` on
-/// PATH, else `python3 -m kubernetes_validate` (a `pip install --user` whose scripts
-/// folder is not on PATH). Fails the test when none runs.
-fn validator() -> Vec<String> {
-    let mut candidates: Vec<Vec<String>> = Vec::new();
-    if let Ok(path) = std::env::var("KUBERNETES_VALIDATE") {
-        candidates.push(vec![path]);
-    }
-    candidates.push(vec![venv_validator().display().to_string()]);
-    candidates.push(vec!["kubernetes-validate".into()]);
-    candidates.push(vec!["python3".into(), "-m".into(), "kubernetes_validate".into()]);
-    for candidate in &candidates {
-        let ran = Command::new(&candidate[0]).args(&candidate[1..]).arg("--version").output();
-        if ran.is_ok_and(|out| out.status.success()) {
-            return candidate.clone();
-        }
-    }
-    panic!(
-        "kubernetes-validate is not installed, so the Kubernetes manifests cannot be \
-         validated. Install it, at the workspace root, with:\n    {INSTALL}\n(tried \
-         {candidates:?}; set KUBERNETES_VALIDATE to its path if it is elsewhere)"
-    );
-}
-
-/// How many resources a YAML file holds: its documents with a top-level `kind:`.
-fn resource_count(text: &str) -> usize {
-    text.lines().filter(|line| line.starts_with("kind:")).count()
-}
-
 /// Validates `files` against the schemas of `version` in strict mode (unknown fields are
 /// errors). Ok only if the validator succeeds, says nothing but "passed", and passes
 /// every resource of every file: kubernetes-validate only warns, and exits 0, for a
-/// kind or apiVersion it has no schema for, which here is an error too.
+/// kind or apiVersion it has no schema for, which here is an error too. The validator is
+/// found as `gpufrac_e2e::kubernetes_validate::validator` says.
 fn validate(files: &[PathBuf], version: &str) -> Result<(), String> {
-    let command = validator();
-    let out = Command::new(&command[0])
-        .args(&command[1..])
-        .args(["--kubernetes-version", version, "--strict"])
-        .args(files)
-        .output()
-        .unwrap_or_else(|e| panic!("running {command:?}: {e}"));
-    let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let failed =
-        |why: String| Err(format!("{why}\n--- kubernetes-validate -k {version} --strict said:\n{output}"));
-    if !out.status.success() {
-        return failed(format!("kubernetes-validate exited with {}", out.status));
-    }
-    if let Some(line) = output.lines().find(|line| !line.trim().is_empty() && !line.starts_with("INFO ")) {
-        return failed(format!("unexpected output: {line}"));
-    }
-    for file in files {
-        let text =
-            std::fs::read_to_string(file).unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
-        let expected = resource_count(&text);
-        let prefix = format!("INFO {} passed for resource ", file.display());
-        let passed = output.lines().filter(|line| line.starts_with(&prefix)).count();
-        if expected == 0 || passed != expected {
-            return failed(format!("{}: {passed} resources passed of {expected}", file.display()));
-        }
-    }
-    Ok(())
+    kubernetes_validate::validate_files(files, version)
 }
 
 #[test]
@@ -721,5 +667,473 @@ fn every_flag_the_manifests_pass_is_one_the_binaries_take() {
                 subcommand.map(|s| format!(" {s}")).unwrap_or_default()
             );
         }
+    }
+}
+
+// ---- The DRA driver's manifests (examples/kubernetes/dra/): resource.k8s.io/v1 ----
+
+/// Kubernetes versions whose schemas every DRA manifest must pass: the first with
+/// `resource.k8s.io/v1` (DRA GA; the other manifests' 1.30 has no such API) and the newest
+/// bundled with kubernetes-validate 1.37.0.
+const DRA_KUBERNETES_VERSIONS: &[&str] = &["1.34", "1.37"];
+
+/// The DRA manifests.
+const DRA_EXPECTED: &[&str] =
+    &["deviceclass.yaml", "rbac-dra.yaml", "daemonset-dra.yaml", "inference-claim.yaml"];
+
+/// The driver's name: the DeviceClass's, the slices' and the claims' configuration's.
+const DRIVER: &str = "gpu.gpufrac.io";
+/// The kubelet's plugin registration folder.
+const PLUGINS_REGISTRY: &str = "/var/lib/kubelet/plugins_registry";
+/// The plugin's folder: its DRA socket and its checkpoint.
+const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpu.gpufrac.io";
+/// The checkpoint's file name in the plugin's folder.
+const CHECKPOINT_FILE: &str = "prepared-claims.json";
+/// Where the plugin writes CDI specs for the container runtime.
+const CDI_DIR: &str = "/var/run/cdi";
+/// The DRA nodes' ServiceAccount.
+const DRA_ACCOUNT: &str = "gpufrac-node-dra";
+
+fn dra_dir() -> PathBuf {
+    kubernetes_dir().join("dra")
+}
+
+/// The documents of `examples/kubernetes/dra/<name>`, parsed by PyYAML.
+fn dra_documents(name: &str) -> Vec<Value> {
+    documents(&format!("dra/{name}"))
+}
+
+/// The pod spec of the DRA DaemonSet.
+fn dra_daemonset() -> Value {
+    let docs = dra_documents("daemonset-dra.yaml");
+    resource(&docs, "DaemonSet", "gpufrac-node-dra").clone()
+}
+
+/// The value of the environment variable `name` of `container`.
+fn env<'a>(container: &'a Value, name: &str) -> &'a Value {
+    container["env"]
+        .as_array()
+        .and_then(|env| env.iter().find(|e| e["name"] == name))
+        .unwrap_or_else(|| panic!("container {} has no {name}", container["name"]))
+}
+
+/// The plugin's args split at its subcommand: the global flags before `dra`, the
+/// subcommand's after.
+fn split_at_dra<'a>(plugin_args: &[&'a str]) -> (Vec<&'a str>, Vec<&'a str>) {
+    let at = plugin_args
+        .iter()
+        .position(|a| *a == "dra")
+        .unwrap_or_else(|| panic!("the plugin does not run `dra`: {plugin_args:?}"));
+    (plugin_args[..at].to_vec(), plugin_args[at + 1..].to_vec())
+}
+
+#[test]
+fn every_dra_manifest_is_valid_kubernetes() {
+    let files = yaml_files(&dra_dir());
+    for name in DRA_EXPECTED {
+        assert!(
+            files.iter().any(|f| f.file_name().is_some_and(|n| n == *name)),
+            "examples/kubernetes/dra/{name} is missing (found {files:?})"
+        );
+    }
+    for version in DRA_KUBERNETES_VERSIONS {
+        if let Err(e) = validate(&files, version) {
+            panic!("the manifests in examples/kubernetes/dra are not valid for Kubernetes {version}: {e}");
+        }
+    }
+    // Why they are a list of their own: before 1.34 there is no resource.k8s.io/v1.
+    let class = dra_dir().join("deviceclass.yaml");
+    assert!(validate(&[class], "1.33").is_err(), "a resource.k8s.io/v1 DeviceClass passed for 1.33");
+}
+
+#[test]
+fn the_dra_daemonset_runs_the_kubelet_plugin_and_the_arbiter_on_its_checkpoint() {
+    let daemonset = dra_daemonset();
+    let spec = &daemonset["spec"]["template"]["spec"];
+    let names: Vec<&str> = spec["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(names, ["arbiter", "dra-plugin"], "no device plugin on a DRA node");
+
+    // The kubelet plugin, on this node.
+    let plugin = container(spec, "dra-plugin");
+    assert_eq!(plugin["command"], json!(["gpufrac-device-plugin"]));
+    let plugin_args = args(plugin);
+    let (global, dra) = split_at_dra(&plugin_args);
+    assert!(dra.contains(&"--node-name=$(NODE_NAME)"), "dra args: {dra:?}");
+    for c in [plugin, container(spec, "arbiter")] {
+        let node_name = env(c, "NODE_NAME");
+        assert_eq!(node_name["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName", "{}", c["name"]);
+        assert!(node_name.get("value").is_none());
+    }
+    // The three host folders it writes in, each at its own path.
+    for (flag, path) in
+        [("--plugins-registry", PLUGINS_REGISTRY), ("--plugin-dir", PLUGIN_DIR), ("--cdi-dir", CDI_DIR)]
+    {
+        assert_eq!(flag_value(&dra, flag), Some(path), "dra args: {dra:?}");
+        let (mount, volume) = mounted(spec, plugin, path);
+        assert_ne!(mount["readOnly"], true, "the plugin writes in {path}");
+        assert_eq!(volume["hostPath"]["path"], path);
+    }
+    // What the CDI specs name: the shim's folder and the arbiter's socket, from the host.
+    let shim_dir = flag_value(&global, "--shim-dir").expect("--shim-dir before dra");
+    let (mount, volume) = mounted(spec, plugin, shim_dir);
+    assert_eq!(mount["readOnly"], true);
+    assert_eq!(volume["hostPath"]["path"], shim_dir);
+    let socket = flag_value(&global, "--arbiter-socket").expect("--arbiter-socket before dra");
+    let socket_dir = Path::new(socket).parent().and_then(Path::to_str).expect("a socket in a folder");
+    let (_, volume) = mounted(spec, plugin, socket_dir);
+    assert_eq!(volume["hostPath"]["path"], socket_dir);
+
+    // The arbiter: entitlements from the plugin's checkpoint, read-only.
+    let arbiter = container(spec, "arbiter");
+    let arbiter_args = args(arbiter);
+    assert!(arbiter_args.contains(&"--kubernetes"), "arbiter args: {arbiter_args:?}");
+    let checkpoint = format!("{PLUGIN_DIR}/{CHECKPOINT_FILE}");
+    assert_eq!(flag_value(&arbiter_args, "--dra-checkpoint"), Some(checkpoint.as_str()));
+    let (mount, volume) = mounted(spec, arbiter, PLUGIN_DIR);
+    assert_eq!(mount["readOnly"], true, "the arbiter reads the plugin's folder only");
+    assert_eq!(volume["hostPath"]["path"], PLUGIN_DIR);
+    assert_eq!(mounted(spec, plugin, PLUGIN_DIR).1["name"], volume["name"], "one folder for both");
+    // Shares are the device plugin's: not here.
+    for flag in ["--shares-per-gpu", "--pod-resources-socket", "--policy"] {
+        assert!(!arbiter_args.contains(&flag), "the DRA arbiter passes {flag}: {arbiter_args:?}");
+    }
+    // The socket the CDI specs name is the one the arbiter serves.
+    assert_eq!(flag_value(&arbiter_args, "--socket"), Some(socket));
+    let (_, volume) = mounted(spec, arbiter, socket_dir);
+    assert_eq!(volume["hostPath"]["path"], socket_dir);
+
+    // As ../daemonset.yaml: the node's processes, no privileged container, NVML through
+    // the NVIDIA runtime, and the token in the containers that talk to the API server alone.
+    assert_eq!(spec["hostPID"], true);
+    assert_eq!(spec["serviceAccountName"], DRA_ACCOUNT);
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    let token_dir = "/var/run/secrets/kubernetes.io/serviceaccount";
+    for c in [arbiter, plugin] {
+        assert_ne!(c["securityContext"]["privileged"], true, "{} is privileged", c["name"]);
+        assert_eq!(env(c, "NVIDIA_VISIBLE_DEVICES")["value"], "all");
+        let (mount, volume) = mounted(spec, c, token_dir);
+        assert_eq!(mount["readOnly"], true);
+        assert!(volume["projected"]["sources"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|s| s["serviceAccountToken"]["path"] == "token")));
+    }
+    for c in spec["initContainers"].as_array().into_iter().flatten() {
+        let mounts = c["volumeMounts"].as_array().into_iter().flatten();
+        assert!(mounts.into_iter().all(|m| m["mountPath"] != token_dir), "{} gets the token", c["name"]);
+    }
+}
+
+/// Whether `selector`'s matchLabels select a pod labelled `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector["matchLabels"].as_object().is_some_and(|m| m.iter().all(|(k, v)| labels[k] == *v))
+}
+
+#[test]
+fn a_node_runs_the_dra_daemonset_or_the_device_plugin_one_never_both() {
+    let dra = dra_daemonset();
+    let docs = documents("daemonset.yaml");
+    let plugin = resource(&docs, "DaemonSet", "gpufrac-node");
+    let dra_spec = &dra["spec"]["template"]["spec"];
+    assert_eq!(dra_spec["nodeSelector"], json!({"gpufrac.io/mode": "dra"}));
+    // Each of ../daemonset.yaml's node labels is excluded in every term of the affinity.
+    let terms = dra_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"]
+        .as_array()
+        .expect("a required node affinity");
+    let old = plugin["spec"]["template"]["spec"]["nodeSelector"].as_object().expect("a nodeSelector");
+    assert!(!old.is_empty());
+    for (key, value) in old {
+        for term in terms {
+            let excluded = term["matchExpressions"].as_array().into_iter().flatten().any(|e| {
+                e["key"] == *key
+                    && (e["operator"] == "DoesNotExist"
+                        || (e["operator"] == "NotIn"
+                            && e["values"].as_array().is_some_and(|vs| vs.contains(value))))
+            });
+            assert!(
+                excluded,
+                "a node labelled {key}={value} (../daemonset.yaml's) may run gpufrac-node-dra too"
+            );
+        }
+    }
+    // Neither DaemonSet's selector takes the other's pods.
+    let (dra_labels, plugin_labels) =
+        (&dra["spec"]["template"]["metadata"]["labels"], &plugin["spec"]["template"]["metadata"]["labels"]);
+    assert!(selects(&dra["spec"]["selector"], dra_labels));
+    assert!(
+        !selects(&dra["spec"]["selector"], plugin_labels),
+        "gpufrac-node-dra selects gpufrac-node's pods"
+    );
+    assert!(
+        !selects(&plugin["spec"]["selector"], dra_labels),
+        "gpufrac-node selects gpufrac-node-dra's pods"
+    );
+}
+
+#[test]
+fn the_dra_rbac_grants_the_plugin_and_the_arbiter_what_they_need_and_no_more() {
+    let docs = dra_documents("rbac-dra.yaml");
+    assert_eq!(resource(&docs, "ServiceAccount", DRA_ACCOUNT)["automountServiceAccountToken"], false);
+    assert_eq!(resource(&docs, "ServiceAccount", DRA_ACCOUNT)["metadata"]["namespace"], "gpufrac-system");
+
+    // Every (group, resource, verb) granted, exactly.
+    let role = resource(&docs, "ClusterRole", DRA_ACCOUNT);
+    let mut granted = Vec::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        for key in ["nonResourceURLs", "resourceNames"] {
+            assert!(rule.get(key).is_none(), "a rule with {key}: {rule}");
+        }
+        let strings = |key: &str| -> Vec<String> {
+            rule[key].as_array().into_iter().flatten().map(|v| v.as_str().unwrap_or("?").to_owned()).collect()
+        };
+        for group in strings("apiGroups") {
+            for resource in strings("resources") {
+                for verb in strings("verbs") {
+                    granted.push(format!("{group}/{resource}:{verb}"));
+                }
+            }
+        }
+    }
+    granted.sort();
+    let mut expected: Vec<String> = Vec::new();
+    for (group_resource, verbs) in [
+        (
+            "resource.k8s.io/resourceslices",
+            &["get", "list", "watch", "create", "update", "patch", "delete"][..],
+        ),
+        ("resource.k8s.io/resourceclaims", &["get", "list", "watch"]),
+        ("/pods", &["get", "list", "watch"]),
+        ("/nodes", &["get"]),
+    ] {
+        expected.extend(verbs.iter().map(|verb| format!("{group_resource}:{verb}")));
+    }
+    expected.sort();
+    assert_eq!(granted, expected, "the ClusterRole {DRA_ACCOUNT}");
+    assert!(role.get("aggregationRule").is_none());
+
+    let binding = resource(&docs, "ClusterRoleBinding", DRA_ACCOUNT);
+    assert_eq!(
+        binding["roleRef"],
+        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DRA_ACCOUNT})
+    );
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": DRA_ACCOUNT, "namespace": "gpufrac-system"}])
+    );
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert!(!kinds.contains(&"Role") && !kinds.contains(&"RoleBinding"), "{kinds:?}");
+    assert_eq!(dra_daemonset()["spec"]["template"]["spec"]["serviceAccountName"], DRA_ACCOUNT);
+
+    // Slice writes held to the account's own node, for that account.
+    let policy = resource(&docs, "ValidatingAdmissionPolicy", "gpufrac-node-dra-resourceslices");
+    let text = policy.to_string();
+    assert!(text.contains(&format!("system:serviceaccount:gpufrac-system:{DRA_ACCOUNT}")), "{text}");
+    assert!(text.contains("authentication.kubernetes.io/node-name"), "{text}");
+    assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+    let binding = resource(&docs, "ValidatingAdmissionPolicyBinding", "gpufrac-node-dra-resourceslices");
+    assert_eq!(binding["spec"]["policyName"], "gpufrac-node-dra-resourceslices");
+    assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+}
+
+/// A quantity with a binary suffix (`20Gi`, `256Mi`) in bytes.
+fn quantity(text: &str) -> u64 {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let unit = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        other => panic!("unexpected unit {other:?} in {text:?}"),
+    };
+    number.parse::<u64>().unwrap_or_else(|e| panic!("{text:?}: {e}")) * unit
+}
+
+#[test]
+fn the_dra_claim_asks_for_memory_of_a_gpufrac_gpu() {
+    let docs = dra_documents("deviceclass.yaml");
+    let class = resource(&docs, "DeviceClass", DRIVER);
+    assert_eq!(
+        class["spec"]["selectors"],
+        json!([{"cel": {"expression": format!("device.driver == \"{DRIVER}\"")}}])
+    );
+
+    let docs = dra_documents("inference-claim.yaml");
+    let template = resource(&docs, "ResourceClaimTemplate", "llm-gpu");
+    let devices = &template["spec"]["spec"]["devices"];
+    let requests = devices["requests"].as_array().expect("requests");
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0]["name"], "gpu");
+    let exactly = &requests[0]["exactly"];
+    assert_eq!(exactly["deviceClassName"], DRIVER);
+    let request = quantity(exactly["capacity"]["requests"]["memory"].as_str().expect("a memory request"));
+    assert_eq!(request, 20 << 30);
+    assert!(request >= 256 << 20 && request % (256 << 20) == 0, "off the slice's 256Mi steps");
+
+    let configs = devices["config"].as_array().expect("config");
+    assert_eq!(configs.len(), 1);
+    assert_eq!(configs[0]["requests"], json!(["gpu"]));
+    let opaque = &configs[0]["opaque"];
+    assert_eq!(opaque["driver"], DRIVER);
+    let parameters = &opaque["parameters"];
+    assert_eq!(parameters["apiVersion"], "gpufrac.io/v1");
+    assert_eq!(parameters["kind"], "GpuFractionConfig");
+    assert_eq!(parameters["resolver"], "swap");
+    let limit = quantity(parameters["limit"].as_str().expect("a limit"));
+    assert_eq!(limit, 40 << 30);
+    assert!(limit >= request);
+    for key in parameters.as_object().expect("parameters").keys() {
+        assert!(
+            ["apiVersion", "kind", "limit", "resolver", "priority"].contains(&key.as_str()),
+            "GpuFractionConfig has no field {key}"
+        );
+    }
+
+    let deployment = resource(&docs, "Deployment", "llm-server");
+    assert_eq!(deployment["metadata"]["namespace"], template["metadata"]["namespace"]);
+    let pod = &deployment["spec"]["template"];
+    assert_eq!(
+        pod["spec"]["resourceClaims"],
+        json!([{"name": "gpu", "resourceClaimTemplateName": "llm-gpu"}])
+    );
+    let server = pod["spec"]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "server"))
+        .expect("a container server");
+    assert_eq!(server["resources"]["claims"], json!([{"name": "gpu"}]));
+    // No GPU asked for another way, and nothing for the webhook.
+    let text = pod.to_string();
+    for other in ["gpufrac.io/gpu", "nvidia.com/gpu", "gpufrac.io/gpu-fraction"] {
+        assert!(!text.contains(other), "the DRA example asks for {other} too");
+    }
+}
+
+/// `binary [subcommand] --help`, or why it failed (a subcommand the binary lacks yet).
+fn try_help(binary: &str, subcommand: Option<&str>) -> Result<String, String> {
+    let path = gpufrac_e2e::artifact(binary);
+    let out = Command::new(&path)
+        .args(subcommand)
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| panic!("running {} --help: {e}", path.display()));
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// The `--flags` of `args` (without `=value`) that `help` does not list.
+fn unlisted<'a>(args: &[&'a str], help: &str) -> Vec<&'a str> {
+    let mut missing: Vec<&str> = args
+        .iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap_or(a))
+        .filter(|flag| !help.split(|ch: char| ch.is_whitespace() || ch == ',').any(|word| word == *flag))
+        .collect();
+    missing.dedup();
+    missing
+}
+
+#[test]
+fn every_flag_the_dra_manifests_pass_is_one_the_binaries_take() {
+    let daemonset = dra_daemonset();
+    let spec = &daemonset["spec"]["template"]["spec"];
+    let plugin = container(spec, "dra-plugin");
+    let arbiter = container(spec, "arbiter");
+    assert_eq!(arbiter["command"], json!(["gpufrac-arbiter"]));
+    let plugin_args = args(plugin);
+    let (global, dra) = split_at_dra(&plugin_args);
+    let arbiter_args = args(arbiter);
+    let cases = [
+        ("gpufrac-arbiter", None, arbiter_args.as_slice()),
+        ("gpufrac-device-plugin", None, global.as_slice()),
+        ("gpufrac-device-plugin", Some("dra"), dra.as_slice()),
+    ];
+    // Every missing flag at once, so one run says all that the binaries still lack.
+    let mut problems = Vec::new();
+    for (binary, subcommand, passed) in cases {
+        assert!(passed.iter().any(|a| a.starts_with("--")), "{binary} {subcommand:?} is passed no flags");
+        let command = format!("{binary}{}", subcommand.map(|s| format!(" {s}")).unwrap_or_default());
+        match try_help(binary, subcommand) {
+            Ok(help) => {
+                for flag in unlisted(passed, &help) {
+                    problems.push(format!("{command} --help does not list {flag}"));
+                }
+            }
+            Err(stderr) => problems.push(format!("{command} --help failed: {}", stderr.trim())),
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "the DRA manifests pass flags the built binaries do not take:\n{}",
+        problems.join("\n")
+    );
+}
+
+/// A ResourceSlice as the contract says the kubelet plugin publishes it, for a node
+/// `node-1` with one GPU.
+fn sample_resource_slice() -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {
+            "name": "node-1-gpu.gpufrac.io",
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "node-1",
+                                 "uid": "0b5c2a3e-8f0e-4a57-9a7e-3a4c1c2d9e11", "controller": true}]
+        },
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": "node-1",
+            "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+            "devices": [{
+                "name": "gpu-0",
+                "allowMultipleAllocations": true,
+                "attributes": {
+                    "uuid": {"string": "GPU-5a3ce1b6-8a1c-4c57-bb7a-1d7f1b2c3d4e"},
+                    "productName": {"string": "NVIDIA H100 80GB HBM3"},
+                    "index": {"int": 0},
+                    "computeCapability": {"version": "9.0.0"},
+                    "driverVersion": {"string": "570.124.06"},
+                    "cudaVersion": {"version": "12.8.0"},
+                    "pciBusID": {"string": "0000:19:00.0"}
+                },
+                "capacity": {"memory": {
+                    "value": "85520809984",
+                    "requestPolicy": {"default": "1Gi", "validRange": {"min": "256Mi", "step": "256Mi"}}
+                }}
+            }]
+        }
+    })
+}
+
+#[test]
+fn validate_objects_checks_what_a_test_builds() {
+    let slice = sample_resource_slice();
+    if let Err(e) =
+        kubernetes_validate::validate_objects(&[slice.clone(), slice.clone()], DRA_KUBERNETES_VERSIONS)
+    {
+        panic!("the contract's ResourceSlice is not valid: {e}");
+    }
+    let mut misspelt = slice.clone();
+    misspelt["spec"]["devices"][0]["allowMultipleAllocation"] = json!(true);
+    let mut wrong_type = slice.clone();
+    wrong_type["spec"]["pool"]["generation"] = json!("1");
+    for (what, objects, versions) in [
+        ("a misspelt field", vec![slice.clone(), misspelt], DRA_KUBERNETES_VERSIONS),
+        ("a wrong type", vec![wrong_type], DRA_KUBERNETES_VERSIONS),
+        ("a version without resource.k8s.io/v1", vec![slice.clone()], &["1.37", "1.33"][..]),
+        ("no object", vec![], DRA_KUBERNETES_VERSIONS),
+        ("no version", vec![slice.clone()], &[][..]),
+    ] {
+        assert!(
+            kubernetes_validate::validate_objects(&objects, versions).is_err(),
+            "objects with {what} passed validation"
+        );
     }
 }
