@@ -681,14 +681,12 @@ const DRA_KUBERNETES_VERSIONS: &[&str] = &["1.34", "1.37"];
 const DRA_EXPECTED: &[&str] =
     &["deviceclass.yaml", "rbac-dra.yaml", "daemonset-dra.yaml", "inference-claim.yaml"];
 
-/// The driver's name: the DeviceClass's, the slices' and the claims' configuration's.
-const DRIVER: &str = "gpu.gpufrac.io";
+/// The driver's name (the DeviceClass's, the slices' and the claims' configuration's),
+/// the plugin's folder (its DRA socket and checkpoint) and the checkpoint's file name in
+/// it: the names the plugin and the arbiter share.
+use gpufrac_common::dra::{CHECKPOINT_FILE, DEFAULT_PLUGIN_DIR as PLUGIN_DIR, DRIVER};
 /// The kubelet's plugin registration folder.
 const PLUGINS_REGISTRY: &str = "/var/lib/kubelet/plugins_registry";
-/// The plugin's folder: its DRA socket and its checkpoint.
-const PLUGIN_DIR: &str = "/var/lib/kubelet/plugins/gpu.gpufrac.io";
-/// The checkpoint's file name in the plugin's folder.
-const CHECKPOINT_FILE: &str = "prepared-claims.json";
 /// Where the plugin writes CDI specs for the container runtime.
 const CDI_DIR: &str = "/var/run/cdi";
 /// The DRA nodes' ServiceAccount.
@@ -973,7 +971,7 @@ fn the_dra_claim_asks_for_memory_of_a_gpufrac_gpu() {
     assert_eq!(exactly["deviceClassName"], DRIVER);
     let request = quantity(exactly["capacity"]["requests"]["memory"].as_str().expect("a memory request"));
     assert_eq!(request, 20 << 30);
-    assert!(request >= 256 << 20 && request % (256 << 20) == 0, "off the slice's 256Mi steps");
+    assert!(request >= 256 << 20 && request.is_multiple_of(256 << 20), "off the slice's 256Mi steps");
 
     let configs = devices["config"].as_array().expect("config");
     assert_eq!(configs.len(), 1);
