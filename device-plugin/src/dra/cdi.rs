@@ -96,7 +96,8 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
 /// never reads half a spec).
 pub fn write(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> std::io::Result<PathBuf> {
     let path = spec_path(&config.dir, &claim.uid);
-    let text = serde_json::to_vec_pretty(&spec(config, claim, pod_priority)).map_err(std::io::Error::other)?;
+    let text =
+        serde_json::to_vec_pretty(&spec(config, claim, pod_priority)).map_err(std::io::Error::other)?;
     let temporary = config.dir.join(format!(".gpufrac.io-claim_{}.{}.tmp", claim.uid, std::process::id()));
     let written = (|| {
         let mut file = std::fs::File::create(&temporary)?;

@@ -111,11 +111,8 @@ pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<C
                 format_size(gpu.memory)
             )));
         }
-        let settings = settings_for(&result.request, configs).map_err(|(index, source)| ClaimError::Config {
-            claim: name.clone(),
-            index,
-            source,
-        })?;
+        let settings = settings_for(&result.request, configs)
+            .map_err(|(index, source)| ClaimError::Config { claim: name.clone(), index, source })?;
         let limit = match settings.limit {
             None => request,
             Some(spec) => spec.resolve(gpu.memory),

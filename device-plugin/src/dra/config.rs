@@ -75,7 +75,8 @@ pub fn parse(parameters: &Value) -> Result<FractionConfig, ConfigError> {
                 let name = value.as_str().ok_or_else(|| {
                     refuse("resolver", format!("expected \"wait\", \"priority\" or \"swap\", not {value}"))
                 })?;
-                config.resolver = Some(name.parse().map_err(|e: String| refuse("resolver", format!("{name:?}: {e}")))?);
+                config.resolver =
+                    Some(name.parse().map_err(|e: String| refuse("resolver", format!("{name:?}: {e}")))?);
             }
             "priority" => {
                 let n = value
@@ -85,7 +86,10 @@ pub fn parse(parameters: &Value) -> Result<FractionConfig, ConfigError> {
                 config.priority = Some(n);
             }
             "parkAfter" => {
-                return Err(refuse("parkAfter", "parking idle models is not supported by this version of gpufrac"))
+                return Err(refuse(
+                    "parkAfter",
+                    "parking idle models is not supported by this version of gpufrac",
+                ))
             }
             other => {
                 return Err(refuse(
@@ -103,7 +107,10 @@ fn limit(value: &Value) -> Result<SizeSpec, ConfigError> {
         Value::String(text) => text.clone(),
         Value::Number(n) if n.is_u64() => n.to_string(),
         other => {
-            return Err(refuse("limit", format!("expected a size such as \"40Gi\" or \"0.5\" (of the GPU), not {other}")))
+            return Err(refuse(
+                "limit",
+                format!("expected a size such as \"40Gi\" or \"0.5\" (of the GPU), not {other}"),
+            ))
         }
     };
     parse_size("limit", &text).map_err(|e| refuse("limit", format!("{:?}: {}", e.value, e.reason)))
@@ -132,7 +139,10 @@ mod tests {
         assert_eq!(c.priority, Some(7));
         assert_eq!(parse(&config(json!({}))).unwrap(), FractionConfig::default());
         assert_eq!(parse(&config(json!({"limit": "0.5"}))).unwrap().limit, Some(SizeSpec::Fraction(0.5)));
-        assert_eq!(parse(&config(json!({"limit": 1073741824}))).unwrap().limit, Some(SizeSpec::Bytes(1 << 30)));
+        assert_eq!(
+            parse(&config(json!({"limit": 1073741824}))).unwrap().limit,
+            Some(SizeSpec::Bytes(1 << 30))
+        );
     }
 
     #[test]
@@ -158,7 +168,11 @@ mod tests {
 
     #[test]
     fn a_later_configuration_overrides_an_earlier_one_field_by_field() {
-        let class = FractionConfig { limit: Some(SizeSpec::Fraction(1.0)), resolver: Some(Resolver::Wait), priority: None };
+        let class = FractionConfig {
+            limit: Some(SizeSpec::Fraction(1.0)),
+            resolver: Some(Resolver::Wait),
+            priority: None,
+        };
         let claim = FractionConfig { limit: None, resolver: Some(Resolver::Swap), priority: Some(3) };
         let merged = class.overridden_by(claim);
         assert_eq!(merged.limit, Some(SizeSpec::Fraction(1.0)));

@@ -50,10 +50,12 @@ pub enum PrepareError {
         /// The claim.
         claim: ClaimRef,
         /// What kube said.
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
     /// The claim read from the API server is not the one the kubelet named.
-    #[error("ResourceClaim {claim}: the API server has uid {found} under that name (the claim was replaced)")]
+    #[error(
+        "ResourceClaim {claim}: the API server has uid {found} under that name (the claim was replaced)"
+    )]
     Replaced {
         /// The claim the kubelet named.
         claim: ClaimRef,
@@ -99,7 +101,7 @@ impl Driver {
         gpus: Vec<GpuInfo>,
         cdi: CdiConfig,
         checkpoint_path: PathBuf,
-    ) -> Result<Driver, PrepareError> {
+    ) -> Result<Driver, gpufrac_common::dra::CheckpointError> {
         let prepared = Checkpoint::load(&checkpoint_path)?;
         if !prepared.claims.is_empty() {
             tracing::info!(claims = prepared.claims.len(), checkpoint = %checkpoint_path.display(), "prepared claims from the checkpoint");
@@ -208,7 +210,7 @@ impl Driver {
         let object = api
             .get(&claim.name)
             .await
-            .map_err(|source| PrepareError::ApiServer { claim: claim.clone(), source })?;
+            .map_err(|source| PrepareError::ApiServer { claim: claim.clone(), source: Box::new(source) })?;
         let found = object.metadata.uid.clone().unwrap_or_default();
         if found != claim.uid {
             return Err(PrepareError::Replaced { claim: claim.clone(), found });
@@ -226,7 +228,9 @@ impl Driver {
                     return pod.spec.and_then(|s| s.priority).unwrap_or(0);
                 }
                 Ok(_) => {}
-                Err(e) => tracing::warn!(pod = %format!("{namespace}/{name}"), "reading the pod's priority: {e}"),
+                Err(e) => {
+                    tracing::warn!(pod = %format!("{namespace}/{name}"), "reading the pod's priority: {e}")
+                }
             }
         }
         0

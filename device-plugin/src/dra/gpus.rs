@@ -46,7 +46,8 @@ pub fn discover() -> Result<Vec<GpuInfo>, String> {
     let count = nvml.device_count().map_err(|e| format!("NVML device count: {e}"))?;
     (0..count)
         .map(|index| {
-            let what = |field: &str, e: nvml_wrapper::error::NvmlError| format!("NVML device {index} {field}: {e}");
+            let what =
+                |field: &str, e: nvml_wrapper::error::NvmlError| format!("NVML device {index} {field}: {e}");
             let dev = nvml.device_by_index(index).map_err(|e| what("handle", e))?;
             let capability = dev.cuda_compute_capability().map_err(|e| what("compute capability", e))?;
             Ok(GpuInfo {

@@ -19,7 +19,7 @@ use tonic::transport::Server;
 use super::api::registration::registration_server::RegistrationServer;
 use super::api::{v1, v1beta1};
 use super::cdi::CdiConfig;
-use super::driver::{Driver, PrepareError};
+use super::driver::Driver;
 use super::gpus::GpuInfo;
 use super::service::{DraService, RegistrationService};
 use super::slices::Publisher;
@@ -68,7 +68,7 @@ pub enum DraError {
     },
     /// The checkpoint left by a previous run cannot be read.
     #[error(transparent)]
-    Checkpoint(#[from] PrepareError),
+    Checkpoint(#[from] gpufrac_common::dra::CheckpointError),
 }
 
 fn inode(path: &Path) -> Option<u64> {

@@ -27,6 +27,8 @@ impl DraService {
 /// unprepared) on its own, and its error reported in its own entry, as the API asks.
 macro_rules! dra_service {
     ($version:ident) => {
+        // `v1beta1`'s Device has every field set here; `v1`'s has one more (`share_id`).
+        #[allow(clippy::needless_update)]
         #[tonic::async_trait]
         impl api::$version::dra_plugin_server::DraPlugin for DraService {
             async fn node_prepare_resources(

@@ -127,7 +127,11 @@ impl Publisher {
     }
 
     /// Creates or replaces the slice with the GPUs `healthy` accepts, under a new generation.
-    pub async fn publish(&mut self, gpus: &[GpuInfo], healthy: impl Fn(&str) -> bool) -> Result<(), kube::Error> {
+    pub async fn publish(
+        &mut self,
+        gpus: &[GpuInfo],
+        healthy: impl Fn(&str) -> bool,
+    ) -> Result<(), kube::Error> {
         let name = slice_name(&self.node);
         let existing = self.api.get_opt(&name).await?;
         let before = existing.as_ref().map_or(0, |s| s.spec.pool.generation);

@@ -1,0 +1,221 @@
+//! Claims as the API server returns them (`resource.k8s.io/v1` JSON, read into the API's
+//! own types) → the fraction the DRA plugin prepares: the consumed `memory` capacity is
+//! the request, the opaque configuration gives limit, resolver and priority, and a bad
+//! configuration is refused naming its field.
+
+use gpufrac_common::resolver::Resolver;
+use gpufrac_device_plugin::dra::claim::{fraction, quantity_bytes, ClaimError};
+use gpufrac_device_plugin::dra::gpus::GpuInfo;
+use gpufrac_device_plugin::dra::slices;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::{json, Value};
+
+const GIB: u64 = 1 << 30;
+const NODE: &str = "gpu-node-3";
+
+fn gpus() -> Vec<GpuInfo> {
+    [(0, 80 * GIB), (1, 40 * GIB)]
+        .into_iter()
+        .map(|(index, memory)| GpuInfo {
+            index,
+            uuid: format!("GPU-{index}aaaaaaa-0000-0000-0000-000000000000"),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            memory,
+            compute_capability: (9, 0),
+            driver_version: "570.124.06".into(),
+            cuda_version: (12, 8),
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + index),
+        })
+        .collect()
+}
+
+fn config(parameters: Value) -> Value {
+    json!({"driver": "gpu.gpufrac.io", "parameters": parameters})
+}
+
+/// A claim allocated by the scheduler on `device` with `consumed` (None: a cluster without
+/// consumable capacity), with `configs` as the allocation's configuration.
+fn claim(device: &str, consumed: Option<&str>, configs: Value) -> ResourceClaim {
+    let mut result = json!({
+        "request": "gpu", "driver": "gpu.gpufrac.io", "pool": NODE, "device": device,
+    });
+    if let Some(memory) = consumed {
+        result["consumedCapacity"] = json!({"memory": memory});
+        result["shareID"] = json!("8b0e2f14-7c53-4a8e-9d1f-2e6b3c4d5a69");
+    }
+    let text = json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": "llm-0-gpu-x7k2q", "namespace": "inference",
+            "uid": "3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13", "resourceVersion": "482913",
+            "annotations": {"resource.kubernetes.io/pod-claim-name": "gpu"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "llm-0",
+                                 "uid": "a1f3e9c2-5b7d-4e80-9c6a-2d4f8b1e3a57", "controller": true,
+                                 "blockOwnerDeletion": true}]
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.gpufrac.io", "allocationMode": "ExactCount", "count": 1,
+            "capacity": {"requests": {"memory": "20Gi"}}
+        }}]}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [
+                    result,
+                    {"request": "nic", "driver": "rdma.example.com", "pool": NODE, "device": "mlx5-0"}
+                ], "config": configs},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]},
+                "allocationTimestamp": "2026-11-24T09:12:44Z"
+            },
+            "reservedFor": [{"resource": "pods", "name": "llm-0", "uid": "a1f3e9c2-5b7d-4e80-9c6a-2d4f8b1e3a57"}]
+        }
+    });
+    serde_json::from_value(text).expect("a resource.k8s.io/v1 ResourceClaim")
+}
+
+fn from_claim(parameters: Value) -> Value {
+    json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": config(parameters)}])
+}
+
+#[test]
+fn the_consumed_memory_is_the_request_and_the_configuration_the_rest() {
+    let claim = claim(
+        "gpu-1",
+        Some("20Gi"),
+        json!([
+            {"source": "FromClass", "opaque": config(json!({
+                "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "resolver": "wait", "priority": 1}))},
+            {"source": "FromClaim", "requests": ["gpu"], "opaque": config(json!({
+                "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "40Gi", "resolver": "swap"}))},
+            {"source": "FromClaim", "requests": ["nic"], "opaque": config(json!({"not": "for this request"}))}
+        ]),
+    );
+    let prepared = fraction(&claim, NODE, &gpus()).unwrap();
+    assert_eq!(prepared.pods, [("a1f3e9c2-5b7d-4e80-9c6a-2d4f8b1e3a57".to_owned(), "llm-0".to_owned())]);
+    assert_eq!(prepared.devices.len(), 1, "the other driver's device is not ours");
+    let device = &prepared.devices[0];
+    assert_eq!((device.device.as_str(), device.pool.as_str()), ("gpu-1", NODE));
+    assert_eq!(device.gpu_uuid, "GPU-1aaaaaaa-0000-0000-0000-000000000000");
+    assert_eq!(device.request_bytes, 20 * GIB);
+    assert_eq!(device.limit_bytes, 40 * GIB);
+    assert_eq!(device.resolver, Some(Resolver::Swap), "the claim's configuration overrides the class's");
+    assert_eq!(device.priority, Some(1), "a field the claim does not set stays the class's");
+    assert_eq!(device.share_id.as_deref(), Some("8b0e2f14-7c53-4a8e-9d1f-2e6b3c4d5a69"));
+    assert_eq!(device.cdi_device_id, "gpufrac.io/claim=3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13-gpu-1");
+}
+
+#[test]
+fn without_configuration_the_limit_is_the_request_and_without_consumable_capacity_the_gpu() {
+    let plain = fraction(&claim("gpu-0", Some("21474836480"), json!([])), NODE, &gpus()).unwrap();
+    let device = &plain.devices[0];
+    assert_eq!((device.request_bytes, device.limit_bytes), (20 * GIB, 20 * GIB));
+    assert_eq!((device.resolver, device.priority), (None, None));
+    // A cluster without DRAConsumableCapacity allocates the device whole.
+    let whole = fraction(&claim("gpu-0", None, json!([])), NODE, &gpus()).unwrap();
+    assert_eq!(whole.devices[0].request_bytes, 80 * GIB);
+    // A limit as a fraction of the GPU.
+    let half = fraction(
+        &claim(
+            "gpu-0",
+            Some("20Gi"),
+            from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "0.5"})),
+        ),
+        NODE,
+        &gpus(),
+    )
+    .unwrap();
+    assert_eq!(half.devices[0].limit_bytes, 40 * GIB);
+}
+
+#[test]
+fn a_bad_configuration_is_refused_naming_the_field() {
+    let cases = [
+        (
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "forty"}),
+            "parameters.limit",
+        ),
+        (
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "resolver": "evict"}),
+            "parameters.resolver",
+        ),
+        (
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "priority": 1.5}),
+            "parameters.priority",
+        ),
+        (
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "burst": "40Gi"}),
+            "parameters.burst",
+        ),
+        (json!({"apiVersion": "gpufrac.io/v2", "kind": "GpuFractionConfig"}), "parameters.apiVersion"),
+        (json!({"apiVersion": "gpufrac.io/v1", "kind": "FractionConfig"}), "parameters.kind"),
+    ];
+    for (parameters, field) in cases {
+        let e = fraction(&claim("gpu-1", Some("20Gi"), from_claim(parameters.clone())), NODE, &gpus())
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ClaimError::Config { index: 0, .. }), "{text}");
+        assert!(text.contains(field), "{parameters} → {text}");
+        assert!(text.contains("inference/llm-0-gpu-x7k2q"), "names the claim: {text}");
+    }
+    // Limits that do not fit.
+    let below =
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "10Gi"}));
+    let e = fraction(&claim("gpu-1", Some("20Gi"), below), NODE, &gpus()).unwrap_err().to_string();
+    assert!(e.contains("parameters.limit") && e.contains("below"), "{e}");
+    let above =
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "60Gi"}));
+    let e = fraction(&claim("gpu-1", Some("20Gi"), above), NODE, &gpus()).unwrap_err().to_string();
+    assert!(e.contains("parameters.limit") && e.contains("more than the GPU"), "{e}");
+}
+
+#[test]
+fn a_claim_that_is_not_this_nodes_is_refused() {
+    let unallocated: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "n", "uid": "u"},
+        "spec": {"devices": {"requests": []}}
+    }))
+    .unwrap();
+    assert!(matches!(fraction(&unallocated, NODE, &gpus()), Err(ClaimError::NotAllocated(_))));
+    let e =
+        fraction(&claim("gpu-1", Some("20Gi"), json!([])), "other-node", &gpus()).unwrap_err().to_string();
+    assert!(e.contains("results[0]") && e.contains("pool"), "{e}");
+    let e = fraction(&claim("gpu-7", Some("20Gi"), json!([])), NODE, &gpus()).unwrap_err().to_string();
+    assert!(e.contains("gpu-7"), "{e}");
+    let e = fraction(&claim("gpu-1", Some("50Gi"), json!([])), NODE, &gpus()).unwrap_err().to_string();
+    assert!(e.contains("consumedCapacity.memory"), "{e}");
+}
+
+#[test]
+fn quantities_as_the_api_server_writes_them() {
+    assert_eq!(quantity_bytes("20Gi"), Some(20 * GIB));
+    assert_eq!(quantity_bytes("21474836480"), Some(20 * GIB));
+    assert_eq!(quantity_bytes("20G"), Some(20_000_000_000));
+    assert_eq!(quantity_bytes("1536Mi"), Some(1536 << 20));
+    assert_eq!(quantity_bytes("2e9"), Some(2_000_000_000));
+    assert_eq!(quantity_bytes("lots"), None);
+}
+
+#[test]
+fn each_gpu_is_one_device_with_a_shared_memory_capacity() {
+    let slice = slices::slice(NODE, &gpus(), |uuid| !uuid.starts_with("GPU-1"), 3, None);
+    let value = serde_json::to_value(&slice).unwrap();
+    assert_eq!(value["metadata"]["name"], "gpu-node-3-gpu.gpufrac.io");
+    assert_eq!(value["spec"]["pool"], json!({"name": NODE, "generation": 3, "resourceSliceCount": 1}));
+    let devices = value["spec"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 1, "the unhealthy GPU is left out");
+    let device = &devices[0];
+    assert_eq!(device["name"], "gpu-0");
+    assert_eq!(device["allowMultipleAllocations"], true);
+    assert_eq!(
+        device["capacity"]["memory"],
+        json!({"value": (80 * GIB).to_string(), "requestPolicy": {
+            "default": "1Gi", "validRange": {"min": "256Mi", "step": "256Mi"}}})
+    );
+    assert_eq!(device["attributes"]["computeCapability"], json!({"version": "9.0.0"}));
+    assert_eq!(device["attributes"]["cudaVersion"], json!({"version": "12.8.0"}));
+    assert_eq!(device["attributes"]["driverVersion"], json!({"string": "570.124.06"}));
+    assert_eq!(device["attributes"]["pciBusID"], json!({"string": "00000000:18:00.0"}));
+    assert_eq!(device["attributes"]["index"], json!({"int": 0}));
+}
