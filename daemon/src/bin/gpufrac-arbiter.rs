@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufrac_daemon::arbiter::{gpus, metrics, server};
-use gpufrac_daemon::entitlement::kubernetes::{KubernetesEntitlements, KubernetesOptions};
+use gpufrac_daemon::entitlement::kubernetes::{infer_config, KubernetesEntitlements, KubernetesOptions};
 use gpufrac_daemon::entitlement::policy::PolicyFile;
 use gpufrac_daemon::entitlement::Entitlements;
 
@@ -67,15 +67,27 @@ struct Args {
     #[arg(long, value_name = "FILE", conflicts_with = "kubernetes")]
     policy: Option<PathBuf>,
     /// Entitlements from the kubelet's PodResources API (which shares each container was
-    /// allocated) and the pod read from the in-cluster API server (limit, resolver,
-    /// priority); the node's name from --node-name or NODE_NAME.
+    /// allocated) and this node's pods, listed and watched from the API server (limit,
+    /// resolver, priority); the API server from a kubeconfig (KUBECONFIG, ~/.kube/config)
+    /// or the in-cluster service account; the node's name from --node-name or NODE_NAME.
     #[arg(long)]
     kubernetes: bool,
     /// The kubelet's PodResources socket (with --kubernetes).
     #[arg(long, value_name = "PATH", requires = "kubernetes")]
     pod_resources_socket: Option<PathBuf>,
-    /// This node's name (with --kubernetes; default: the NODE_NAME environment variable):
-    /// a pod the API server places on another node is refused.
+    /// Entitlements from the DRA claims prepared on this node (the DRA kubelet plugin's
+    /// checkpoint) instead of the device plugin's shares (with --kubernetes; e.g.
+    /// /var/lib/kubelet/plugins/gpu.gpufrac.io/prepared-claims.json). A node runs one or
+    /// the other.
+    #[arg(
+        long,
+        value_name = "PATH",
+        requires = "kubernetes",
+        conflicts_with_all = ["pod_resources_socket", "shares_per_gpu"]
+    )]
+    dra_checkpoint: Option<PathBuf>,
+    /// This node's name (with --kubernetes; default: the NODE_NAME environment variable;
+    /// one of them is required): only this node's pods are watched.
     #[arg(long, value_name = "NAME", requires = "kubernetes")]
     node_name: Option<String>,
     /// Shares per GPU, as the device plugin's --shares-per-gpu (with --kubernetes;
@@ -142,21 +154,42 @@ fn entitlements(args: &Args) -> Result<Option<Arc<dyn Entitlements>>> {
         return Ok(Some(Arc::new(policy)));
     }
     if args.kubernetes {
-        let mut options = KubernetesOptions::in_cluster(args.pod_resources_socket.clone())
-            .context("--kubernetes: reading the in-cluster configuration")?;
-        if let Some(name) = &args.node_name {
-            check_node_name(name).map_err(|e| anyhow::anyhow!("--node-name {e}"))?;
-            options.node_name = Some(name.clone());
-        } else if let Some(name) = &options.node_name {
-            check_node_name(name).map_err(|e| anyhow::anyhow!("NODE_NAME {e}"))?;
-        }
+        let config = infer_config().context("--kubernetes")?;
+        let node = match &args.node_name {
+            Some(name) => {
+                check_node_name(name).map_err(|e| anyhow::anyhow!("--node-name {e}"))?;
+                name.clone()
+            }
+            None => match std::env::var("NODE_NAME").map(|name| name.trim().to_owned()) {
+                Ok(name) if !name.is_empty() => {
+                    check_node_name(&name).map_err(|e| anyhow::anyhow!("NODE_NAME {e}"))?;
+                    name
+                }
+                _ => bail!(
+                    "--kubernetes needs this node's name, to watch only its pods: give --node-name NAME or \
+                     set NODE_NAME (from the downward API's spec.nodeName, as \
+                     examples/kubernetes/daemonset.yaml does)"
+                ),
+            },
+        };
+        let server = config.cluster_url.to_string();
+        let mut options = KubernetesOptions::new(config, node.clone(), args.pod_resources_socket.clone());
         if let Some(n) = args.shares_per_gpu {
             options.shares_per_gpu = n;
         }
+        options.dra_checkpoint = args.dra_checkpoint.clone();
         let socket = options.pod_resources_socket.clone();
-        let node = options.node_name.clone().unwrap_or_else(|| "(unknown: set NODE_NAME)".into());
         let source = KubernetesEntitlements::new(options).context("--kubernetes")?;
-        tracing::info!(pod_resources = %socket.display(), %node, "entitlements from the kubelet and the API server");
+        match &args.dra_checkpoint {
+            Some(checkpoint) => tracing::info!(
+                dra_checkpoint = %checkpoint.display(), %node, api_server = %server,
+                "entitlements from the DRA claims prepared on this node and the API server"
+            ),
+            None => tracing::info!(
+                pod_resources = %socket.display(), %node, api_server = %server,
+                "entitlements from the kubelet and the API server"
+            ),
+        }
         return Ok(Some(Arc::new(source)));
     }
     if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {

@@ -1,35 +1,51 @@
-//! Entitlements on a Kubernetes node: what a process may have is what the kubelet
-//! allocated its container and what its pod says, never what the process says.
+//! Entitlements on a Kubernetes node: what a process may have is what the kubelet (or the
+//! DRA kubelet plugin) allocated its container and what its pod says, never what the
+//! process says.
+//!
+//! Every API-server read goes through kube-rs: a reflector over the pods of this node only
+//! (`fieldSelector=spec.nodeName=<node>`; [`pods`]) keeps them in a local store, and a
+//! lookup reads the pod by UID from it. The arbiter's service account needs `list` and
+//! `watch` on pods (never `get` per process).
 //!
 //! For a process whose cgroup names a pod UID and a container ID ([`ContainerRef`]):
 //!
-//! 1. **Which pod.** The kubelet's PodResources API ([`podresources`]) lists the pods of
-//!    this node that hold `gpufrac.io/gpu` shares, by namespace and name; each is read
-//!    from the API server ([`apiserver`]) and the one whose `metadata.uid` is the cgroup's
-//!    pod UID is the process's pod. The kubelet vouches that the pod runs here, the API
-//!    server for its UID; a UID no such pod has gets nothing (a pod without shares, or a
-//!    pod of another node). Only `get` on pods is needed, never `list`.
-//! 2. **Which container.** The pod's `status.containerStatuses` (and
-//!    `initContainerStatuses`, for sidecars) map the cgroup's container ID
-//!    (`containerd://<id>`, `cri-o://<id>`, `docker://<id>`) to a container name. A
-//!    container that has just started may not be in the status yet (the kubelet reports it
-//!    within about a second), so an unknown ID is asked again until the lookup's deadline
-//!    (2 s) before it is refused.
-//! 3. **What it may have.** Request: the container's share IDs (`<GPU UUID>::<n>`, all on
-//!    one GPU) → `shares / shares_per_gpu` of that GPU, and only that GPU. Limit: the pod's
-//!    `gpufrac.io/gpu-fraction-limit` (never below the request; default the request);
-//!    resolver: `gpufrac.io/resolver` (default `wait`); both only for the container the
-//!    pod's `gpufrac.io/container` names (default the first), as the webhook applies them;
-//!    another container with shares gets limit = request and `wait`. Priority:
-//!    `spec.priority` (default 0). Group: `k8s-<pod uid>-<container name>`
-//!    ([`group_name`]). A bad annotation refuses the entitlement, naming it.
+//! 1. **Which pod.** The pod of this node whose `metadata.uid` is the cgroup's pod UID, from
+//!    the store. The field selector vouches that it runs here (and a pod whose
+//!    `spec.nodeName` is another node is refused all the same); a UID no pod of this node
+//!    has gets nothing. A pod not in the store yet (its watch event may come a moment
+//!    after the kubelet started it) is waited for until the lookup's deadline.
+//! 2. **What it may have**, from one of two sources, as the node runs one or the other:
+//!    - **The device plugin's shares** (the default). *Which container:* the pod's
+//!      `status.containerStatuses` (and `initContainerStatuses`, for sidecars) map the
+//!      cgroup's container ID (`containerd://<id>`, `cri-o://<id>`, `docker://<id>`) to a
+//!      container name; a container that has just started may not be in the status yet
+//!      (the kubelet reports it within about a second), so the store is watched for a
+//!      newer status until the lookup's deadline before the container is refused.
+//!      *Request:* the container's share IDs from the kubelet's PodResources API
+//!      ([`podresources`]; `<GPU UUID>::<n>`, all on one GPU) → `shares / shares_per_gpu`
+//!      of that GPU, and only that GPU. *Limit:* the pod's `gpufrac.io/gpu-fraction-limit`
+//!      (never below the request; default the request); *resolver:* `gpufrac.io/resolver`
+//!      (default `wait`); both only for the container the pod's `gpufrac.io/container`
+//!      names (default the first), as the webhook applies them; another container with
+//!      shares gets limit = request and `wait`. *Priority:* `spec.priority` (default 0).
+//!      *Group:* `k8s-<pod uid>-<container name>` ([`group_name`]). A bad annotation
+//!      refuses the entitlement, naming it.
+//!    - **DRA claims** ([`KubernetesOptions::dra_checkpoint`]; [`dra`]): the claims the DRA
+//!      kubelet plugin prepared for the pod, as its checkpoint records them, whatever the
+//!      container (only containers given the claim see its GPU). Exactly one GPU among
+//!      the pod's claims of its namespace: that GPU, the claim's request and limit in
+//!      bytes, its resolver, its priority (default `spec.priority`), group
+//!      `dra-<claim uid>`. None, or several, is a refusal naming them.
 //!
-//! Answers are cached per pod UID for [`DEFAULT_CACHE_TTL`]: within it, neither the
-//! kubelet nor the API server is asked again (so an API server outage is felt only after
-//! it); only entitlements are cached, never refusals. Each lookup has a deadline
-//! ([`DEFAULT_LOOKUP_TIMEOUT`]); when it passes, or the kubelet or the API server cannot be
-//! asked, the answer is [`Verdict::Unknown`] with the reason (not a verdict: the arbiter
-//! asks again later), and a refusal is [`Verdict::NotEntitled`].
+//! The store is the cache of pods: a changed pod is seen once the watch delivers it, and
+//! the API server is never asked per lookup. The kubelet's answer about a pod's shares is
+//! kept for [`DEFAULT_CACHE_TTL`] (only answers that list the pod). When the watch fails
+//! (an API server outage, a token refused), the pods last seen are still answered from; a
+//! pod not among them is then [`Verdict::Unknown`], and so is every lookup before the
+//! first list arrived. Each lookup has a deadline ([`DEFAULT_LOOKUP_TIMEOUT`]); when it
+//! passes, or the kubelet or the DRA checkpoint cannot be read, the answer is
+//! [`Verdict::Unknown`] with the reason (not a verdict: the arbiter asks again later),
+//! and a refusal is [`Verdict::NotEntitled`].
 //!
 //! A process with no container ([`Cgroup::Host`]: no cgroup under `kubepods` or a
 //! container runtime): the node's root is [`Verdict::Unrestricted`] (believed about
@@ -37,15 +53,17 @@
 //! [`KubernetesOptions::trust_host_root`] is off; any other host process is
 //! [`Verdict::NotEntitled`]. A process whose cgroup is under `kubepods` or a runtime but
 //! not understood ([`Cgroup::Unknown`]) is [`Verdict::NotEntitled`], whatever its UID.
+//! Both sources share these rules.
 //!
-//! # Selecting it (for `run.rs` and the arbiter's flags)
+//! # Selecting it (for the arbiter's flags)
 //!
-//! `gpufrac-arbiter --kubernetes [--pod-resources-socket PATH]` should build
-//! [`KubernetesOptions::in_cluster`]`(socket)` (the socket defaults to
-//! [`podresources::DEFAULT_SOCKET`]), then [`KubernetesEntitlements::new`], and exit with
-//! the error (it names what is missing) when either fails; without `--kubernetes`, another
-//! source (a policy file, or none). [`KubernetesEntitlements::lookup`] blocks (up to the
-//! lookup timeout plus a margin): call it from a blocking task.
+//! `gpufrac-arbiter --kubernetes [--node-name NAME] [--pod-resources-socket PATH |
+//! --dra-checkpoint PATH]` builds [`KubernetesOptions::new`] from [`infer_config`] (a
+//! kubeconfig from `KUBECONFIG` or `~/.kube/config`, else the in-cluster service account)
+//! and the node's name (`--node-name`, else `NODE_NAME`: required), then
+//! [`KubernetesEntitlements::new`], and exits with the error (it names what is missing)
+//! when any fails. [`KubernetesEntitlements::lookup`] blocks (up to the lookup timeout
+//! plus a margin): call it from a blocking task.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -56,11 +74,13 @@ use gpufrac_common::resolver::Resolver;
 
 use super::{Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict};
 
-pub mod apiserver;
+pub mod dra;
 pub mod podresources;
+pub mod pods;
 
-use apiserver::{is_uid, ApiServer, ApiServerConfig, ApiServerError, PodRecord};
+use dra::{DraRefusal, PreparedClaims};
 use podresources::{PodDevices, PodResourcesClient};
+use pods::{is_uid, PodError, PodRecord, PodStore};
 
 /// The generated kubelet PodResources API (`podresources/v1`): the client the arbiter
 /// uses, and the server the tests' kubelet stand-in implements.
@@ -79,9 +99,9 @@ pub const RESOLVER: &str = "gpufrac.io/resolver";
 pub const CONTAINER: &str = "gpufrac.io/container";
 /// Shares per GPU, as the device plugin's `--shares-per-gpu` default.
 pub const DEFAULT_SHARES_PER_GPU: u32 = 100;
-/// How long an answer about a pod is kept.
+/// How long the kubelet's answer about a pod's shares is kept.
 pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(10);
-/// How long one lookup may take before it answers "not entitled".
+/// How long one lookup may take before it answers "unknown".
 pub const DEFAULT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// The arbiter's longest group name (`A-Za-z0-9._-`).
 pub const MAX_GROUP: usize = 64;
@@ -102,9 +122,16 @@ pub enum KubernetesError {
         /// What is wrong.
         reason: String,
     },
-    /// The API server's in-cluster configuration is missing or unusable.
-    #[error("Kubernetes API server")]
-    ApiServer(#[from] ApiServerError),
+    /// No configuration for the API server was found.
+    #[error(
+        "no Kubernetes API server configuration: neither a kubeconfig (KUBECONFIG, ~/.kube/config) nor \
+         the in-cluster one (KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT, which the kubelet sets \
+         in a pod, and the service account's token): {0}"
+    )]
+    Config(String),
+    /// The API server's configuration cannot make a client (a bad CA certificate, say).
+    #[error("Kubernetes API server client: {0}")]
+    Client(String),
     /// An option is out of range.
     #[error("{0}")]
     Option(String),
@@ -113,19 +140,51 @@ pub enum KubernetesError {
     Runtime(#[source] std::io::Error),
 }
 
-/// How to reach the kubelet and the API server, and the lookup's knobs.
-#[derive(Debug, Clone)]
+/// The API server's configuration as kube-rs finds it ([`kube::Config::infer`]): a
+/// kubeconfig (`KUBECONFIG`, else `~/.kube/config`), else the in-cluster one (the pod's
+/// service account; kube-rs re-reads its rotating token). Blocks: never call it from
+/// async code.
+pub fn infer_config() -> Result<kube::Config, KubernetesError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(KubernetesError::Runtime)?;
+    runtime.block_on(kube::Config::infer()).map_err(|e| KubernetesError::Config(error_chain(&e)))
+}
+
+/// An error and its causes, joined with `: ` (a cause its parent already shows is not
+/// repeated).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        next = cause.source();
+    }
+    text
+}
+
+/// How to reach the API server and the kubelet, and the lookup's knobs.
+#[derive(Clone)]
 pub struct KubernetesOptions {
-    /// The kubelet's PodResources socket ([`podresources::DEFAULT_SOCKET`]).
+    /// The API server and the credentials to list and watch pods with.
+    pub api_server: kube::Config,
+    /// This node's name: only its pods are watched (required).
+    pub node_name: String,
+    /// The kubelet's PodResources socket ([`podresources::DEFAULT_SOCKET`]); not used
+    /// with [`KubernetesOptions::dra_checkpoint`].
     pub pod_resources_socket: PathBuf,
-    /// The API server and the credentials to read pods with.
-    pub api_server: ApiServerConfig,
-    /// This node's name (`NODE_NAME`, from the downward API's `spec.nodeName`): when set,
-    /// a pod the API server places on another node is refused even if the kubelet lists it.
-    pub node_name: Option<String>,
     /// Shares per GPU, as the device plugin's `--shares-per-gpu`.
     pub shares_per_gpu: u32,
-    /// How long an entitlement is kept before the kubelet and the API server are asked again.
+    /// Entitlements from the DRA claims prepared on this node, as the DRA kubelet plugin's
+    /// checkpoint at this path records them ([`gpufrac_common::dra::DEFAULT_PLUGIN_DIR`]
+    /// and [`gpufrac_common::dra::CHECKPOINT_FILE`]), instead of the device plugin's shares.
+    pub dra_checkpoint: Option<PathBuf>,
+    /// How long the kubelet's answer about a pod's shares is kept.
     pub cache_ttl: Duration,
     /// The most one lookup may take.
     pub lookup_timeout: Duration,
@@ -134,36 +193,32 @@ pub struct KubernetesOptions {
     pub trust_host_root: bool,
 }
 
-impl KubernetesOptions {
-    /// The options of an arbiter running in its DaemonSet pod: the API server from
-    /// `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT` and the service account's files,
-    /// `NODE_NAME` from the environment (optional), the kubelet at `pod_resources_socket`
-    /// (`None`: [`podresources::DEFAULT_SOCKET`]), and the defaults.
-    pub fn in_cluster(pod_resources_socket: Option<PathBuf>) -> Result<KubernetesOptions, KubernetesError> {
-        let api_server = ApiServerConfig::in_cluster()?;
-        let node_name = match std::env::var("NODE_NAME") {
-            Ok(name) if name.trim().is_empty() => None,
-            Ok(name) => Some(name.trim().to_owned()),
-            Err(_) => None,
-        };
-        Ok(KubernetesOptions::new(
-            pod_resources_socket.unwrap_or_else(|| PathBuf::from(podresources::DEFAULT_SOCKET)),
-            api_server,
-            node_name,
-        ))
+impl std::fmt::Debug for KubernetesOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubernetesOptions")
+            .field("api_server", &self.api_server.cluster_url)
+            .field("node_name", &self.node_name)
+            .field("pod_resources_socket", &self.pod_resources_socket)
+            .field("dra_checkpoint", &self.dra_checkpoint)
+            .finish_non_exhaustive()
     }
+}
 
-    /// Options with the defaults for everything but where the kubelet and the API server are.
+impl KubernetesOptions {
+    /// Options with the defaults for everything but the API server, the node's name and
+    /// the kubelet's socket (`None`: [`podresources::DEFAULT_SOCKET`]).
     pub fn new(
-        pod_resources_socket: PathBuf,
-        api_server: ApiServerConfig,
-        node_name: Option<String>,
+        api_server: kube::Config,
+        node_name: impl Into<String>,
+        pod_resources_socket: Option<PathBuf>,
     ) -> KubernetesOptions {
         KubernetesOptions {
-            pod_resources_socket,
             api_server,
-            node_name,
+            node_name: node_name.into(),
+            pod_resources_socket: pod_resources_socket
+                .unwrap_or_else(|| PathBuf::from(podresources::DEFAULT_SOCKET)),
             shares_per_gpu: DEFAULT_SHARES_PER_GPU,
+            dra_checkpoint: None,
             cache_ttl: DEFAULT_CACHE_TTL,
             lookup_timeout: DEFAULT_LOOKUP_TIMEOUT,
             trust_host_root: true,
@@ -171,60 +226,98 @@ impl KubernetesOptions {
     }
 }
 
-/// Entitlements from the kubelet and the API server (see the module's documentation).
+/// Where allocations come from.
+enum Source {
+    /// The device plugin's shares, from the kubelet.
+    Kubelet {
+        client: PodResourcesClient,
+        /// Pod UID → the kubelet's last answer listing the pod, and when it came.
+        cache: Mutex<HashMap<String, (Instant, PodDevices)>>,
+    },
+    /// The DRA kubelet plugin's checkpoint.
+    Dra(PreparedClaims),
+}
+
+/// Entitlements from the API server and the kubelet or the DRA checkpoint (see the
+/// module's documentation).
 pub struct KubernetesEntitlements {
     inner: Arc<Inner>,
-    /// Its own small runtime, so that [`Entitlements::lookup`] works from any thread; taken
-    /// on drop and shut down in the background (dropping a runtime in async code panics).
+    /// Its own small runtime (the reflector runs on it), so that [`Entitlements::lookup`]
+    /// works from any thread; taken on drop and shut down in the background (dropping a
+    /// runtime in async code panics).
     runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl std::fmt::Debug for KubernetesEntitlements {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubernetesEntitlements")
-            .field("pod_resources_socket", &self.inner.kubelet.socket())
-            .field("api_server", &self.inner.api.base())
-            .field("node_name", &self.inner.node_name)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("KubernetesEntitlements");
+        d.field("api_server", &self.inner.pods.server()).field("node_name", &self.inner.node_name);
+        match &self.inner.source {
+            Source::Kubelet { client, .. } => d.field("pod_resources_socket", &client.socket()),
+            Source::Dra(claims) => d.field("dra_checkpoint", &claims.path()),
+        };
+        d.finish_non_exhaustive()
     }
 }
 
 impl KubernetesEntitlements {
-    /// Checks the options (the kubelet's socket must exist) and starts the lookup thread.
+    /// Checks the options (the kubelet's socket must exist, unless the DRA checkpoint is the
+    /// source), starts the lookup thread and the watch of this node's pods.
     pub fn new(options: KubernetesOptions) -> Result<KubernetesEntitlements, KubernetesError> {
         use std::os::unix::fs::FileTypeExt as _;
-        let socket = &options.pod_resources_socket;
-        match std::fs::metadata(socket) {
-            Ok(meta) if meta.file_type().is_socket() => {}
-            Ok(_) => {
-                return Err(KubernetesError::Socket {
-                    path: socket.clone(),
-                    reason: "not a unix socket".into(),
-                })
-            }
-            Err(e) => return Err(KubernetesError::Socket { path: socket.clone(), reason: e.to_string() }),
-        }
-        if options.shares_per_gpu == 0 {
-            return Err(KubernetesError::Option("shares per GPU must be at least 1".into()));
+        if options.node_name.trim().is_empty() {
+            return Err(KubernetesError::Option("the node's name is empty".into()));
         }
         if options.lookup_timeout.is_zero() {
             return Err(KubernetesError::Option("the lookup timeout must be above 0".into()));
         }
+        let source = match options.dra_checkpoint {
+            Some(path) => Source::Dra(PreparedClaims::new(path)),
+            None => {
+                let socket = &options.pod_resources_socket;
+                match std::fs::metadata(socket) {
+                    Ok(meta) if meta.file_type().is_socket() => {}
+                    Ok(_) => {
+                        return Err(KubernetesError::Socket {
+                            path: socket.clone(),
+                            reason: "not a unix socket".into(),
+                        })
+                    }
+                    Err(e) => {
+                        return Err(KubernetesError::Socket { path: socket.clone(), reason: e.to_string() })
+                    }
+                }
+                if options.shares_per_gpu == 0 {
+                    return Err(KubernetesError::Option("shares per GPU must be at least 1".into()));
+                }
+                Source::Kubelet {
+                    client: PodResourcesClient::new(socket.clone(), RESOURCE),
+                    cache: Mutex::new(HashMap::new()),
+                }
+            }
+        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("gpufrac-k8s")
             .enable_all()
             .build()
             .map_err(KubernetesError::Runtime)?;
+        let server = options.api_server.cluster_url.to_string().trim_end_matches('/').to_owned();
+        let pods = {
+            // The client and the reflector spawn their tasks on this runtime.
+            let _entered = runtime.enter();
+            let client = kube::Client::try_from(options.api_server)
+                .map_err(|e| KubernetesError::Client(format!("{server}: {}", error_chain(&e))))?;
+            PodStore::start(client, &options.node_name, server)
+        };
         let inner = Inner {
-            kubelet: PodResourcesClient::new(options.pod_resources_socket.clone(), RESOURCE),
-            api: ApiServer::new(options.api_server),
+            pods,
+            source,
             node_name: options.node_name,
             shares_per_gpu: options.shares_per_gpu,
             cache_ttl: options.cache_ttl,
             lookup_timeout: options.lookup_timeout,
             trust_host_root: options.trust_host_root,
-            cache: Mutex::new(HashMap::new()),
         };
         Ok(KubernetesEntitlements { inner: Arc::new(inner), runtime: Some(runtime) })
     }
@@ -254,8 +347,8 @@ impl Entitlements for KubernetesEntitlements {
                 Ok(verdict) => verdict,
                 Err(_) => Verdict::Unknown {
                     why: format!(
-                        "no answer from the kubelet and the API server ({}) within {timeout:?}",
-                        inner.api.base()
+                        "no answer from the API server ({}) and the node's allocations within {timeout:?}",
+                        inner.pods.server()
                     ),
                 },
             };
@@ -267,50 +360,34 @@ impl Entitlements for KubernetesEntitlements {
     }
 }
 
-/// An answer about one pod.
-#[derive(Debug, Clone)]
-struct Cached {
-    at: Instant,
-    pod: PodRecord,
-    /// `None`: the kubelet does not run the pod.
-    devices: Option<PodDevices>,
-}
-
 /// Why a lookup gives no entitlement.
 #[derive(Debug, Clone, PartialEq)]
 enum Failure {
-    /// An answer: nothing for this container.
+    /// An answer: nothing for this process.
     No(String),
-    /// The kubelet or the API server could not be asked: no answer ([`Verdict::Unknown`]).
+    /// The API server, the kubelet or the checkpoint could not be read: no answer
+    /// ([`Verdict::Unknown`]).
     Unreachable(String),
 }
 
-/// Why a container gets nothing.
-#[derive(Debug, Clone, PartialEq)]
-enum Refusal {
-    /// Its container ID is not in the pod's status: perhaps not reported yet, ask again.
-    NotInStatus(String),
-    /// Final.
-    No(String),
+impl From<PodError> for Failure {
+    fn from(e: PodError) -> Failure {
+        match e {
+            PodError::NotOnNode(why) => Failure::No(why),
+            PodError::Unknown(why) => Failure::Unreachable(why),
+        }
+    }
 }
 
 struct Inner {
-    kubelet: PodResourcesClient,
-    api: ApiServer,
-    node_name: Option<String>,
+    pods: PodStore,
+    source: Source,
+    node_name: String,
     shares_per_gpu: u32,
     cache_ttl: Duration,
     lookup_timeout: Duration,
     trust_host_root: bool,
-    /// Pod UID → the last answer about it.
-    cache: Mutex<HashMap<String, Cached>>,
 }
-
-/// First pause before asking the API server again about a container not yet in its pod's status.
-const FIRST_RETRY: Duration = Duration::from_millis(100);
-
-/// The most GETs of pods in flight at once while looking for a pod UID.
-const CONCURRENT_GETS: usize = 8;
 
 impl Inner {
     async fn lookup(&self, who: &Identity) -> Verdict {
@@ -329,219 +406,168 @@ impl Inner {
                 return if who.uid == 0 && self.trust_host_root {
                     Verdict::Unrestricted
                 } else {
+                    let what = match self.source {
+                        Source::Kubelet { .. } => format!("pods given {RESOURCE} shares"),
+                        Source::Dra(_) => "pods given a gpufrac DRA claim".to_owned(),
+                    };
                     Verdict::NotEntitled {
                         why: format!(
-                            "uid {} runs outside any pod on a Kubernetes node: only pods given {RESOURCE} \
-                             shares are entitled",
+                            "uid {} runs outside any pod on a Kubernetes node: only {what} are entitled",
                             who.uid
                         ),
                     }
                 };
             }
         };
-        let deadline = Instant::now() + self.lookup_timeout;
-        match self.resolve(container, deadline).await {
+        // Answers in time to say why, before the caller's timeout says only that.
+        let margin = (self.lookup_timeout / 4).min(Duration::from_millis(100));
+        let deadline = tokio::time::Instant::now() + self.lookup_timeout - margin;
+        let answer = match checked(container) {
+            Err(why) => Err(Failure::No(why)),
+            Ok((uid, container_id)) => match &self.source {
+                Source::Kubelet { client, cache } => {
+                    self.by_kubelet_shares(client, cache, &uid, &container_id, deadline).await
+                }
+                Source::Dra(claims) => self.by_dra_claims(claims, &uid, deadline).await,
+            },
+        };
+        match answer {
             Ok(entitlement) => Verdict::Entitled(entitlement),
             Err(Failure::No(why)) => Verdict::NotEntitled { why },
             Err(Failure::Unreachable(why)) => Verdict::Unknown { why },
         }
     }
 
-    async fn resolve(&self, who: &ContainerRef, deadline: Instant) -> Result<Entitlement, Failure> {
-        let uid = who.pod_uid.to_ascii_lowercase();
-        if !is_uid(&uid) {
-            return Err(Failure::No(format!("the cgroup's pod UID {} is not a UUID", cut(&who.pod_uid))));
+    /// The device plugin's shares of the container, and the pod's annotations.
+    async fn by_kubelet_shares(
+        &self,
+        kubelet: &PodResourcesClient,
+        cache: &Mutex<HashMap<String, (Instant, PodDevices)>>,
+        uid: &str,
+        container_id: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Entitlement, Failure> {
+        let listed =
+            |pod: &PodRecord| pod.statuses.iter().any(|s| s.container_id.as_deref() == Some(container_id));
+        let pod = self.pods.pod(uid, deadline, listed).await?;
+        if !listed(&pod) {
+            // Checked before the kubelet is asked: the refusal needs no kubelet.
+            return Err(Failure::No(
+                decide(&pod, None, container_id, &self.node_name, self.shares_per_gpu)
+                    .err()
+                    .unwrap_or_default(),
+            ));
         }
-        let container_id = who.container_id.to_ascii_lowercase();
-        if container_id.is_empty()
-            || container_id.len() > 128
-            || !container_id.bytes().all(|b| b.is_ascii_alphanumeric())
-        {
-            return Err(Failure::No(format!(
-                "the cgroup's container ID {} is not a container ID",
-                cut(&who.container_id)
-            )));
-        }
-
-        let known = self.cached(&uid);
-        if let Some(entry) = known.as_ref().filter(|e| e.at.elapsed() < self.cache_ttl) {
-            match self.decide(entry, &container_id) {
-                Ok(entitlement) => return Ok(entitlement),
-                Err(Refusal::No(why)) => return Err(Failure::No(why)),
-                Err(Refusal::NotInStatus(_)) => {} // a newer status may have it
-            }
-        }
-        // A pod seen before is asked about by name; the name must still have the same UID
-        // (a StatefulSet pod is replaced under the same name).
-        let mut entry = match &known {
-            Some(old) => self
-                .fetch(&old.pod.namespace, &old.pod.name)
-                .await
-                .map_err(Failure::Unreachable)?
-                .filter(|e| e.pod.uid == uid),
-            None => None,
+        let fresh = {
+            let cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+            cache.get(uid).filter(|(at, _)| at.elapsed() < self.cache_ttl).map(|(_, devices)| devices.clone())
         };
-        if entry.is_none() {
-            entry = Some(self.discover(&uid).await?);
-        }
-        let Some(mut entry) = entry else { return Err(Failure::No(format!("pod UID {uid}: not found"))) };
-        let mut pause = FIRST_RETRY;
-        loop {
-            match self.decide(&entry, &container_id) {
-                Ok(entitlement) => return Ok(entitlement),
-                Err(Refusal::No(why)) => return Err(Failure::No(why)),
-                Err(Refusal::NotInStatus(why)) => {
-                    if Instant::now() + pause >= deadline {
-                        return Err(Failure::No(why));
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
-                    let (namespace, name) = (entry.pod.namespace.clone(), entry.pod.name.clone());
-                    entry = match self.fetch(&namespace, &name).await.map_err(Failure::Unreachable)? {
-                        Some(e) if e.pod.uid == uid => e,
-                        _ => return Err(Failure::No(format!("pod {namespace}/{name} (UID {uid}) is gone"))),
-                    };
+        let devices = match fresh {
+            Some(devices) => Some(devices),
+            None => {
+                let devices = kubelet
+                    .pod(&pod.namespace, &pod.name)
+                    .await
+                    .map_err(|e| Failure::Unreachable(e.to_string()))?;
+                if let Some(devices) = &devices {
+                    let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+                    // A pod's UID is never reused: answers long unused are forgotten.
+                    let keep = (self.cache_ttl * 10).max(Duration::from_secs(60));
+                    cache.retain(|_, (at, _)| at.elapsed() < keep);
+                    cache.insert(uid.to_owned(), (Instant::now(), devices.clone()));
                 }
+                devices
             }
-        }
+        };
+        decide(&pod, devices.as_ref(), container_id, &self.node_name, self.shares_per_gpu)
+            .map_err(Failure::No)
     }
 
-    fn cached(&self, uid: &str) -> Option<Cached> {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(uid).cloned()
-    }
-
-    /// Keeps an answer, and forgets answers long unused (a pod's UID is never reused).
-    fn remember(&self, entry: &Cached) {
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        let keep = (self.cache_ttl * 10).max(Duration::from_secs(60));
-        cache.retain(|_, e| e.at.elapsed() < keep);
-        cache.insert(entry.pod.uid.clone(), entry.clone());
-    }
-
-    /// Whether a fresh answer says `namespace/name` is a pod other than `uid`.
-    fn known_other(&self, namespace: &str, name: &str, uid: &str) -> bool {
-        let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        cache.values().any(|e| {
-            e.at.elapsed() < self.cache_ttl
-                && e.pod.namespace == namespace
-                && e.pod.name == name
-                && e.pod.uid != uid
+    /// The DRA claims prepared for the pod.
+    async fn by_dra_claims(
+        &self,
+        claims: &PreparedClaims,
+        uid: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Entitlement, Failure> {
+        let pod = self.pods.pod(uid, deadline, |_| true).await?;
+        on_node(&pod, &self.node_name).map_err(Failure::No)?;
+        let checkpoint = claims.current().map_err(Failure::Unreachable)?;
+        dra::decide(&pod, &checkpoint).map_err(|refusal| match refusal {
+            DraRefusal::No(why) => Failure::No(why),
+            DraRefusal::Invalid(why) => Failure::Unreachable(why),
         })
-    }
-
-    /// The pod `namespace/name` from the API server and its shares from the kubelet, asked
-    /// at once; `None` when the API server has no such pod.
-    async fn fetch(&self, namespace: &str, name: &str) -> Result<Option<Cached>, String> {
-        let (pod, devices) = tokio::join!(self.api.pod(namespace, name), self.kubelet.pod(namespace, name));
-        let Some(pod) = pod.map_err(|e| format!("cannot read pod {namespace}/{name}: {e}"))? else {
-            return Ok(None);
-        };
-        let devices = devices.map_err(|e| e.to_string())?;
-        let entry = Cached { at: Instant::now(), pod, devices };
-        self.remember(&entry);
-        Ok(Some(entry))
-    }
-
-    /// The pod with `uid` among the pods the kubelet gave shares: each is read from the API
-    /// server (up to [`CONCURRENT_GETS`] at once), skipping those known to be other pods.
-    async fn discover(&self, uid: &str) -> Result<Cached, Failure> {
-        let pods = self.kubelet.list().await.map_err(|e| Failure::Unreachable(e.to_string()))?;
-        let candidates: Vec<PodDevices> =
-            pods.into_iter().filter(|p| !self.known_other(&p.namespace, &p.name, uid)).collect();
-        let limit = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_GETS));
-        let mut tasks = tokio::task::JoinSet::new();
-        for devices in candidates {
-            let api = self.api.clone();
-            let limit = limit.clone();
-            tasks.spawn(async move {
-                let _permit = limit.acquire_owned().await;
-                let pod = api.pod(&devices.namespace, &devices.name).await;
-                (devices, pod)
-            });
-        }
-        let mut found = None;
-        let mut failures = Vec::new();
-        while let Some(done) = tasks.join_next().await {
-            let Ok((devices, pod)) = done else { continue };
-            match pod {
-                Ok(Some(pod)) => {
-                    let entry = Cached { at: Instant::now(), pod, devices: Some(devices) };
-                    self.remember(&entry);
-                    if entry.pod.uid == uid {
-                        found = Some(entry);
-                    }
-                }
-                Ok(None) => {} // deleted since the kubelet listed it
-                Err(e) => failures.push(e),
-            }
-        }
-        match (found, failures.first()) {
-            (Some(entry), _) => Ok(entry),
-            (None, None) => Err(Failure::No(format!(
-                "pod UID {uid}: no pod the kubelet gave {RESOURCE} shares on this node has this UID \
-                 (a pod without shares, or a pod of another node)"
-            ))),
-            // Perhaps one of those: not a verdict.
-            (None, Some(first)) => Err(Failure::Unreachable(format!(
-                "pod UID {uid}: not found among the pods with {RESOURCE} shares on this node; {} of them \
-                 could not be read: {first}",
-                failures.len()
-            ))),
-        }
-    }
-
-    fn decide(&self, entry: &Cached, container_id: &str) -> Result<Entitlement, Refusal> {
-        decide(entry, container_id, self.node_name.as_deref(), self.shares_per_gpu)
     }
 }
 
-/// What the container with `container_id` of the pod in `entry` may have.
-fn decide(
-    entry: &Cached,
-    container_id: &str,
-    node_name: Option<&str>,
-    shares_per_gpu: u32,
-) -> Result<Entitlement, Refusal> {
-    let pod = &entry.pod;
-    let at = format!("pod {}/{}", pod.namespace, pod.name);
-    if let (Some(here), Some(there)) = (node_name, pod.node_name.as_deref()) {
-        if here != there {
-            return Err(Refusal::No(format!("{at} runs on node {there}, not on this node ({here})")));
-        }
+/// The cgroup's pod UID and container ID, lower case and checked; `Err` says why not.
+fn checked(who: &ContainerRef) -> Result<(String, String), String> {
+    let uid = who.pod_uid.to_ascii_lowercase();
+    if !is_uid(&uid) {
+        return Err(format!("the cgroup's pod UID {} is not a UUID", cut(&who.pod_uid)));
     }
+    let container_id = who.container_id.to_ascii_lowercase();
+    if container_id.is_empty()
+        || container_id.len() > 128
+        || !container_id.bytes().all(|b| b.is_ascii_alphanumeric())
+    {
+        return Err(format!("the cgroup's container ID {} is not a container ID", cut(&who.container_id)));
+    }
+    Ok((uid, container_id))
+}
+
+/// Refuses a pod the API server places on another node.
+fn on_node(pod: &PodRecord, node_name: &str) -> Result<(), String> {
+    match pod.node_name.as_deref() {
+        Some(there) if there != node_name => Err(format!(
+            "pod {}/{} runs on node {there}, not on this node ({node_name})",
+            pod.namespace, pod.name
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// What the container with `container_id` of `pod` may have, given the kubelet's answer
+/// about the pod's shares (`None`: the kubelet lists none for it).
+fn decide(
+    pod: &PodRecord,
+    devices: Option<&PodDevices>,
+    container_id: &str,
+    node_name: &str,
+    shares_per_gpu: u32,
+) -> Result<Entitlement, String> {
+    let at = format!("pod {}/{}", pod.namespace, pod.name);
+    on_node(pod, node_name)?;
     let Some(status) = pod.statuses.iter().find(|s| s.container_id.as_deref() == Some(container_id)) else {
-        return Err(Refusal::NotInStatus(format!(
+        return Err(format!(
             "container {} is not (yet) one of {at}'s containers: no status.containerStatuses entry has \
              this containerID",
             short_id(container_id)
-        )));
+        ));
     };
     let container = &status.name;
-    let Some(devices) = &entry.devices else {
-        return Err(Refusal::No(format!("the kubelet of this node does not run {at}")));
+    let Some(devices) = devices else {
+        return Err(format!("the kubelet of this node lists no {RESOURCE} shares for {at}"));
     };
     let Some(ids) = devices.containers.get(container) else {
-        return Err(Refusal::No(format!("container {container} of {at} was allocated no {RESOURCE} shares")));
+        return Err(format!("container {container} of {at} was allocated no {RESOURCE} shares"));
     };
     let (uuid, shares) = shares_of(ids, shares_per_gpu)
-        .map_err(|why| Refusal::No(format!("container {container} of {at}: kubelet PodResources: {why}")))?;
+        .map_err(|why| format!("container {container} of {at}: kubelet PodResources: {why}"))?;
     let request = f64::from(shares) / f64::from(shares_per_gpu);
 
     // The annotations are checked whichever container asks: a bad one is the pod's mistake.
     let limit = match pod.annotations.get(FRACTION_LIMIT) {
         None => None,
         Some(text) => Some(parse_fraction(text).ok_or_else(|| {
-            Refusal::No(format!(
-                "{at}: annotation {FRACTION_LIMIT}={}: expected a fraction 0 < f <= 1",
-                shown(text)
-            ))
+            format!("{at}: annotation {FRACTION_LIMIT}={}: expected a fraction 0 < f <= 1", shown(text))
         })?),
     };
     let resolver = match pod.annotations.get(RESOLVER) {
         None => Resolver::Wait,
         Some(text) => text
             .parse::<Resolver>()
-            .map_err(|e| Refusal::No(format!("{at}: annotation {RESOLVER}={}: {e}", shown(text))))?,
+            .map_err(|e| format!("{at}: annotation {RESOLVER}={}: {e}", shown(text)))?,
     };
     // The webhook gives the annotations to one container; another with shares (asked for
     // with gpufrac.io/gpu directly) gets its request as its limit, and `wait`.
@@ -656,8 +682,23 @@ fn shown(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::apiserver::ContainerStatus;
+    use super::pods::ContainerStatus;
     use super::*;
+
+    /// A pod and the kubelet's answer about it.
+    struct Cached {
+        pod: PodRecord,
+        devices: Option<PodDevices>,
+    }
+
+    fn decide_for(
+        entry: &Cached,
+        container_id: &str,
+        node: Option<&str>,
+        shares_per_gpu: u32,
+    ) -> Result<Entitlement, String> {
+        decide(&entry.pod, entry.devices.as_ref(), container_id, node.unwrap_or("n1"), shares_per_gpu)
+    }
 
     const UID: &str = "0f3c2a4e-1111-2222-3333-444455556666";
     const GPU: &str = "GPU-516d6770-7500-0000-0000-000000000003";
@@ -679,11 +720,7 @@ mod tests {
         let mut containers = BTreeMap::new();
         containers.insert("main".to_owned(), ids.iter().map(|s| (*s).to_owned()).collect());
         containers.insert("side".to_owned(), vec![format!("{GPU}::90")]);
-        Cached {
-            at: Instant::now(),
-            pod,
-            devices: Some(PodDevices { namespace: "ns".into(), name: "p".into(), containers }),
-        }
+        Cached { pod, devices: Some(PodDevices { namespace: "ns".into(), name: "p".into(), containers }) }
     }
 
     fn ids(n: u32) -> Vec<String> {
@@ -694,9 +731,13 @@ mod tests {
     fn shares_become_a_fraction_of_their_gpu() {
         let ids = ids(25);
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let e =
-            decide(&entry(&[(FRACTION_LIMIT, "0.5"), (RESOLVER, "swap")], &refs), "aa11", Some("n1"), 100)
-                .expect("entitled");
+        let e = decide_for(
+            &entry(&[(FRACTION_LIMIT, "0.5"), (RESOLVER, "swap")], &refs),
+            "aa11",
+            Some("n1"),
+            100,
+        )
+        .expect("entitled");
         assert_eq!(e.max_request, Amount::Fraction(0.25));
         assert_eq!(e.max_limit, Amount::Fraction(0.5));
         assert_eq!(e.resolver, Some(Resolver::Swap));
@@ -705,7 +746,7 @@ mod tests {
         assert_eq!(e.group.as_deref(), Some("k8s-0f3c2a4e-1111-2222-3333-444455556666-main"));
         assert_eq!(e.source, "kubelet: ns/p container main");
         // The other container with shares: its request, no burst, wait.
-        let e = decide(&entry(&[(FRACTION_LIMIT, "0.5"), (RESOLVER, "swap")], &refs), "bb22", None, 100)
+        let e = decide_for(&entry(&[(FRACTION_LIMIT, "0.5"), (RESOLVER, "swap")], &refs), "bb22", None, 100)
             .expect("entitled");
         assert_eq!(e.max_request, Amount::Fraction(0.01));
         assert_eq!(e.max_limit, Amount::Fraction(0.01));
@@ -716,7 +757,7 @@ mod tests {
     fn a_limit_below_the_granted_shares_is_raised() {
         let ids = ids(34);
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let e = decide(&entry(&[(FRACTION_LIMIT, "0.333")], &refs), "aa11", None, 100).expect("entitled");
+        let e = decide_for(&entry(&[(FRACTION_LIMIT, "0.333")], &refs), "aa11", None, 100).expect("entitled");
         assert_eq!(e.max_limit, Amount::Fraction(0.34));
     }
 
@@ -724,26 +765,31 @@ mod tests {
     fn refusals_name_the_cause() {
         let ids = ids(10);
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let no = |r: Result<Entitlement, Refusal>| match r {
-            Err(Refusal::No(why)) => why,
+        let no = |r: Result<Entitlement, String>| match r {
+            Err(why) => why,
             other => panic!("expected a refusal, got {other:?}"),
         };
-        let why = no(decide(&entry(&[(FRACTION_LIMIT, "25%")], &refs), "aa11", None, 100));
+        let why = no(decide_for(&entry(&[(FRACTION_LIMIT, "25%")], &refs), "aa11", None, 100));
         assert!(why.contains("gpufrac.io/gpu-fraction-limit=\"25%\""), "{why}");
-        let why = no(decide(&entry(&[(RESOLVER, "fastest")], &refs), "aa11", None, 100));
+        let why = no(decide_for(&entry(&[(RESOLVER, "fastest")], &refs), "aa11", None, 100));
         assert!(why.contains("gpufrac.io/resolver=\"fastest\""), "{why}");
-        let why = no(decide(&entry(&[], &refs), "aa11", Some("n2"), 100));
+        let why = no(decide_for(&entry(&[], &refs), "aa11", Some("n2"), 100));
         assert!(why.contains("runs on node n1"), "{why}");
-        let why = no(decide(&entry(&[], &["GPU-x::1"]), "aa11", None, 100));
+        let why = no(decide_for(&entry(&[], &["GPU-x::1"]), "aa11", None, 100));
         assert!(why.contains("device ID \"GPU-x::1\""), "{why}");
         let other = "GPU-516d6770-7500-0000-0000-000000000004::1";
-        let why = no(decide(&entry(&[], &[refs[0], other]), "aa11", None, 100));
+        let why = no(decide_for(&entry(&[], &[refs[0], other]), "aa11", None, 100));
         assert!(why.contains("shares on 2 GPUs"), "{why}");
         let mut e = entry(&[], &refs);
         e.devices.as_mut().map(|d| d.containers.remove("main"));
-        let why = no(decide(&e, "aa11", None, 100));
+        let why = no(decide_for(&e, "aa11", None, 100));
         assert!(why.contains("allocated no gpufrac.io/gpu shares"), "{why}");
-        assert!(matches!(decide(&entry(&[], &refs), "cc33", None, 100), Err(Refusal::NotInStatus(_))));
+        let why = no(decide_for(&entry(&[], &refs), "cc33", None, 100));
+        assert!(why.contains("container cc33 is not (yet) one of pod ns/p's containers"), "{why}");
+        let mut e = entry(&[], &refs);
+        e.devices = None;
+        let why = no(decide_for(&e, "aa11", None, 100));
+        assert!(why.contains("lists no gpufrac.io/gpu shares for pod ns/p"), "{why}");
     }
 
     #[test]
