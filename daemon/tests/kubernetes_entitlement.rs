@@ -925,19 +925,18 @@ const CLAIM_UID: &str = "0f3c2a9e-1111-2222-3333-444455556666";
 const GIB: u64 = 1 << 30;
 
 fn device(name: &str, gpu: &str, request: u64, limit: u64) -> PreparedDevice {
-    PreparedDevice {
-        request_names: vec!["gpu".into()],
-        pool: NODE.into(),
-        device: name.into(),
-        shares: Vec::new(),
-        gpu_uuid: gpu.into(),
-        share_id: Some("a1b2c".into()),
-        request_bytes: request,
-        limit_bytes: limit,
-        resolver: None,
-        priority: None,
-        cdi_device_id: format!("gpufrac.io/claim={name}"),
-    }
+    // From JSON, as the plugin writes it: fields added to the format later keep their defaults.
+    serde_json::from_value(json!({
+        "requestNames": ["gpu"],
+        "pool": NODE,
+        "device": name,
+        "gpuUuid": gpu,
+        "shareId": "a1b2c",
+        "requestBytes": request,
+        "limitBytes": limit,
+        "cdiDeviceId": format!("gpufrac.io/claim={name}"),
+    }))
+    .expect("a prepared device")
 }
 
 fn claim(
