@@ -65,8 +65,13 @@ pub struct PreparedDevice {
     pub request_names: Vec<String>,
     /// The ResourceSlice pool (the node's name).
     pub pool: String,
-    /// The device's name in the slice (`gpu-<index>`).
+    /// The GPU's device name in the slice (`gpu-<index>`).
     pub device: String,
+    /// The slice devices the fraction is made of when the plugin publishes each GPU as
+    /// equal shares (`gpu-<index>-<share>`); empty when the GPU is one device whose memory
+    /// claims share.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<String>,
     /// The GPU's UUID (`GPU-...`).
     pub gpu_uuid: String,
     /// The allocation's share ID, when the device allows several allocations.
@@ -201,6 +206,7 @@ mod tests {
                 request_names: vec!["gpu".into()],
                 pool: "node-a".into(),
                 device: "gpu-0".into(),
+                shares: Vec::new(),
                 gpu_uuid: "GPU-aaaaaaaa-0000-0000-0000-000000000000".into(),
                 share_id: Some("a1b2c".into()),
                 request_bytes: 20 << 30,

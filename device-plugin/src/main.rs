@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use gpufrac_device_plugin::plugin::allocation::AllocationConfig;
-use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
 use gpufrac_device_plugin::dra;
+use gpufrac_device_plugin::plugin::allocation::AllocationConfig;
 use gpufrac_device_plugin::plugin::devices::Gpu;
+use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
 use gpufrac_device_plugin::plugin::{health, runner};
 use gpufrac_device_plugin::webhook;
 
@@ -66,6 +66,12 @@ enum Command {
         /// Where the claims' CDI specs are written (the container runtime's CDI folder).
         #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
         cdi_dir: PathBuf,
+        /// Publish each GPU as N equal shares (devices gpu-<index>-<share>) instead of one
+        /// device whose memory claims share: for clusters without DRAConsumableCapacity;
+        /// a claim asks for a count of shares with a matchAttribute constraint on
+        /// gpu.gpufrac.io/uuid. 0: one device per GPU (consumable capacity).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        shares: u32,
         /// Also give containers NVIDIA's own CDI device (nvidia.com/gpu=<UUID>, from
         /// `nvidia-ctk cdi generate`) besides NVIDIA_VISIBLE_DEVICES.
         #[arg(long)]
@@ -99,7 +105,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Some(Command::Dra { node_name, plugins_registry, plugin_dir, cdi_dir, nvidia_cdi }) => {
+        Some(Command::Dra { node_name, plugins_registry, plugin_dir, cdi_dir, shares, nvidia_cdi }) => {
             check_node_name(&node_name)?;
             for (flag, path) in [
                 ("--plugins-registry", &plugins_registry),
@@ -109,7 +115,10 @@ fn run(cli: Cli) -> Result<()> {
                 ("--arbiter-socket", &cli.arbiter_socket),
             ] {
                 if !path.is_absolute() {
-                    bail!("{flag} {} must be an absolute path (containers see it at the same place)", path.display());
+                    bail!(
+                        "{flag} {} must be an absolute path (containers see it at the same place)",
+                        path.display()
+                    );
                 }
             }
             if !plugins_registry.is_dir() {
@@ -122,17 +131,33 @@ fn run(cli: Cli) -> Result<()> {
             if gpus.is_empty() {
                 bail!("NVML reports no GPU on this node");
             }
+            let sharing = match shares {
+                0 => dra::slices::Sharing::Capacity,
+                1 => bail!("--shares 1 is one device per GPU given whole; use --shares 0 (consumable capacity) or 2 and more"),
+                n => dra::slices::Sharing::Shares(n),
+            };
+            if sharing.devices(gpus.len()) > dra::slices::MAX_DEVICES {
+                bail!(
+                    "--shares {shares}: {} GPUs x {shares} shares is more devices than a ResourceSlice holds ({}); use at most {}",
+                    gpus.len(),
+                    dra::slices::MAX_DEVICES,
+                    dra::slices::MAX_DEVICES / gpus.len()
+                );
+            }
             let health_list = gpus.iter().map(|g| Gpu { uuid: g.uuid.clone(), healthy: true }).collect();
             let (tx, rx) = tokio::sync::watch::channel(health_list);
             let stop = Arc::new(AtomicBool::new(false));
             let watcher = {
                 let stop = stop.clone();
-                std::thread::Builder::new().name("xid-events".into()).spawn(move || health::watch_xids(tx, stop))?
+                std::thread::Builder::new()
+                    .name("xid-events".into())
+                    .spawn(move || health::watch_xids(tx, stop))?
             };
             let config = dra::runner::DraConfig {
                 node_name,
                 registry_dir: plugins_registry,
                 plugin_dir,
+                sharing,
                 cdi: dra::cdi::CdiConfig {
                     dir: cdi_dir,
                     shim_dir: cli.shim_dir,

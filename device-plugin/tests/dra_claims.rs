@@ -6,7 +6,7 @@
 use gpufrac_common::resolver::Resolver;
 use gpufrac_device_plugin::dra::claim::{fraction, quantity_bytes, ClaimError};
 use gpufrac_device_plugin::dra::gpus::GpuInfo;
-use gpufrac_device_plugin::dra::slices;
+use gpufrac_device_plugin::dra::slices::{self, Sharing};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 
@@ -91,7 +91,7 @@ fn the_consumed_memory_is_the_request_and_the_configuration_the_rest() {
             {"source": "FromClaim", "requests": ["nic"], "opaque": config(json!({"not": "for this request"}))}
         ]),
     );
-    let prepared = fraction(&claim, NODE, &gpus()).unwrap();
+    let prepared = fraction(&claim, NODE, &gpus(), Sharing::Capacity).unwrap();
     assert_eq!(prepared.pods, [("a1f3e9c2-5b7d-4e80-9c6a-2d4f8b1e3a57".to_owned(), "llm-0".to_owned())]);
     assert_eq!(prepared.devices.len(), 1, "the other driver's device is not ours");
     let device = &prepared.devices[0];
@@ -107,12 +107,13 @@ fn the_consumed_memory_is_the_request_and_the_configuration_the_rest() {
 
 #[test]
 fn without_configuration_the_limit_is_the_request_and_without_consumable_capacity_the_gpu() {
-    let plain = fraction(&claim("gpu-0", Some("21474836480"), json!([])), NODE, &gpus()).unwrap();
+    let plain =
+        fraction(&claim("gpu-0", Some("21474836480"), json!([])), NODE, &gpus(), Sharing::Capacity).unwrap();
     let device = &plain.devices[0];
     assert_eq!((device.request_bytes, device.limit_bytes), (20 * GIB, 20 * GIB));
     assert_eq!((device.resolver, device.priority), (None, None));
     // A cluster without DRAConsumableCapacity allocates the device whole.
-    let whole = fraction(&claim("gpu-0", None, json!([])), NODE, &gpus()).unwrap();
+    let whole = fraction(&claim("gpu-0", None, json!([])), NODE, &gpus(), Sharing::Capacity).unwrap();
     assert_eq!(whole.devices[0].request_bytes, 80 * GIB);
     // A limit as a fraction of the GPU.
     let half = fraction(
@@ -123,6 +124,7 @@ fn without_configuration_the_limit_is_the_request_and_without_consumable_capacit
         ),
         NODE,
         &gpus(),
+        Sharing::Capacity,
     )
     .unwrap();
     assert_eq!(half.devices[0].limit_bytes, 40 * GIB);
@@ -151,8 +153,13 @@ fn a_bad_configuration_is_refused_naming_the_field() {
         (json!({"apiVersion": "gpufrac.io/v1", "kind": "FractionConfig"}), "parameters.kind"),
     ];
     for (parameters, field) in cases {
-        let e = fraction(&claim("gpu-1", Some("20Gi"), from_claim(parameters.clone())), NODE, &gpus())
-            .unwrap_err();
+        let e = fraction(
+            &claim("gpu-1", Some("20Gi"), from_claim(parameters.clone())),
+            NODE,
+            &gpus(),
+            Sharing::Capacity,
+        )
+        .unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, ClaimError::Config { index: 0, .. }), "{text}");
         assert!(text.contains(field), "{parameters} → {text}");
@@ -161,11 +168,15 @@ fn a_bad_configuration_is_refused_naming_the_field() {
     // Limits that do not fit.
     let below =
         from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "10Gi"}));
-    let e = fraction(&claim("gpu-1", Some("20Gi"), below), NODE, &gpus()).unwrap_err().to_string();
+    let e = fraction(&claim("gpu-1", Some("20Gi"), below), NODE, &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("parameters.limit") && e.contains("below"), "{e}");
     let above =
         from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "60Gi"}));
-    let e = fraction(&claim("gpu-1", Some("20Gi"), above), NODE, &gpus()).unwrap_err().to_string();
+    let e = fraction(&claim("gpu-1", Some("20Gi"), above), NODE, &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("parameters.limit") && e.contains("more than the GPU"), "{e}");
 }
 
@@ -177,13 +188,21 @@ fn a_claim_that_is_not_this_nodes_is_refused() {
         "spec": {"devices": {"requests": []}}
     }))
     .unwrap();
-    assert!(matches!(fraction(&unallocated, NODE, &gpus()), Err(ClaimError::NotAllocated(_))));
-    let e =
-        fraction(&claim("gpu-1", Some("20Gi"), json!([])), "other-node", &gpus()).unwrap_err().to_string();
+    assert!(matches!(
+        fraction(&unallocated, NODE, &gpus(), Sharing::Capacity),
+        Err(ClaimError::NotAllocated(_))
+    ));
+    let e = fraction(&claim("gpu-1", Some("20Gi"), json!([])), "other-node", &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("results[0]") && e.contains("pool"), "{e}");
-    let e = fraction(&claim("gpu-7", Some("20Gi"), json!([])), NODE, &gpus()).unwrap_err().to_string();
+    let e = fraction(&claim("gpu-7", Some("20Gi"), json!([])), NODE, &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("gpu-7"), "{e}");
-    let e = fraction(&claim("gpu-1", Some("50Gi"), json!([])), NODE, &gpus()).unwrap_err().to_string();
+    let e = fraction(&claim("gpu-1", Some("50Gi"), json!([])), NODE, &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("consumedCapacity.memory"), "{e}");
 }
 
@@ -199,7 +218,7 @@ fn quantities_as_the_api_server_writes_them() {
 
 #[test]
 fn each_gpu_is_one_device_with_a_shared_memory_capacity() {
-    let slice = slices::slice(NODE, &gpus(), |uuid| !uuid.starts_with("GPU-1"), 3, None);
+    let slice = slices::slice(NODE, &gpus(), Sharing::Capacity, |uuid| !uuid.starts_with("GPU-1"), 3, None);
     let value = serde_json::to_value(&slice).unwrap();
     assert_eq!(value["metadata"]["name"], "gpu-node-3-gpu.gpufrac.io");
     assert_eq!(value["spec"]["pool"], json!({"name": NODE, "generation": 3, "resourceSliceCount": 1}));
@@ -218,4 +237,85 @@ fn each_gpu_is_one_device_with_a_shared_memory_capacity() {
     assert_eq!(device["attributes"]["driverVersion"], json!({"string": "570.124.06"}));
     assert_eq!(device["attributes"]["pciBusID"], json!({"string": "00000000:18:00.0"}));
     assert_eq!(device["attributes"]["index"], json!({"int": 0}));
+}
+
+/// A claim on a cluster without consumable capacity: `count` shares of one GPU.
+fn shares_claim(devices: &[(&str, &str)], configs: Value) -> ResourceClaim {
+    let results: Vec<Value> = devices
+        .iter()
+        .map(|(request, device)| json!({"request": request, "driver": "gpu.gpufrac.io", "pool": NODE, "device": device}))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "shares", "namespace": "inference", "uid": "5e1d0c2b-0000-4000-8000-00000000000a"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpufrac.io", "allocationMode": "ExactCount", "count": 2}}],
+            "constraints": [{"requests": ["gpu"], "matchAttribute": "gpu.gpufrac.io/uuid"}]
+        }},
+        "status": {"allocation": {"devices": {"results": results, "config": configs}}}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn shares_of_one_gpu_add_up_to_the_request() {
+    let limit =
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "30Gi"}));
+    let claim = shares_claim(&[("gpu", "gpu-1-0"), ("gpu", "gpu-1-3")], limit);
+    let prepared = fraction(&claim, NODE, &gpus(), Sharing::Shares(4)).unwrap();
+    assert_eq!(prepared.devices.len(), 1, "one GPU, one fraction");
+    let device = &prepared.devices[0];
+    assert_eq!(device.device, "gpu-1");
+    assert_eq!(device.shares, ["gpu-1-0", "gpu-1-3"]);
+    assert_eq!(device.request_bytes, 20 * GIB, "two quarters of 40 GiB");
+    assert_eq!(device.limit_bytes, 30 * GIB);
+    // The limit is checked against all the shares, not one.
+    let low =
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "15Gi"}));
+    let e = fraction(
+        &shares_claim(&[("gpu", "gpu-1-0"), ("gpu", "gpu-1-3")], low),
+        NODE,
+        &gpus(),
+        Sharing::Shares(4),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("parameters.limit") && e.contains("20.00 GiB"), "{e}");
+    // Devices of the other way of publishing are not this node's.
+    let e = fraction(&claim, NODE, &gpus(), Sharing::Capacity).unwrap_err().to_string();
+    assert!(e.contains("gpu-1-0"), "{e}");
+    let plain = fraction(
+        &shares_claim(&[("gpu", "gpu-1-0"), ("gpu", "gpu-1-3")], json!([])),
+        NODE,
+        &gpus(),
+        Sharing::Shares(4),
+    )
+    .unwrap();
+    assert_eq!(
+        (plain.devices[0].request_bytes, plain.devices[0].limit_bytes),
+        (20 * GIB, 20 * GIB),
+        "no limit: the request"
+    );
+    let whole = shares_claim(&[("gpu", "gpu-1")], json!([]));
+    assert!(fraction(&whole, NODE, &gpus(), Sharing::Shares(4)).is_err());
+    let out_of_range = shares_claim(&[("gpu", "gpu-1-4")], json!([]));
+    assert!(fraction(&out_of_range, NODE, &gpus(), Sharing::Shares(4)).is_err());
+    // Two requests on one GPU are refused, naming both.
+    let two = shares_claim(&[("a", "gpu-0-0"), ("b", "gpu-0-1")], json!([]));
+    let e = fraction(&two, NODE, &gpus(), Sharing::Shares(4)).unwrap_err().to_string();
+    assert!(e.contains("\"a\"") && e.contains("\"b\""), "{e}");
+}
+
+#[test]
+fn shares_are_devices_with_the_gpus_attributes() {
+    let slice = slices::slice(NODE, &gpus(), Sharing::Shares(4), |_| true, 1, None);
+    let value = serde_json::to_value(&slice).unwrap();
+    let devices = value["spec"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 8);
+    let share = &devices[5];
+    assert_eq!(share["name"], "gpu-1-1");
+    assert_eq!(share["attributes"]["uuid"], json!({"string": "GPU-1aaaaaaa-0000-0000-0000-000000000000"}));
+    assert_eq!(share["attributes"]["share"], json!({"int": 1}));
+    assert_eq!(share["capacity"]["memory"], json!({"value": (10 * GIB).to_string()}));
+    assert!(share.get("allowMultipleAllocations").is_none(), "a share goes to one claim");
 }

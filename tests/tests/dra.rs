@@ -173,25 +173,28 @@ impl ApiServer {
 /// A claim as the API server returns it once the scheduler allocated it: `memory` of the
 /// device `device` consumed, the opaque configuration `parameters`, reserved for our pod.
 fn allocated_claim(name: &str, uid: &str, device: &str, memory: &str, parameters: Value) -> Value {
+    let result = json!({
+        "request": "gpu", "driver": "gpu.gpufrac.io", "pool": NODE, "device": device,
+        "shareID": "5a1c9b7e-2f3d-4e5a-9b8c-7d6e5f4a3b2c",
+        "consumedCapacity": {"memory": memory}
+    });
+    claim_with_results(name, uid, vec![result], parameters)
+}
+
+/// A claim allocated with `results`.
+fn claim_with_results(name: &str, uid: &str, results: Vec<Value>, parameters: Value) -> Value {
     json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": "inference", "uid": uid, "resourceVersion": "17"},
         "spec": {"devices": {
-            "requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": "gpu.gpufrac.io",
-                "capacity": {"requests": {"memory": memory}}
-            }}],
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpufrac.io"}}],
             "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.gpufrac.io", "parameters": parameters}}]
         }},
         "status": {
             "allocation": {
                 "devices": {
-                    "results": [{
-                        "request": "gpu", "driver": "gpu.gpufrac.io", "pool": NODE, "device": device,
-                        "shareID": "5a1c9b7e-2f3d-4e5a-9b8c-7d6e5f4a3b2c",
-                        "consumedCapacity": {"memory": memory}
-                    }],
+                    "results": results,
                     "config": [{"source": "FromClaim", "requests": ["gpu"],
                                 "opaque": {"driver": "gpu.gpufrac.io", "parameters": parameters}}]
                 },
@@ -223,7 +226,9 @@ struct Dirs {
 
 impl Dirs {
     fn new() -> Dirs {
-        let root = std::env::temp_dir().join(format!("gpufrac-dra-e2e-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let root = std::env::temp_dir().join(format!("gpufrac-dra-e2e-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let dirs = Dirs {
             registry: root.join("plugins_registry"),
@@ -246,7 +251,13 @@ impl Drop for Dirs {
     }
 }
 
-fn start_plugin(gpu: &SimGpu, dirs: &Dirs, kubeconfig: &Path, arbiter_socket: &Path) -> ChildProcess {
+fn start_plugin(
+    gpu: &SimGpu,
+    dirs: &Dirs,
+    kubeconfig: &Path,
+    arbiter_socket: &Path,
+    extra: &[&str],
+) -> ChildProcess {
     let shim_dir = artifact("libgpufrac.so").parent().unwrap().to_path_buf();
     let mut cmd = gpu.command(artifact("gpufrac-device-plugin"));
     cmd.env("KUBECONFIG", kubeconfig)
@@ -260,7 +271,8 @@ fn start_plugin(gpu: &SimGpu, dirs: &Dirs, kubeconfig: &Path, arbiter_socket: &P
         .arg("--plugin-dir")
         .arg(&dirs.plugin)
         .arg("--cdi-dir")
-        .arg(&dirs.cdi);
+        .arg(&dirs.cdi)
+        .args(extra);
     ChildProcess::spawn(&mut cmd)
 }
 
@@ -369,7 +381,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     let arbiter = Arbiter::start(&gpu);
 
     // Registration and the slice.
-    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, arbiter.socket());
+    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, arbiter.socket(), &[]);
     wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
     let endpoint = register(&dirs).await;
     wait_until("a ResourceSlice", &mut plugin, |_| api.slice().is_some()).await;
@@ -518,11 +530,10 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     kubernetes_validate::validate_objects(&sent, &["1.34", "1.37"]).unwrap_or_else(|e| panic!("{e}"));
 
     // The kubelet restarts and cleans its registry: the plugin serves its socket again.
-    let before = inode(&dirs.registration_socket());
     std::fs::remove_file(dirs.registration_socket()).unwrap();
-    wait_until("the registration socket again", &mut plugin, |_| {
-        let now = inode(&dirs.registration_socket());
-        now.is_some() && now != before
+    wait_until("the registration socket again", &mut plugin, |p| {
+        p.stderr_text().contains("the registration socket was removed: serving it again")
+            && dirs.registration_socket().exists()
     })
     .await;
     register(&dirs).await;
@@ -531,7 +542,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     // and, the claim gone from the API server, it is unprepared from the checkpoint.
     plugin.kill();
     let _ = plugin.wait(WAIT);
-    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, arbiter.socket());
+    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, arbiter.socket(), &[]);
     wait_until("the restarted plugin serving", &mut plugin, |p| {
         p.stderr_text().contains("serving the DRA kubelet plugin")
     })
@@ -555,4 +566,67 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert!(api.slice().is_none(), "the slice is deleted at a clean stop");
     assert!(!dirs.registration_socket().exists());
     assert!(!dirs.plugin.join("dra.sock").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_consumable_capacity_gpus_are_published_as_shares() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB");
+    let dirs = Dirs::new();
+    let api = ApiServer::default();
+    let shares: Vec<Value> = ["gpu-1-0", "gpu-1-2"]
+        .iter()
+        .map(|device| json!({"request": "gpu", "driver": "gpu.gpufrac.io", "pool": NODE, "device": device}))
+        .collect();
+    api.put(
+        "/apis/resource.k8s.io/v1/namespaces/inference/resourceclaims/two-shares",
+        claim_with_results(
+            "two-shares",
+            CLAIM_UID,
+            shares,
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig"}),
+        ),
+    );
+    let address = api.clone().serve().await;
+    let kubeconfig = write_kubeconfig(&dirs._root, address);
+    let socket = dirs._root.join("arbiter.sock");
+
+    // More shares than a slice holds are refused, naming the flag.
+    let mut refused = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &["--shares", "100"]);
+    let status = refused.wait(WAIT);
+    assert!(!status.success());
+    assert!(refused.stderr_text().contains("--shares 100"), "{}", refused.diagnostics());
+
+    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &["--shares", "4"]);
+    wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
+    let endpoint = register(&dirs).await;
+    wait_until("a ResourceSlice", &mut plugin, |_| api.slice().is_some()).await;
+    let slice = api.slice().unwrap();
+    let devices = slice["spec"]["devices"].as_array().unwrap();
+    let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["gpu-0-0", "gpu-0-1", "gpu-0-2", "gpu-0-3", "gpu-1-0", "gpu-1-1", "gpu-1-2", "gpu-1-3"]
+    );
+    assert_eq!(devices[4]["capacity"]["memory"]["value"], (2 * GIB).to_string());
+    assert_eq!(devices[4]["attributes"]["uuid"], devices[7]["attributes"]["uuid"]);
+    assert!(devices.iter().all(|d| d.get("allowMultipleAllocations").is_none()));
+    let mut published = slice.clone();
+    let meta = published["metadata"].as_object_mut().unwrap();
+    meta.remove("resourceVersion");
+    meta.remove("uid");
+    kubernetes_validate::validate_objects(&[published], &["1.34", "1.37"]).unwrap_or_else(|e| panic!("{e}"));
+
+    // Two shares of GPU 1: one fraction of 4 GiB, both devices answered with one CDI device.
+    let answer = prepare(&endpoint, "two-shares", CLAIM_UID).await;
+    assert_eq!(answer.error, "", "{}", plugin.diagnostics());
+    let names: Vec<&str> = answer.devices.iter().map(|d| d.device_name.as_str()).collect();
+    assert_eq!(names, ["gpu-1-0", "gpu-1-2"]);
+    let cdi_id = format!("gpufrac.io/claim={CLAIM_UID}-gpu-1");
+    assert!(answer.devices.iter().all(|d| d.cdi_device_ids == [cdi_id.clone()]), "{:?}", answer.devices);
+    let spec = read_json(&dirs.cdi.join(format!("gpufrac.io-claim_{CLAIM_UID}.json")));
+    let env = spec["devices"][0]["containerEdits"]["env"].as_array().unwrap();
+    assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_REQUEST={}", 4 * GIB))), "{env:?}");
+    assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_LIMIT={}", 4 * GIB))), "{env:?}");
+    plugin.kill();
 }

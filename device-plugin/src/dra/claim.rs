@@ -8,7 +8,8 @@ use gpufrac_common::size::{format_size, parse_bytes};
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 
 use super::config::{self, ConfigError, FractionConfig};
-use super::gpus::GpuInfo;
+use super::gpus::{parse_device_name, GpuInfo};
+use super::slices::Sharing;
 use super::{cdi, DRIVER};
 
 /// The device capacity that holds a claim's guarantee.
@@ -34,7 +35,11 @@ pub enum ClaimError {
         reason: String,
     },
     /// The claim's opaque configuration is invalid.
-    #[error("claim {claim}: status.allocation.devices.config[{index}].opaque.{source}")]
+    #[error(
+        "claim {claim}: status.allocation.devices.config[{index}].opaque.{}: {} (driver {DRIVER})",
+        source.field,
+        source.reason
+    )]
     Config {
         /// The claim (`namespace/name`).
         claim: String,
@@ -76,7 +81,12 @@ pub fn quantity_bytes(quantity: &str) -> Option<u64> {
 /// The fraction of this node's GPUs that `claim` holds. `pool` is this node's pool name;
 /// `gpus` its GPUs. Devices of other drivers are left alone; a device of this driver that
 /// is not this node's is an error.
-pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<ClaimFraction, ClaimError> {
+pub fn fraction(
+    claim: &ResourceClaim,
+    pool: &str,
+    gpus: &[GpuInfo],
+    sharing: Sharing,
+) -> Result<ClaimFraction, ClaimError> {
     let namespace = claim.metadata.namespace.clone().unwrap_or_default();
     let name = format!("{namespace}/{}", claim.metadata.name.clone().unwrap_or_default());
     let uid = claim.metadata.uid.clone().unwrap_or_default();
@@ -86,6 +96,8 @@ pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<C
     };
     let configs = allocation.config.as_deref().unwrap_or_default();
     let mut devices: Vec<PreparedDevice> = Vec::new();
+    // Per device: the limit its configuration names, and its GPU's memory.
+    let mut limits: Vec<(Option<u64>, u64)> = Vec::new();
     for (index, result) in allocation.results.iter().flatten().enumerate() {
         if result.driver != DRIVER {
             continue;
@@ -94,15 +106,23 @@ pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<C
         if result.pool != pool {
             return Err(bad(format!("pool {:?} is not this node's ({pool:?})", result.pool)));
         }
-        let Some(gpu) = gpus.iter().find(|g| g.device_name() == result.device) else {
-            return Err(bad(format!("device {:?} is not a GPU of this node", result.device)));
+        let (gpu, share) = match (parse_device_name(&result.device), sharing) {
+            (Some((index, None)), Sharing::Capacity) => (gpus.iter().find(|g| g.index == index), None),
+            (Some((index, Some(share))), Sharing::Shares(n)) if share < n => {
+                (gpus.iter().find(|g| g.index == index), Some(share))
+            }
+            _ => (None, None),
         };
-        // Without consumable capacity (a cluster without DRAConsumableCapacity) the device
-        // is allocated whole: the claim is guaranteed the whole GPU.
+        let Some(gpu) = gpu else {
+            return Err(bad(format!("device {:?} is not a device this node publishes", result.device)));
+        };
+        // A share is its part of the GPU. Without consumable capacity (a cluster without
+        // DRAConsumableCapacity) a whole-GPU device is allocated whole: the claim is
+        // guaranteed the whole GPU.
         let request = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
             Some(quantity) => quantity_bytes(&quantity.0)
                 .ok_or_else(|| bad(format!("consumedCapacity.memory {:?} is not a quantity", quantity.0)))?,
-            None => gpu.memory,
+            None => sharing.device_memory(gpu.memory),
         };
         if request > gpu.memory {
             return Err(bad(format!(
@@ -113,47 +133,58 @@ pub fn fraction(claim: &ResourceClaim, pool: &str, gpus: &[GpuInfo]) -> Result<C
         }
         let settings = settings_for(&result.request, configs)
             .map_err(|(index, source)| ClaimError::Config { claim: name.clone(), index, source })?;
-        let limit = match settings.limit {
-            None => request,
-            Some(spec) => spec.resolve(gpu.memory),
-        };
-        if limit < request {
-            return Err(ClaimError::Limit {
-                claim: name.clone(),
-                reason: format!(
-                    "{} is below the memory the claim requests on {} ({})",
-                    format_size(limit),
-                    result.device,
-                    format_size(request)
-                ),
-            });
-        }
-        if limit > gpu.memory {
-            return Err(ClaimError::Limit {
-                claim: name.clone(),
-                reason: format!("{} is more than the GPU's {}", format_size(limit), format_size(gpu.memory)),
-            });
-        }
-        // Two requests of one claim on one GPU: one fraction, their sums (a process uses
-        // one GPU, so it is one entitlement).
-        if let Some(same) = devices.iter_mut().find(|d| d.device == result.device) {
-            same.request_names.push(result.request.clone());
+        let configured = settings.limit.map(|spec| spec.resolve(gpu.memory));
+        // Shares of one request on one GPU make one fraction: their memory adds up.
+        if let Some(same) = devices.iter_mut().find(|d| d.gpu_uuid == gpu.uuid) {
+            if !same.request_names.contains(&result.request) {
+                return Err(bad(format!(
+                    "requests {:?} and {:?} were both allocated on {}: ask for one request per GPU \
+                     (a process holds one fraction of a GPU)",
+                    same.request_names[0], result.request, same.device
+                )));
+            }
+            same.shares.push(result.device.clone());
             same.request_bytes = (same.request_bytes + request).min(gpu.memory);
-            same.limit_bytes = (same.limit_bytes + limit).min(gpu.memory);
             continue;
         }
+        limits.push((configured, gpu.memory));
         devices.push(PreparedDevice {
             request_names: vec![result.request.clone()],
             pool: result.pool.clone(),
-            device: result.device.clone(),
+            device: gpu.device_name(),
+            shares: share.map(|_| vec![result.device.clone()]).unwrap_or_default(),
             gpu_uuid: gpu.uuid.clone(),
             share_id: result.share_id.clone(),
             request_bytes: request,
-            limit_bytes: limit,
+            limit_bytes: request,
             resolver: settings.resolver,
             priority: settings.priority,
-            cdi_device_id: cdi::device_id(&uid, &result.device),
+            cdi_device_id: cdi::device_id(&uid, &gpu.device_name()),
         });
+    }
+    // The limit: as configured (at least the request, at most the GPU), else the request.
+    for (device, (configured, memory)) in devices.iter_mut().zip(limits) {
+        let Some(limit) = configured else {
+            device.limit_bytes = device.request_bytes;
+            continue;
+        };
+        let refuse = |reason: String| ClaimError::Limit { claim: name.clone(), reason };
+        if limit < device.request_bytes {
+            return Err(refuse(format!(
+                "{} is below the memory the claim requests on {} ({})",
+                format_size(limit),
+                device.device,
+                format_size(device.request_bytes)
+            )));
+        }
+        if limit > memory {
+            return Err(refuse(format!(
+                "{} is more than the GPU's {}",
+                format_size(limit),
+                format_size(memory)
+            )));
+        }
+        device.limit_bytes = limit;
     }
     if devices.is_empty() {
         return Err(ClaimError::NoDevice(name));

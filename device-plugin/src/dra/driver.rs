@@ -15,6 +15,7 @@ use tokio::sync::Mutex;
 use super::cdi::{self, CdiConfig};
 use super::claim::{self, ClaimError};
 use super::gpus::GpuInfo;
+use super::slices::Sharing;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +86,7 @@ pub struct Driver {
     client: kube::Client,
     pool: String,
     gpus: Vec<GpuInfo>,
+    sharing: Sharing,
     cdi: CdiConfig,
     checkpoint_path: PathBuf,
     /// The checkpoint as last written; the lock also serialises preparations, so that two
@@ -99,6 +101,7 @@ impl Driver {
         client: kube::Client,
         pool: String,
         gpus: Vec<GpuInfo>,
+        sharing: Sharing,
         cdi: CdiConfig,
         checkpoint_path: PathBuf,
     ) -> Result<Driver, gpufrac_common::dra::CheckpointError> {
@@ -106,7 +109,7 @@ impl Driver {
         if !prepared.claims.is_empty() {
             tracing::info!(claims = prepared.claims.len(), checkpoint = %checkpoint_path.display(), "prepared claims from the checkpoint");
         }
-        Ok(Driver { client, pool, gpus, cdi, checkpoint_path, prepared: Mutex::new(prepared) })
+        Ok(Driver { client, pool, gpus, sharing, cdi, checkpoint_path, prepared: Mutex::new(prepared) })
     }
 
     /// The node's GPUs.
@@ -130,7 +133,7 @@ impl Driver {
             // restart): the same devices; only the pods it is reserved for may have grown.
             let devices = known.devices.clone();
             let pods = match &object {
-                Ok(object) => claim::fraction(object, &self.pool, &self.gpus)
+                Ok(object) => claim::fraction(object, &self.pool, &self.gpus, self.sharing)
                     .map(|f| f.pods.into_iter().map(|(uid, _)| uid).collect::<Vec<_>>())
                     .ok(),
                 Err(_) => None,
@@ -147,7 +150,7 @@ impl Driver {
             return Ok(devices);
         }
         let object = object?;
-        let fraction = claim::fraction(&object, &self.pool, &self.gpus)?;
+        let fraction = claim::fraction(&object, &self.pool, &self.gpus, self.sharing)?;
         let pod_priority = self.pod_priority(&claim.namespace, &fraction.pods).await;
         let entry = PreparedClaim {
             namespace: claim.namespace.clone(),

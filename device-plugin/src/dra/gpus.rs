@@ -37,6 +37,24 @@ pub fn device_name(index: u32) -> String {
     format!("gpu-{index}")
 }
 
+/// The device name of share `share` of the GPU of NVML index `index`.
+pub fn share_name(index: u32, share: u32) -> String {
+    format!("gpu-{index}-{share}")
+}
+
+/// The GPU index and share number a slice device name stands for: `gpu-<index>` (the
+/// whole GPU, `None`) or `gpu-<index>-<share>`.
+pub fn parse_device_name(name: &str) -> Option<(u32, Option<u32>)> {
+    let rest = name.strip_prefix("gpu-")?;
+    let number = |text: &str| {
+        (!text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())).then(|| text.parse().ok()).flatten()
+    };
+    match rest.split_once('-') {
+        None => Some((number(rest)?, None)),
+        Some((index, share)) => Some((number(index)?, Some(number(share)?))),
+    }
+}
+
 /// The GPUs NVML reports.
 pub fn discover() -> Result<Vec<GpuInfo>, String> {
     let nvml = Nvml::init().map_err(|e| nvml_init_error(&e))?;

@@ -22,7 +22,7 @@ use super::cdi::CdiConfig;
 use super::driver::Driver;
 use super::gpus::GpuInfo;
 use super::service::{DraService, RegistrationService};
-use super::slices::Publisher;
+use super::slices::{Publisher, Sharing};
 use super::{registration_socket_name, DRA_SOCKET};
 use crate::plugin::devices::Gpu;
 
@@ -43,6 +43,8 @@ pub struct DraConfig {
     pub registry_dir: PathBuf,
     /// The plugin's own folder (DRA socket, checkpoint).
     pub plugin_dir: PathBuf,
+    /// How each GPU is advertised.
+    pub sharing: Sharing,
     /// What prepared claims' containers get.
     pub cdi: CdiConfig,
 }
@@ -124,6 +126,7 @@ pub async fn run(
         client.clone(),
         config.node_name.clone(),
         gpus.clone(),
+        config.sharing,
         config.cdi.clone(),
         checkpoint,
     )?);
@@ -132,7 +135,7 @@ pub async fn run(
 
     let (stop_publishing, publishing_stopped) = oneshot::channel::<()>();
     let publisher = tokio::spawn(keep_published(
-        Publisher::new(client, &config.node_name).await,
+        Publisher::new(client, &config.node_name, config.sharing).await,
         gpus,
         health,
         publishing_stopped,

@@ -43,11 +43,16 @@ macro_rules! dra_service {
                         Ok(devices) => NodePrepareResourceResponse {
                             devices: devices
                                 .iter()
-                                .map(|d| {
+                                .flat_map(|d| {
+                                    // Each slice device allocated (the shares, or the GPU).
+                                    let names = if d.shares.is_empty() { vec![d.device.clone()] } else { d.shares.clone() };
+                                    names.into_iter().map(move |name| (d, name))
+                                })
+                                .map(|(d, name)| {
                                     let mut device = Device {
                                         request_names: d.request_names.clone(),
                                         pool_name: d.pool.clone(),
-                                        device_name: d.device.clone(),
+                                        device_name: name,
                                         cdi_device_ids: self.driver.cdi_device_ids(d),
                                         ..Default::default()
                                     };

@@ -1,9 +1,16 @@
 //! The ResourceSlice that advertises the node's GPUs to the scheduler: one slice, one pool
-//! named after the node, one device per healthy GPU (`gpu-<index>`), whose `memory`
-//! capacity many claims share (`allowMultipleAllocations`). The request policy rounds what
-//! a claim asks for up to a multiple of [`MEMORY_STEP`] (at least [`MEMORY_MIN`]; a claim
-//! that names no amount gets [`MEMORY_DEFAULT`]). A GPU that turns unhealthy leaves the
-//! slice (claims prepared on it stay prepared) and comes back with it.
+//! named after the node, and per healthy GPU either
+//! - [`Sharing::Capacity`] (the default): one device (`gpu-<index>`) whose `memory`
+//!   capacity many claims share (`allowMultipleAllocations`, consumable capacity). The
+//!   request policy rounds what a claim asks for up to a multiple of [`MEMORY_STEP`] (at
+//!   least [`MEMORY_MIN`]; a claim that names no amount gets [`MEMORY_DEFAULT`]); or
+//! - [`Sharing::Shares`]: for clusters without consumable capacity, N devices
+//!   (`gpu-<index>-<share>`), each an equal share of its memory, all with the GPU's
+//!   attributes, so that a claim asking for several with a `matchAttribute` constraint on
+//!   `gpu.gpufrac.io/uuid` gets them all on one GPU.
+//!
+//! A GPU that turns unhealthy leaves the slice (claims prepared on it stay prepared) and
+//! comes back with it.
 
 use std::collections::BTreeMap;
 
@@ -18,7 +25,7 @@ use kube::api::{DeleteParams, PostParams};
 use kube::Api;
 
 use super::claim::MEMORY;
-use super::gpus::GpuInfo;
+use super::gpus::{share_name, GpuInfo};
 use super::DRIVER;
 
 /// The least memory a claim may hold of a GPU.
@@ -27,6 +34,36 @@ pub const MEMORY_MIN: &str = "256Mi";
 pub const MEMORY_STEP: &str = "256Mi";
 /// The memory of a claim that names none.
 pub const MEMORY_DEFAULT: &str = "1Gi";
+
+/// The most devices one ResourceSlice may hold (`resource.k8s.io/v1`).
+pub const MAX_DEVICES: usize = 128;
+
+/// How each GPU is advertised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// One device whose `memory` capacity claims share (needs `DRAConsumableCapacity`).
+    Capacity,
+    /// This many devices, each an equal share of the GPU's memory.
+    Shares(u32),
+}
+
+impl Sharing {
+    /// The memory of one slice device of a GPU of `memory` bytes.
+    pub fn device_memory(self, memory: u64) -> u64 {
+        match self {
+            Sharing::Capacity => memory,
+            Sharing::Shares(n) => memory / u64::from(n.max(1)),
+        }
+    }
+
+    /// How many devices `gpus` GPUs take in the slice.
+    pub fn devices(self, gpus: usize) -> usize {
+        match self {
+            Sharing::Capacity => gpus,
+            Sharing::Shares(n) => gpus.saturating_mul(n as usize),
+        }
+    }
+}
 
 /// The slice's name for the node `node`.
 pub fn slice_name(node: &str) -> String {
@@ -41,9 +78,9 @@ fn version(major: i32, minor: i32) -> DeviceAttribute {
     DeviceAttribute { version: Some(format!("{major}.{minor}.0")), ..Default::default() }
 }
 
-/// The slice's device for `gpu`.
-pub fn device(gpu: &GpuInfo) -> Device {
-    let attributes = BTreeMap::from([
+/// The GPU's attributes, which every one of its devices carries.
+fn attributes(gpu: &GpuInfo) -> BTreeMap<String, DeviceAttribute> {
+    BTreeMap::from([
         ("uuid".to_owned(), string(&gpu.uuid)),
         ("productName".to_owned(), string(&gpu.product_name)),
         ("index".to_owned(), DeviceAttribute { int: Some(gpu.index.into()), ..Default::default() }),
@@ -51,7 +88,11 @@ pub fn device(gpu: &GpuInfo) -> Device {
         ("driverVersion".to_owned(), string(&gpu.driver_version)),
         ("cudaVersion".to_owned(), version(gpu.cuda_version.0, gpu.cuda_version.1)),
         ("pciBusID".to_owned(), string(&gpu.pci_bus_id)),
-    ]);
+    ])
+}
+
+/// The slice's device for `gpu` under [`Sharing::Capacity`].
+pub fn device(gpu: &GpuInfo) -> Device {
     let memory = DeviceCapacity {
         value: Quantity(gpu.memory.to_string()),
         request_policy: Some(CapacityRequestPolicy {
@@ -66,17 +107,41 @@ pub fn device(gpu: &GpuInfo) -> Device {
     };
     Device {
         name: gpu.device_name(),
-        attributes: Some(attributes),
+        attributes: Some(attributes(gpu)),
         capacity: Some(BTreeMap::from([(MEMORY.to_owned(), memory)])),
         allow_multiple_allocations: Some(true),
         ..Default::default()
     }
 }
 
+/// The slice's devices for `gpu` under [`Sharing::Shares`]`(shares)`.
+pub fn share_devices(gpu: &GpuInfo, shares: u32) -> Vec<Device> {
+    let memory = Sharing::Shares(shares).device_memory(gpu.memory);
+    (0..shares)
+        .map(|share| {
+            let mut attributes = attributes(gpu);
+            attributes.insert(
+                "share".to_owned(),
+                DeviceAttribute { int: Some(share.into()), ..Default::default() },
+            );
+            Device {
+                name: share_name(gpu.index, share),
+                attributes: Some(attributes),
+                capacity: Some(BTreeMap::from([(
+                    MEMORY.to_owned(),
+                    DeviceCapacity { value: Quantity(memory.to_string()), request_policy: None },
+                )])),
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
 /// The node's slice: its healthy GPUs (`healthy(uuid)`), pool `node`, generation `generation`.
 pub fn slice(
     node: &str,
     gpus: &[GpuInfo],
+    sharing: Sharing,
     healthy: impl Fn(&str) -> bool,
     generation: i64,
     owner: Option<OwnerReference>,
@@ -91,7 +156,15 @@ pub fn slice(
             driver: DRIVER.to_owned(),
             node_name: Some(node.to_owned()),
             pool: ResourcePool { name: node.to_owned(), generation, resource_slice_count: 1 },
-            devices: Some(gpus.iter().filter(|g| healthy(&g.uuid)).map(device).collect()),
+            devices: Some(
+                gpus.iter()
+                    .filter(|g| healthy(&g.uuid))
+                    .flat_map(|g| match sharing {
+                        Sharing::Capacity => vec![device(g)],
+                        Sharing::Shares(n) => share_devices(g, n),
+                    })
+                    .collect(),
+            ),
             ..Default::default()
         },
     }
@@ -102,13 +175,14 @@ pub struct Publisher {
     api: Api<ResourceSlice>,
     node: String,
     owner: Option<OwnerReference>,
+    sharing: Sharing,
     generation: i64,
 }
 
 impl Publisher {
     /// A publisher for the node `node`. The slice is owned by the Node object when it can
     /// be read, so that deleting the node deletes its slice.
-    pub async fn new(client: kube::Client, node: &str) -> Publisher {
+    pub async fn new(client: kube::Client, node: &str, sharing: Sharing) -> Publisher {
         let owner = match Api::<Node>::all(client.clone()).get(node).await {
             Ok(found) => found.metadata.uid.map(|uid| OwnerReference {
                 api_version: "v1".into(),
@@ -123,7 +197,7 @@ impl Publisher {
                 None
             }
         };
-        Publisher { api: Api::all(client), node: node.to_owned(), owner, generation: 0 }
+        Publisher { api: Api::all(client), node: node.to_owned(), owner, sharing, generation: 0 }
     }
 
     /// Creates or replaces the slice with the GPUs `healthy` accepts, under a new generation.
@@ -136,7 +210,7 @@ impl Publisher {
         let existing = self.api.get_opt(&name).await?;
         let before = existing.as_ref().map_or(0, |s| s.spec.pool.generation);
         self.generation = self.generation.max(before) + 1;
-        let mut next = slice(&self.node, gpus, healthy, self.generation, self.owner.clone());
+        let mut next = slice(&self.node, gpus, self.sharing, healthy, self.generation, self.owner.clone());
         let devices = next.spec.devices.as_ref().map_or(0, Vec::len);
         match existing {
             Some(existing) => {

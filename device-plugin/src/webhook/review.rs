@@ -34,7 +34,11 @@
 //!   `GPU`, `LD_`, …) is refused: its keys cannot be read at admission.
 
 use base64::Engine as _;
-use serde_json::{json, Value};
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::{DynamicObject, Status};
+use serde::Deserialize as _;
+use serde_json::{json, Map, Value};
 
 use super::owned::{env_from_problems, strip_env, Role};
 use super::patch::{container_patch, ContainerGrant, PodName, TakenOver, RESOURCE};
@@ -56,8 +60,10 @@ pub struct BadReview(String);
 /// The server uses [`try_review`], which tells the two apart.
 pub fn review(request: &Value) -> Value {
     try_review(request).unwrap_or_else(|bad| {
-        let uid = request.pointer("/request/uid").and_then(Value::as_str).unwrap_or_default();
-        envelope(uid, Decision::Refuse(bad.to_string()))
+        let mut response = AdmissionResponse::invalid(bad.to_string());
+        response.uid = request.pointer("/request/uid").and_then(Value::as_str).unwrap_or_default().to_owned();
+        response.result = refusal_status(&bad.to_string());
+        wire(response)
     })
 }
 
@@ -66,10 +72,17 @@ pub fn review(request: &Value) -> Value {
 /// `JSONPatch`, `patch` in base64) or, on refusal, `status.code` 400 and
 /// `status.message`. `Err` when the body is not such a review (see [`BadReview`]).
 pub fn try_review(body: &Value) -> Result<Value, BadReview> {
-    let Some(body) = body.as_object() else {
+    let request = parse(body)?;
+    Ok(wire(admit(&request)))
+}
+
+/// The request of an AdmissionReview `admission.k8s.io/v1`, read with kube's types; the
+/// envelope is checked first, so that each mistake is named plainly.
+fn parse(body: &Value) -> Result<AdmissionRequest<DynamicObject>, BadReview> {
+    let Some(fields) = body.as_object() else {
         return Err(BadReview(format!("expected a JSON object, got {}", json_type(body))));
     };
-    match body.get("apiVersion") {
+    match fields.get("apiVersion") {
         Some(Value::String(v)) if v == API_VERSION => {}
         Some(v) => {
             return Err(BadReview(format!(
@@ -79,7 +92,7 @@ pub fn try_review(body: &Value) -> Result<Value, BadReview> {
         }
         None => return Err(BadReview("apiVersion is missing".into())),
     }
-    match body.get("kind") {
+    match fields.get("kind") {
         Some(Value::String(k)) if k == "AdmissionReview" => {}
         Some(k) => {
             return Err(BadReview(format!(
@@ -89,14 +102,67 @@ pub fn try_review(body: &Value) -> Result<Value, BadReview> {
         }
         None => return Err(BadReview("kind is missing".into())),
     }
-    let Some(request) = body.get("request").filter(|r| r.is_object()) else {
+    let Some(request) = fields.get("request").filter(|r| r.is_object()) else {
         return Err(BadReview("request is missing or not an object".into()));
     };
-    let uid = match request.get("uid") {
-        Some(Value::String(uid)) if !uid.is_empty() => uid,
+    match request.get("uid") {
+        Some(Value::String(uid)) if !uid.is_empty() => {}
         _ => return Err(BadReview("request.uid is missing or not a string".into())),
-    };
-    Ok(envelope(uid, decide(request)))
+    }
+    let review = AdmissionReview::<DynamicObject>::deserialize(body)
+        .map_err(|e| BadReview(cut(&format!("request: {e}"))))?;
+    review.try_into().map_err(|e| BadReview(e.to_string()))
+}
+
+/// The webhook's answer to a well-formed request (see the module's documentation).
+pub fn admit(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    let response = AdmissionResponse::from(request);
+    match decide(request) {
+        Decision::Allow => response,
+        Decision::Patch(ops, warnings) => {
+            let response = AdmissionResponse {
+                warnings: (!warnings.is_empty()).then_some(warnings),
+                ..response
+            };
+            // kube's JSON Patch type, read from the operations built (never fails: they
+            // are `add` and `replace` operations with a path and a value).
+            match serde_json::from_value(Value::Array(ops)).map(|patch| response.clone().with_patch(patch)) {
+                Ok(Ok(patched)) => patched,
+                Ok(Err(e)) => refuse(response, &format!("cannot write the patch: {e}")),
+                Err(e) => refuse(response, &format!("cannot write the patch: {e}")),
+            }
+        }
+        Decision::Refuse(message) => refuse(response, &message),
+    }
+}
+
+/// `response` refusing with `message` (code 400).
+fn refuse(response: AdmissionResponse, message: &str) -> AdmissionResponse {
+    let mut response = response.deny(message);
+    response.result = refusal_status(message);
+    response.warnings = None;
+    response
+}
+
+/// The `status` of a refusal: code 400, reason `BadRequest`, the message.
+fn refusal_status(message: &str) -> Status {
+    Status::failure(message, "BadRequest").with_code(400)
+}
+
+/// The AdmissionReview around `response` as the API server reads it: kube serializes the
+/// patch's bytes as an array of numbers (kube-rs/kube#1781), the API server's `[]byte`
+/// is base64.
+fn wire(mut response: AdmissionResponse) -> Value {
+    let patch = response.patch.take();
+    let mut review = serde_json::to_value(response.into_review()).unwrap_or_else(|e| {
+        // Plain strings, numbers and maps: serializing them cannot fail.
+        json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
+               "response": {"uid": "", "allowed": false, "status": {"code": 500, "message": e.to_string()}}})
+    });
+    if let (Some(patch), Some(fields)) = (patch, review.get_mut("response").and_then(Value::as_object_mut)) {
+        fields.insert("patch".into(), Value::from(base64::engine::general_purpose::STANDARD.encode(patch)));
+    }
+    review
 }
 
 /// What the webhook does with one request.
@@ -110,68 +176,51 @@ enum Decision {
     Refuse(String),
 }
 
-/// The AdmissionReview answer around a decision.
-fn envelope(uid: &str, decision: Decision) -> Value {
-    let response = match decision {
-        Decision::Allow => json!({ "uid": uid, "allowed": true }),
-        Decision::Patch(ops, warnings) => {
-            let patch = Value::Array(ops).to_string();
-            let mut response = json!({
-                "uid": uid,
-                "allowed": true,
-                "patchType": "JSONPatch",
-                "patch": base64::engine::general_purpose::STANDARD.encode(patch),
-            });
-            if !warnings.is_empty() {
-                response["warnings"] = json!(warnings);
-            }
-            response
-        }
-        Decision::Refuse(message) => json!({
-            "uid": uid,
-            "allowed": false,
-            "status": { "code": 400, "reason": "BadRequest", "message": message },
-        }),
-    };
-    json!({ "apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response })
-}
-
 /// The decision for a well-formed `request`.
-fn decide(request: &Value) -> Decision {
-    let kind = (
-        str_at(request, "/kind/group").unwrap_or_default(),
-        str_at(request, "/kind/version").unwrap_or_default(),
-        str_at(request, "/kind/kind").unwrap_or_default(),
-    );
-    if kind != ("", "v1", "Pod") {
+fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
+    let kind = &request.kind;
+    if (kind.group.as_str(), kind.version.as_str(), kind.kind.as_str()) != ("", "v1", "Pod") {
         return Decision::Allow;
     }
-    if str_at(request, "/subResource").is_some_and(|s| !s.is_empty()) {
+    if request.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
         return Decision::Allow;
     }
-    if str_at(request, "/operation") != Some("CREATE") {
+    if request.operation != Operation::Create {
         return Decision::Allow;
     }
-    let Some(pod) = request.get("object").filter(|o| o.is_object()) else {
+    let Some(object) = &request.object else {
         return Decision::Refuse("request.object is not a Pod: expected the pod to create".into());
     };
+    // The pod as sent, whole: the patch rewrites containers' env as the author wrote them,
+    // fields this build's types do not know included.
+    let pod_json = match serde_json::to_value(object) {
+        Ok(value) if value.is_object() => value,
+        _ => return Decision::Refuse("request.object is not a Pod: expected the pod to create".into()),
+    };
+    let pod: Pod = match serde_json::from_value(pod_json.clone()) {
+        Ok(pod) => pod,
+        Err(e) => return Decision::Refuse(cut(&format!("request.object is not a Pod: {e}"))),
+    };
 
-    let settings =
-        match Settings::from_annotations(pod.pointer("/metadata/annotations").and_then(Value::as_object)) {
-            Ok(None) => return Decision::Allow,
-            Ok(Some(settings)) => settings,
-            Err(message) => return Decision::Refuse(message),
-        };
+    let annotations: Option<Map<String, Value>> = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .map(|map| map.iter().map(|(k, v)| (k.clone(), Value::from(v.as_str()))).collect());
+    let settings = match Settings::from_annotations(annotations.as_ref()) {
+        Ok(None) => return Decision::Allow,
+        Ok(Some(settings)) => settings,
+        Err(message) => return Decision::Refuse(message),
+    };
 
     let containers =
-        pod.pointer("/spec/containers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
-    let name_of = |c: &Value| c.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        pod_json.pointer("/spec/containers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let spec = pod.spec.as_ref();
+    let names: Vec<&str> = spec.map(|s| s.containers.iter().map(|c| c.name.as_str()).collect()).unwrap_or_default();
     let index = match &settings.container {
-        None if containers.is_empty() => {
-            return Decision::Refuse("the pod has no containers to give the GPU to".into())
-        }
+        None if names.is_empty() => return Decision::Refuse("the pod has no containers to give the GPU to".into()),
         None => 0,
-        Some(wanted) => match containers.iter().position(|c| name_of(c) == *wanted) {
+        Some(wanted) => match names.iter().position(|name| name == wanted) {
             Some(index) => index,
             None => {
                 return Decision::Refuse(format!(
@@ -202,18 +251,17 @@ fn decide(request: &Value) -> Decision {
     };
 
     let non_empty = |v: Option<&str>| v.filter(|s| !s.is_empty()).map(str::to_owned);
-    let namespace = non_empty(str_at(request, "/namespace"))
-        .or_else(|| non_empty(str_at(pod, "/metadata/namespace")))
+    let namespace = non_empty(request.namespace.as_deref())
+        .or_else(|| non_empty(pod.metadata.namespace.as_deref()))
         .unwrap_or_else(|| "default".to_owned());
-    let name = match non_empty(str_at(request, "/name")).or_else(|| non_empty(str_at(pod, "/metadata/name")))
-    {
+    let name = match non_empty(Some(request.name.as_str())).or_else(|| non_empty(pod.metadata.name.as_deref())) {
         Some(name) => PodName::Known(name),
         None => PodName::Generated,
     };
-    let priority = pod.pointer("/spec/priority").and_then(Value::as_i64).unwrap_or(0).to_string();
+    let priority = spec.and_then(|s| s.priority).unwrap_or(0).to_string();
 
-    let init_containers =
-        pod.pointer("/spec/initContainers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let init_containers = pod_json
+        .pointer("/spec/initContainers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
     // Every container of the pod, with its place in the patch and what it is to gpufrac.
     let all: Vec<Member<'_>> = init_containers
         .iter()
