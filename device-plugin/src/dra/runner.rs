@@ -34,6 +34,9 @@ const PUBLISH_RETRY_FIRST: Duration = Duration::from_millis(500);
 /// The longest wait between attempts to publish.
 const PUBLISH_RETRY_AT_MOST: Duration = Duration::from_secs(30);
 
+/// How long a clean stop waits for the API server to delete the slice.
+const STOP_WITHIN: Duration = Duration::from_secs(5);
+
 /// Where the DRA plugin lives and what it gives containers.
 #[derive(Debug, Clone)]
 pub struct DraConfig {
@@ -134,12 +137,14 @@ pub async fn run(
     let registration_socket = config.registry_dir.join(registration_socket_name());
 
     let (stop_publishing, publishing_stopped) = oneshot::channel::<()>();
-    let publisher = tokio::spawn(keep_published(
-        Publisher::new(client, &config.node_name, config.sharing).await,
-        gpus,
-        health,
-        publishing_stopped,
-    ));
+    // Publishing never holds up serving: the API server may be slow or away.
+    let publisher = {
+        let (node, sharing) = (config.node_name.clone(), config.sharing);
+        tokio::spawn(async move {
+            let publisher = Publisher::new(client, &node, sharing).await;
+            keep_published(publisher, gpus, health, publishing_stopped).await
+        })
+    };
 
     let serve_dra = || {
         let service = DraService::new(driver.clone());
@@ -181,10 +186,19 @@ pub async fn run(
     registration.stop().await;
     dra.stop().await;
     let _ = stop_publishing.send(());
-    if let Ok(publisher) = publisher.await {
-        if let Err(e) = publisher.remove().await {
-            tracing::warn!("removing the ResourceSlice at stop: {e}");
+    // The slice goes with the plugin, unless the API server cannot be reached in time: a
+    // stop is never held up for long.
+    let removed = tokio::time::timeout(STOP_WITHIN, async {
+        match publisher.await {
+            Ok(publisher) => publisher.remove().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
         }
+    })
+    .await;
+    match removed {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("removing the ResourceSlice at stop: {e}"),
+        Err(_) => tracing::warn!("removing the ResourceSlice at stop: no answer within {STOP_WITHIN:?}"),
     }
     tracing::info!("stopped");
     Ok(())
