@@ -171,7 +171,8 @@ fn connector(ca: &CertificateDer<'static>) -> TlsConnector {
 
 /// An AdmissionReview for the creation of `pod` in namespace `ml`.
 fn create(pod: Value) -> Value {
-    let name = pod.pointer("/metadata/name").cloned().unwrap_or(json!(""));
+    // As the API server sends it: "" for a name to be generated (`generateName`).
+    let name = pod.pointer("/metadata/name").filter(|n| n.is_string()).cloned().unwrap_or(json!(""));
     json!({
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
@@ -1320,4 +1321,40 @@ fn a_pod_already_patched_is_patched_to_the_same_and_warned_of_nothing() {
     let answer = review(&review2);
     assert_eq!(patched(&review2, &answer), once);
     assert!(warnings(&answer).is_empty(), "{answer}");
+}
+
+#[test]
+fn the_answer_is_an_admission_review_the_api_server_reads() {
+    // The wire format: kube's AdmissionResponse, with the patch in base64 (as Go's []byte).
+    let sent = create(pod(json!({"gpufrac.io/gpu-fraction": "0.5"}), json!([container("main")])));
+    let answer = review(&sent);
+    assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(answer["kind"], "AdmissionReview");
+    assert_eq!(answer["response"]["uid"], sent["request"]["uid"]);
+    assert_eq!(answer["response"]["patchType"], "JSONPatch");
+    assert!(answer["response"]["patch"].is_string(), "{answer}");
+    patched(&sent, &answer);
+    // kube's own types read the rest back (they expect the patch as an array of numbers,
+    // which the API server does not read: kube-rs/kube#1781).
+    let mut rest = answer.clone();
+    rest["response"].as_object_mut().expect("an object").remove("patch");
+    let read: kube::core::admission::AdmissionReview<kube::core::DynamicObject> =
+        serde_json::from_value(rest).expect("kube reads the answer");
+    assert!(read.response.expect("a response").allowed);
+
+    // A Pod CREATE whose object is not a Pod (a priority that is no number) is refused,
+    // saying why.
+    let message = refusal(&review(&create(json!({
+        "metadata": {"name": "x", "annotations": {"gpufrac.io/gpu-fraction": "0.5"}},
+        "spec": {"containers": [container("main")], "priority": "high"},
+    }))));
+    assert!(
+        message.starts_with("request.object is not a Pod: ") && message.contains("\"high\""),
+        "{message}"
+    );
+    // A request kube cannot read (no userInfo, which every API server sends) is no review.
+    let mut no_user = sent.clone();
+    no_user["request"].as_object_mut().expect("an object").remove("userInfo");
+    let bad = webhook::try_review(&no_user).expect_err("not a review");
+    assert!(bad.to_string().contains("userInfo"), "{bad}");
 }

@@ -1,7 +1,8 @@
 //! The admission webhook: turns a pod's `gpufrac.io/*` annotations into `gpufrac.io/gpu`
 //! shares and the shim's `GPUFRAC_*` settings (README, "Kubernetes").
 //!
-//! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic,
+//! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic
+//!   on kube's admission types ([`admit`]: `AdmissionRequest` → `AdmissionResponse`),
 //!   with the annotations read in `settings.rs` and the JSON Patch built in `patch.rs`.
 //! - [`load_tls`] (`tls.rs`): the rustls configuration from PEM files.
 //! - [`serve`] (`server.rs`): HTTPS, `POST /mutate` and `GET /healthz`, on a listener
@@ -19,7 +20,7 @@ mod server;
 mod settings;
 mod tls;
 
-pub use review::{review, try_review, BadReview, API_VERSION};
+pub use review::{admit, review, try_review, BadReview, API_VERSION};
 pub use server::{
     serve, HANDSHAKE_TIMEOUT, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER, REQUEST_TIMEOUT,
 };

@@ -1,6 +1,15 @@
 //! The webhook's decision, as a pure function: an AdmissionReview (`admission.k8s.io/v1`)
 //! in, the AdmissionReview answer out. No I/O, so every rule is tested without a server.
 //!
+//! The review is read and answered with kube's admission types: [`AdmissionReview`] of a
+//! [`DynamicObject`] (so that any kind is read, and passed), the object read again as a
+//! `k8s_openapi` [`Pod`] when it is the creation of one, and an [`AdmissionResponse`]
+//! (uid echoed, the request's apiVersion and kind, `patchType` `JSONPatch`). Two things are
+//! done by hand: the envelope is checked before kube reads it, so that each mistake gets a
+//! plain message, and the patch is written in base64 (kube writes its bytes as an array of
+//! numbers: kube-rs/kube#1781). The JSON Patch is built from the containers' JSON as sent
+//! (`patch.rs`), so an env entry the API server knows and these types do not is kept.
+//!
 //! The rules (the README's "Kubernetes" section and docs/kubernetes.md are the contract):
 //! - Only `CREATE` of a Pod (`kind` group `""`, version `v1`, kind `Pod`, no
 //!   sub-resource) is looked at; every other request, `UPDATE` of a Pod included, is
@@ -111,7 +120,8 @@ fn parse(body: &Value) -> Result<AdmissionRequest<DynamicObject>, BadReview> {
     }
     let review = AdmissionReview::<DynamicObject>::deserialize(body)
         .map_err(|e| BadReview(cut(&format!("request: {e}"))))?;
-    review.try_into().map_err(|e| BadReview(e.to_string()))
+    let request: Result<AdmissionRequest<DynamicObject>, _> = review.try_into();
+    request.map_err(|e: kube::core::admission::ConvertAdmissionReviewError| BadReview(e.to_string()))
 }
 
 /// The webhook's answer to a well-formed request (see the module's documentation).
@@ -120,10 +130,8 @@ pub fn admit(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     match decide(request) {
         Decision::Allow => response,
         Decision::Patch(ops, warnings) => {
-            let response = AdmissionResponse {
-                warnings: (!warnings.is_empty()).then_some(warnings),
-                ..response
-            };
+            let mut response = response;
+            response.warnings = (!warnings.is_empty()).then_some(warnings);
             // kube's JSON Patch type, read from the operations built (never fails: they
             // are `add` and `replace` operations with a path and a value).
             match serde_json::from_value(Value::Array(ops)).map(|patch| response.clone().with_patch(patch)) {
@@ -216,9 +224,12 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
     let containers =
         pod_json.pointer("/spec/containers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
     let spec = pod.spec.as_ref();
-    let names: Vec<&str> = spec.map(|s| s.containers.iter().map(|c| c.name.as_str()).collect()).unwrap_or_default();
+    let names: Vec<&str> =
+        spec.map(|s| s.containers.iter().map(|c| c.name.as_str()).collect()).unwrap_or_default();
     let index = match &settings.container {
-        None if names.is_empty() => return Decision::Refuse("the pod has no containers to give the GPU to".into()),
+        None if names.is_empty() => {
+            return Decision::Refuse("the pod has no containers to give the GPU to".into())
+        }
         None => 0,
         Some(wanted) => match names.iter().position(|name| name == wanted) {
             Some(index) => index,
@@ -254,14 +265,18 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
     let namespace = non_empty(request.namespace.as_deref())
         .or_else(|| non_empty(pod.metadata.namespace.as_deref()))
         .unwrap_or_else(|| "default".to_owned());
-    let name = match non_empty(Some(request.name.as_str())).or_else(|| non_empty(pod.metadata.name.as_deref())) {
-        Some(name) => PodName::Known(name),
-        None => PodName::Generated,
-    };
+    let name =
+        match non_empty(Some(request.name.as_str())).or_else(|| non_empty(pod.metadata.name.as_deref())) {
+            Some(name) => PodName::Known(name),
+            None => PodName::Generated,
+        };
     let priority = spec.and_then(|s| s.priority).unwrap_or(0).to_string();
 
     let init_containers = pod_json
-        .pointer("/spec/initContainers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        .pointer("/spec/initContainers")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     // Every container of the pod, with its place in the patch and what it is to gpufrac.
     let all: Vec<Member<'_>> = init_containers
         .iter()
@@ -406,11 +421,6 @@ fn container_names(containers: &[Value]) -> String {
     names.join(", ")
 }
 
-/// The string at `pointer` in `value`, if it is one.
-fn str_at<'a>(value: &'a Value, pointer: &str) -> Option<&'a str> {
-    value.pointer(pointer).and_then(Value::as_str)
-}
-
 /// The JSON type of a value, for messages.
 fn json_type(value: &Value) -> &'static str {
     match value {
@@ -437,6 +447,7 @@ mod tests {
                 "resource": {"group": "", "version": "v1", "resource": "pods"},
                 "namespace": "ns",
                 "operation": "CREATE",
+                "userInfo": {"username": "admin"},
                 "object": object,
             },
         })
@@ -473,10 +484,13 @@ mod tests {
         let mut no_uid = admission(json!({}));
         no_uid["request"]["uid"] = Value::Null;
         assert!(try_review(&no_uid).is_err());
-        // `review` still answers, refusing.
+        // `review` still answers, refusing, with the uid.
         let answer = review(&json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
                                     "request": {"uid": "u-9"}, "extra": 1}));
-        assert_eq!(answer["response"]["allowed"], true); // a request with no kind is not a Pod
+        assert_eq!(answer["response"]["allowed"], false);
+        assert_eq!(answer["response"]["uid"], "u-9");
+        let message = answer["response"]["status"]["message"].as_str().expect("a message");
+        assert!(message.contains("missing field"), "{message}");
         let answer = review(&json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
                                     "request": "x"}));
         assert_eq!(answer["response"]["allowed"], false);
@@ -508,9 +522,9 @@ mod tests {
         });
         let mut update = admission(pod.clone());
         update["request"]["operation"] = json!("UPDATE");
-        assert_eq!(review(&update)["response"], json!({"uid": "u-1", "allowed": true}));
+        assert_eq!(review(&update)["response"], json!({"uid": "u-1", "allowed": true, "status": {}}));
         let mut status = admission(pod);
         status["request"]["subResource"] = json!("status");
-        assert_eq!(review(&status)["response"], json!({"uid": "u-1", "allowed": true}));
+        assert_eq!(review(&status)["response"], json!({"uid": "u-1", "allowed": true, "status": {}}));
     }
 }
