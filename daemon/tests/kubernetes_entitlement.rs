@@ -743,6 +743,9 @@ fn an_api_server_outage_keeps_the_last_synced_store() {
     assert!(why.contains(&format!("pod UID {NEW_UID}: no pod of node {NODE} has this UID")), "{why}");
     assert!(why.contains("the watch of the API server") && why.contains("is failing"), "{why}");
     assert!(why.contains(&format!("127.0.0.1:{}", cluster.api_addr.port())), "{why}");
+    // So is a container its pod's last status does not list: a newer one may be missed.
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, &"f".repeat(64))));
+    assert!(why.contains("is not (yet) one of") && why.contains("is failing"), "{why}");
     entitled(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
 }
 

@@ -452,11 +452,18 @@ impl Inner {
         let pod = self.pods.pod(uid, deadline, listed).await?;
         if !listed(&pod) {
             // Checked before the kubelet is asked: the refusal needs no kubelet.
-            return Err(Failure::No(
-                decide(&pod, None, container_id, &self.node_name, self.shares_per_gpu)
-                    .err()
-                    .unwrap_or_default(),
-            ));
+            let why = decide(&pod, None, container_id, &self.node_name, self.shares_per_gpu)
+                .err()
+                .unwrap_or_default();
+            // A failing watch may have missed the status that lists it: no answer.
+            return Err(match self.pods.failing() {
+                Some(failure) => Failure::Unreachable(format!(
+                    "{why}; but the watch of the API server {} is failing, so the status may be old: \
+                     {failure}",
+                    self.pods.server()
+                )),
+                None => Failure::No(why),
+            });
         }
         let fresh = {
             let cache = cache.lock().unwrap_or_else(|p| p.into_inner());

@@ -220,8 +220,8 @@ impl PodStore {
         &self.server
     }
 
-    /// The watch's current failure, if it is failing.
-    fn failing(&self) -> Option<String> {
+    /// The watch's current failure, if it is failing (the store may miss changes).
+    pub fn failing(&self) -> Option<String> {
         let health = self.health.lock().unwrap_or_else(|p| p.into_inner());
         let (at, why) = health.last_error.as_ref()?;
         let recovered = health.last_ok.is_some_and(|ok| ok > *at);
