@@ -5,8 +5,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -14,7 +12,8 @@ use gpufrac_device_plugin::dra;
 use gpufrac_device_plugin::plugin::allocation::AllocationConfig;
 use gpufrac_device_plugin::plugin::devices::Gpu;
 use gpufrac_device_plugin::plugin::devices::{share_id, MAX_ID_LEN};
-use gpufrac_device_plugin::plugin::{health, runner};
+use gpufrac_device_plugin::plugin::health::{self, HealthWatcher};
+use gpufrac_device_plugin::plugin::runner;
 use gpufrac_device_plugin::webhook;
 
 // A shim preloaded into this daemon passes every call through (see
@@ -144,15 +143,9 @@ fn run(cli: Cli) -> Result<()> {
                     dra::slices::MAX_DEVICES / gpus.len()
                 );
             }
-            let health_list = gpus.iter().map(|g| Gpu { uuid: g.uuid.clone(), healthy: true }).collect();
-            let (tx, rx) = tokio::sync::watch::channel(health_list);
-            let stop = Arc::new(AtomicBool::new(false));
-            let watcher = {
-                let stop = stop.clone();
-                std::thread::Builder::new()
-                    .name("xid-events".into())
-                    .spawn(move || health::watch_xids(tx, stop))?
-            };
+            let (watcher, health) = HealthWatcher::start(
+                gpus.iter().map(|g| Gpu { uuid: g.uuid.clone(), healthy: true }).collect(),
+            )?;
             let config = dra::runner::DraConfig {
                 node_name,
                 registry_dir: plugins_registry,
@@ -169,11 +162,10 @@ fn run(cli: Cli) -> Result<()> {
                 let client = kube::Client::try_default().await.context(
                     "connecting to the Kubernetes API server (from KUBECONFIG, else the in-cluster service account)",
                 )?;
-                dra::runner::run(config, client, gpus, rx, gpufrac_common::daemon::terminated()).await?;
+                dra::runner::run(config, client, gpus, health, gpufrac_common::daemon::terminated()).await?;
                 anyhow::Ok(())
             });
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            let _ = watcher.join();
+            watcher.stop();
             result
         }
         Some(Command::Webhook { listen, tls_cert, tls_key }) => runtime.block_on(async {
@@ -208,14 +200,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 tracing::info!(gpu = %g.uuid, shares = cli.shares_per_gpu, "advertising GPU");
             }
-            let (tx, rx) = tokio::sync::watch::channel(gpus);
-            let stop = Arc::new(AtomicBool::new(false));
-            let watcher = {
-                let stop = stop.clone();
-                std::thread::Builder::new()
-                    .name("xid-events".into())
-                    .spawn(move || health::watch_xids(tx, stop))?
-            };
+            let (watcher, health) = HealthWatcher::start(gpus)?;
             let config = runner::RunnerConfig {
                 dir: cli.device_plugin_dir,
                 socket_name: cli.socket_name,
@@ -225,9 +210,9 @@ fn run(cli: Cli) -> Result<()> {
                     arbiter_socket: cli.arbiter_socket,
                 },
             };
-            runtime.block_on(runner::run(config, rx, gpufrac_common::daemon::terminated()))?;
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            let _ = watcher.join();
+            let result = runtime.block_on(runner::run(config, health, gpufrac_common::daemon::terminated()));
+            watcher.stop();
+            result?;
             Ok(())
         }
     }

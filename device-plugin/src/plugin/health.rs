@@ -44,6 +44,32 @@ pub fn nvml_init_error(e: &NvmlError) -> String {
     }
 }
 
+/// The XID watcher's thread, and the GPUs' health it keeps current.
+pub struct HealthWatcher {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl HealthWatcher {
+    /// Starts watching XID events for `gpus` on a thread of its own; the receiver sees
+    /// every change of their health.
+    pub fn start(gpus: Vec<Gpu>) -> std::io::Result<(HealthWatcher, watch::Receiver<Vec<Gpu>>)> {
+        let (tx, rx) = watch::channel(gpus);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new().name("xid-events".into()).spawn(move || watch_xids(tx, stop))?
+        };
+        Ok((HealthWatcher { stop, thread }, rx))
+    }
+
+    /// Stops the thread and waits for it (within its 200 ms wait for events).
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
+    }
+}
+
 /// Watches XID events until `stop`, marking GPUs unhealthy in `gpus`. Blocking: run it
 /// on its own thread.
 pub fn watch_xids(gpus: watch::Sender<Vec<Gpu>>, stop: Arc<AtomicBool>) {
