@@ -16,6 +16,12 @@
 //!   from the API server, works from the checkpoint alone.
 //! - The container: a process run with the CDI spec's environment, under the arbiter, is
 //!   registered with the claim's request and limit and sees the limit as its device.
+//! - The arbiter's entitlement (`--kubernetes --dra-checkpoint`): a process in the pod's
+//!   cgroup that declares more than its claim is held to the claim (request, limit, group),
+//!   read from the plugin's checkpoint and the pods the arbiter watches; once the claim is
+//!   unprepared, the pod's new process gets no guarantee and no burst.
+//! - Without consumable capacity (`--shares`): each GPU is published as share devices, and a
+//!   claim's shares on one GPU add up to its request.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -59,6 +65,8 @@ struct Store {
 struct ApiServer(Arc<Mutex<Store>>);
 
 const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
+/// Every pod, listed and watched (the arbiter's reflector over its node's pods).
+const PODS: &str = "/api/v1/pods";
 
 fn status(code: u16, reason: &str, message: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -86,6 +94,18 @@ impl ApiServer {
         let mut store = self.0.lock().unwrap();
         let parsed: Option<Value> = serde_json::from_slice(body).ok();
         match (method, path) {
+            (&Method::GET, PODS) => {
+                let items: Vec<Value> = store
+                    .objects
+                    .iter()
+                    .filter(|(key, _)| key.starts_with("/api/v1/namespaces/") && key.contains("/pods/"))
+                    .map(|(_, pod)| pod.clone())
+                    .collect();
+                (
+                    StatusCode::OK,
+                    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "100"}, "items": items}),
+                )
+            }
             (&Method::GET, _) => match store.objects.get(path) {
                 Some(object) => (StatusCode::OK, object.clone()),
                 None => (StatusCode::NOT_FOUND, status(404, "NotFound", &format!("{path} not found"))),
@@ -145,6 +165,13 @@ impl ApiServer {
                             async move {
                                 let method = request.method().clone();
                                 let path = request.uri().path().to_owned();
+                                let watch = request.uri().query().is_some_and(|q| q.contains("watch=true"));
+                                if method == Method::GET && path == PODS && watch {
+                                    // A watch with no news: held open a while, then ended
+                                    // (the client watches again).
+                                    tokio::time::sleep(Duration::from_secs(10)).await;
+                                    return Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())));
+                                }
                                 let body = request
                                     .into_body()
                                     .collect()
@@ -168,6 +195,14 @@ impl ApiServer {
         });
         address
     }
+}
+
+/// The pod the claims are reserved for, running on our node.
+fn pod() -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "llm-0", "namespace": "inference", "uid": POD_UID, "resourceVersion": "99"},
+           "spec": {"containers": [{"name": "server", "image": "x"}], "priority": 100, "nodeName": NODE},
+           "status": {"phase": "Running"}})
 }
 
 /// A claim as the API server returns it once the scheduler allocated it: `memory` of the
@@ -350,11 +385,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
         &format!("/api/v1/nodes/{NODE}"),
         json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": "node-uid-1"}}),
     );
-    api.put(
-        "/api/v1/namespaces/inference/pods/llm-0",
-        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "llm-0", "namespace": "inference", "uid": POD_UID},
-               "spec": {"containers": [{"name": "server", "image": "x"}], "priority": 100}}),
-    );
+    api.put("/api/v1/namespaces/inference/pods/llm-0", pod());
     let claim_path = "/apis/resource.k8s.io/v1/namespaces/inference/resourceclaims/llm-gpu";
     api.put(
         claim_path,
@@ -628,5 +659,161 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     let env = spec["devices"][0]["containerEdits"]["env"].as_array().unwrap();
     assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_REQUEST={}", 4 * GIB))), "{env:?}");
     assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_LIMIT={}", 4 * GIB))), "{env:?}");
+    plugin.kill();
+}
+
+/// A cgroup (v1, `pids` hierarchy, cgroupfs layout) that names a container of the pod
+/// `POD_UID`, as the kubelet makes one: `/kubepods/pod<uid>/<container id>`. Removed when
+/// dropped. `None` where this machine does not let the test make one.
+struct PodCgroup {
+    pod_dir: PathBuf,
+    container_dir: PathBuf,
+}
+
+impl PodCgroup {
+    fn make() -> Option<PodCgroup> {
+        let root = Path::new("/sys/fs/cgroup/pids");
+        if !root.join("cgroup.procs").exists() {
+            return None;
+        }
+        let pod_dir = root.join("kubepods").join(format!("pod{POD_UID}"));
+        let container_dir = pod_dir.join("c0ffee00".repeat(8));
+        std::fs::create_dir_all(&container_dir).ok()?;
+        Some(PodCgroup { pod_dir, container_dir })
+    }
+
+    /// Makes `cmd`'s process a member before it runs anything.
+    fn enter(&self, cmd: &mut std::process::Command) {
+        use std::os::unix::process::CommandExt as _;
+        let procs = std::ffi::CString::new(
+            self.container_dir.join("cgroup.procs").into_os_string().into_encoded_bytes(),
+        )
+        .unwrap();
+        // SAFETY: between fork and exec only async-signal-safe calls are made: open, write
+        // and close on a path and buffer prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let written = libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                libc::close(fd);
+                if written != 2 {
+                    return Err(std::io::Error::other("cannot join the pod's cgroup"));
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.container_dir).is_ok() || !self.container_dir.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_dir(&self.pod_dir);
+        let _ = std::fs::remove_dir(self.pod_dir.parent().unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
+    skip_on_real_gpu!(SIMULATED);
+    let Some(cgroup) = PodCgroup::make() else {
+        eprintln!(
+            "SKIPPED: this machine does not let the test make a pod's cgroup under /sys/fs/cgroup/pids"
+        );
+        return;
+    };
+    let gpu = SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB");
+    let dirs = Dirs::new();
+    let api = ApiServer::default();
+    api.put("/api/v1/namespaces/inference/pods/llm-0", pod());
+    api.put(
+        "/apis/resource.k8s.io/v1/namespaces/inference/resourceclaims/llm-gpu",
+        allocated_claim(
+            "llm-gpu",
+            CLAIM_UID,
+            "gpu-0",
+            "2Gi",
+            json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "4Gi"}),
+        ),
+    );
+    let address = api.clone().serve().await;
+    let kubeconfig = write_kubeconfig(&dirs._root, address);
+    let checkpoint = dirs.plugin.join("prepared-claims.json");
+    let socket = dirs._root.join("arbiter.sock");
+    let kubeconfig_os = kubeconfig.clone().into_os_string();
+    let arbiter = Arbiter::start_with_env(
+        &gpu,
+        socket.clone(),
+        &["--kubernetes", "--node-name", NODE, "--dra-checkpoint", checkpoint.to_str().unwrap()],
+        &[("KUBECONFIG", kubeconfig_os.as_os_str())],
+    );
+
+    let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &[]);
+    wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
+    let endpoint = register(&dirs).await;
+    let answer = prepare(&endpoint, "llm-gpu", CLAIM_UID).await;
+    assert_eq!(answer.error, "", "{}", plugin.diagnostics());
+    let spec = read_json(&dirs.cdi.join(format!("gpufrac.io-claim_{CLAIM_UID}.json")));
+    let env: BTreeMap<String, String> = spec["devices"][0]["containerEdits"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect();
+
+    // The pod's process asks for more than its claim (its environment is its own to
+    // change): the arbiter believes the claim.
+    let program = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);
+    let mut cmd = gpu.command(&program);
+    cmd.envs(&env)
+        .env("GPUFRAC_MEMORY_REQUEST", (6 * GIB).to_string())
+        .env("GPUFRAC_MEMORY_LIMIT", (8 * GIB).to_string())
+        .env("GPUFRAC_GROUP", "someone-elses-group")
+        .args(["alloc", &(256u64 << 20).to_string()]);
+    cgroup.enter(&mut cmd);
+    let mut container = ChildProcess::spawn(&mut cmd);
+    let ready = container.ready();
+    let pid = container.pid();
+    let seen = wait_for(&arbiter, "the pod's process registered", |s| {
+        s.gpus[0].processes.iter().any(|p| p.pid == pid)
+    });
+    let process = seen.gpus[0].processes.iter().find(|p| p.pid == pid).unwrap();
+    assert_eq!(
+        (process.request, process.limit),
+        (2 * GIB, 4 * GIB),
+        "the claim's, not the process's: {process:?}"
+    );
+    assert_eq!(process.group, format!("dra-{CLAIM_UID}"), "{process:?}");
+    assert!(ready[0] <= 4 * GIB, "held to the claim's limit: {ready:?}\n{}", arbiter.log_text());
+    container.kill();
+    let _ = container.wait(WAIT);
+
+    // Unprepared, the claim entitles nobody: a new process of the pod gets no guarantee.
+    assert_eq!(unprepare(&endpoint, "llm-gpu", CLAIM_UID).await, "");
+    let mut cmd = gpu.command(&program);
+    cmd.envs(&env).args(["alloc", &(256u64 << 20).to_string()]);
+    cgroup.enter(&mut cmd);
+    let mut late = ChildProcess::spawn(&mut cmd);
+    let late_pid = late.pid();
+    let _ = late.next_line(WAIT);
+    let seen = wait_for(&arbiter, "the late process registered", |s| {
+        s.gpus[0].processes.iter().any(|p| p.pid == late_pid)
+    });
+    let registered = seen.gpus[0].processes.iter().find(|p| p.pid == late_pid);
+    assert!(
+        registered.is_none_or(|p| p.request == 0),
+        "no claim, no guarantee: {registered:?}\n{}",
+        arbiter.log_text()
+    );
+    late.kill();
+    let _ = late.wait(WAIT);
     plugin.kill();
 }
