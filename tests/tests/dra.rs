@@ -458,7 +458,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert_eq!(device.request_names, ["gpu"]);
     assert_eq!(device.share_id.as_deref(), Some("5a1c9b7e-2f3d-4e5a-9b8c-7d6e5f4a3b2c"));
     let cdi_id = format!("gpufrac.io/claim={CLAIM_UID}-gpu-0");
-    assert_eq!(device.cdi_device_ids, [cdi_id.clone()]);
+    assert_eq!(device.cdi_device_ids, std::slice::from_ref(&cdi_id));
     let spec_path = dirs.cdi.join(format!("gpufrac.io-claim_{CLAIM_UID}.json"));
     let spec = read_json(&spec_path);
     assert_eq!(spec["kind"], "gpufrac.io/claim");
@@ -505,7 +505,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     };
     let beta_answer = beta.node_prepare_resources(beta_request).await.expect("v1beta1 prepare").into_inner();
     let beta_device = &beta_answer.claims[CLAIM_UID].devices[0];
-    assert_eq!(beta_device.cdi_device_ids, [cdi_id.clone()]);
+    assert_eq!(beta_device.cdi_device_ids, std::slice::from_ref(&cdi_id));
     assert_eq!(inode(&spec_path), written, "the CDI spec was not written twice");
 
     // A bad configuration fails preparation, naming the field; nothing is left behind.
