@@ -513,6 +513,11 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert!(bad.devices.is_empty());
     assert!(bad.error.contains("parameters.resolver") && bad.error.contains("fastest"), "{}", bad.error);
     assert!(!dirs.cdi.join(format!("gpufrac.io-claim_{BAD_CLAIM_UID}.json")).exists());
+    // A malformed request from the kubelet is refused, naming what is wrong.
+    let odd = prepare(&endpoint, "../llm-gpu", "0f3c2a9e-7777-4222-8333-444455556666").await;
+    assert!(odd.error.contains("not a Kubernetes name"), "{}", odd.error);
+    let odd = prepare(&endpoint, "llm-gpu", "../../etc").await;
+    assert!(odd.error.contains("not a Kubernetes UID"), "{}", odd.error);
 
     // The container: a process with the CDI spec's environment runs under the arbiter with
     // the claim's request and limit, and sees the limit as its device.
@@ -659,6 +664,7 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     let env = spec["devices"][0]["containerEdits"]["env"].as_array().unwrap();
     assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_REQUEST={}", 4 * GIB))), "{env:?}");
     assert!(env.contains(&json!(format!("GPUFRAC_MEMORY_LIMIT={}", 4 * GIB))), "{env:?}");
+    assert!(env.contains(&json!("GPUFRAC_RESOLVER=wait")), "the default resolver, spelt out: {env:?}");
     plugin.kill();
 }
 

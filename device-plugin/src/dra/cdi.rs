@@ -68,7 +68,7 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
         .devices
         .iter()
         .map(|device| {
-            let mut env = vec![
+            let env = vec![
                 format!("LD_PRELOAD={}", shim.display()),
                 format!("NVIDIA_VISIBLE_DEVICES={}", device.gpu_uuid),
                 format!("GPUFRAC_MEMORY_REQUEST={}", device.request_bytes),
@@ -76,10 +76,8 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
                 format!("GPUFRAC_PRIORITY={}", device.priority.unwrap_or(pod_priority)),
                 format!("GPUFRAC_ARBITER_SOCKET={}", config.arbiter_socket.display()),
                 format!("GPUFRAC_GROUP={}", group_name(&claim.uid)),
+                format!("GPUFRAC_RESOLVER={}", device.resolver.unwrap_or_default()),
             ];
-            if let Some(resolver) = device.resolver {
-                env.push(format!("GPUFRAC_RESOLVER={resolver}"));
-            }
             json!({
                 "name": device_name(&claim.uid, &device.device),
                 "containerEdits": {

@@ -247,6 +247,14 @@ fn check_ref(claim: &ClaimRef) -> Result<(), PrepareError> {
     if claim.namespace.is_empty() || claim.name.is_empty() {
         return Err(bad("the request names no namespace or name"));
     }
+    // Kubernetes names: a namespace is a DNS label, a claim's name a DNS subdomain.
+    let name_ok = |name: &str, longest: usize| {
+        name.len() <= longest
+            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    if !name_ok(&claim.namespace, 63) || !name_ok(&claim.name, 253) {
+        return Err(bad("the namespace or name is not a Kubernetes name"));
+    }
     let uid_ok = !claim.uid.is_empty()
         && claim.uid.len() <= 64
         && claim.uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
