@@ -33,9 +33,9 @@ use gpufrac_e2e::kubernetes_validate::{self, INSTALL};
 use serde_json::{json, Value};
 
 /// Kubernetes versions whose schemas every manifest must pass: the oldest the docs
-/// support (`matchConditions` on webhooks is GA from 1.30) and the newest bundled with
-/// kubernetes-validate 1.37.0.
-const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.37"];
+/// support (`matchConditions` on webhooks is GA from 1.30), the first with DRA's `v1`
+/// (the DRA manifests' oldest), and the newest bundled with kubernetes-validate 1.37.0.
+const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.34", "1.37"];
 
 /// The manifests every installation starts from.
 const EXPECTED: &[&str] =
