@@ -7,3 +7,4 @@ pub mod demo;
 pub mod entitlement;
 pub mod run;
 pub mod status;
+pub mod top;

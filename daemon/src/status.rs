@@ -1,6 +1,141 @@
-//! The status document the arbiter serves to `gpufrac status` (JSON), and its table form.
+//! The status document the arbiter serves to `gpufrac status` and `gpufrac top` (JSON),
+//! its table form, and the arbiter's ring of recent events it carries.
+
+use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
+
+/// What the arbiter serves: the [`Status`], the bursts waiting for memory and the last
+/// events. Its JSON is the status's with two more fields (`queue`, `events`), so a client
+/// reads an older arbiter's document (both empty) and an older client reads this one.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Document {
+    /// The node: GPUs and processes.
+    #[serde(flatten)]
+    pub status: Status,
+    /// Bursts waiting for memory, longest waiting first, on every GPU.
+    #[serde(default)]
+    pub queue: Vec<QueuedBurst>,
+    /// The last events (bursts that waited 1 s or more or were denied, holders swapped or
+    /// ended, registrations refused), oldest first.
+    #[serde(default)]
+    pub events: Vec<Event>,
+}
+
+/// A burst waiting in a GPU's queue.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedBurst {
+    /// The GPU's `GPU-...` UUID.
+    pub gpu: String,
+    /// The process waiting.
+    pub pid: u32,
+    /// Its user: a client is shown only its own user's waiters.
+    #[serde(default)]
+    pub uid: u32,
+    /// Its group.
+    pub group: String,
+    /// Bytes it needs.
+    pub bytes: u64,
+    /// How long this burst has waited so far, in ms.
+    pub waited_ms: u64,
+    /// A swapped-out process asking for its memory back.
+    #[serde(default)]
+    pub resume: bool,
+}
+
+/// What happened, in an [`Event`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A burst was granted after waiting 1 s or more.
+    Waited,
+    /// A queued burst was refused (a timeout, a deadlock, never fits).
+    Denied,
+    /// A holder moved its burst memory to host RAM.
+    SwappedOut,
+    /// A swapped-out holder brought its burst memory back.
+    SwappedIn,
+    /// A holder of burst memory was ended (for a priority burst or a guarantee).
+    Ended,
+    /// A registration was refused (its request does not fit).
+    Refused,
+    /// A kind this client does not know (from a newer arbiter).
+    #[default]
+    #[serde(other)]
+    Other,
+}
+
+impl EventKind {
+    /// How it is shown: `waited`, `swapped out`, ...
+    pub fn label(self) -> &'static str {
+        match self {
+            EventKind::Waited => "waited",
+            EventKind::Denied => "denied",
+            EventKind::SwappedOut => "swapped out",
+            EventKind::SwappedIn => "swapped in",
+            EventKind::Ended => "ended",
+            EventKind::Refused => "refused",
+            EventKind::Other => "other",
+        }
+    }
+}
+
+/// One event the arbiter logged at INFO or WARN, kept for `gpufrac top`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// When, in ms since the Unix epoch.
+    pub at_ms: u64,
+    /// The GPU's `GPU-...` UUID, or empty when not about one GPU.
+    pub gpu: String,
+    /// The process it is about.
+    pub pid: u32,
+    /// Its user: a client is shown only events about its own user's processes.
+    #[serde(default)]
+    pub uid: u32,
+    /// Its group (empty once the process is gone).
+    pub group: String,
+    /// What happened.
+    pub kind: EventKind,
+    /// Bytes concerned: granted, swapped, held on loan, asked for.
+    pub bytes: u64,
+    /// More words: how long it waited, why it was ended or refused.
+    pub detail: String,
+}
+
+/// The last events, at most a fixed number: the oldest goes when a new one comes.
+#[derive(Debug, Clone)]
+pub struct EventLog {
+    events: VecDeque<Event>,
+    capacity: usize,
+}
+
+impl EventLog {
+    /// An empty log keeping the last `capacity` events (at least one).
+    pub fn new(capacity: usize) -> EventLog {
+        let capacity = capacity.max(1);
+        EventLog { events: VecDeque::with_capacity(capacity), capacity }
+    }
+
+    /// Adds `event`, dropping the oldest when full.
+    pub fn push(&mut self, event: Event) {
+        if self.events.len() == self.capacity {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
+
+    /// The events kept, oldest first.
+    pub fn recent(&self) -> Vec<Event> {
+        self.events.iter().cloned().collect()
+    }
+}
+
+/// Now, in ms since the Unix epoch (0 on a clock before it).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis().min(u128::from(u64::MAX)) as u64)
+}
 
 /// The whole node.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -125,6 +260,12 @@ pub enum FetchError {
 
 /// Asks the arbiter at `socket` for its status.
 pub fn fetch(socket: &std::path::Path) -> Result<Status, FetchError> {
+    fetch_document(socket).map(|document| document.status)
+}
+
+/// Asks the arbiter at `socket` for its whole document: the status, the queue and the
+/// last events.
+pub fn fetch_document(socket: &std::path::Path) -> Result<Document, FetchError> {
     use gpufrac_common::protocol::{read_frame, Reply, Request, MAX_STATUS_FRAME};
     use std::io::Write;
     let mut stream = std::os::unix::net::UnixStream::connect(socket)
@@ -138,17 +279,17 @@ pub fn fetch(socket: &std::path::Path) -> Result<Status, FetchError> {
     }
 }
 
-fn seconds(ms: u64) -> String {
+pub(crate) fn seconds(ms: u64) -> String {
     format!("{:.1}s", ms as f64 / 1000.0)
 }
 
-fn gib(bytes: u64) -> String {
+pub(crate) fn gib(bytes: u64) -> String {
     format!("{:.2}GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// `text` with anything but printable ASCII escaped (`\u{1b}`): names come from
 /// processes, and must not move the cursor or forge lines on the admin's terminal.
-fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     if text.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
         return std::borrow::Cow::Borrowed(text);
     }
@@ -278,6 +419,66 @@ impl Status {
     }
 }
 
+/// How long ago `at_ms` was, at `now_ms`: `4s ago`, `12m03s ago`, `2h05m ago`.
+pub(crate) fn ago(at_ms: u64, now_ms: u64) -> String {
+    let s = now_ms.saturating_sub(at_ms) / 1000;
+    match s {
+        0..60 => format!("{s}s ago"),
+        60..3600 => format!("{}m{:02}s ago", s / 60, s % 60),
+        _ => format!("{}h{:02}m ago", s / 3600, s % 3600 / 60),
+    }
+}
+
+impl Document {
+    /// Keeps only what `uid` may see (a user who is not an admin): its processes, its
+    /// waiting bursts and the events about its processes; the GPUs' totals stay.
+    pub fn only_uid(&mut self, uid: u32) {
+        self.status.only_uid(uid);
+        self.queue.retain(|q| q.uid == uid);
+        self.events.retain(|e| e.uid == uid);
+    }
+
+    /// The table of `gpufrac status`: the status's, then the bursts waiting and the last
+    /// events, if any.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut out = self.status.table();
+        if !self.queue.is_empty() {
+            out.push_str("bursts waiting (longest first):\n");
+            for q in &self.queue {
+                let _ = writeln!(
+                    out,
+                    "  GPU {}  pid {}  group {}  {}{}  waiting {}",
+                    printable(&q.gpu),
+                    q.pid,
+                    printable(&q.group),
+                    gib(q.bytes),
+                    if q.resume { " (swap-in)" } else { "" },
+                    seconds(q.waited_ms)
+                );
+            }
+        }
+        if !self.events.is_empty() {
+            let now = now_ms();
+            out.push_str("recent events (newest last):\n");
+            for e in &self.events {
+                let _ = writeln!(
+                    out,
+                    "  {:>11}  {:<11} GPU {}  pid {}  group {}  {}  {}",
+                    ago(e.at_ms, now),
+                    e.kind.label(),
+                    if e.gpu.is_empty() { "-".into() } else { printable(&e.gpu) },
+                    e.pid,
+                    if e.group.is_empty() { "-".into() } else { printable(&e.group) },
+                    gib(e.bytes),
+                    printable(&e.detail)
+                );
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,5 +543,99 @@ mod tests {
         )
         .unwrap();
         assert_eq!(old.truncated, 0);
+    }
+
+    #[test]
+    fn the_event_log_keeps_the_last_events() {
+        let mut log = EventLog::new(3);
+        for pid in 1..=5 {
+            log.push(Event { pid, ..Event::default() });
+        }
+        let pids: Vec<u32> = log.recent().iter().map(|e| e.pid).collect();
+        assert_eq!(pids, vec![3, 4, 5], "oldest first, the first two dropped");
+    }
+
+    #[test]
+    fn the_document_is_the_status_with_a_queue_and_events_and_reads_either_way() {
+        let document = Document {
+            status: Status {
+                gpus: vec![GpuStatus { uuid: "GPU-1".into(), total: 8, ..GpuStatus::default() }],
+                swap_limit: 3,
+            },
+            queue: vec![QueuedBurst { gpu: "GPU-1".into(), pid: 7, bytes: 2, ..QueuedBurst::default() }],
+            events: vec![Event {
+                pid: 7,
+                kind: EventKind::SwappedOut,
+                detail: "x".into(),
+                ..Event::default()
+            }],
+        };
+        let json = serde_json::to_value(&document).unwrap();
+        assert_eq!(json["swap_limit"], 3, "flat: {json}");
+        assert_eq!(json["events"][0]["kind"], "swapped_out", "{json}");
+        let back: Document = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, document);
+        // An older client reads the status out of it; a client reads an older document.
+        let status: Status = serde_json::from_value(json).unwrap();
+        assert_eq!(status, document.status);
+        let old: Document = serde_json::from_str(&serde_json::to_string(&document.status).unwrap()).unwrap();
+        assert_eq!((old.queue.len(), old.events.len()), (0, 0));
+        // A kind from a newer arbiter is read as `other`.
+        let newer: Event = serde_json::from_str(
+            r#"{"at_ms":1,"gpu":"","pid":1,"group":"g","kind":"migrated","bytes":0,"detail":""}"#,
+        )
+        .unwrap();
+        assert_eq!(newer.kind, EventKind::Other);
+    }
+
+    #[test]
+    fn a_user_sees_only_its_own_waiters_and_events() {
+        let mut document = Document {
+            status: Status::default(),
+            queue: vec![
+                QueuedBurst { pid: 1, uid: 1000, ..QueuedBurst::default() },
+                QueuedBurst { pid: 2, uid: 1001, ..QueuedBurst::default() },
+            ],
+            events: vec![
+                Event { pid: 1, uid: 1000, ..Event::default() },
+                Event { pid: 2, uid: 1001, ..Event::default() },
+                Event { pid: 3, uid: u32::MAX, ..Event::default() },
+            ],
+        };
+        document.only_uid(1000);
+        assert_eq!(document.queue.iter().map(|q| q.pid).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(document.events.iter().map(|e| e.pid).collect::<Vec<_>>(), vec![1]);
+    }
+
+    #[test]
+    fn the_table_lists_waiters_and_events_escaped() {
+        let document = Document {
+            status: Status::default(),
+            queue: vec![QueuedBurst {
+                gpu: "GPU-1".into(),
+                pid: 42,
+                group: "g".into(),
+                bytes: 1 << 30,
+                waited_ms: 1500,
+                ..QueuedBurst::default()
+            }],
+            events: vec![Event {
+                at_ms: now_ms(),
+                gpu: "GPU-1".into(),
+                pid: 42,
+                group: "g".into(),
+                kind: EventKind::Waited,
+                bytes: 1 << 30,
+                detail: "waited 1500 ms\x1b[2J".into(),
+                ..Event::default()
+            }],
+        };
+        let table = document.table();
+        assert!(table.contains("GPU GPU-1  pid 42  group g  1.00GiB  waiting 1.5s"), "{table}");
+        assert!(table.contains("waited      GPU GPU-1  pid 42  group g  1.00GiB  waited 1500 ms"), "{table}");
+        assert!(!table.contains('\x1b'), "{table}");
+        assert_eq!(ago(1_000, 5_000), "4s ago");
+        assert_eq!(ago(0, 723_000), "12m03s ago");
+        assert_eq!(ago(0, 7_500_000), "2h05m ago");
     }
 }

@@ -39,7 +39,7 @@ use super::policy::{uuid_string, Answer, ConnId, Outcome, Peer, Policy, Victim};
 use super::ratelimit::{RateLimiter, Verdict};
 use crate::entitlement::identity::{self, Pidfd};
 use crate::entitlement::{believe_hello, believe_register, Entitlements, Identity, NoPolicy};
-use crate::status::Status;
+use crate::status::{Document, Event, EventKind, EventLog, QueuedBurst, Status};
 
 /// Longest wait a shim may ask for.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
@@ -62,6 +62,11 @@ const CONNECTION_LINES_PER_SECOND: u32 = 50;
 const MAX_LISTED: usize = 8192;
 /// Most processes listed per GPU in a status document.
 const MAX_LISTED_PER_GPU: usize = 4096;
+/// Events kept for `gpufrac top` (bursts that waited or were denied, swaps, holders
+/// ended, registrations refused): the last this many.
+const EVENTS_KEPT: usize = 64;
+/// Most waiting bursts listed in a status document.
+const MAX_QUEUE_LISTED: usize = 1024;
 /// Longest group name (`GPUFRAC_GROUP`).
 const MAX_GROUP: usize = 64;
 /// Longest pod (`namespace/name`, each part at most 253 characters).
@@ -173,6 +178,20 @@ pub struct Shared {
     lookups: Arc<tokio::sync::Semaphore>,
     /// Bounds each UID's entitlement lookups running at once.
     uid_lookups: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
+    /// The last events logged at INFO or WARN, for `gpufrac top`.
+    events: Mutex<EventLog>,
+    /// Bursts queued and not answered yet, by connection and sequence number: what the
+    /// status lists as waiting (with what each needs).
+    queued: Mutex<HashMap<(ConnId, u64), Queued>>,
+}
+
+/// A burst queued, as the server saw it go in.
+struct Queued {
+    device: DeviceId,
+    pid: u32,
+    bytes: u64,
+    resume: bool,
+    since: Instant,
 }
 
 /// A process being ended.
@@ -278,6 +297,8 @@ impl Shared {
             uids: Mutex::new(HashMap::new()),
             refusal_log: Mutex::new(RateLimiter::new(REFUSAL_LINES_PER_SECOND, Duration::from_secs(1))),
             connection_log: Mutex::new(RateLimiter::new(CONNECTION_LINES_PER_SECOND, Duration::from_secs(1))),
+            events: Mutex::new(EventLog::new(EVENTS_KEPT)),
+            queued: Mutex::new(HashMap::new()),
         })
     }
 
@@ -413,15 +434,76 @@ impl Shared {
         status
     }
 
-    /// [`Shared::status_listed`] as `who` may see it: every process for an admin, else
-    /// only its own user's (the GPUs' totals stay).
-    fn status_for(&self, who: Who, admin: bool) -> Status {
-        let mut status = self.status();
+    /// The document served to `who`: [`Shared::status_listed`] with the bursts waiting
+    /// and the last events; every process for an admin, else only its own user's (the
+    /// GPUs' totals stay), and only the waiters and events about them.
+    fn document_for(&self, who: Who, admin: bool) -> Document {
+        let status = self.status();
+        let queue = self.queue(&status);
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner()).recent();
+        let mut document = Document { status, queue, events };
         if !admin {
-            status.only_uid(who.uid);
+            document.only_uid(who.uid);
         }
-        status.limit_processes(MAX_LISTED_PER_GPU, MAX_LISTED);
-        status
+        document.status.limit_processes(MAX_LISTED_PER_GPU, MAX_LISTED);
+        document
+    }
+
+    /// The bursts waiting, longest first: those queued and not answered whose process
+    /// `status` shows waiting (or swapped out, for a swap-in) on that GPU.
+    fn queue(&self, status: &Status) -> Vec<QueuedBurst> {
+        let now = Instant::now();
+        let queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        let mut listed: Vec<(Instant, QueuedBurst)> = queued
+            .values()
+            .filter_map(|q| {
+                let uuid = uuid_string(&q.device);
+                let gpu = status.gpus.iter().find(|g| g.uuid == uuid)?;
+                let p = gpu
+                    .processes
+                    .iter()
+                    .find(|p| p.pid == q.pid && (p.state == "waiting" || p.state == "swapped"))?;
+                let waited = now.saturating_duration_since(q.since);
+                Some((
+                    q.since,
+                    QueuedBurst {
+                        gpu: uuid,
+                        pid: q.pid,
+                        uid: p.uid,
+                        group: p.group.clone(),
+                        bytes: q.bytes,
+                        waited_ms: waited.as_millis() as u64,
+                        resume: q.resume,
+                    },
+                ))
+            })
+            .collect();
+        drop(queued);
+        listed.sort_by_key(|(since, q)| (*since, q.pid));
+        listed.truncate(MAX_QUEUE_LISTED);
+        listed.into_iter().map(|(_, q)| q).collect()
+    }
+
+    /// Keeps an event about the process on `conn` (`pid`) for `gpufrac top`: its user and
+    /// group from the ledger (a process already gone: shown to admins only).
+    fn record(&self, conn: ConnId, pid: u32, gpu: String, kind: EventKind, bytes: u64, detail: String) {
+        let (uid, group) = self.policy().peer(conn).map_or((u32::MAX, String::new()), |p| {
+            (p.uid, crate::entitlement::shown_group(&p.group).to_owned())
+        });
+        let event = Event { at_ms: crate::status::now_ms(), gpu, pid, uid, group, kind, bytes, detail };
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+    }
+
+    /// The GPU on which `pid` borrows the most (where a holder being ended holds its
+    /// loan), or empty. Only for events, which are rare: it reads the whole status.
+    fn loan_gpu(&self, pid: u32) -> String {
+        let status = self.policy().status();
+        let on = status
+            .gpus
+            .iter()
+            .filter_map(|g| g.processes.iter().find(|p| p.pid == pid).map(|p| (p.granted, &g.uuid)))
+            .max_by_key(|(granted, _)| *granted);
+        on.map(|(_, uuid)| uuid.clone()).unwrap_or_default()
     }
 
     /// Root, or a member of `--admin-group`: its primary group, or a supplementary one as
@@ -645,6 +727,8 @@ impl Shared {
         let victims = self.policy().priority_victims(now, self.options.idle_timeout, &spared);
         for v in victims {
             tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "terminating a holder of burst memory for a priority burst");
+            let detail = format!("for a priority burst: {}", v.why);
+            self.record(v.conn, v.pid, self.loan_gpu(v.pid), EventKind::Ended, v.bytes, detail);
             let reason = if v.why.starts_with("idle") { "idle" } else { "lower-priority" };
             self.end(&mut ending, &v, reason, now);
         }
@@ -669,6 +753,8 @@ impl Shared {
         }
         for v in &plan.end {
             tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "ending a holder of burst memory for a guarantee");
+            let detail = format!("for a guarantee: {}", v.why);
+            self.record(v.conn, v.pid, self.loan_gpu(v.pid), EventKind::Ended, v.bytes, detail);
             self.end(&mut ending, v, "guarantee", now);
         }
     }
@@ -712,6 +798,7 @@ impl Shared {
     /// Sends the answers to queued bursts, counts and logs them.
     fn deliver(&self, answers: Vec<Answer>) {
         for a in answers {
+            let asked = self.queued.lock().unwrap_or_else(|p| p.into_inner()).remove(&(a.conn, a.seq));
             // Answers come from the ledger, so always for a GPU it manages.
             let gpu = self.label(&a.device);
             let uuid = uuid_string(&a.device);
@@ -729,6 +816,8 @@ impl Shared {
                     // Operators see bursts that waited long, not allocator traffic.
                     if a.waited >= LOGGED_WAIT {
                         tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "a burst waited {} ms for its memory", a.waited.as_millis());
+                        let detail = format!("waited {} ms for its memory", a.waited.as_millis());
+                        self.record(a.conn, pid, uuid.clone(), EventKind::Waited, bytes, detail);
                     } else {
                         tracing::debug!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
                     }
@@ -739,6 +828,9 @@ impl Shared {
                         self.metrics.timeouts.get_or_create(gpu).inc();
                     }
                     tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
+                    let detail = format!("{reason:?} after waiting {} ms", a.waited.as_millis());
+                    let bytes = asked.map_or(0, |q| q.bytes);
+                    self.record(a.conn, pid, uuid.clone(), EventKind::Denied, bytes, detail);
                     self.send(a.conn, &Reply::Denied { seq: a.seq, reason });
                 }
             }
@@ -996,6 +1088,7 @@ async fn handle(
     shared.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
     let had_peer = shared.policy().peer(conn).is_some();
     let answers = shared.policy().disconnect(conn, Instant::now());
+    shared.queued.lock().unwrap_or_else(|p| p.into_inner()).retain(|(c, _), _| *c != conn);
     if had_peer && shared.connection_line(who.uid).is_some() {
         tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
@@ -1143,8 +1236,8 @@ fn on_frame(
             Request::Status => {
                 // Plain data built under the ledger's lock, serialized outside it; only
                 // what this user may see.
-                let status = shared.status_for(c.who, c.admin);
-                let json = serde_json::to_string(&status).map_err(|e| e.to_string())?;
+                let document = shared.document_for(c.who, c.admin);
+                let json = serde_json::to_string(&document).map_err(|e| e.to_string())?;
                 reply(out, &Reply::Status { json });
                 Ok(Flow::Close)
             }
@@ -1244,6 +1337,8 @@ fn on_frame(
                     if let Some(suppressed) = shared.refusal_line(uid) {
                         tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "registration refused: {reason}");
                     }
+                    let detail = format!("registration refused: {reason}");
+                    shared.record(conn, pid, uuid_string(&device), EventKind::Refused, request, detail);
                     reply(out, &Reply::Refused { device, reason });
                 }
             }
@@ -1265,6 +1360,8 @@ fn on_frame(
                     if let Some(gpu) = gpu {
                         shared.metrics.waits.get_or_create(gpu).inc();
                     }
+                    let queued = Queued { device, pid, bytes, resume, since: Instant::now() };
+                    shared.queued.lock().unwrap_or_else(|p| p.into_inner()).insert((conn, seq), queued);
                     tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
                     let answers = shared.policy().settle(device, Instant::now());
                     shared.deliver(answers);
@@ -1297,6 +1394,9 @@ fn on_frame(
                 }
                 if bytes > 0 {
                     shared.metrics.count_swap(gpu, direction, bytes, took);
+                    let kind = if direction == "in" { EventKind::SwappedIn } else { EventKind::SwappedOut };
+                    let detail = format!("swapped {direction} in {} ms", took.as_millis());
+                    shared.record(conn, pid, gpu.gpu.clone(), kind, bytes, detail);
                 }
             }
             let host_bytes =

@@ -34,6 +34,18 @@ enum Commands {
         #[arg(long)]
         json: bool,
     },
+    /// A live view of the arbiter, refreshed every second: per GPU a memory bar, the
+    /// processes, the bursts waiting and the last events (what `status` shows you).
+    /// Keys: s sort, 1-9 one GPU, 0 or a all, q quit. Prints one frame when stdout is not
+    /// a terminal.
+    Top {
+        /// The arbiter's socket.
+        #[arg(long, default_value = "/run/gpufrac/arbiter.sock")]
+        socket: std::path::PathBuf,
+        /// Print one plain-text frame and exit, even on a terminal.
+        #[arg(long)]
+        once: bool,
+    },
     /// Run sample inference servers sharing simulated GPUs (no GPU needed), in three acts:
     /// wait, priority, swap; each ends with PASS or FAIL, and so does the run.
     Demo {
@@ -67,14 +79,15 @@ fn run() -> Result<()> {
             Err(run::exec(&settings, &command, own_dir.as_deref()).into())
         }
         Commands::Status { socket, json } => {
-            let status = gpufrac_daemon::status::fetch(&socket)?;
+            let document = gpufrac_daemon::status::fetch_document(&socket)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
+                println!("{}", serde_json::to_string_pretty(&document)?);
             } else {
-                print!("{}", status.table());
+                print!("{}", document.table());
             }
             Ok(())
         }
+        Commands::Top { socket, once } => Ok(gpufrac_daemon::top::run(&socket, once)?),
         Commands::Demo { device_memory, servers, steps, without_gpufrac } => {
             // Impossible combinations are refused before anything starts.
             demo::first_act_device(servers, device_memory.as_deref())?;
