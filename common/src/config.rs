@@ -1,5 +1,5 @@
-//! The shim's configuration, the `GPUFRAC_*` variables (README.md, "The shim
-//! (`libgpufrac.so`)"): read once from the environment by the shim at the first CUDA or
+//! The shim's configuration, the `GPUFRAC_*` variables (docs/shim.md, docs/interface.md):
+//! read once from the environment by the shim at the first CUDA or
 //! NVML call, and checked by `gpufrac run` before it starts a command. A bad value is
 //! refused with a message naming the variable; the shim's `cuInit` then fails with
 //! `CUDA_ERROR_NOT_INITIALIZED`.

@@ -1,5 +1,5 @@
 //! `gpufrac run`: runs a command under the shim with a request, a limit and the other
-//! settings of the shim (README.md, "The shim (`libgpufrac.so`)"), validated here with the
+//! settings of the shim (docs/shim.md), validated here with the
 //! shim's own reader, `gpufrac_common::config`. A request, a limit or both must be given:
 //! a limit alone guarantees nothing and is enforced (memory above the request of 0 is a
 //! loan, as any burst); with neither the shim would hold the command to nothing, so it is

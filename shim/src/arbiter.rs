@@ -128,7 +128,7 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
             Reply::Registered { device, request, limit } => {
                 answers += 1;
                 lock(&c.believed).insert(device, (request, limit));
-                // The arbiter believes what this process's entitlement allows (README, "Security model"):
+                // The arbiter believes what this process's entitlement allows (docs/security.md):
                 // say so at each registration, so that a cut request or limit is no mystery.
                 let declared = c.registrations.iter().find(|r| r.device == device);
                 if let Some(r) = declared.filter(|r| request < r.request || limit < r.limit) {

@@ -5,7 +5,7 @@
 //! (the webhook's path, the kubelet's device-plugin folder, the flags) are where they
 //! expect them. The certificate script makes a certificate the webhook can serve.
 //!
-//! The arbiter's trust rests on its manifests too (README, "Security model"): parsed with PyYAML (from the
+//! The arbiter's trust rests on its manifests too (docs/security.md): parsed with PyYAML (from the
 //! same virtual environment), the DaemonSet must run it with `--kubernetes`, the kubelet's
 //! PodResources folder read-only, `NODE_NAME` from the downward API, `hostPID`, and the
 //! service account's token in the arbiter alone; the only RBAC is get/list/watch on
@@ -339,7 +339,7 @@ fn the_certificate_script_makes_a_serving_certificate() {
     );
 }
 
-// ---- What the arbiter trusts (README, "Security model"): its DaemonSet and its RBAC, parsed ----
+// ---- What the arbiter trusts (docs/security.md): its DaemonSet and its RBAC, parsed ----
 
 /// The Python that parses YAML for these tests: the one beside the validator in `.venv/`
 /// (kubernetes-validate depends on PyYAML), else `python3`.

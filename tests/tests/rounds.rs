@@ -1,7 +1,7 @@
 //! The promise holds in every run, not only in a good one: contended traces played several
 //! rounds on one arbiter, every server of a round started at the same moment, once with
 //! busy loops competing for the CPU. Sized for CI's two cores; the benchmarks run the full
-//! traces (README, "Benchmarks").
+//! traces (docs/benchmarks.md).
 
 use std::process::Command;
 

@@ -1,4 +1,4 @@
-//! The arbiter trusts nothing a client says (README, "Security model"), with real processes on simgpu,
+//! The arbiter trusts nothing a client says (docs/security.md), with real processes on simgpu,
 //! some of them run as another user (`setpriv`, UID 65534): a client declaring a higher
 //! priority than it is allowed never gets another user's process ended; a larger request
 //! or limit than its entitlement gets only its entitlement; naming another user's group

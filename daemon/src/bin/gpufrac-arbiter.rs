@@ -61,7 +61,7 @@ struct Args {
     #[arg(long)]
     create_socket_dir: bool,
     /// Entitlements from an admin policy file (JSON: per UID and GID, the most request,
-    /// limit and priority, and the resolvers allowed; see the README, "Security model").
+    /// limit and priority, and the resolvers allowed; see docs/security.md).
     /// Not with --kubernetes: on a Kubernetes node the kubelet and the pods decide.
     /// With neither, clients are believed only about themselves.
     #[arg(long, value_name = "FILE", conflicts_with = "kubernetes")]

@@ -1,5 +1,5 @@
 //! The admission webhook: turns a pod's `gpufrac.io/*` annotations into `gpufrac.io/gpu`
-//! shares and the shim's `GPUFRAC_*` settings (README, "Kubernetes").
+//! shares and the shim's `GPUFRAC_*` settings (docs/kubernetes.md).
 //!
 //! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic
 //!   on kube's admission types ([`admit`]: `AdmissionRequest` → `AdmissionResponse`),

@@ -10,7 +10,7 @@
 //! numbers: kube-rs/kube#1781). The JSON Patch is built from the containers' JSON as sent
 //! (`patch.rs`), so an env entry the API server knows and these types do not is kept.
 //!
-//! The rules (the README's "Kubernetes" section and docs/kubernetes.md are the contract):
+//! The rules (docs/kubernetes.md and docs/interface.md are the contract):
 //! - Only `CREATE` of a Pod (`kind` group `""`, version `v1`, kind `Pod`, no
 //!   sub-resource) is looked at; every other request, `UPDATE` of a Pod included, is
 //!   allowed unchanged (a running pod's share cannot change).
