@@ -23,6 +23,7 @@
 
 pub mod busy;
 pub mod clients;
+pub mod density_chart;
 pub mod kubernetes_validate;
 pub mod rng;
 

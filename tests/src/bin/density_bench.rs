@@ -26,7 +26,7 @@
 //! cargo build --release --workspace
 //! cargo run --release -p gpufrac-e2e --bin density_bench -- [--servers 8] [--bursts 10] \
 //!     [--device 16GiB] [--only static,bare,wait,priority,swap] [--verify] [--rounds 1] \
-//!     [--busy 0] [--context 64MiB] [--context-create-time 0ms] [--check]
+//!     [--busy 0] [--context 64MiB] [--context-create-time 0ms] [--check] [--svg PATH]
 //! ```
 //!
 //! `--verify` makes every server fill and check its bursts (slow: each 3 GiB burst is
@@ -38,12 +38,24 @@
 //! 100-500 ms, while the other servers load their models); `--check` exits 1 if any round under `wait` had an
 //! out-of-memory error or a server that failed. The arbiter's INFO lines per second (per
 //! server) are printed under the table: what an operator's log receives.
+//!
+//! `--svg PATH` also writes a chart (`gpufrac_e2e::density_chart`): one panel per
+//! configuration with the device memory each server held over time (stacked; sampled from
+//! simgpu's state every 20 ms), the GPU's size and the sum of the requests, and a red cross
+//! for each out-of-memory error (when the server reported it, at the top of its band). The
+//! table is the same with or without it. `docs/density.svg` is
+//! `density_bench --svg docs/density.svg`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::exit;
+use std::path::PathBuf;
+use std::process::{exit, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gpufrac_e2e::density_chart::{self, Chart, Oom, Panel, Sample};
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{artifact, describe_status, unique, Arbiter, ChildProcess, SimGpu};
 
@@ -61,12 +73,14 @@ const MARGIN: u64 = 448 * MIB;
 const WAIT_TIMEOUT: &str = "30s";
 /// The longest a server may stay silent: a burst waits at most 30 s, a gap 1.5 s.
 const SILENCE: Duration = Duration::from_secs(300);
+/// How often `--svg` samples what each server holds.
+const SAMPLE_PERIOD: Duration = Duration::from_millis(20);
 
 const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
 
 const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
 [--only static,bare,wait,priority,swap] [--verify] [--rounds N] [--busy N] [--context SIZE] \
-[--context-create-time DURATION] [--check]";
+[--context-create-time DURATION] [--check] [--svg PATH]";
 
 struct Options {
     servers: usize,
@@ -79,6 +93,8 @@ struct Options {
     context: u64,
     context_create_time: String,
     check: bool,
+    /// Where `--svg` writes the chart.
+    svg: Option<PathBuf>,
 }
 
 fn bad(message: String) -> ! {
@@ -98,6 +114,7 @@ fn parse_options() -> Options {
         context: CONTEXT,
         context_create_time: "0ms".to_owned(),
         check: false,
+        svg: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -126,6 +143,7 @@ fn parse_options() -> Options {
             "--busy",
             "--context",
             "--context-create-time",
+            "--svg",
         ]
         .contains(&name.as_str())
         {
@@ -139,6 +157,7 @@ fn parse_options() -> Options {
             }
         };
         match name.as_str() {
+            "--svg" => o.svg = Some(PathBuf::from(value)),
             "--servers" => o.servers = count(256) as usize,
             "--bursts" => o.bursts = count(10_000) as u32,
             "--rounds" => o.rounds = count(1000) as u32,
@@ -210,6 +229,72 @@ struct Outcome {
     notes: Vec<String>,
     /// Rounds with an out-of-memory error or a server that failed.
     broken_rounds: u32,
+    /// With `--svg`: what each server held over time.
+    samples: Vec<Sample>,
+    /// With `--svg`: each out-of-memory error, when and by which server.
+    ooms: Vec<Oom>,
+    /// The sum of the servers' requests (none without the shim).
+    guarantees: Option<u64>,
+}
+
+/// Samples what each server of the current round holds on the simulated device, from
+/// simgpu's state, every [`SAMPLE_PERIOD`] until stopped.
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    /// The current round's servers: (PID, server index).
+    pids: Arc<Mutex<Vec<(u32, usize)>>>,
+    thread: JoinHandle<Vec<Sample>>,
+}
+
+impl Sampler {
+    fn start(gpu: &SimGpu, servers: usize, started: Instant) -> Sampler {
+        let path = gpu.state_path().to_string_lossy().into_owned();
+        let devices = simgpu_state::parse_device_list(gpu.devices())
+            .unwrap_or_else(|e| bad(format!("the simulated device {:?}: {e}", gpu.devices())));
+        let stop = Arc::new(AtomicBool::new(false));
+        let pids: Arc<Mutex<Vec<(u32, usize)>>> = Arc::default();
+        let (stop_flag, current) = (Arc::clone(&stop), Arc::clone(&pids));
+        let thread = std::thread::spawn(move || {
+            let machine = simgpu_state::Machine::open(&path, &devices)
+                .unwrap_or_else(|e| panic!("density_bench: cannot open simgpu's state {path}: {e}"));
+            let mut samples = Vec::new();
+            loop {
+                let stopping = stop_flag.load(Ordering::Acquire);
+                let t = started.elapsed().as_secs_f64();
+                let usage = machine.processes(0);
+                let mut held = vec![0; servers];
+                let pids = current.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                for p in usage {
+                    if let Some(&(_, k)) = pids.iter().find(|(pid, _)| *pid == p.pid) {
+                        held[k] = p.used;
+                    }
+                }
+                samples.push(Sample { t, held });
+                if stopping {
+                    return samples;
+                }
+                std::thread::sleep(SAMPLE_PERIOD);
+            }
+        });
+        Sampler { stop, pids, thread }
+    }
+
+    fn set_round(&self, pids: Vec<(u32, usize)>) {
+        *self.pids.lock().unwrap_or_else(PoisonError::into_inner) = pids;
+    }
+
+    fn finish(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+}
+
+/// What one server of a round printed (each stdout line with the seconds since the
+/// configuration started when it arrived) and how it ended.
+struct ServerRun {
+    lines: Vec<(f64, String)>,
+    status: ExitStatus,
+    stderr: String,
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -317,7 +402,13 @@ fn run(config: &str, o: &Options) -> Outcome {
         Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &args)
     });
 
+    out.guarantees = match config {
+        "bare" => None,
+        "static" => Some(servers as u64 * peak),
+        _ => Some(servers as u64 * request),
+    };
     let started = Instant::now();
+    let sampler = o.svg.is_some().then(|| Sampler::start(&gpu, servers, started));
     for round in 0..o.rounds {
         let (oom_before, notes_before) = (out.oom, out.notes.len());
         // Every server of the round is spawned before any is read: they start together.
@@ -355,25 +446,48 @@ fn run(config: &str, o: &Options) -> Outcome {
                 ChildProcess::spawn(&mut cmd)
             })
             .collect();
+        if let Some(sampler) = &sampler {
+            sampler.set_round(children.iter().enumerate().map(|(k, c)| (c.pid(), k)).collect());
+        }
 
-        for (k, child) in children.iter_mut().enumerate() {
+        // Every server is read by a thread of its own, so that each line is timed when
+        // it comes; they are counted in server order.
+        let runs: Vec<ServerRun> = std::thread::scope(|scope| {
+            let readers: Vec<_> = children
+                .iter_mut()
+                .map(|child| {
+                    scope.spawn(move || {
+                        let mut lines = Vec::new();
+                        while let Some(line) = child.next_line(SILENCE) {
+                            lines.push((started.elapsed().as_secs_f64(), line));
+                        }
+                        let status = child.wait(SILENCE);
+                        ServerRun { lines, status, stderr: child.stderr_text() }
+                    })
+                })
+                .collect();
+            readers.into_iter().map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        for (k, run) in runs.into_iter().enumerate() {
             let mut done = false;
-            while let Some(line) = child.next_line(SILENCE) {
+            for (t, line) in &run.lines {
                 let mut words = line.split_whitespace();
                 match (words.next(), words.nth(1)) {
                     (Some("BURST"), Some("ok")) => {
                         out.ok += 1;
-                        out.waits.push(field(&line, "wait_ms=").and_then(|v| v.parse().ok()).unwrap_or(0));
+                        out.waits.push(field(line, "wait_ms=").and_then(|v| v.parse().ok()).unwrap_or(0));
                     }
-                    (Some("BURST"), Some("oom")) => out.oom += 1,
+                    (Some("BURST"), Some("oom")) => {
+                        out.oom += 1;
+                        out.ooms.push(Oom { t: *t, server: k });
+                    }
                     (Some("DONE"), _) => done = true,
                     _ => {}
                 }
             }
-            let status = child.wait(SILENCE);
+            let status = run.status;
             if !status.success() || !done {
-                let stderr = child.stderr_text();
-                let last = stderr.lines().last().unwrap_or("").to_owned();
+                let last = run.stderr.lines().last().unwrap_or("").to_owned();
                 out.notes.push(format!(
                     "round {}: server {k}: {} {last}",
                     round + 1,
@@ -386,6 +500,9 @@ fn run(config: &str, o: &Options) -> Outcome {
         }
     }
     out.wall = started.elapsed();
+    if let Some(sampler) = sampler {
+        out.samples = sampler.finish();
+    }
     out.bursts = servers as u64 * u64::from(o.bursts) * u64::from(o.rounds);
     if let Some(port) = metrics_port.filter(|_| arbiter.is_some()) {
         match fetch_metrics(port) {
@@ -419,6 +536,67 @@ fn run(config: &str, o: &Options) -> Outcome {
 
 fn ms(v: Option<u64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"))
+}
+
+/// How the chart names a configuration (as the README's table does).
+fn long_name(config: &str) -> String {
+    match config {
+        "static" => "static fractions".to_owned(),
+        "bare" => "bare, no gpufrac".to_owned(),
+        resolver => format!("gpufrac, {resolver}"),
+    }
+}
+
+/// Writes the chart of `--svg` (a message on stderr says where; exits 1 if it cannot).
+fn write_chart(path: &std::path::Path, o: &Options, results: &[(&str, Outcome)]) {
+    let panels = results
+        .iter()
+        .map(|(config, r)| Panel {
+            title: format!(
+                "{}: {} servers, {} / {} bursts served, {} out-of-memory errors, {:.1} s",
+                long_name(config),
+                r.servers,
+                r.ok,
+                r.bursts,
+                r.oom,
+                r.wall.as_secs_f64()
+            ),
+            servers: r.servers,
+            samples: r.samples.clone(),
+            ooms: r.ooms.clone(),
+            guarantees: r.guarantees,
+        })
+        .collect();
+    let chart = Chart {
+        title: format!(
+            "density_bench: {} bursty inference servers on one {} GiB simulated GPU",
+            o.servers,
+            o.device as f64 / GIB as f64
+        ),
+        subtitle: format!(
+            "each: a {} MiB model, then {} bursts of {} GiB ({} MiB steps, held {HOLD_MS} ms, gaps {GAP_MS} ms), \
+             {} round(s); gpufrac request {} MiB, limit {} MiB; memory held per server, stacked",
+            BASE / MIB,
+            o.bursts,
+            BURST / GIB,
+            STEP / MIB,
+            o.rounds,
+            (BASE + o.context + MARGIN) / MIB,
+            (BASE + BURST + o.context) / MIB,
+        ),
+        device: o.device,
+        panels,
+    };
+    let written = density_chart::render_svg(&chart).and_then(|svg| {
+        std::fs::write(path, svg).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    });
+    match written {
+        Ok(()) => eprintln!("density_bench: chart written to {}", path.display()),
+        Err(e) => {
+            eprintln!("density_bench: --svg: {e}");
+            exit(1);
+        }
+    }
 }
 
 fn main() {
@@ -488,6 +666,9 @@ fn main() {
         for note in &r.notes {
             println!("- {config}: {note}");
         }
+    }
+    if let Some(path) = &o.svg {
+        write_chart(path, &o, &results);
     }
     if o.check {
         if let Some(w) = find("wait") {
