@@ -7,6 +7,7 @@
 //! are rebuilt from the ledger at each scrape (a group gone is gone from them), and
 //! refusal and termination reasons are a fixed set.
 
+use gpufrac_common::protocol::Denial;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -89,6 +90,26 @@ impl Metrics {
         let timeouts = Family::<GpuLabel, Counter>::default();
         let refusals = Family::<Refusal, Counter>::default();
         let terminations = Family::<Refusal, Counter>::default();
+        // Every fixed reason starts at 0, so its series exists from the first scrape: a
+        // dashboard shows 0 rather than "No data", and `increase()` counts the first event.
+        let denials = [
+            Denial::Timeout,
+            Denial::OverLimit,
+            Denial::UnknownDevice,
+            Denial::Deadlock,
+            Denial::NeverFits,
+            Denial::NotSwapped,
+        ];
+        let refusal_reasons = ["admission", "bad-frame", "connections-per-uid"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(denials.iter().map(|d| format!("{d:?}")));
+        for reason in refusal_reasons {
+            refusals.get_or_create(&Refusal { reason });
+        }
+        for reason in ["lower-priority", "idle", "guarantee"] {
+            terminations.get_or_create(&Refusal { reason: reason.into() });
+        }
         let swaps = Family::<SwapLabel, Counter>::default();
         let swap_bytes = Family::<SwapLabel, Counter>::default();
         let swap_seconds = Family::<SwapLabel, Histogram>::new_with_constructor(|| {
