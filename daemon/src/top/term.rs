@@ -80,7 +80,12 @@ impl Session {
     fn enter() -> Result<Session, std::io::Error> {
         terminal::enable_raw_mode()?;
         let session = Session;
-        execute!(std::io::stdout(), EnterAlternateScreen, cursor::Hide)?;
+        execute!(
+            std::io::stdout(),
+            EnterAlternateScreen,
+            terminal::Clear(terminal::ClearType::All),
+            cursor::Hide
+        )?;
         // A panic (a bug) leaves the terminal usable: restored before the message.
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
@@ -126,8 +131,9 @@ fn live(socket: &Path) -> Result<(), TopError> {
     let path = socket.to_path_buf();
     std::thread::Builder::new().name("gpufrac-top-fetch".into()).spawn(move || fetcher(path, answers))?;
     let session = Session::enter()?;
+    // Not `Terminal::clear`, which asks the terminal where its cursor is: the alternate
+    // screen is cleared on entering instead.
     let mut terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
-    terminal.clear()?;
     let mut app = App::new(socket);
     let mut drawn: Option<Instant> = None;
     let mut dirty = true;
