@@ -256,6 +256,29 @@ fn top_shows_the_gpus_the_processes_the_queue_and_the_wait_and_q_restores_the_te
         "A's rows are gone:\n{screen}"
     );
 
+    // Another user (when the test may be one) sees the GPUs but none of these processes,
+    // waiters or events, as `gpufrac status` would show it.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(gpu.lib_dir(), std::fs::Permissions::from_mode(0o755))
+            .expect("open the simgpu folder to others");
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(artifact("gpufrac"))
+            .args(["top", "--once", "--socket"])
+            .arg(arbiter.socket())
+            .output()
+            .expect("gpufrac top as another user");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("[1] GPU-") && text.contains("[2] GPU-"), "{text}");
+        assert!(!has_word(&text, &pb) && !has_word(&text, &pc), "{text}");
+        for empty in ["processes:\n  no processes", "(longest first):\n  none", "(newest first):\n  none"] {
+            assert!(text.contains(empty), "{empty:?}:\n{text}");
+        }
+    }
+
     // The keys: one GPU, all again, the sort.
     term.press("2");
     term.wait_screen("GPU 2 alone", |s| {
