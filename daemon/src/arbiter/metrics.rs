@@ -105,10 +105,10 @@ impl Metrics {
             .map(str::to_owned)
             .chain(denials.iter().map(|d| format!("{d:?}")));
         for reason in refusal_reasons {
-            refusals.get_or_create(&Refusal { reason });
+            let _ = refusals.get_or_create(&Refusal { reason });
         }
         for reason in ["lower-priority", "idle", "guarantee"] {
-            terminations.get_or_create(&Refusal { reason: reason.into() });
+            let _ = terminations.get_or_create(&Refusal { reason: reason.into() });
         }
         let swaps = Family::<SwapLabel, Counter>::default();
         let swap_bytes = Family::<SwapLabel, Counter>::default();
