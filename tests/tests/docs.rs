@@ -225,6 +225,7 @@ const NOT_RUN: &[(&str, &str, &str)] = &[
     ("docs/testing.md", "python3 -m venv .venv/torch", "downloads PyTorch's CUDA wheel (about 2.5 GB), kept out of CI"),
     ("docs/arbiter.md", "gpufrac-arbiter --socket /run/gpufrac/arbiter.sock", "a synopsis of the flags, not a command; the arbiter runs in most end-to-end tests"),
     ("docs/interface.md", "gpufrac-arbiter [--socket PATH]", "a synopsis of the flags, not a command"),
+    ("docs/arbiter.md", "gpufrac top [--socket", "a synopsis; tests/tests/top.rs drives gpufrac top in a pseudo-terminal"),
     ("docs/simgpu.md", "mkdir -p /tmp/simgpu && for l in", "runs the reader's own program (./your-program); the same folder is made and used by the README's quick start, which runs here"),
     ("docs/demo.md", "gpufrac demo: inference servers", "the output of a run, not a command"),
     ("docs/kubernetes.md", "docker build", "needs docker and a registry"),
