@@ -4,8 +4,8 @@
 //! red cross. Drawn with plotters' SVG backend only: no fonts and no system libraries are
 //! needed, the `<text>` elements are rendered by whatever views the SVG.
 //!
-//! All panels share one time axis (s) and one memory axis (GiB), so that a slower
-//! configuration shows as a longer one.
+//! All panels share one memory axis (GiB); each has its own time axis (s), from its start
+//! to its end, so that a slow configuration (swap) does not squeeze the others.
 
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -34,7 +34,7 @@ const REQUEST_LINE: RGBColor = RGBColor(0x1f, 0x4e, 0x9a);
 
 /// At most this many samples are drawn per panel (evenly picked), which keeps the SVG
 /// small whatever the sampling period and the run's length.
-pub const MAX_POINTS: usize = 400;
+pub const MAX_POINTS: usize = 500;
 
 const WIDTH: u32 = 1200;
 const PANEL_HEIGHT: u32 = 250;
@@ -148,7 +148,6 @@ fn draw(root: &Area<'_>, chart: &Chart) -> Result2<()> {
     let (header, body) = root.split_vertically(HEADER_HEIGHT);
     draw_header(&header, chart)?;
 
-    let t_max = chart.panels.iter().flat_map(|p| p.samples.last().map(|s| s.t)).fold(1.0_f64, f64::max);
     let peak = chart
         .panels
         .iter()
@@ -156,11 +155,11 @@ fn draw(root: &Area<'_>, chart: &Chart) -> Result2<()> {
         .max()
         .unwrap_or(0);
     let y_max = gib(chart.device.max(peak)) * 1.12;
-    let x_max = (t_max * 1.02).ceil();
 
     let areas = body.split_evenly((chart.panels.len().max(1), 1));
     for (panel, area) in chart.panels.iter().zip(areas.iter()) {
-        draw_panel(area, panel, chart.device, x_max, y_max)?;
+        let t_max = panel.samples.last().map_or(1.0, |s| s.t.max(1.0));
+        draw_panel(root, area, panel, chart.device, (t_max * 1.02).ceil(), y_max)?;
     }
     Ok(())
 }
@@ -175,12 +174,12 @@ fn draw_header(area: &Area<'_>, chart: &Chart) -> Result2<()> {
     let servers = chart.panels.iter().map(|p| p.servers).max().unwrap_or(0);
     let font = ("sans-serif", 14).into_font().color(&BLACK);
     let y = 68;
-    let mut x = 20;
+    area.draw(&Text::new("servers", (20, y - 8), font.clone()))?;
+    let mut x = 80;
     for k in 0..servers.min(PALETTE.len()) {
         area.draw(&Rectangle::new([(x, y - 6), (x + 14, y + 6)], colour(k).filled()))?;
-        let label = format!("server {k}");
-        area.draw(&Text::new(label, (x + 19, y - 8), font.clone()))?;
-        x += 88;
+        area.draw(&Text::new(k.to_string(), (x + 18, y - 8), font.clone()))?;
+        x += 40;
     }
     if servers > PALETTE.len() {
         area.draw(&Text::new(
@@ -193,16 +192,40 @@ fn draw_header(area: &Area<'_>, chart: &Chart) -> Result2<()> {
     x += 12;
     area.draw(&PathElement::new(vec![(x, y), (x + 28, y)], GPU_LINE.stroke_width(2)))?;
     area.draw(&Text::new("GPU size", (x + 34, y - 8), font.clone()))?;
-    x += 110;
+    x += 100;
     area.draw(&PathElement::new(vec![(x, y), (x + 28, y)], REQUEST_LINE.stroke_width(2)))?;
     area.draw(&Text::new("sum of requests", (x + 34, y - 8), font.clone()))?;
-    x += 160;
+    x += 150;
     area.draw(&Cross::new((x + 7, y), 6, OOM_RED.stroke_width(2)))?;
-    area.draw(&Text::new("out-of-memory error", (x + 20, y - 8), font))?;
+    area.draw(&Text::new("out-of-memory error (on the failing server's band)", (x + 20, y - 8), font))?;
     Ok(())
 }
 
-fn draw_panel(area: &Area<'_>, panel: &Panel, device: u64, x_max: f64, y_max: f64) -> Result2<()> {
+/// Draws `text` right-aligned with its right end at `(x, y)` (backend pixels) on a
+/// translucent white box, so that it stays legible over the bands. `above`: the text's
+/// bottom is at `y`; else its top.
+fn label(root: &Area<'_>, text: &str, (x, y): (i32, i32), above: bool, colour: RGBColor) -> Result2<()> {
+    const SIZE: f64 = 13.0;
+    // The SVG backend writes the font size / 1.24; an average sans-serif glyph is about
+    // 0.55 of that wide.
+    let px = SIZE / 1.24;
+    let width = (text.len() as f64 * px * 0.56).ceil() as i32 + 6;
+    let height = px.ceil() as i32 + 4;
+    let (top, bottom) = if above { (y - height - 1, y - 1) } else { (y + 1, y + height + 1) };
+    root.draw(&Rectangle::new([(x - width, top), (x, bottom)], WHITE.mix(0.8).filled()))?;
+    let style = ("sans-serif", SIZE).into_font().color(&colour).pos(Pos::new(HPos::Right, VPos::Center));
+    root.draw(&Text::new(text.to_owned(), (x - 3, (top + bottom) / 2), style))?;
+    Ok(())
+}
+
+fn draw_panel(
+    root: &Area<'_>,
+    area: &Area<'_>,
+    panel: &Panel,
+    device: u64,
+    x_max: f64,
+    y_max: f64,
+) -> Result2<()> {
     let mut chart = ChartBuilder::on(area)
         .caption(panel.title.as_str(), ("sans-serif", 17).into_font().style(FontStyle::Bold))
         .margin_left(12)
@@ -242,23 +265,18 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, device: u64, x_max: f64, y_max: f6
         lower = upper;
     }
 
-    let label = ("sans-serif", 13).into_font();
     let line = |y: f64, style: ShapeStyle| PathElement::new(vec![(0.0, y), (x_max, y)], style);
     let device_gib = gib(device);
     chart.draw_series(std::iter::once(line(device_gib, GPU_LINE.stroke_width(2))))?;
-    chart.draw_series(std::iter::once(Text::new(
-        format!("GPU size {device_gib:.0} GiB"),
-        (x_max * 0.995, device_gib + y_max * 0.015),
-        label.clone().color(&GPU_LINE).pos(Pos::new(HPos::Right, VPos::Bottom)),
-    )))?;
+    let right = |chart: &ChartContext<'_, _, _>, y: f64| {
+        let (x, y) = chart.backend_coord(&(x_max, y));
+        (x - 4, y)
+    };
+    label(root, &format!("GPU size {device_gib:.0} GiB"), right(&chart, device_gib), true, GPU_LINE)?;
     if let Some(guarantees) = panel.guarantees {
         let g = gib(guarantees);
         chart.draw_series(std::iter::once(line(g, REQUEST_LINE.stroke_width(2))))?;
-        chart.draw_series(std::iter::once(Text::new(
-            format!("sum of requests {g:.2} GiB"),
-            (x_max * 0.995, g - y_max * 0.015),
-            label.color(&REQUEST_LINE).pos(Pos::new(HPos::Right, VPos::Top)),
-        )))?;
+        label(root, &format!("sum of requests {g:.2} GiB"), right(&chart, g), false, REQUEST_LINE)?;
     }
 
     chart.draw_series(
@@ -319,7 +337,12 @@ mod tests {
         for label in ["time (s)", "memory held (GiB)"] {
             assert_eq!(count(label), 3, "{label:?} on each panel");
         }
-        for legend in ["server 0", "server 1", "GPU size", "sum of requests", "out-of-memory error"] {
+        for legend in [
+            "servers",
+            "GPU size",
+            "sum of requests",
+            "out-of-memory error (on the failing server&apos;s band)",
+        ] {
             assert_eq!(count(legend), 1, "legend {legend:?}");
         }
         assert!(svg.contains("<polygon"), "stacked areas");
