@@ -149,3 +149,33 @@ pub fn validate_objects(objects: &[Value], versions: &[&str]) -> Result<(), Stri
     }
     Ok(())
 }
+
+/// The virtual environment's Python (where PyYAML is installed), else `python3`.
+pub fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python3");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+/// The documents of a YAML file, read with PyYAML (the parser Kubernetes tooling agrees
+/// with), as JSON. Panics, saying how to install it, when PyYAML cannot read the file.
+pub fn yaml_documents(path: &Path) -> Vec<Value> {
+    let out = Command::new(python())
+        .args([
+            "-c",
+            "import json, sys, yaml\nprint(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d is not None]))",
+        ])
+        .arg(path)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", python().display()));
+    assert!(
+        out.status.success(),
+        "parsing {} with PyYAML failed (install it with: {INSTALL}): {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("PyYAML's documents as JSON")
+}

@@ -1050,3 +1050,29 @@ impl Drop for Arbiter {
         }
     }
 }
+
+/// `alloc_paths alloc` (the dlsym build) under the shim and the arbiter, as the arbiter's
+/// tests run their bursting servers: group `group`, a 1 GiB request and a 3 GiB limit,
+/// `resolver` and `priority`, each wait up to `wait`, allocating 32 MiB steps up to
+/// `upto` bytes. Returned unstarted, so that a test can add to its environment.
+pub fn bursting_server(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    group: &str,
+    upto: u64,
+    wait: &str,
+    resolver: &str,
+    priority: i32,
+) -> Command {
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
+        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
+        .env("GPUFRAC_RESOLVER", resolver)
+        .env("GPUFRAC_PRIORITY", priority.to_string())
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", group)
+        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+        .args(["alloc", &(32u64 << 20).to_string(), &upto.to_string()]);
+    cmd
+}

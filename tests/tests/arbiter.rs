@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use gpufrac_daemon::status::Status;
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+    artifact, bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu,
+    TIMEOUT,
 };
 
 const CHUNK: u64 = 32 * MIB;
@@ -29,7 +30,7 @@ fn server(gpu: &SimGpu, arbiter: &Arbiter, group: &str, upto: u64, wait: &str) -
     server_with(gpu, arbiter, group, upto, wait, "wait", 0)
 }
 
-/// `server` with a resolver and a priority.
+/// `server` with a resolver and a priority, logging at debug.
 fn server_with(
     gpu: &SimGpu,
     arbiter: &Arbiter,
@@ -39,16 +40,8 @@ fn server_with(
     resolver: &str,
     priority: i32,
 ) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("GPUFRAC_RESOLVER", resolver).env("GPUFRAC_PRIORITY", priority.to_string());
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .env("GPUFRAC_LOG", "debug")
-        .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
+    let mut cmd = bursting_server(gpu, arbiter, group, upto, wait, resolver, priority);
+    cmd.env("GPUFRAC_LOG", "debug");
     ChildProcess::spawn(&mut cmd)
 }
 

@@ -27,10 +27,10 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gpufrac_e2e::kubernetes_validate::INSTALL;
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+    artifact, bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu,
+    TIMEOUT,
 };
 use serde_json::Value;
 
@@ -650,37 +650,6 @@ fn the_dashboard_is_a_well_formed_grafana_dashboard() {
 
 // ---- The PodMonitor ----
 
-/// The Python that parses YAML: the one of `.venv/` (kubernetes-validate brings PyYAML),
-/// else `python3`.
-fn python() -> PathBuf {
-    let venv = repo().join(".venv/bin/python3");
-    if venv.exists() {
-        venv
-    } else {
-        PathBuf::from("python3")
-    }
-}
-
-/// The documents of `examples/kubernetes/<name>` as JSON, parsed by PyYAML.
-fn documents(name: &str) -> Vec<Value> {
-    let path = repo().join("examples/kubernetes").join(name);
-    let out = Command::new(python())
-        .args([
-            "-c",
-            "import json, sys, yaml\nprint(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d is not None]))",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", python().display()));
-    assert!(
-        out.status.success(),
-        "parsing {} with PyYAML failed (install it with: {INSTALL}): {}",
-        path.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("PyYAML's documents as JSON")
-}
-
 fn pod_monitor() -> Value {
     let docs = documents("monitoring/podmonitor.yaml");
     let found: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "PodMonitor").collect();
@@ -831,30 +800,6 @@ fn assert_the_check_catches_drift(body: &str, exported: &Exported, labels: &BTre
 
 const CHUNK: u64 = 32 * MIB;
 
-/// `alloc_paths alloc` under the shim in group `group` (1 GiB request, 3 GiB limit),
-/// allocating up to `upto` in 32 MiB steps.
-fn server(
-    gpu: &SimGpu,
-    arbiter: &Arbiter,
-    group: &str,
-    upto: u64,
-    wait: &str,
-    resolver: &str,
-    priority: i32,
-) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-        .env("GPUFRAC_RESOLVER", resolver)
-        .env("GPUFRAC_PRIORITY", priority.to_string())
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
-    ChildProcess::spawn(&mut cmd)
-}
-
 fn scrape(address: &str) -> String {
     let mut http = std::net::TcpStream::connect(address).expect("the metrics port");
     http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
@@ -881,10 +826,26 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
     );
 
     // A grant: A holds 2.5 GiB, 1.5 GiB of it lent.
-    let mut a = server(&gpu, &arbiter, &unique("low"), 2560 * MIB, "30s", "wait", 0);
+    let mut a = ChildProcess::spawn(&mut bursting_server(
+        &gpu,
+        &arbiter,
+        &unique("low"),
+        2560 * MIB,
+        "30s",
+        "wait",
+        0,
+    ));
     assert_eq!(a.ready()[0], 2560 * MIB);
     // A wait, then a termination: B, of higher priority, wants 2 GiB; A is ended for it.
-    let mut b = server(&gpu, &arbiter, &unique("vip"), 2 * GIB, "30s", "priority", 10);
+    let mut b = ChildProcess::spawn(&mut bursting_server(
+        &gpu,
+        &arbiter,
+        &unique("vip"),
+        2 * GIB,
+        "30s",
+        "priority",
+        10,
+    ));
     assert_eq!(b.ready()[0], 2 * GIB, "the priority burst is served");
     assert!(!a.wait(TIMEOUT).success(), "A was ended");
     // A refusal: a request that does not fit beside B's.
@@ -896,7 +857,8 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
         .args(["alloc", "1048576"]);
     assert!(!cmd.output().unwrap().status.success(), "a request that does not fit is refused");
     // A timeout: C waits 1 s for memory B holds.
-    let mut c = server(&gpu, &arbiter, &unique("late"), 3 * GIB, "1s", "wait", 0);
+    let mut c =
+        ChildProcess::spawn(&mut bursting_server(&gpu, &arbiter, &unique("late"), 3 * GIB, "1s", "wait", 0));
     assert!(c.ready()[0] < 3 * GIB, "C's wait times out");
     c.close_stdin();
     c.finish();
@@ -964,4 +926,8 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
         found.join("\n")
     );
     assert_the_check_catches_drift(&body, &exported, &scrape_labels());
+}
+
+fn documents(name: &str) -> Vec<Value> {
+    gpufrac_e2e::kubernetes_validate::yaml_documents(&repo().join("examples/kubernetes").join(name))
 }

@@ -29,7 +29,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gpufrac_e2e::kubernetes_validate::{self, INSTALL};
+use gpufrac_e2e::kubernetes_validate;
 use serde_json::{json, Value};
 
 /// Kubernetes versions whose schemas every manifest must pass: the oldest the docs
@@ -340,38 +340,6 @@ fn the_certificate_script_makes_a_serving_certificate() {
 }
 
 // ---- What the arbiter trusts (docs/security.md): its DaemonSet and its RBAC, parsed ----
-
-/// The Python that parses YAML for these tests: the one beside the validator in `.venv/`
-/// (kubernetes-validate depends on PyYAML), else `python3`.
-fn python() -> PathBuf {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python3");
-    if venv.exists() {
-        venv
-    } else {
-        PathBuf::from("python3")
-    }
-}
-
-/// The documents of `examples/kubernetes/<name>`, as JSON, parsed by PyYAML's
-/// `safe_load_all` (empty documents left out).
-fn documents(name: &str) -> Vec<Value> {
-    let path = kubernetes_dir().join(name);
-    let out = Command::new(python())
-        .args([
-            "-c",
-            "import json, sys, yaml\nprint(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d is not None]))",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", python().display()));
-    assert!(
-        out.status.success(),
-        "parsing {} with PyYAML failed (install it with: {INSTALL}): {}",
-        path.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("PyYAML's documents as JSON")
-}
 
 /// The one document of `kind` named `name` in `docs`.
 fn resource<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
@@ -697,6 +665,10 @@ fn dra_dir() -> PathBuf {
 }
 
 /// The documents of `examples/kubernetes/dra/<name>`, parsed by PyYAML.
+fn documents(name: &str) -> Vec<Value> {
+    kubernetes_validate::yaml_documents(&kubernetes_dir().join(name))
+}
+
 fn dra_documents(name: &str) -> Vec<Value> {
     documents(&format!("dra/{name}"))
 }
