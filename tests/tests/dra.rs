@@ -365,6 +365,17 @@ async fn unprepare(endpoint: &str, name: &str, uid: &str) -> String {
     answer.claims.remove(uid).expect("an answer for the claim").error
 }
 
+/// The environment a CDI spec's first device sets, by name.
+fn cdi_env(spec: &Value) -> BTreeMap<String, String> {
+    let env = spec["devices"][0]["containerEdits"]["env"].as_array().expect("the spec's env");
+    env.iter()
+        .map(|e| {
+            let (k, v) = e.as_str().and_then(|e| e.split_once('=')).expect("NAME=value");
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
 fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -463,15 +474,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     let spec = read_json(&spec_path);
     assert_eq!(spec["kind"], "gpufrac.io/claim");
     assert_eq!(spec["devices"][0]["name"], format!("{CLAIM_UID}-gpu-0"));
-    let env: BTreeMap<String, String> = spec["devices"][0]["containerEdits"]["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
-            (k.to_owned(), v.to_owned())
-        })
-        .collect();
+    let env = cdi_env(&spec);
     assert_eq!(env["GPUFRAC_MEMORY_REQUEST"], (2 * GIB).to_string());
     assert_eq!(env["GPUFRAC_MEMORY_LIMIT"], (4 * GIB).to_string());
     assert_eq!(env["GPUFRAC_RESOLVER"], "swap");
@@ -768,12 +771,7 @@ async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
     let answer = prepare(&endpoint, "llm-gpu", CLAIM_UID).await;
     assert_eq!(answer.error, "", "{}", plugin.diagnostics());
     let spec = read_json(&dirs.cdi.join(format!("gpufrac.io-claim_{CLAIM_UID}.json")));
-    let env: BTreeMap<String, String> = spec["devices"][0]["containerEdits"]["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
-        .collect();
+    let env = cdi_env(&spec);
 
     // The pod's process asks for more than its claim (its environment is its own to
     // change): the arbiter believes the claim.
