@@ -634,7 +634,9 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     let mut refused = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &["--shares", "100"]);
     let status = refused.wait(WAIT);
     assert!(!status.success());
-    assert!(refused.stderr_text().contains("--shares 100"), "{}", refused.diagnostics());
+    // (diagnostics() waits for the reader of its stderr to reach the end.)
+    let said = refused.diagnostics();
+    assert!(refused.stderr_text().contains("--shares 100"), "{said}");
 
     let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &["--shares", "4"]);
     wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
