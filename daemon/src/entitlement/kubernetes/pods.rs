@@ -334,6 +334,13 @@ fn status_text(code: u16, message: &str) -> String {
         }
         _ => "",
     };
+    if code == 0 {
+        // Not an HTTP status: kube read something from the stream it could not decode.
+        return match message.trim() {
+            "" => "an answer that is not a watch event (a proxy, or not an API server?)".to_owned(),
+            message => format!("an answer that is not a watch event: {}", cut(message)),
+        };
+    }
     format!("HTTP {code}: {}{hint}", cut(message))
 }
 
