@@ -56,8 +56,11 @@ pub struct Config {
     pub resolver: Resolver,
     /// Higher wins under the priority resolver.
     pub priority: i32,
-    /// How long a blocked burst waits.
+    /// How long a blocked burst waits (and a parked group's wake, at most).
     pub wait_timeout: Duration,
+    /// Idle this long, the group may be parked (its device memory moved to host RAM);
+    /// `None`: never parked.
+    pub park_after: Option<Duration>,
     /// Processes of one group share one request and limit; `None`: this process alone.
     pub group: Option<String>,
     /// The arbiter's socket; `None`: standalone.
@@ -121,6 +124,10 @@ impl Config {
             Some(text) => parse_duration("GPUFRAC_WAIT_TIMEOUT", &text)?,
             None => Duration::from_secs(30),
         };
+        let park_after = match get("GPUFRAC_PARK_AFTER") {
+            Some(text) => Some(parse_duration("GPUFRAC_PARK_AFTER", &text)?),
+            None => None,
+        };
         let group = match get("GPUFRAC_GROUP") {
             Some(text) => {
                 let ok = !text.is_empty()
@@ -179,7 +186,18 @@ impl Config {
                 format!("{e}; expected a filter such as warn or gpufrac=debug"),
             ));
         }
-        Ok(Some(Config { request, limit, resolver, priority, wait_timeout, group, arbiter_socket, pod, log }))
+        Ok(Some(Config {
+            request,
+            limit,
+            resolver,
+            priority,
+            wait_timeout,
+            park_after,
+            group,
+            arbiter_socket,
+            pod,
+            log,
+        }))
     }
 
     /// The limit that goes with `request` (written `request_text`): `limit_text` read, at

@@ -17,7 +17,7 @@ use std::io::{self, Read, Write};
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
@@ -45,6 +45,9 @@ pub enum Request {
         priority: i32,
         /// How long the shim waits for a grant, in milliseconds.
         wait_timeout_ms: u64,
+        /// Idle this many milliseconds, the group may be parked (`GPUFRAC_PARK_AFTER`);
+        /// 0: never parked.
+        park_after_ms: u64,
     },
     /// A device the shim uses, with what it holds and was granted (non-zero after a
     /// reconnect, so the arbiter rebuilds its ledger).
@@ -118,6 +121,36 @@ pub enum Request {
         /// How long the swap took, in microseconds.
         micros: u64,
     },
+    /// The answer to `Park`: this process's memory on the device is parked. After the
+    /// shim's own swap-out, `host_bytes` is what it moved; for the driver's checkpoint,
+    /// its gate is closed and the arbiter may checkpoint it now (`host_bytes` 0).
+    Parked {
+        /// The device.
+        device: DeviceId,
+        /// Bytes moved to host RAM.
+        host_bytes: u64,
+        /// Bytes it still holds on the device (what could not be moved).
+        held: u64,
+        /// How long parking took, in microseconds.
+        micros: u64,
+    },
+    /// A call waits at the gate of this parked process: bring its memory back. Answered
+    /// `Granted` (with the burst bytes it holds again) or `Denied` (`Timeout`).
+    Wake {
+        /// Echoed in the answer.
+        seq: u64,
+        /// The device.
+        device: DeviceId,
+    },
+    /// After the shim's own swap-in of a granted `Wake`: the memory is back.
+    Woken {
+        /// The device.
+        device: DeviceId,
+        /// Bytes it holds on the device now.
+        held: u64,
+        /// How long the swap-in took, in microseconds.
+        micros: u64,
+    },
 }
 
 /// Which way a swap moved memory.
@@ -180,6 +213,9 @@ pub enum Reply {
         request: u64,
         /// The limit the arbiter believes: bursts past it are denied.
         limit: u64,
+        /// Admitted parked (a parkable group on an oversubscribed GPU): its first call
+        /// waits at its gate until the group is woken.
+        parked: bool,
     },
     /// The registration was refused (e.g. the request no longer fits).
     Refused {
@@ -221,6 +257,22 @@ pub enum Reply {
     },
     /// Pushed: memory is free again on the device; a swapped-out process may come back.
     Resume {
+        /// The device.
+        device: DeviceId,
+    },
+    /// Pushed: the group is idle and its memory wanted: park this process's memory on the
+    /// device and answer `Parked`. With `checkpoint`, the shim only closes its gate (the
+    /// arbiter moves the memory with the driver's checkpoint API); otherwise the shim
+    /// moves it itself.
+    Park {
+        /// The device.
+        device: DeviceId,
+        /// The arbiter checkpoints the process.
+        checkpoint: bool,
+    },
+    /// Pushed: the process is not parked (any more) without a `Wake` to answer: parking
+    /// was abandoned (the checkpoint failed) or its memory came back. The gate opens.
+    Unparked {
         /// The device.
         device: DeviceId,
     },
@@ -365,6 +417,14 @@ impl Reader<'_> {
     }
 }
 
+fn flag(byte: u8, field: &'static str) -> Result<bool, ProtocolError> {
+    match byte {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(ProtocolError::BadValue(field)),
+    }
+}
+
 fn resolver_code(r: Resolver) -> u8 {
     match r {
         Resolver::Wait => 0,
@@ -386,13 +446,16 @@ impl Request {
     /// The frame (length prefix included).
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => Writer::new(1)
-                .u16(*version)
-                .string(group)
-                .string(pod)
-                .u8(resolver_code(*resolver))
-                .i32(*priority)
-                .u64(*wait_timeout_ms),
+            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms, park_after_ms } => {
+                Writer::new(1)
+                    .u16(*version)
+                    .string(group)
+                    .string(pod)
+                    .u8(resolver_code(*resolver))
+                    .i32(*priority)
+                    .u64(*wait_timeout_ms)
+                    .u64(*park_after_ms)
+            }
             Request::Register { device, total, request, limit, held, granted, swapped } => Writer::new(2)
                 .device(device)
                 .u64(*total)
@@ -424,6 +487,11 @@ impl Request {
                     .u64(*held)
                     .u64(*micros)
             }
+            Request::Parked { device, host_bytes, held, micros } => {
+                Writer::new(8).device(device).u64(*host_bytes).u64(*held).u64(*micros)
+            }
+            Request::Wake { seq, device } => Writer::new(9).u64(*seq).device(device),
+            Request::Woken { device, held, micros } => Writer::new(10).device(device).u64(*held).u64(*micros),
         }
         .finish()
     }
@@ -439,6 +507,7 @@ impl Request {
                 resolver: resolver_from(r.u8()?)?,
                 priority: r.i32()?,
                 wait_timeout_ms: r.u64()?,
+                park_after_ms: r.u64()?,
             },
             2 => {
                 let device = r.device()?;
@@ -478,6 +547,14 @@ impl Request {
                 held: r.u64()?,
                 micros: r.u64()?,
             },
+            8 => Request::Parked {
+                device: r.device()?,
+                host_bytes: r.u64()?,
+                held: r.u64()?,
+                micros: r.u64()?,
+            },
+            9 => Request::Wake { seq: r.u64()?, device: r.device()? },
+            10 => Request::Woken { device: r.device()?, held: r.u64()?, micros: r.u64()? },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -490,8 +567,8 @@ impl Reply {
     pub fn encode(&self) -> Vec<u8> {
         match self {
             Reply::Welcome { version, pid } => Writer::new(0x41).u16(*version).u32(*pid),
-            Reply::Registered { device, request, limit } => {
-                Writer::new(0x42).device(device).u64(*request).u64(*limit)
+            Reply::Registered { device, request, limit, parked } => {
+                Writer::new(0x42).device(device).u64(*request).u64(*limit).u8(u8::from(*parked))
             }
             Reply::Refused { device, reason } => Writer::new(0x43).device(device).string(reason),
             Reply::Granted { seq, bytes } => Writer::new(0x44).u64(*seq).u64(*bytes),
@@ -507,6 +584,8 @@ impl Reply {
             Reply::Reclaim { device } => Writer::new(0x80).device(device),
             Reply::SwapOut { device } => Writer::new(0x81).device(device),
             Reply::Resume { device } => Writer::new(0x82).device(device),
+            Reply::Park { device, checkpoint } => Writer::new(0x83).device(device).u8(u8::from(*checkpoint)),
+            Reply::Unparked { device } => Writer::new(0x84).device(device),
         }
         .finish()
     }
@@ -516,7 +595,12 @@ impl Reply {
         let mut r = Reader(body);
         let reply = match r.u8().map_err(|_| ProtocolError::Empty)? {
             0x41 => Reply::Welcome { version: r.u16()?, pid: r.u32()? },
-            0x42 => Reply::Registered { device: r.device()?, request: r.u64()?, limit: r.u64()? },
+            0x42 => Reply::Registered {
+                device: r.device()?,
+                request: r.u64()?,
+                limit: r.u64()?,
+                parked: flag(r.u8()?, "parked")?,
+            },
             0x43 => Reply::Refused { device: r.device()?, reason: r.string()? },
             0x44 => Reply::Granted { seq: r.u64()?, bytes: r.u64()? },
             0x45 => Reply::Denied {
@@ -535,6 +619,8 @@ impl Reply {
             0x80 => Reply::Reclaim { device: r.device()? },
             0x81 => Reply::SwapOut { device: r.device()? },
             0x82 => Reply::Resume { device: r.device()? },
+            0x83 => Reply::Park { device: r.device()?, checkpoint: flag(r.u8()?, "checkpoint")? },
+            0x84 => Reply::Unparked { device: r.device()? },
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -582,6 +668,7 @@ mod tests {
             resolver: Resolver::Swap,
             priority: -4,
             wait_timeout_ms: 30_000,
+            park_after_ms: 60_000,
         });
         round_trip_request(Request::Register {
             device: [3; 16],
@@ -614,9 +701,18 @@ mod tests {
                 micros: 12,
             });
         }
+        round_trip_request(Request::Parked {
+            device: [1; 16],
+            host_bytes: 1 << 30,
+            held: 2 << 20,
+            micros: 900,
+        });
+        round_trip_request(Request::Wake { seq: 11, device: [1; 16] });
+        round_trip_request(Request::Woken { device: [1; 16], held: 1 << 30, micros: 700 });
         for reply in [
             Reply::Welcome { version: 1, pid: 4242 },
-            Reply::Registered { device: [2; 16], request: 1 << 30, limit: u64::MAX },
+            Reply::Registered { device: [2; 16], request: 1 << 30, limit: u64::MAX, parked: false },
+            Reply::Registered { device: [2; 16], request: 1 << 30, limit: 1 << 31, parked: true },
             Reply::Refused { device: [2; 16], reason: "no room".into() },
             Reply::Granted { seq: 3, bytes: 77 },
             Reply::Denied { seq: 4, reason: Denial::Timeout },
@@ -629,6 +725,9 @@ mod tests {
             Reply::Reclaim { device: [5; 16] },
             Reply::SwapOut { device: [6; 16] },
             Reply::Resume { device: [7; 16] },
+            Reply::Park { device: [8; 16], checkpoint: true },
+            Reply::Park { device: [8; 16], checkpoint: false },
+            Reply::Unparked { device: [9; 16] },
         ] {
             let frame = reply.encode();
             let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();
@@ -664,6 +763,7 @@ mod tests {
             resolver: Resolver::Wait,
             priority: 0,
             wait_timeout_ms: 1,
+            park_after_ms: 0,
         }
         .encode();
         hello[9] = 0xff; // the group's single byte (after length, tag, version, string length)

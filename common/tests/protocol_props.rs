@@ -74,7 +74,7 @@ impl Rng {
 }
 
 fn request(rng: &mut Rng) -> Request {
-    match rng.below(7) {
+    match rng.below(10) {
         0 => Request::Hello {
             version: rng.next() as u16,
             group: rng.string(MAX_STRING),
@@ -82,6 +82,7 @@ fn request(rng: &mut Rng) -> Request {
             resolver: rng.resolver(),
             priority: rng.next() as i32,
             wait_timeout_ms: rng.u64(),
+            park_after_ms: rng.u64(),
         },
         1 => {
             // Valid: request ≤ limit ≤ total.
@@ -111,6 +112,14 @@ fn request(rng: &mut Rng) -> Request {
         3 => Request::Release { device: rng.device(), bytes: rng.u64(), held: rng.u64() },
         4 => Request::Status,
         5 => Request::Activity { count: rng.u64() },
+        6 => Request::Parked {
+            device: rng.device(),
+            host_bytes: rng.u64(),
+            held: rng.u64(),
+            micros: rng.u64(),
+        },
+        7 => Request::Wake { seq: rng.u64(), device: rng.device() },
+        8 => Request::Woken { device: rng.device(), held: rng.u64(), micros: rng.u64() },
         _ => Request::Swapped {
             device: rng.device(),
             direction: if rng.below(2) == 0 { SwapDirection::Out } else { SwapDirection::In },
@@ -124,15 +133,22 @@ fn request(rng: &mut Rng) -> Request {
 }
 
 fn reply(rng: &mut Rng) -> Reply {
-    match rng.below(9) {
+    match rng.below(11) {
         0 => Reply::Welcome { version: rng.next() as u16, pid: rng.next() as u32 },
-        1 => Reply::Registered { device: rng.device(), request: rng.u64(), limit: rng.u64() },
+        1 => Reply::Registered {
+            device: rng.device(),
+            request: rng.u64(),
+            limit: rng.u64(),
+            parked: rng.below(2) == 1,
+        },
         2 => Reply::Refused { device: rng.device(), reason: rng.string(MAX_STRING) },
         3 => Reply::Granted { seq: rng.u64(), bytes: rng.u64() },
         4 => Reply::Denied { seq: rng.u64(), reason: rng.denial() },
         5 => Reply::Status { json: rng.string(3 * MAX_STRING) },
         6 => Reply::Reclaim { device: rng.device() },
         7 => Reply::SwapOut { device: rng.device() },
+        8 => Reply::Park { device: rng.device(), checkpoint: rng.below(2) == 1 },
+        9 => Reply::Unparked { device: rng.device() },
         _ => Reply::Resume { device: rng.device() },
     }
 }
@@ -229,6 +245,7 @@ fn overlong_strings_still_decode() {
             resolver: Resolver::Wait,
             priority: 0,
             wait_timeout_ms: 0,
+            park_after_ms: 0,
         };
         let Request::Hello { group: read, .. } = Request::decode(&hello.encode()[4..]).unwrap() else {
             panic!("not a Hello")

@@ -112,6 +112,7 @@ fn shim_like_client(path: &Path, i: usize) -> Box<dyn FnMut() + Send> {
         resolver: Resolver::Wait,
         priority: 0,
         wait_timeout_ms: 30_000,
+        park_after_ms: 0,
     };
     s.write_all(&hello.encode()).expect("hello");
     let register = Request::Register {

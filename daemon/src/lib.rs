@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 pub mod arbiter;
+pub mod checkpoint;
 pub mod demo;
 pub mod entitlement;
 pub mod run;

@@ -59,6 +59,10 @@ pub enum EventKind {
     Ended,
     /// A registration was refused (its request does not fit).
     Refused,
+    /// An idle parkable process's memory was moved to host RAM.
+    Parked,
+    /// A parked process's memory came back.
+    Woken,
     /// A kind this client does not know (from a newer arbiter).
     #[default]
     #[serde(other)]
@@ -75,6 +79,8 @@ impl EventKind {
             EventKind::SwappedIn => "swapped in",
             EventKind::Ended => "ended",
             EventKind::Refused => "refused",
+            EventKind::Parked => "parked",
+            EventKind::Woken => "woken",
             EventKind::Other => "other",
         }
     }
@@ -183,6 +189,16 @@ pub struct GpuStatus {
     /// Bytes of its processes' burst memory swapped out to host RAM.
     #[serde(default)]
     pub swapped: u64,
+    /// Bytes of parked groups' memory kept in host RAM.
+    #[serde(default)]
+    pub parked: u64,
+    /// Sum of the requests of parkable groups (parked or not): with `--oversubscribe`
+    /// it may pass the GPU's memory.
+    #[serde(default)]
+    pub parkable_requests: u64,
+    /// Parked groups waiting to be woken.
+    #[serde(default)]
+    pub waking: usize,
     /// Every registered process, or the first of them when there are very many.
     pub processes: Vec<ProcessStatus>,
     /// Registered processes not listed in `processes` (the document stays small).
@@ -214,7 +230,8 @@ pub struct ProcessStatus {
     pub priority: i32,
     /// The group's resolver.
     pub resolver: String,
-    /// `running`, `waiting` or `swapped`.
+    /// `running`, `waiting`, `swapped`, `parked` (its memory in host RAM), `parking` or
+    /// `waking`.
     pub state: String,
     /// Bytes of its burst memory kept in host RAM while swapped out.
     #[serde(default)]
@@ -225,6 +242,24 @@ pub struct ProcessStatus {
     /// How long it has been swapped out, in all (the current swap included), in ms.
     #[serde(default)]
     pub swapped_ms: u64,
+    /// Its group may be parked once idle this long, in ms; 0: never parked.
+    #[serde(default)]
+    pub park_after_ms: u64,
+    /// Bytes of its device memory kept in host RAM while parked.
+    #[serde(default)]
+    pub parked_bytes: u64,
+    /// How often it was parked and woken.
+    #[serde(default)]
+    pub parks: u64,
+    /// How often it was woken.
+    #[serde(default)]
+    pub wakes: u64,
+    /// How long its last park took, in ms.
+    #[serde(default)]
+    pub last_park_ms: u64,
+    /// How long its last wake took (waiting for room and bringing the memory back), in ms.
+    #[serde(default)]
+    pub last_wake_ms: u64,
     /// What it may have: the entitlement's source (`policy FILE: uid 1000`, `kubelet: ...`),
     /// `not entitled: <why>`, or `unrestricted (no policy)`.
     #[serde(default)]

@@ -111,6 +111,7 @@ impl Client {
             resolver,
             priority,
             wait_timeout_ms: 100,
+            park_after_ms: 0,
         });
         assert!(matches!(c.reply(), Reply::Welcome { .. }));
         c
@@ -136,7 +137,7 @@ impl Client {
             swapped: 0,
         });
         match self.reply() {
-            Reply::Registered { device: d, request, limit } if d == device => Ok((request, limit)),
+            Reply::Registered { device: d, request, limit, .. } if d == device => Ok((request, limit)),
             Reply::Refused { reason, .. } => Err(reason),
             other => panic!("unexpected {other:?}"),
         }

@@ -125,9 +125,12 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
                 answers += 1;
                 c.seen_pid.store(pid, Ordering::Relaxed);
             }
-            Reply::Registered { device, request, limit } => {
+            Reply::Registered { device, request, limit, parked } => {
                 answers += 1;
                 lock(&c.believed).insert(device, (request, limit));
+                if parked {
+                    crate::park::admitted_parked(device);
+                }
                 // The arbiter believes what this process's entitlement allows (docs/security.md):
                 // say so at each registration, so that a cut request or limit is no mystery.
                 let declared = c.registrations.iter().find(|r| r.device == device);
@@ -289,7 +292,12 @@ impl Client {
                         lock(&self.contended).insert(device, Instant::now() + CONTENDED_FOR);
                         (self.pushed)(&command);
                     }
-                    Ok(command @ (Reply::SwapOut { .. } | Reply::Resume { .. })) => (self.pushed)(&command),
+                    Ok(
+                        command @ (Reply::SwapOut { .. }
+                        | Reply::Resume { .. }
+                        | Reply::Park { .. }
+                        | Reply::Unparked { .. }),
+                    ) => (self.pushed)(&command),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -366,8 +374,25 @@ impl Client {
         timeout: Duration,
         resume: bool,
     ) -> Result<u64, NotGranted> {
+        self.ask(device, timeout, |seq| Request::Acquire { seq, device, bytes, preferred, held, resume })
+    }
+
+    /// Asks the arbiter to wake this parked process on `device` and waits up to `timeout`
+    /// for the answer: the burst bytes it holds again, or why not.
+    pub(crate) fn wake(&self, device: DeviceId, timeout: Duration) -> Result<u64, NotGranted> {
+        self.ask(device, timeout, |seq| Request::Wake { seq, device })
+    }
+
+    /// Sends the request `make(seq)` and waits up to `timeout` for its `Granted` or
+    /// `Denied`.
+    fn ask(
+        &self,
+        device: DeviceId,
+        timeout: Duration,
+        make: impl FnOnce(u64) -> Request,
+    ) -> Result<u64, NotGranted> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let frame = Request::Acquire { seq, device, bytes, preferred, held, resume }.encode();
+        let frame = make(seq).encode();
         {
             // Sent here only if connected; otherwise the reader thread sends it when it
             // connects. The lock makes it one or the other, never both.

@@ -1,15 +1,19 @@
 //! The gate every launch, copy and set passes. It counts what passes (the activity count
 //! that tells the arbiter whether a process is idle) and, in a process that may be
-//! swapped out (resolver `swap`), which calls are inside, so that a swap-out can close
-//! it: new calls wait, calls already inside finish, then the swap proceeds. Passing costs
-//! a relaxed load and store in other processes, and two atomic additions and a load in
-//! swappable ones; closing and waiting are the cold path.
+//! swapped out (resolver `swap`) or parked (`GPUFRAC_PARK_AFTER`), which calls are
+//! inside, so that a swap-out or a park can close it: new calls wait, calls already inside
+//! finish, then the swap proceeds. Passing costs a relaxed load and store in other
+//! processes, and two atomic additions and a load in swappable ones; closing and waiting
+//! are the cold path. A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
+//! the calls waiting here back with out-of-memory rather than keep them for ever.
 
 use std::sync::atomic::{
     AtomicBool, AtomicU64,
     Ordering::{Relaxed, SeqCst},
 };
 use std::time::Duration;
+
+use crate::ffi::{Status, OUT_OF_MEMORY};
 
 /// Calls that entered (including ones that found the gate closed and stepped back).
 static ENTERED: AtomicU64 = AtomicU64::new(0);
@@ -18,6 +22,8 @@ static LEFT: AtomicU64 = AtomicU64::new(0);
 static CLOSED: AtomicBool = AtomicBool::new(false);
 /// Calls inside are tracked (set once, before the first swappable allocation).
 static TRACKED: AtomicBool = AtomicBool::new(false);
+/// Wakes that failed so far: a waiting call that sees this move gives up.
+static FAILED_WAKES: AtomicU64 = AtomicU64::new(0);
 
 /// Tracks the calls inside from now on: the process may be swapped out.
 pub(crate) fn track() {
@@ -36,24 +42,27 @@ impl Drop for Pass {
     }
 }
 
-/// Enters the gate, waiting while it is closed.
+/// Enters the gate, waiting while it is closed; out-of-memory if the process is parked
+/// and its wake failed.
 #[inline(always)]
-pub(crate) fn enter() -> Pass {
+pub(crate) fn enter() -> Result<Pass, Status> {
     if !TRACKED.load(Relaxed) {
         // Nobody ever closes this gate: only the activity count moves. Concurrent
         // bumps may be lost, which idle detection tolerates (it asks whether it moved).
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
-        return Pass(false);
+        return Ok(Pass(false));
     }
     loop {
         // Counting in before looking at CLOSED (both sequentially consistent) means a
         // closer that set CLOSED either sees this call in its count or is seen by it.
         ENTERED.fetch_add(1, SeqCst);
         if !CLOSED.load(SeqCst) {
-            return Pass(true);
+            return Ok(Pass(true));
         }
         LEFT.fetch_add(1, SeqCst);
-        parking::wait_open(&CLOSED);
+        if !parking::wait_until(|| !CLOSED.load(SeqCst)) {
+            return Err(OUT_OF_MEMORY);
+        }
     }
 }
 
@@ -66,9 +75,29 @@ pub(crate) fn close() {
     }
 }
 
-/// Opens the gate and wakes every waiting call.
+/// Opens the gate and wakes every waiting call, unless the process is parked (its wake
+/// opens it).
 pub(crate) fn open() {
-    parking::open(&CLOSED);
+    if !crate::park::parked() {
+        parking::open(&CLOSED);
+    }
+}
+
+/// Waits until the parked process is woken (asking for the wake); `Err` (out-of-memory)
+/// if the wake failed meanwhile.
+pub(crate) fn wait_awake() -> Result<(), Status> {
+    if parking::wait_until(|| !crate::park::parked()) {
+        Ok(())
+    } else {
+        Err(OUT_OF_MEMORY)
+    }
+}
+
+/// The wake failed: calls waiting for it give up.
+pub(crate) fn fail_waiters() {
+    parking::notify(|| {
+        FAILED_WAKES.fetch_add(1, SeqCst);
+    });
 }
 
 /// A count of launches, copies and sets: a process whose count stands still is idle.
@@ -83,21 +112,42 @@ mod parking {
     static LOCK: Mutex<()> = Mutex::new(());
     static OPENED: Condvar = Condvar::new();
 
-    /// The cold path: the calling thread waits here while the gate is closed, and tells
-    /// the swap worker that the process wants its memory back.
-    pub(super) fn wait_open(closed: &AtomicBool) {
+    /// The cold path: the calling thread waits here until `done` (the gate open, the
+    /// process woken), and tells the swap worker that the process wants its memory back.
+    /// False if a wake failed meanwhile.
+    pub(super) fn wait_until(done: impl Fn() -> bool) -> bool {
+        let failed = super::FAILED_WAKES.load(SeqCst);
         crate::swap::wanted();
         let mut guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-        while closed.load(SeqCst) {
+        while !done() {
+            if super::FAILED_WAKES.load(SeqCst) != failed {
+                return false;
+            }
             guard = OPENED.wait(guard).unwrap_or_else(|p| p.into_inner());
         }
+        true
     }
 
     pub(super) fn open(closed: &AtomicBool) {
+        notify(|| closed.store(false, SeqCst));
+    }
+
+    /// Changes what waiters look at, under the lock, and wakes them all.
+    pub(super) fn notify(change: impl FnOnce()) {
         let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-        closed.store(false, SeqCst);
+        change();
         OPENED.notify_all();
     }
+}
+
+/// Opens the gate whatever the park state says (the park itself, once woken or given up).
+pub(crate) fn open_unparked() {
+    parking::open(&CLOSED);
+}
+
+/// Wakes the waiters so that they look again (the process was woken).
+pub(crate) fn notify_waiters() {
+    parking::notify(|| {});
 }
 
 /// Passes the gate, for benchmarks outside the crate.
@@ -116,7 +166,7 @@ mod tests {
     #[test]
     fn closing_waits_for_calls_inside_and_holds_new_ones_until_opened() {
         track();
-        let inside = enter();
+        let inside = enter().unwrap();
         let closed = Arc::new(AtomicBool::new(false));
         let closer = {
             let closed = closed.clone();
@@ -134,7 +184,7 @@ mod tests {
         let caller = {
             let passed = passed.clone();
             std::thread::spawn(move || {
-                let _pass = enter();
+                let _pass = enter().unwrap();
                 passed.fetch_add(1, SeqCst);
             })
         };

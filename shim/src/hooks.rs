@@ -74,7 +74,10 @@ macro_rules! hooks {
                 #[cfg_attr(not(test), no_mangle)]
                 pub extern "C" fn $gname($($garg: $gty),*) -> Status {
                     crate::ffi::guard(Lib::Cuda, || {
-                        let _inside = crate::gate::enter();
+                        let _inside = match crate::gate::enter() {
+                            Ok(pass) => pass,
+                            Err(status) => return status,
+                        };
                         match real::$gname() {
                             // SAFETY: forwarding the caller's arguments unchanged to the
                             // real function of the same signature.

@@ -37,6 +37,7 @@ mod init;
 pub mod ledger;
 mod memory;
 mod nvml;
+mod park;
 mod pools;
 mod procaddr;
 mod processes;

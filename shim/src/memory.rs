@@ -62,6 +62,10 @@ fn stream_ordered(
     mut real: impl FnMut() -> Status,
 ) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     let Some(Current { id, ordinal }) = e.current() else { return real() };
     let charge = match e.charge(ordinal, bytes) {
         Ok(c) => c,
@@ -97,6 +101,10 @@ pub(crate) fn mem_alloc_pitch(
 ) -> Status {
     let real = || call_real!(cuMemAllocPitch_v2(dptr, pitch, width, height, elem));
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     let Some(Current { id, ordinal }) = e.current() else { return real() };
     let estimate = (width as u64).saturating_mul(height as u64);
     let mut charge = match e.charge(ordinal, estimate) {
@@ -147,6 +155,11 @@ fn free(
 }
 
 pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
+    // A parked process's memory is not on the device: a free waits for the wake too.
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     if let Some(e) = enforcer() {
         if let Some(status) = crate::swap::free(e, dptr, None) {
             return status;
@@ -173,6 +186,10 @@ fn pooled(
     free: impl FnOnce(CUdeviceptr) -> Status,
 ) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     let Some(Current { id, ordinal }) = e.current() else { return real() };
     let bytes = size as u64;
     let target = match pool {
@@ -205,7 +222,8 @@ fn free_and_wait(stream: Ptr, freed: Status) -> Status {
 
 /// Whether swap may back allocations with the VMM API in this process.
 fn swapping(e: &Enforcer) -> bool {
-    e.config.resolver == gpufrac_common::Resolver::Swap && e.arbiter.get().is_some()
+    (e.config.resolver == gpufrac_common::Resolver::Swap || crate::park::parkable())
+        && e.arbiter.get().is_some()
 }
 
 pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {
@@ -265,6 +283,11 @@ pub(crate) fn mem_alloc_from_pool_async_ptsz(
 /// An async free: memory from a pool stays charged in the pool's cache (the pool keeps
 /// it); any other memory (`cuMemAlloc`'d, or a graph's) is given back at the call.
 pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    // A parked process's memory is not on the device: a free waits for the wake too.
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     if let Some(e) = enforcer() {
         if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
             return status;
@@ -277,6 +300,11 @@ pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
 }
 
 pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
+    // A parked process's memory is not on the device: a free waits for the wake too.
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     if let Some(e) = enforcer() {
         if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
             return status;
@@ -325,6 +353,10 @@ pub(crate) fn mem_pool_trim_to(pool: Ptr, keep: usize) -> Status {
 /// driver reports (`cuArrayGetMemoryRequirements`).
 fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl FnMut() -> Status) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(&mut real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     let (Some(Current { id, ordinal }), Some(estimate)) = (e.current(), estimate) else { return real() };
     let mut charge = match e.charge(ordinal, estimate) {
         Ok(c) => c,
@@ -430,6 +462,10 @@ pub(crate) fn mem_create(
 ) -> Status {
     let real = || call_real!(cuMemCreate(handle, size, prop, flags));
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     let Some(head) = read(prop.cast::<PropHead>()) else { return real() };
     if head.location_type != 1 || head.location_id < 0 {
         return real();

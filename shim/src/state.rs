@@ -372,7 +372,16 @@ impl Enforcer {
             resolver: self.config.resolver,
             priority: self.config.priority,
             wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
+            // 0 means never: a parkable group says at least 1 ms.
+            park_after_ms: self
+                .config
+                .park_after
+                .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
         };
+        if self.config.park_after.is_some() {
+            // Before the handshake: an admission parked closes the gate at once.
+            crate::park::enable();
+        }
         let registrations = slices
             .iter()
             .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
@@ -393,6 +402,8 @@ impl Enforcer {
             }
             Reply::SwapOut { device } => crate::swap::swap_out_requested(*device),
             Reply::Resume { .. } => crate::swap::resume_offered(),
+            Reply::Park { device, checkpoint } => crate::swap::park_requested(*device, *checkpoint),
+            Reply::Unparked { device } => crate::swap::unpark_pushed(*device),
             _ => {}
         });
         let client = Client::start(socket, hello, registrations, usage, pushed)?;
@@ -418,7 +429,7 @@ impl Enforcer {
             }
         }
         let _ = self.arbiter.set(client.clone());
-        if self.config.resolver == gpufrac_common::Resolver::Swap {
+        if self.config.resolver == gpufrac_common::Resolver::Swap || crate::park::parkable() {
             crate::swap::start(self, client)?;
         }
         Ok(())

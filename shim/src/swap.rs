@@ -106,6 +106,12 @@ enum Command {
     SwapOut(DeviceId),
     /// Memory is free again (the arbiter says) or a call waits at the gate.
     ComeBack,
+    /// The arbiter parks this process on a device (see `park`).
+    Park { device: DeviceId, checkpoint: bool },
+    /// A call waits at the gate of the parked process.
+    Wake,
+    /// The arbiter gave a park up.
+    Unparked(DeviceId),
 }
 
 static WORKER: OnceLock<Mutex<Sender<Command>>> = OnceLock::new();
@@ -118,9 +124,21 @@ fn tell(command: Command) {
 
 /// A call waits at the closed gate: the process wants its memory back.
 pub(crate) fn wanted() {
-    if swapped_out() {
+    if crate::park::parked() {
+        tell(Command::Wake);
+    } else if swapped_out() {
         tell(Command::ComeBack);
     }
+}
+
+/// The arbiter pushed `Park` for `device`.
+pub(crate) fn park_requested(device: DeviceId, checkpoint: bool) {
+    tell(Command::Park { device, checkpoint });
+}
+
+/// The arbiter pushed `Unparked` for `device`.
+pub(crate) fn unpark_pushed(device: DeviceId) {
+    tell(Command::Unparked(device));
 }
 
 /// The arbiter pushed `SwapOut` for `device`.
@@ -133,7 +151,8 @@ pub(crate) fn resume_offered() {
     tell(Command::ComeBack);
 }
 
-fn swapped_out() -> bool {
+/// Whether some burst memory is swapped out (the gate stays closed for it).
+pub(crate) fn swapped_out() -> bool {
     book().swapped.values().any(|&b| b > 0)
 }
 
@@ -142,7 +161,8 @@ pub(crate) fn host_bytes(device: usize) -> u64 {
     book().swapped.get(&device).copied().unwrap_or(0)
 }
 
-/// Starts the worker that performs swaps (at `cuInit`, for groups using swap).
+/// Starts the worker that performs swaps and parks (at `cuInit`, for groups using swap
+/// or parkable).
 pub(crate) fn start(e: &'static Enforcer, client: Arc<Client>) -> Result<(), String> {
     let (tx, rx) = channel();
     if WORKER.set(Mutex::new(tx)).is_err() {
@@ -175,6 +195,9 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
                 while let Ok(Command::ComeBack) = rx.try_recv() {}
                 come_back(e, &client);
             }
+            Command::Park { device, checkpoint } => crate::park::park(e, &client, device, checkpoint),
+            Command::Wake => crate::park::wake(e, &client),
+            Command::Unparked(device) => crate::park::unparked(device),
         }
     }
 }
@@ -285,12 +308,11 @@ pub(crate) fn capturing(stream: *mut c_void) -> bool {
 }
 
 /// Allocations smaller than the granularity stay plain: rounding them up would waste
-/// more than swapping them saves.
+/// more than swapping them saves. In a parkable process every allocation is backed (a
+/// park moves them all), not only bursts.
 pub(crate) fn backs(e: &Enforcer, ordinal: usize, charge: &Charge) -> bool {
-    e.config.resolver == gpufrac_common::Resolver::Swap
-        && e.arbiter.get().is_some()
-        && charge.whole_burst
-        && charge.bytes >= granularity(ordinal)
+    let swap = e.config.resolver == gpufrac_common::Resolver::Swap && charge.whole_burst;
+    (swap || crate::park::parkable()) && e.arbiter.get().is_some() && charge.bytes >= granularity(ordinal)
 }
 
 /// Allocates `charge.bytes` on device `ordinal` in context `context` as a VMM-backed
@@ -405,9 +427,9 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
 }
 
 /// What a swap-out did.
-struct SwappedOut {
-    bytes: u64,
-    took: Duration,
+pub(crate) struct SwappedOut {
+    pub(crate) bytes: u64,
+    pub(crate) took: Duration,
 }
 
 /// Runs `f` with `context` current on this thread.
@@ -453,7 +475,7 @@ fn free_host(host: usize, pinned: bool) {
 }
 
 /// Moves this process's burst allocations on `slice`'s device to host RAM.
-fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
+pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
     let started = Instant::now();
     let mut book = book();
     let mut resident: Vec<CUdeviceptr> = book
@@ -557,7 +579,7 @@ fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
 /// the data back; opens the gate when nothing is swapped out any more. Returns the bytes
 /// moved and the time taken. A driver that has no memory yet is asked again until it
 /// has: the process waits, it is never left with unmapped memory.
-fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
+pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
     let started = Instant::now();
     let mut book = book();
     let swapped: Vec<CUdeviceptr> = book

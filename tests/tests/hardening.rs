@@ -31,6 +31,7 @@ fn hello(group: &str, pod: &str) -> Vec<u8> {
         resolver: Resolver::Wait,
         priority: 0,
         wait_timeout_ms: 1000,
+        park_after_ms: 0,
     }
     .encode()
 }

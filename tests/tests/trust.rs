@@ -423,6 +423,7 @@ impl Raw {
             resolver: Resolver::Swap,
             priority,
             wait_timeout_ms: 100,
+            park_after_ms: 0,
         });
         assert!(matches!(raw.reply(), Reply::Welcome { .. }));
         raw
@@ -553,6 +554,7 @@ impl ForkedHolder {
             resolver: Resolver::Wait,
             priority: 0,
             wait_timeout_ms: 1000,
+            park_after_ms: 0,
         }
         .encode();
         frames.extend(
@@ -795,6 +797,7 @@ impl OrphanedConnection {
             resolver: Resolver::Wait,
             priority: 0,
             wait_timeout_ms: 100,
+            park_after_ms: 0,
         }
         .encode();
         for r in [

@@ -65,6 +65,12 @@ pub struct Metrics {
     swaps: Family<SwapLabel, Counter>,
     swap_bytes: Family<SwapLabel, Counter>,
     swap_seconds: Family<SwapLabel, Histogram>,
+    pub(crate) parks: Family<GpuLabel, Counter>,
+    pub(crate) park_bytes: Family<GpuLabel, Counter>,
+    pub(crate) park_seconds: Family<GpuLabel, Histogram>,
+    pub(crate) wakes: Family<GpuLabel, Counter>,
+    pub(crate) wake_seconds: Family<GpuLabel, Histogram>,
+    pub(crate) wake_timeouts: Family<GpuLabel, Counter>,
     registry: Registry,
 }
 
@@ -117,7 +123,7 @@ impl Metrics {
         });
         registry.register(
             "gpu_memory_bytes",
-            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), reclaiming (lent memory being taken back for the guarantees); swapped_to_host is in host RAM",
+            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), reclaiming (lent memory being taken back for the guarantees), parkable_requests (requests of parkable groups, parked or not); swapped_to_host and parked_to_host are in host RAM",
             gpu_memory.clone(),
         );
         registry.register(
@@ -127,7 +133,7 @@ impl Metrics {
         );
         registry.register(
             "group_memory_bytes",
-            "A group's request, limit, held and granted bytes",
+            "A group's request, limit, held and granted bytes, and what it keeps in host RAM (swapped_to_host, parked_to_host)",
             group_memory.clone(),
         );
         registry.register("grants", "Burst grants", grants.clone());
@@ -144,7 +150,37 @@ impl Metrics {
         registry.register("swaps", "Swaps of burst memory to host RAM (out) and back (in)", swaps.clone());
         registry.register("swap_bytes", "Bytes moved by swaps, by direction", swap_bytes.clone());
         registry.register("swap_seconds", "How long swaps took, by direction", swap_seconds.clone());
+        let parks = Family::<GpuLabel, Counter>::default();
+        let park_bytes = Family::<GpuLabel, Counter>::default();
+        let wakes = Family::<GpuLabel, Counter>::default();
+        let wake_timeouts = Family::<GpuLabel, Counter>::default();
+        let park_seconds = Family::<GpuLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0])
+        });
+        let wake_seconds = Family::<GpuLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0])
+        });
+        registry.register(
+            "parks",
+            "Members of idle parkable groups parked (memory moved to host RAM)",
+            parks.clone(),
+        );
+        registry.register("park_bytes", "Bytes moved to host RAM by parks", park_bytes.clone());
+        registry.register("park_seconds", "How long parks took", park_seconds.clone());
+        registry.register("wakes", "Parked members woken", wakes.clone());
+        registry.register(
+            "wake_seconds",
+            "How long wakes took, from the call that waited to its memory back (waiting for room included)",
+            wake_seconds.clone(),
+        );
+        registry.register("wake_timeouts", "Wakes refused after GPUFRAC_WAIT_TIMEOUT", wake_timeouts.clone());
         Metrics {
+            parks,
+            park_bytes,
+            park_seconds,
+            wakes,
+            wake_seconds,
+            wake_timeouts,
             swaps,
             swap_bytes,
             swap_seconds,
@@ -183,6 +219,8 @@ impl Metrics {
                 ("outside", g.outside),
                 ("reclaiming", g.reclaiming),
                 ("swapped_to_host", g.swapped),
+                ("parked_to_host", g.parked),
+                ("parkable_requests", g.parkable_requests),
             ] {
                 self.gpu_memory
                     .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
@@ -201,7 +239,7 @@ impl Metrics {
             // Series are per group as the ledger keys it, so tenants never merge: two users
             // naming one group, a derived group and a host client naming its own group
             // after it, processes that are not entitled (each a group of its own).
-            type Sums = (u64, u64, u64, u64, u64);
+            type Sums = (u64, u64, u64, u64, u64, u64);
             let mut groups: std::collections::BTreeMap<String, (&ProcessStatus, Sums)> = Default::default();
             for p in &g.processes {
                 let key = if p.group_key.is_empty() {
@@ -209,16 +247,17 @@ impl Metrics {
                 } else {
                     p.group_key.clone()
                 };
-                let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0)));
+                let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0, 0)));
                 e.1 .2 = e.1 .2.saturating_add(p.held);
                 e.1 .3 = e.1 .3.saturating_add(p.granted);
                 e.1 .4 = e.1 .4.saturating_add(p.host_bytes);
+                e.1 .5 = e.1 .5.saturating_add(p.parked_bytes);
             }
             let mut keys_of: std::collections::HashMap<&str, usize> = Default::default();
             for (_, (p, _)) in groups.iter() {
                 *keys_of.entry(p.group.as_str()).or_default() += 1;
             }
-            for (key, (p, (request, limit, held, granted, host))) in &groups {
+            for (key, (p, (request, limit, held, granted, host, parked))) in &groups {
                 let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
@@ -227,6 +266,7 @@ impl Metrics {
                     ("held", held),
                     ("granted", granted),
                     ("swapped_to_host", host),
+                    ("parked_to_host", *parked),
                 ] {
                     let labels = GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(gauge(v));

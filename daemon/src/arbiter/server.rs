@@ -41,6 +41,9 @@ use crate::entitlement::identity::{self, Pidfd};
 use crate::entitlement::{believe_hello, believe_register, Entitlements, Identity, NoPolicy};
 use crate::status::{Document, Event, EventKind, EventLog, QueuedBurst, Status};
 
+mod parking;
+pub use parking::ParkWith;
+
 /// Longest wait a shim may ask for.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// How often waiters are checked against their deadlines.
@@ -125,6 +128,11 @@ pub struct Options {
     /// Members of this group (besides root) see every tenant in `gpufrac status`
     /// (`--admin-group`).
     pub admin_gid: Option<u32>,
+    /// How far the requests of parkable groups on a GPU may add up past what the other
+    /// groups leave (`--oversubscribe`, 1: not past it).
+    pub oversubscribe: f64,
+    /// How parks move memory (`--park-with`).
+    pub park_with: ParkWith,
 }
 
 impl Default for Options {
@@ -139,6 +147,8 @@ impl Default for Options {
             hello_timeout: Duration::from_secs(5),
             register_timeout: Duration::from_secs(30),
             admin_gid: None,
+            oversubscribe: 1.0,
+            park_with: ParkWith::Auto,
         }
     }
 }
@@ -183,6 +193,9 @@ pub struct Shared {
     /// Bursts queued and not answered yet, by connection and sequence number: what the
     /// status lists as waiting (with what each needs).
     queued: Mutex<HashMap<(ConnId, u64), Queued>>,
+    /// The driver's checkpoint API, once loaded (`None`: not available; parks use the
+    /// shim's swap).
+    checkpoint_api: std::sync::OnceLock<Option<Arc<crate::checkpoint::CheckpointApi>>>,
 }
 
 /// A burst queued, as the server saw it go in.
@@ -278,6 +291,7 @@ impl Shared {
         let mut policy = Policy::new(gpus);
         policy.set_swap_limit(options.swap_limit);
         policy.set_reclaim_grace(options.reclaim_grace);
+        policy.set_oversubscribe(options.oversubscribe);
         Arc::new(Shared {
             processes,
             options,
@@ -299,6 +313,7 @@ impl Shared {
             connection_log: Mutex::new(RateLimiter::new(CONNECTION_LINES_PER_SECOND, Duration::from_secs(1))),
             events: Mutex::new(EventLog::new(EVENTS_KEPT)),
             queued: Mutex::new(HashMap::new()),
+            checkpoint_api: std::sync::OnceLock::new(),
         })
     }
 
@@ -984,6 +999,7 @@ async fn expire_waiters(shared: Arc<Shared>) {
         }
         shared.resolve_swap();
         shared.reclaim_guarantees();
+        shared.park_step();
     }
 }
 
@@ -1093,6 +1109,8 @@ async fn handle(
         tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
     shared.deliver(answers);
+    // What it held may wake a parked group.
+    shared.park_step();
     // The connection stops counting against its UID only now.
     drop(counted);
 }
@@ -1241,7 +1259,7 @@ fn on_frame(
                 reply(out, &Reply::Status { json });
                 Ok(Flow::Close)
             }
-            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms } => {
+            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms, park_after_ms } => {
                 // Names reach logs and `gpufrac status`: nothing but the characters the
                 // shim allows is accepted.
                 check_group(&group)?;
@@ -1279,7 +1297,11 @@ fn on_frame(
                     signalable,
                     entitlement: believed.entitlement,
                     capped: believed.capped.join(", "),
+                    park_after: (park_after_ms > 0).then(|| Duration::from_millis(park_after_ms)),
                 };
+                if park_after_ms > 0 {
+                    shared.parkable_hello();
+                }
                 let mut policy = shared.policy();
                 policy.hello(conn, peer);
                 if !signalable {
@@ -1321,16 +1343,18 @@ fn on_frame(
             let result =
                 shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
             match result {
-                Ok(()) => {
+                Ok(parked) => {
                     c.registered = true;
                     if shared.connection_line(uid).is_some() {
                         tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
                     }
                     let (request, limit) =
                         shared.policy().group_of(conn, &device).unwrap_or((request, limit));
-                    reply(out, &Reply::Registered { device, request, limit });
-                    // Its request may be lent out: take it back now.
+                    reply(out, &Reply::Registered { device, request, limit, parked });
+                    // Its request may be lent out: take it back now (or parked groups
+                    // crowd it: park them).
                     shared.reclaim_guarantees();
+                    shared.park_step();
                 }
                 Err(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
@@ -1404,6 +1428,15 @@ fn on_frame(
             let answers = shared.policy().swapped(conn, device, granted, host_bytes, held, Instant::now());
             shared.deliver(answers);
         }
+        Request::Parked { device, host_bytes, held, micros } => {
+            shared.on_parked((conn, pid), device, host_bytes, held, micros);
+        }
+        Request::Wake { seq, device } => {
+            if let Some(answer) = shared.on_wake((conn, pid), seq, device) {
+                reply(out, &answer);
+            }
+        }
+        Request::Woken { device, held, micros } => shared.on_woken((conn, pid), device, held, micros),
         other => return Err(format!("unexpected {other:?} after Hello")),
     }
     Ok(Flow::Continue)
@@ -1480,6 +1513,7 @@ mod tests {
             signalable: true,
             entitlement: String::new(),
             capped: String::new(),
+            park_after: None,
         };
         shared.policy().hello(1, peer);
         let victim = Victim { conn: 1, pid: child.0.id(), group: "g".into(), bytes: 1, why: "test".into() };

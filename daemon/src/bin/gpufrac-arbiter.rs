@@ -50,6 +50,17 @@ struct Args {
     /// bursts wait.
     #[arg(long, default_value = "50%")]
     swap_limit: String,
+    /// Parking: how far the requests of parkable groups (GPUFRAC_PARK_AFTER) on a GPU
+    /// may add up past what the other groups' requests leave, as a ratio (1 to 1000; 1:
+    /// not past it). Idle parkable groups are parked in host RAM (within --swap-limit)
+    /// when the room is wanted, and woken at their next CUDA call.
+    #[arg(long, value_name = "RATIO", default_value = "1")]
+    oversubscribe: String,
+    /// Parking: how a parked process's memory moves to host RAM: `checkpoint` (the
+    /// driver's checkpoint API, CUDA 12.8+, by PID), `shim` (the shim's own swap), or
+    /// `auto` (checkpoint where the driver has it).
+    #[arg(long, value_name = "HOW", default_value = "auto")]
+    park_with: String,
     /// Most connections open at once from one UID (1 to 1048576). Past it, the oldest
     /// connection of that UID that has not said who it is is closed to make room, or
     /// the new one is refused.
@@ -278,6 +289,17 @@ fn run(args: Args) -> Result<()> {
             n => bail!("--max-connections-per-uid {n}: expected 1 to 1048576 connections"),
         },
         admin_gid: args.admin_group.as_deref().map(admin_gid).transpose()?,
+        oversubscribe: match args.oversubscribe.trim().parse::<f64>() {
+            Ok(ratio) if (1.0..=1000.0).contains(&ratio) => ratio,
+            _ => bail!(
+                "--oversubscribe {:?}: expected a ratio from 1 (no oversubscription) to 1000, such as 3",
+                args.oversubscribe
+            ),
+        },
+        park_with: args
+            .park_with
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--park-with {:?}: {e}", args.park_with))?,
         ..server::Options::default()
     };
     if args.shares_per_gpu == Some(0) {
@@ -320,6 +342,12 @@ fn run(args: Args) -> Result<()> {
         };
         let shared =
             server::Shared::entitled(&gpus, options, Box::new(server::Signals), processes, entitlements);
+        if options.park_with == server::ParkWith::Checkpoint {
+            shared.require_checkpoint_api().map_err(anyhow::Error::msg)?;
+        }
+        if options.oversubscribe > 1.0 {
+            tracing::info!(ratio = options.oversubscribe, "parkable groups may oversubscribe each GPU");
+        }
         let listener = tokio::net::UnixListener::from_std(listener)?;
         if let Some(addr) = args.metrics {
             let tcp = tokio::net::TcpListener::bind(addr)

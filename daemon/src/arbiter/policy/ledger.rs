@@ -16,7 +16,8 @@ impl Policy {
     /// Registers `conn` on a device. A new group is admitted if its request fits beside
     /// the other groups' requests and the memory used outside gpufrac: memory lent out is
     /// a loan and never keeps a request out (it is taken back, see `reclaim`). A process
-    /// re-registering after an arbiter restart keeps what it holds.
+    /// re-registering after an arbiter restart keeps what it holds. A parkable group is
+    /// admitted under its own rule (see [`super::park`]); `Ok(true)`: admitted parked.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
@@ -28,7 +29,7 @@ impl Policy {
         held: u64,
         granted: u64,
         host_bytes: u64,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let peer = self.peers.get(&conn).ok_or("Register before Hello")?.clone();
         let gpu = self
             .gpus
@@ -77,15 +78,41 @@ impl Policy {
                 gib(gpu.total),
             )
         };
+        let now = Instant::now();
+        let mut parked = false;
         match gpu.groups.get(&peer.group) {
             None => {
-                let committed = gpu.guaranteed().saturating_add(outside);
-                if request > 0 && committed.saturating_add(request) > gpu.total {
-                    return Err(refuse(gpu, request));
+                // A process coming back with memory it holds (after a restart) is resident
+                // whatever it declares: it is admitted as one that is never parked.
+                let park_after = peer.park_after.filter(|_| held == 0);
+                if park_after.is_some() {
+                    let rule = (self.oversubscribe, self.swap_limit);
+                    parked = Self::admit_parkable(gpu, &device, request, outside, rule)?;
+                } else {
+                    // Resident parkable groups do not keep a firm request out: they are
+                    // parked for it.
+                    let committed =
+                        gpu.guaranteed().saturating_sub(parkable_reserved(gpu)).saturating_add(outside);
+                    if request > 0 && committed.saturating_add(request) > gpu.total {
+                        return Err(refuse(gpu, request));
+                    }
                 }
                 gpu.groups.insert(
                     peer.group.clone(),
-                    Group { request, limit, uid: peer.uid, members: BTreeMap::new(), last_ask: None },
+                    Group {
+                        request,
+                        limit,
+                        uid: peer.uid,
+                        members: BTreeMap::new(),
+                        last_ask: None,
+                        park_after,
+                        park: if parked { super::park::GroupPark::Parked } else { Default::default() },
+                        active_since: now,
+                        parks: 0,
+                        wakes: 0,
+                        last_park: std::time::Duration::ZERO,
+                        last_wake: std::time::Duration::ZERO,
+                    },
                 );
             }
             Some(group) if group.uid != peer.uid => {
@@ -97,6 +124,11 @@ impl Policy {
                     crate::entitlement::shown_group(&peer.group),
                     group.uid
                 ));
+            }
+            Some(group) if group.park == super::park::GroupPark::Parked => {
+                // A member joining a parked group is parked with it (nothing of it is on
+                // the device yet); its request cannot grow the group's.
+                parked = held == 0;
             }
             Some(group) => {
                 // The first member does not fix the group for the others: a larger request
@@ -131,10 +163,14 @@ impl Policy {
         // and what the node's swap limit leaves.
         let granted = granted.min(group.room()).min(available);
         let host_bytes = host_bytes.min(group.limit).min(self.swap_limit.saturating_sub(host_now));
-        group.members.insert(conn, Member::new(held, granted, host_bytes, Instant::now()));
+        let mut member = Member::new(held, granted, host_bytes, now);
+        if parked {
+            member.park = super::park::MemberPark::Parked;
+        }
+        group.members.insert(conn, member);
         // Its memory is in the ledger now, no longer outside it.
         gpu.outside.retain(|&(pid, _)| pid != peer.pid);
-        Ok(())
+        Ok(parked)
     }
 
     /// Host RAM committed to swapped-out memory on the node (as [`Policy::host_committed`]
@@ -231,6 +267,7 @@ impl Policy {
         let mut grants = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
             gpu.queue.retain(|w| w.conn != conn);
+            gpu.wakers.retain(|w| w.conn != conn);
             let owed = gpu.open_debt();
             for group in gpu.groups.values_mut() {
                 // A borrower that exits while a guarantee is owed gives its loan back (one
@@ -244,9 +281,20 @@ impl Policy {
             }
             gpu.groups.retain(|_, g| !g.members.is_empty());
             grants.extend(Self::drain(device, gpu, now));
+            // Wakes that now fit are served at the arbiter's next look (`drain_all_wakes`).
         }
         grants
     }
+}
+
+/// What the resident parkable groups on `gpu` reserve: a firm request is admitted beside
+/// the other firm requests only, those groups are parked for it.
+fn parkable_reserved(gpu: &super::Gpu) -> u64 {
+    gpu.groups
+        .values()
+        .filter(|g| g.park_after.is_some() && g.park != super::park::GroupPark::Parked)
+        .map(|g| g.request)
+        .sum()
 }
 
 #[cfg(test)]

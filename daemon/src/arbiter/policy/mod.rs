@@ -8,7 +8,10 @@
 //! what no request reserves, never past a group's limit, in an order that can never
 //! deadlock ([`wait`]); the requester's resolver decides what else a colliding burst may
 //! do: end lower-priority or idle holders ([`priority`]) or move a holder's burst memory to
-//! host RAM ([`swap`]). [`ledger`] keeps who holds what.
+//! host RAM ([`swap`]). [`ledger`] keeps who holds what. Parkable groups (`GPUFRAC_PARK_AFTER`)
+//! may be admitted past the GPU up to `--oversubscribe`; idle ones are parked (their whole
+//! memory moved to host RAM, their request no longer reserved) when a wake or a guarantee
+//! needs the room, and woken at their next call ([`park`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -19,6 +22,7 @@ use gpufrac_common::Resolver;
 use crate::status::{GpuStatus, ProcessStatus, Status};
 
 mod ledger;
+mod park;
 mod priority;
 #[cfg(test)]
 mod props;
@@ -26,6 +30,7 @@ mod reclaim;
 mod swap;
 mod wait;
 
+pub use park::{ParkOrder, WakeAnswer, WakeOutcome};
 pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
 
 /// A connection (one shim process).
@@ -62,6 +67,8 @@ pub struct Peer {
     pub entitlement: String,
     /// What it declared beyond its entitlement, if anything.
     pub capped: String,
+    /// Idle this long, its group may be parked (`GPUFRAC_PARK_AFTER`); `None`: never.
+    pub park_after: Option<Duration>,
 }
 
 /// A process chosen to be ended: for a priority burst, or to give a guarantee its memory.
@@ -127,6 +134,16 @@ struct Member {
     waited: Duration,
     /// Time spent swapped out, swap-ins already done.
     swapped_for: Duration,
+    /// Where its memory is, for a parkable group.
+    park: park::MemberPark,
+    /// Bytes of its memory in host RAM while parked.
+    parked_bytes: u64,
+    /// Burst bytes it held when parked: what its wake lends it again.
+    parked_grant: u64,
+    /// Parked by the arbiter with the driver's checkpoint API (its wake restores it).
+    checkpointed: bool,
+    /// Since when its wake has waited, while it waits.
+    wake_asked: Option<Instant>,
 }
 
 /// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,
@@ -147,11 +164,8 @@ impl Member {
     /// Host RAM it takes: what it keeps there, or, while it is being told to swap out,
     /// what it was lent (what it is about to move there).
     fn host_committed(&self) -> u64 {
-        if self.residency == Residency::SwappingOut {
-            self.granted
-        } else {
-            self.host_bytes
-        }
+        let swapped = if self.residency == Residency::SwappingOut { self.granted } else { self.host_bytes };
+        swapped.saturating_add(self.parked_bytes)
     }
 
     fn new(held: u64, granted: u64, host_bytes: u64, now: Instant) -> Member {
@@ -179,6 +193,17 @@ struct Group {
     /// When a member last asked for burst memory: a group that asked lately is growing,
     /// and may ask for everything up to its limit.
     last_ask: Option<Instant>,
+    /// Idle this long, it may be parked; `None`: never.
+    park_after: Option<Duration>,
+    /// Where its memory is (always resident for groups that are not parkable).
+    park: park::GroupPark,
+    /// When it was admitted or last woken: idleness counts from here at the earliest.
+    active_since: Instant,
+    /// Parks and wakes so far, and how long the last ones took.
+    parks: u64,
+    wakes: u64,
+    last_park: Duration,
+    last_wake: Duration,
 }
 
 impl Group {
@@ -220,6 +245,8 @@ struct Gpu {
     total: u64,
     groups: BTreeMap<String, Group>,
     queue: VecDeque<Waiter>,
+    /// Parked members whose wake waits for room, in order.
+    wakers: VecDeque<park::Waker>,
     /// When a burst was last granted or queued here.
     last_busy: Instant,
     /// Processes NVML lists on this GPU that are not registered here, with the memory
@@ -258,9 +285,11 @@ pub struct Repaid {
 const RECONNECT_GRACE: Duration = Duration::from_secs(5);
 
 impl Gpu {
+    /// What the groups' requests reserve on the device: a parked group's request is not
+    /// reserved, only what it left there.
     fn guaranteed(&self) -> u64 {
         // Saturating: reports are capped at the GPU's size, but a sum must never wrap.
-        self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.request))
+        self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.reserved()))
     }
     fn burst(&self) -> u64 {
         self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.granted()))
@@ -277,9 +306,12 @@ impl Gpu {
     fn room(&self) -> i128 {
         self.total as i128 - self.guaranteed() as i128 - self.burst() as i128 - self.outside() as i128
     }
-    /// What the guarantees are owed: lent memory that must come back.
+    /// What the guarantees are owed: lent memory that must come back. Requests of
+    /// resident parkable groups that crowd out other guarantees are not owed by
+    /// borrowers: parking those groups pays that part ([`park`]).
     fn shortfall(&self) -> u64 {
-        (-self.room()).clamp(0, u64::MAX as i128) as u64
+        let owed = (-self.room()).clamp(0, u64::MAX as i128) as u64;
+        owed.saturating_sub(self.crowding().min(self.parkable_resident()))
     }
     /// What the guarantees are owed beyond what is on its way back already (holders being
     /// ended or swapped out for it): what a borrower giving back now pays.
@@ -338,6 +370,11 @@ pub struct Policy {
     /// How long borrowers may give back what a guarantee is owed before holders are ended
     /// (`--reclaim-grace`).
     reclaim_grace: Duration,
+    /// How far the requests of parkable groups on a GPU may add up past what the other
+    /// groups leave (`--oversubscribe`, 1: not past it).
+    oversubscribe: f64,
+    /// Parks use the driver's checkpoint API (the arbiter has it), else the shim's swap.
+    checkpoint: bool,
 }
 
 pub use gpufrac_common::gpu_uuid::format as uuid_string;
@@ -358,6 +395,7 @@ impl Policy {
                         total,
                         groups: BTreeMap::new(),
                         queue: VecDeque::new(),
+                        wakers: VecDeque::new(),
                         last_busy: now,
                         outside: Vec::new(),
                         seen: HashMap::new(),
@@ -373,6 +411,8 @@ impl Policy {
             peers: HashMap::new(),
             swap_limit: u64::MAX,
             reclaim_grace: reclaim::DEFAULT_RECLAIM_GRACE,
+            oversubscribe: 1.0,
+            checkpoint: false,
         }
     }
 
@@ -463,10 +503,11 @@ impl Policy {
                     let Some(peer) = self.peers.get(&conn) else { continue };
                     let Some(group) = gpu.groups.get(name) else { continue };
                     let waiting = gpu.waiter(conn);
-                    let state = match (m.residency, waiting) {
-                        (Residency::Swapped | Residency::SwappingOut, _) => "swapped",
-                        (Residency::Resident, Some(_)) => "waiting",
-                        (Residency::Resident, None) => "running",
+                    let state = match (m.park.shown(m.wake_asked.is_some()), m.residency, waiting) {
+                        (Some(parked), _, _) => parked,
+                        (None, Residency::Swapped | Residency::SwappingOut, _) => "swapped",
+                        (None, Residency::Resident, Some(_)) => "waiting",
+                        (None, Residency::Resident, None) => "running",
                     };
                     let waited = m.waited + waiting.map_or(Duration::ZERO, |w| now - w.since);
                     let swapped = m.swapped_for
@@ -489,6 +530,12 @@ impl Policy {
                         entitlement: peer.entitlement.clone(),
                         capped: peer.capped.clone(),
                         group_key: name.clone(),
+                        park_after_ms: group.park_after.map_or(0, |d| d.as_millis().max(1) as u64),
+                        parked_bytes: m.parked_bytes,
+                        parks: group.parks,
+                        wakes: group.wakes,
+                        last_park_ms: group.last_park.as_millis() as u64,
+                        last_wake_ms: group.last_wake.as_millis() as u64,
                     });
                 }
                 GpuStatus {
@@ -504,6 +551,9 @@ impl Policy {
                     repaid_ended: gpu.repaid.ended,
                     waiting: gpu.queue.len(),
                     swapped: gpu.members().map(|(_, _, m)| m.host_bytes).sum(),
+                    parked: gpu.members().map(|(_, _, m)| m.parked_bytes).sum(),
+                    parkable_requests: gpu.parkable_requests(),
+                    waking: gpu.wakers.len(),
                     processes,
                     truncated: 0,
                 }
@@ -536,6 +586,7 @@ mod testing {
             signalable: true,
             entitlement: String::new(),
             capped: String::new(),
+            park_after: None,
         }
     }
 

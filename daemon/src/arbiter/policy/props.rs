@@ -236,6 +236,7 @@ impl Case {
                     signalable: self.rng.chance(90),
                     entitlement: String::new(),
                     capped: String::new(),
+                    park_after: None,
                 };
                 self.note(format!("hello {conn} {peer:?}"));
                 self.policy.hello(conn, peer);

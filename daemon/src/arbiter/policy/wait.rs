@@ -213,7 +213,8 @@ impl Policy {
             return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
-        if gpu.queue.is_empty() {
+        // While parked groups wait to be woken nothing new is lent (see `park`).
+        if gpu.queue.is_empty() && gpu.wakers.is_empty() {
             if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
                 if let Some(g) = gpu.groups.get_mut(&group) {
                     g.last_ask = Some(now);
@@ -312,6 +313,10 @@ impl Policy {
             // registration reserved memory they need) are answered now, wherever they are
             // in the queue: none of them blocks those behind it until its deadline.
             Self::refuse_hopeless(device, gpu, now, &mut answers);
+            if !gpu.wakers.is_empty() {
+                // Wakes first: they are guarantees coming back, bursts are loans.
+                break;
+            }
             let Some(head) = gpu.queue.front() else { break };
             // While others wait, a burst is lent what it needs, not a chunk more: memory
             // lent as slack would keep the next in line waiting.

@@ -1,0 +1,572 @@
+//! Parking idle models. A parkable group (`GPUFRAC_PARK_AFTER`) may be admitted past the
+//! GPU, up to `--oversubscribe` times what the other groups' requests and memory outside
+//! gpufrac leave, within the host RAM `--swap-limit` allows. One that does not fit when it
+//! registers is admitted *parked*: nothing of it is on the device and its request is not
+//! reserved. A parked group's first call waits at its gate and asks to be woken; the wake
+//! is served in order once the group's request and what it borrowed fit in free memory.
+//! When a wake (or a non-parkable guarantee) needs room, resident parkable groups are
+//! parked, least recently active first: for a wake only those idle for their
+//! `GPUFRAC_PARK_AFTER`; for a non-parkable guarantee crowded out by parkable requests, any
+//! of them (a parkable request is never guaranteed against a non-parkable one). Parked
+//! groups borrow nothing; their members' memory is in host RAM (moved by the shim, or by
+//! the arbiter with the driver's checkpoint API) and comes back at the same addresses.
+//! A wake waits at most the group's `GPUFRAC_WAIT_TIMEOUT`, then is refused (`Timeout`):
+//! the waiting call fails with out-of-memory and the next one asks again. While wakes
+//! wait, no new burst is lent: wakes are guarantees coming back, bursts are loans.
+
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{Denial, DeviceId};
+
+use super::{gib, uuid_string, ConnId, Gpu, Group, Policy};
+
+/// How long a member told to park may take to answer before the park is given up.
+const PARK_ANSWER_WAIT: Duration = Duration::from_secs(60);
+
+/// Where a parkable group's memory is.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GroupPark {
+    /// On the device: its request is reserved.
+    #[default]
+    Resident,
+    /// Its members were told to park; their answers are awaited (still reserved).
+    Parking {
+        /// Since when.
+        since: Instant,
+    },
+    /// Every member's memory is in host RAM, or was never on the device: its request is
+    /// not reserved.
+    Parked,
+}
+
+/// Where a member's memory is.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MemberPark {
+    /// On the device.
+    #[default]
+    Resident,
+    /// Told to park (or, for a checkpoint, its gate is closing); the answer is awaited.
+    Parking,
+    /// In host RAM.
+    Parked,
+    /// Its wake was granted: its memory is coming back.
+    Waking,
+}
+
+impl MemberPark {
+    /// The state `gpufrac status` shows, for a member that is not simply resident.
+    pub(super) fn shown(self, wake_waits: bool) -> Option<&'static str> {
+        match self {
+            MemberPark::Resident => None,
+            MemberPark::Parking => Some("parking"),
+            MemberPark::Parked if wake_waits => Some("waking"),
+            MemberPark::Parked => Some("parked"),
+            MemberPark::Waking => Some("waking"),
+        }
+    }
+}
+
+/// A parked member's wake, waiting for room.
+#[derive(Debug, Clone)]
+pub(super) struct Waker {
+    pub(super) conn: ConnId,
+    group: String,
+    seq: u64,
+    since: Instant,
+    deadline: Instant,
+}
+
+/// A member to park: the server tells its shim (and checkpoints it, with `checkpoint`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkOrder {
+    /// Its connection.
+    pub conn: ConnId,
+    /// The GPU.
+    pub device: DeviceId,
+    /// Its PID.
+    pub pid: u32,
+    /// Its group.
+    pub group: String,
+    /// What its group frees on the GPU by parking (request and loans).
+    pub bytes: u64,
+    /// The arbiter moves its memory with the driver's checkpoint API.
+    pub checkpoint: bool,
+    /// Why: for a wake, or for a guarantee.
+    pub why: &'static str,
+}
+
+/// What a wake gets at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeOutcome {
+    /// Woken: its memory may come back, `bytes` of it lent as a burst. With `restore`,
+    /// the arbiter restores the checkpointed process before answering.
+    Woken {
+        /// Burst bytes it holds again.
+        bytes: u64,
+        /// The arbiter restores it with the driver's checkpoint API first.
+        restore: bool,
+    },
+    /// Waits for room: a `WakeAnswer` follows.
+    Queued,
+    /// Refused.
+    Denied(Denial),
+}
+
+/// A queued wake, decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WakeAnswer {
+    /// To whom.
+    pub conn: ConnId,
+    /// The wake's sequence number.
+    pub seq: u64,
+    /// The GPU.
+    pub device: DeviceId,
+    /// How long it waited.
+    pub waited: Duration,
+    /// Woken (burst bytes lent again, whether to restore a checkpoint first) or refused.
+    pub result: Result<(u64, bool), Denial>,
+}
+
+impl Group {
+    /// What its request reserves on the device: all of it, unless it is parked (then only
+    /// what its members left there).
+    pub(super) fn reserved(&self) -> u64 {
+        match self.park {
+            GroupPark::Parked => self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held)),
+            _ => self.request,
+        }
+    }
+
+    /// What parking it frees on the device: its request and its loans.
+    fn footprint(&self) -> u64 {
+        self.request.saturating_add(self.granted())
+    }
+
+    /// What waking it takes on the device: its request less what it left there, and what
+    /// its parked members borrowed.
+    fn wake_need(&self) -> u64 {
+        let lent: u64 = self.members.values().map(|m| m.parked_grant).sum();
+        match self.park {
+            GroupPark::Parked => self.request.saturating_sub(self.reserved()).saturating_add(lent),
+            _ => lent,
+        }
+    }
+
+    /// When it was last active: a member's last launch, copy or set, its admission or
+    /// its last wake.
+    fn last_active(&self, policy_peers: &std::collections::HashMap<ConnId, super::Peer>) -> Instant {
+        self.members
+            .keys()
+            .filter_map(|c| policy_peers.get(c).map(|p| p.last_active))
+            .fold(self.active_since, Instant::max)
+    }
+}
+
+impl Gpu {
+    /// Sum of the parkable groups' requests, parked or not.
+    pub(super) fn parkable_requests(&self) -> u64 {
+        self.groups.values().filter(|g| g.park_after.is_some()).map(|g| g.request).sum()
+    }
+
+    /// Sum of the requests of groups that are never parked.
+    fn firm_requests(&self) -> u64 {
+        self.groups.values().filter(|g| g.park_after.is_none()).map(|g| g.request).sum()
+    }
+
+    /// What the parkable groups on the device (resident or parking) hold or reserve.
+    pub(super) fn parkable_resident(&self) -> u64 {
+        self.groups
+            .values()
+            .filter(|g| g.park_after.is_some() && g.park != GroupPark::Parked)
+            .map(|g| g.footprint())
+            .sum()
+    }
+
+    /// How far the reserved requests and memory outside gpufrac pass the GPU: what
+    /// parking resident parkable groups must free for the other guarantees.
+    pub(super) fn crowding(&self) -> u64 {
+        (self.guaranteed() as i128 + self.outside() as i128 - self.total as i128).clamp(0, u64::MAX as i128)
+            as u64
+    }
+
+    /// What the parks under way free once answered.
+    fn parking(&self) -> u64 {
+        self.groups
+            .values()
+            .filter(|g| matches!(g.park, GroupPark::Parking { .. }))
+            .map(|g| g.footprint())
+            .sum()
+    }
+
+    /// Wakes `conn` of `group` if it fits now: returns the burst bytes it holds again and
+    /// whether its memory is to be restored from a checkpoint.
+    fn try_wake(&mut self, group: &str, conn: ConnId, now: Instant) -> Option<(u64, bool)> {
+        let room = self.room();
+        let g = self.groups.get_mut(group)?;
+        if matches!(g.park, GroupPark::Parking { .. }) {
+            return None;
+        }
+        if g.park == GroupPark::Parked {
+            if g.wake_need() as i128 > room {
+                return None;
+            }
+            // The whole group's request is reserved again, and what each member borrowed
+            // is lent again (members not yet back come back with their first call).
+            g.park = GroupPark::Resident;
+            g.active_since = now;
+            g.wakes += 1;
+            for m in g.members.values_mut().filter(|m| m.park == MemberPark::Parked) {
+                m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
+            }
+        } else {
+            let m = g.members.get(&conn)?;
+            if m.parked_grant as i128 > room {
+                return None;
+            }
+        }
+        let m = g.members.get_mut(&conn)?;
+        m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
+        m.park = MemberPark::Waking;
+        Some((m.granted, m.checkpointed))
+    }
+}
+
+impl Policy {
+    /// Sets how far parkable groups' requests may add up past the GPU (`--oversubscribe`).
+    pub fn set_oversubscribe(&mut self, ratio: f64) {
+        self.oversubscribe = ratio.max(1.0);
+    }
+
+    /// Parks use the driver's checkpoint API from now on (the arbiter loaded it).
+    pub fn set_checkpoint(&mut self, available: bool) {
+        self.checkpoint = available;
+    }
+
+    /// Admission of a new parkable group's `request` on `gpu`: refused past the
+    /// oversubscription or the host RAM it would take parked; `Ok(true)` if admitted
+    /// parked (no room on the device now).
+    pub(super) fn admit_parkable(
+        gpu: &Gpu,
+        device: &DeviceId,
+        request: u64,
+        outside: u64,
+        (oversubscribe, swap_limit): (f64, u64),
+    ) -> Result<bool, String> {
+        let room_for_parkable = gpu.total.saturating_sub(gpu.firm_requests()).saturating_sub(outside);
+        let parkable = gpu.parkable_requests().saturating_add(request);
+        let most = (room_for_parkable as f64 * oversubscribe) as u64;
+        if parkable > most {
+            return Err(format!(
+                "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: the parkable groups' requests would add up to {}, past {} (--oversubscribe {} times the {} that other requests and memory outside gpufrac leave)",
+                gib(request),
+                uuid_string(device),
+                gib(parkable),
+                gib(most),
+                oversubscribe,
+                gib(room_for_parkable),
+            ));
+        }
+        // At worst everything the device cannot hold is parked in host RAM at once.
+        let parked_at_most = parkable.saturating_sub(room_for_parkable);
+        if parked_at_most > swap_limit {
+            return Err(format!(
+                "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: parked groups could need {} of host RAM, past --swap-limit ({})",
+                gib(request),
+                uuid_string(device),
+                gib(parked_at_most),
+                gib(swap_limit),
+            ));
+        }
+        Ok(gpu.guaranteed().saturating_add(outside).saturating_add(request) > gpu.total)
+    }
+
+    /// Decides which resident parkable groups to park now: for the first waiting wake
+    /// (idle groups only) and for non-parkable guarantees crowded out (any parkable
+    /// group), least recently active first. Marks them parking and returns one order per
+    /// member.
+    pub fn plan_parks(&mut self, now: Instant) -> Vec<ParkOrder> {
+        let mut orders = Vec::new();
+        let devices_of = |conn: ConnId, gpus: &std::collections::BTreeMap<DeviceId, Gpu>| {
+            gpus.values().filter(|g| g.groups.values().any(|gr| gr.members.contains_key(&conn))).count()
+        };
+        let counts: std::collections::HashMap<ConnId, usize> = self
+            .gpus
+            .values()
+            .flat_map(|g| g.members().map(|(_, c, _)| c))
+            .map(|c| (c, devices_of(c, &self.gpus)))
+            .collect();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            self::give_up_late_parks(gpu, now);
+            let parking = gpu.parking() as i128;
+            let waker_group = gpu.wakers.front().map(|w| w.group.clone());
+            let for_wake = match &waker_group {
+                Some(name) => gpu.groups.get(name).map_or(0, |g| g.wake_need() as i128 - gpu.room()),
+                None => 0,
+            };
+            let crowded = gpu.crowding().min(gpu.parkable_resident()) as i128;
+            let (mut for_wake, mut crowded) = (for_wake - parking, crowded - parking);
+            if for_wake <= 0 && crowded <= 0 {
+                continue;
+            }
+            let busy: Vec<&str> = gpu
+                .queue
+                .iter()
+                .map(|w| w.group.as_str())
+                .chain(gpu.wakers.iter().map(|w| w.group.as_str()))
+                .collect();
+            let mut candidates: Vec<(Instant, String, bool)> = gpu
+                .groups
+                .iter()
+                .filter(|(name, g)| {
+                    g.park_after.is_some()
+                        && g.park == GroupPark::Resident
+                        && g.members.values().all(|m| m.park == MemberPark::Resident)
+                        && !busy.contains(&name.as_str())
+                })
+                .map(|(name, g)| {
+                    let last = g.last_active(&self.peers);
+                    let idle = g.park_after.is_some_and(|after| now.saturating_duration_since(last) >= after);
+                    (last, name.clone(), idle)
+                })
+                .collect();
+            candidates.sort();
+            for (_, name, idle) in candidates {
+                let why = if crowded > 0 {
+                    "for a guarantee"
+                } else if for_wake > 0 && idle {
+                    "for a wake"
+                } else {
+                    continue;
+                };
+                let Some(g) = gpu.groups.get_mut(&name) else { continue };
+                let bytes = g.footprint();
+                g.park = GroupPark::Parking { since: now };
+                for (&conn, m) in g.members.iter_mut() {
+                    m.park = MemberPark::Parking;
+                    m.checkpointed = self.checkpoint && counts.get(&conn) == Some(&1);
+                    let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
+                    orders.push(ParkOrder {
+                        conn,
+                        device,
+                        pid,
+                        group: name.clone(),
+                        bytes,
+                        checkpoint: m.checkpointed,
+                        why,
+                    });
+                }
+                (for_wake, crowded) = (for_wake - bytes as i128, crowded - bytes as i128);
+                if for_wake <= 0 && crowded <= 0 {
+                    break;
+                }
+            }
+        }
+        orders
+    }
+
+    /// Whether `conn` is being parked on `device` by the arbiter's checkpoint (its shim
+    /// closed its gate: the arbiter checkpoints it now).
+    pub fn parks_by_checkpoint(&self, conn: ConnId, device: &DeviceId) -> bool {
+        let Some(peer) = self.peers.get(&conn) else { return false };
+        self.gpus
+            .get(device)
+            .and_then(|gpu| gpu.groups.get(&peer.group)?.members.get(&conn))
+            .is_some_and(|m| m.park == MemberPark::Parking && m.checkpointed)
+    }
+
+    /// `conn`'s memory on `device` is parked: `host_bytes` in host RAM, `held` left on the
+    /// device. Returns the bursts and wakes that now fit.
+    pub fn parked(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        host_bytes: u64,
+        held: u64,
+        now: Instant,
+    ) -> (Vec<super::Answer>, Vec<WakeAnswer>) {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return (Vec::new(), Vec::new()) };
+        let total = gpu.total;
+        let Some(g) = gpu.groups.get_mut(&group) else { return (Vec::new(), Vec::new()) };
+        let Some(m) = g.members.get_mut(&conn) else { return (Vec::new(), Vec::new()) };
+        if m.park != MemberPark::Parking {
+            // Not asked (or asked and given up): the report still says where it is.
+            tracing::debug!(conn, "a park report nobody asked for");
+        }
+        m.park = MemberPark::Parked;
+        m.parked_bytes = host_bytes;
+        m.held = held.min(total);
+        m.parked_grant = m.parked_grant.saturating_add(std::mem::take(&mut m.granted));
+        if let GroupPark::Parking { since } = g.park {
+            if g.members.values().all(|m| m.park == MemberPark::Parked) {
+                g.park = GroupPark::Parked;
+                g.parks += 1;
+                g.last_park = now.saturating_duration_since(since);
+            }
+        }
+        let wakes = Self::drain_wakers(device, gpu, now);
+        (Self::drain(device, gpu, now), wakes)
+    }
+
+    /// `conn` did not park on `device` after all (it was busy, or its checkpoint failed):
+    /// its group is resident again.
+    pub fn park_given_up(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        held: u64,
+        now: Instant,
+    ) -> Vec<WakeAnswer> {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        let total = gpu.total;
+        if let Some(g) = gpu.groups.get_mut(&group) {
+            if matches!(g.park, GroupPark::Parking { .. }) {
+                g.park = GroupPark::Resident;
+                g.active_since = now;
+            }
+            if let Some(m) = g.members.get_mut(&conn) {
+                m.park = MemberPark::Resident;
+                (m.held, m.checkpointed) = (held.min(total), false);
+                m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
+            }
+        }
+        Self::drain_wakers(device, gpu, now)
+    }
+
+    /// A parked member asks to be woken: woken now if its group fits, else queued until
+    /// it does (or its wait timeout passes).
+    pub fn wake(&mut self, conn: ConnId, device: DeviceId, seq: u64, now: Instant) -> WakeOutcome {
+        let Some(timeout) = self.peers.get(&conn).map(|p| p.wait_timeout) else {
+            return WakeOutcome::Denied(Denial::UnknownDevice);
+        };
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else {
+            return WakeOutcome::Denied(Denial::UnknownDevice);
+        };
+        let Some(m) = gpu.member_mut(&group, conn) else { return WakeOutcome::Denied(Denial::UnknownDevice) };
+        match m.park {
+            // Not parked (any more): nothing to bring back, nothing lent anew.
+            MemberPark::Resident | MemberPark::Waking => {
+                return WakeOutcome::Woken { bytes: 0, restore: false }
+            }
+            MemberPark::Parking | MemberPark::Parked => {}
+        }
+        m.wake_asked.get_or_insert(now);
+        if gpu.wakers.is_empty() {
+            if let Some((bytes, restore)) = gpu.try_wake(&group, conn, now) {
+                return WakeOutcome::Woken { bytes, restore };
+            }
+        }
+        gpu.wakers.retain(|w| w.conn != conn);
+        let deadline = now.checked_add(timeout.min(super::wait::MAX_WAIT)).unwrap_or(now);
+        gpu.wakers.push_back(Waker { conn, group, seq, since: now, deadline });
+        WakeOutcome::Queued
+    }
+
+    /// `conn`'s memory on `device` is back: `held` on the device now (`None`: what it
+    /// parked, after a restore). Returns the wakes that now fit.
+    pub fn woken(
+        &mut self,
+        conn: ConnId,
+        device: DeviceId,
+        held: Option<u64>,
+        now: Instant,
+    ) -> Vec<WakeAnswer> {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
+        let total = gpu.total;
+        if let Some(g) = gpu.groups.get_mut(&group) {
+            if let Some(m) = g.members.get_mut(&conn) {
+                m.park = MemberPark::Resident;
+                let held = held.unwrap_or(m.held.saturating_add(m.parked_bytes));
+                (m.held, m.parked_bytes, m.checkpointed) = (held.min(total), 0, false);
+                if let Some(asked) = m.wake_asked.take() {
+                    g.last_wake = now.saturating_duration_since(asked);
+                }
+            }
+        }
+        Self::drain_wakers(device, gpu, now)
+    }
+
+    /// Whether `conn` was told to park on `device` and has not answered.
+    pub fn is_parking(&self, conn: ConnId, device: &DeviceId) -> bool {
+        self.member(conn, device).is_some_and(|m| m.park == MemberPark::Parking)
+    }
+
+    /// When `conn`'s wake on `device` was asked, while it is under way.
+    pub fn wake_asked(&self, conn: ConnId, device: &DeviceId) -> Option<Instant> {
+        self.member(conn, device).and_then(|m| m.wake_asked)
+    }
+
+    /// A granted wake could not bring `conn`'s memory back (its restore failed): it is
+    /// parked still, what it was lent kept for its next wake.
+    pub fn wake_failed(&mut self, conn: ConnId, device: DeviceId) {
+        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return };
+        if let Some(m) = gpu.member_mut(&group, conn) {
+            m.park = MemberPark::Parked;
+            m.wake_asked = None;
+        }
+    }
+
+    fn member(&self, conn: ConnId, device: &DeviceId) -> Option<&super::Member> {
+        let peer = self.peers.get(&conn)?;
+        self.gpus.get(device)?.groups.get(&peer.group)?.members.get(&conn)
+    }
+
+    /// Wakes whose deadline passed are refused (`Timeout`); the ones behind may now fit.
+    pub fn expire_wakes(&mut self, now: Instant) -> Vec<WakeAnswer> {
+        let mut answers = Vec::new();
+        for (&device, gpu) in self.gpus.iter_mut() {
+            while let Some(i) = gpu.wakers.iter().position(|w| w.deadline <= now) {
+                let Some(w) = gpu.wakers.remove(i) else { break };
+                if let Some(m) = gpu.member_mut(&w.group, w.conn) {
+                    m.wake_asked = None;
+                }
+                let waited = now.saturating_duration_since(w.since);
+                answers.push(WakeAnswer {
+                    conn: w.conn,
+                    seq: w.seq,
+                    device,
+                    waited,
+                    result: Err(Denial::Timeout),
+                });
+            }
+            answers.extend(Self::drain_wakers(device, gpu, now));
+        }
+        answers
+    }
+
+    /// Serves the waiting wakes of `gpu` that fit now, in order.
+    pub(super) fn drain_wakers(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<WakeAnswer> {
+        let mut answers = Vec::new();
+        while let Some(w) = gpu.wakers.front().cloned() {
+            let gone = gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_none();
+            if !gone {
+                let Some((bytes, restore)) = gpu.try_wake(&w.group, w.conn, now) else { break };
+                let waited = now.saturating_duration_since(w.since);
+                answers.push(WakeAnswer {
+                    conn: w.conn,
+                    seq: w.seq,
+                    device,
+                    waited,
+                    result: Ok((bytes, restore)),
+                });
+            }
+            gpu.wakers.pop_front();
+        }
+        answers
+    }
+}
+
+/// Parks not answered within [`PARK_ANSWER_WAIT`] are given up: the group counts as
+/// resident again (a shim that never answers keeps its memory on the device).
+fn give_up_late_parks(gpu: &mut Gpu, now: Instant) {
+    for (name, g) in gpu.groups.iter_mut() {
+        if let GroupPark::Parking { since } = g.park {
+            if now.saturating_duration_since(since) >= PARK_ANSWER_WAIT {
+                tracing::warn!(group = %name, "a park was not answered within {}s; the group counts as resident", PARK_ANSWER_WAIT.as_secs());
+                g.park = GroupPark::Resident;
+                for m in g.members.values_mut().filter(|m| m.park == MemberPark::Parking) {
+                    m.park = MemberPark::Resident;
+                }
+            }
+        }
+    }
+}
