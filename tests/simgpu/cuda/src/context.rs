@@ -307,3 +307,9 @@ pub(crate) fn ctx_synchronize() -> CuResult {
 pub(crate) fn as_ptr(handle: usize) -> *mut c_void {
     handle as *mut c_void
 }
+
+/// The device of every live context of the process (one entry per context), for the
+/// checkpoint, which takes them off the machine's books and puts them back.
+pub(crate) fn devices_of_live_contexts() -> Vec<usize> {
+    CONTEXTS.lock().values().map(|c| c.device).collect()
+}

@@ -55,6 +55,12 @@ pub(crate) fn init(flags: c_uint) -> CuResult {
         first = true;
         start()
     });
+    if first {
+        if let Ok(d) = state {
+            // The agent that other processes' checkpoint calls talk to.
+            crate::checkpoint::start_agent(d.machine.path());
+        }
+    }
     match state {
         Ok(_) => Ok(()),
         Err(message) => {

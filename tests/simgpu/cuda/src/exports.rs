@@ -5,16 +5,17 @@
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 
 use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUkernel, CUlaunchConfig, CUlibrary,
-    CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUstream, CUuuid,
-    CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
+    CUarray, CUcheckpointCheckpointArgs, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
+    CUcheckpointUnlockArgs, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUkernel, CUlaunchConfig,
+    CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUprocessState,
+    CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
 
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
-use crate::{array, context, driver, export_tables, memory, module, pool, procaddr, stream, vmm};
+use crate::{array, checkpoint, context, driver, export_tables, memory, module, pool, procaddr, stream, vmm};
 
 macro_rules! exports {
     ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {
@@ -30,7 +31,28 @@ macro_rules! exports {
         pub(crate) fn lookup(symbol: &str) -> Option<*mut c_void> {
             match symbol {
                 $( stringify!($name) => Some($name as *mut c_void), )*
-                _ => unsupported_lookup(symbol),
+                _ => ungated_lookup(symbol).or_else(|| unsupported_lookup(symbol)),
+            }
+        }
+    };
+}
+
+/// Exports that do not pass the checkpoint gate (see `checkpoint`): the checkpoint API
+/// acts on other processes, or on this one while its gate is closed.
+macro_rules! ungated {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {
+        $(
+            #[no_mangle]
+            #[allow(non_snake_case)]
+            pub extern "C" fn $name($($arg: $ty),*) -> CUresult {
+                crate::ffi::contain(|| $body)
+            }
+        )*
+
+        fn ungated_lookup(symbol: &str) -> Option<*mut c_void> {
+            match symbol {
+                $( stringify!($name) => Some($name as *mut c_void), )*
+                _ => None,
             }
         }
     };
@@ -278,6 +300,16 @@ exports! {
     cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
         s: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void)
         => module::launch_kernel(f, [gx, gy, gz], [bx, by, bz], shared, s, params, extra, PerThread);
+}
+
+ungated! {
+    cuCheckpointProcessGetState(pid: c_int, state: *mut CUprocessState) => checkpoint::get_state(pid, state);
+    cuCheckpointProcessLock(pid: c_int, args: *mut CUcheckpointLockArgs) => checkpoint::lock_process(pid, args);
+    cuCheckpointProcessCheckpoint(pid: c_int, args: *mut CUcheckpointCheckpointArgs)
+        => checkpoint::checkpoint_process(pid, args);
+    cuCheckpointProcessRestore(pid: c_int, args: *mut CUcheckpointRestoreArgs) => checkpoint::restore_process(pid, args);
+    cuCheckpointProcessUnlock(pid: c_int, args: *mut CUcheckpointUnlockArgs) => checkpoint::unlock_process(pid, args);
+    cuCheckpointProcessGetRestoreThreadId(pid: c_int, tid: *mut c_int) => checkpoint::restore_thread_id(pid, tid);
 }
 
 // Entry points that exist in the real driver but are not simulated: programs that probe

@@ -10,8 +10,17 @@ pub(crate) use cudarc::driver::sys::CUresult;
 pub(crate) type CuResult<T = ()> = Result<T, CUresult>;
 
 /// Runs one export's body, turning its result or a panic into a CUDA result code:
-/// a driver must never unwind into its caller.
+/// a driver must never unwind into its caller. It is also the checkpoint gate: the call
+/// counts as in flight, and while the process is locked or checkpointed (see
+/// `checkpoint`) it waits here until it is unlocked.
 pub(crate) fn guard(body: impl FnOnce() -> CuResult) -> CUresult {
+    let _in_flight = crate::checkpoint::Gate::enter();
+    contain(body)
+}
+
+/// Runs a body like [`guard`] but outside the checkpoint gate: for the checkpoint API
+/// itself, which acts on (possibly) other processes and must not wait for its own.
+pub(crate) fn contain(body: impl FnOnce() -> CuResult) -> CUresult {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => CUresult::CUDA_SUCCESS,
         Ok(Err(code)) => code,

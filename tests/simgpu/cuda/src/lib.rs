@@ -10,6 +10,7 @@
 //! Layout: `exports` declares every symbol once; each area of the API has its module.
 
 mod array;
+mod checkpoint;
 mod context;
 mod copy;
 mod driver;

@@ -80,10 +80,12 @@ impl Stream {
             *sender = Some(self.spawn_worker()?);
         }
         self.submitted.fetch_add(1, Ordering::AcqRel);
+        PENDING_JOBS.fetch_add(1, Ordering::SeqCst);
         let sent = sender.as_ref().map(|s| s.send(job).is_ok()).unwrap_or(false);
         if sent {
             Ok(())
         } else {
+            PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
             Err(CUresult::CUDA_ERROR_UNKNOWN)
         }
     }
@@ -103,6 +105,8 @@ impl Stream {
                     let mut done = progress.completed.lock();
                     *done += 1;
                     progress.done.notify_all();
+                    drop(done);
+                    PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
                 }
             })
             .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -136,6 +140,15 @@ pub(crate) fn sticky_to_result(code: u32) -> CuResult {
         700 => Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
         _ => Err(CUresult::CUDA_ERROR_LAUNCH_FAILED),
     }
+}
+
+/// Jobs queued on any stream of this process and not finished yet: what the checkpoint
+/// lock waits for (per-thread default streams are in no table, so a count it is).
+static PENDING_JOBS: AtomicU64 = AtomicU64::new(0);
+
+/// How many queued jobs have not finished yet, on all streams of the process.
+pub(crate) fn pending_jobs() -> u64 {
+    PENDING_JOBS.load(Ordering::SeqCst)
 }
 
 static STREAMS: LazyLock<Mutex<HashMap<usize, Arc<Stream>>>> = LazyLock::new(Default::default);
