@@ -200,6 +200,11 @@ pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
     let Some(e) = enforcer() else {
         return refused().unwrap_or_else(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
     };
+    // A context's own memory is device memory: a parked process waits for its wake.
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     if dev < 0 || primary_active(dev) {
         return call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
     }
@@ -250,6 +255,11 @@ pub(crate) fn primary_reset_v1(dev: c_int) -> Status {
 }
 
 fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status {
+    // A context's own memory is device memory: a parked process waits for its wake.
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
     match enforcer() {
         Some(e) if dev >= 0 => measured(
             e,

@@ -24,6 +24,7 @@
 pub mod busy;
 pub mod clients;
 pub mod density_chart;
+pub mod device_model;
 pub mod kubernetes_validate;
 pub mod rng;
 

@@ -1,0 +1,207 @@
+//! Parking idle models on simgpu, with each of the two mechanisms (the shim's own swap and
+//! the driver's checkpoint API, driven by the arbiter): more parkable models than fit
+//! share a GPU, taking turns as requests arrive at random, every request served and every
+//! byte intact; a non-parkable group's request is never parked nor kept waiting by them;
+//! a wake that cannot be served within GPUFRAC_WAIT_TIMEOUT fails its call clearly.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpufrac_e2e::rng::Rng;
+use gpufrac_e2e::{
+    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+};
+
+/// Why these tests need simgpu.
+const SIMGPU: &str = "the models fill and check memory with simgpu's built-in kernels on its 4 GiB device";
+
+/// Each model: 1 GiB in four chunks, 2 MiB of scratch and its context (64 MiB): a request
+/// of 1.25 GiB. Three fit on the 4 GiB GPU.
+const REQUEST: &str = "1280MiB";
+
+fn gpu() -> SimGpu {
+    SimGpu::new("4GiB").with_context_overhead("64MiB")
+}
+
+fn arbiter(gpu: &SimGpu, park_with: &str) -> Arbiter {
+    let socket = gpu.lib_dir().join("park.sock");
+    Arbiter::start_at(gpu, socket, &["--oversubscribe", "3", "--park-with", park_with])
+}
+
+fn shim_env<'a>(cmd: &'a mut Command, arbiter: &Arbiter, group: &str) -> &'a mut Command {
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
+        .env("GPUFRAC_GROUP", group)
+        .env("GPUFRAC_LOG", "info")
+}
+
+/// A parkable model, idle after 300 ms, waiting up to `wait` for its wakes.
+fn model(gpu: &SimGpu, arbiter: &Arbiter, group: &str, seed: usize, wait: &str) -> ChildProcess {
+    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_parkable_model"));
+    shim_env(&mut cmd, arbiter, group)
+        .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
+        .env("GPUFRAC_PARK_AFTER", "300ms")
+        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+        .args(["--model", "1GiB", "--chunk", "256MiB", "--seed", &seed.to_string()]);
+    ChildProcess::spawn(&mut cmd)
+}
+
+fn ask(m: &mut ChildProcess, command: &str, answers: &[&str]) -> String {
+    m.write_stdin(&format!("{command}\n"));
+    m.expect_line(answers, TIMEOUT)
+}
+
+/// Four models on a GPU that holds three: requests at random, one at a time; every one
+/// served, the models parked and woken in turn, their data intact at the end.
+fn models_take_turns(park_with: &str) {
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, park_with);
+    let groups: Vec<String> = (0..4).map(|i| unique(&format!("model{i}"))).collect();
+    let mut models: Vec<ChildProcess> =
+        groups.iter().enumerate().map(|(i, g)| model(&gpu, &arbiter, g, i, "60s")).collect();
+    // The fourth is admitted parked: it loads once an idle one has been parked for it.
+    for m in &mut models {
+        m.expect_line(&["READY"], TIMEOUT);
+    }
+    let mut rng = Rng::new(23);
+    let mut slowest = Duration::ZERO;
+    for r in 0..16 {
+        let i = rng.between(0, 3) as usize;
+        let asked = Instant::now();
+        let answer = ask(&mut models[i], &format!("REQ {r}"), &["OK", "FAIL"]);
+        assert!(answer.starts_with(&format!("OK {r} ")), "request {r} to model {i}: {answer}");
+        slowest = slowest.max(asked.elapsed());
+        // Mostly idle models: a pause now and then lets the idle ones become parkable.
+        std::thread::sleep(Duration::from_millis(rng.between(0, 400)));
+    }
+    for (i, m) in models.iter_mut().enumerate() {
+        assert_eq!(ask(m, "CHECK", &["CHECKED", "FAIL"]), "CHECKED 4", "model {i}'s data after its parks");
+    }
+    let s = status(&arbiter);
+    let processes = &s.gpus[0].processes;
+    let parks: u64 = processes.iter().map(|p| p.parks).sum();
+    let wakes: u64 = processes.iter().map(|p| p.wakes).sum();
+    assert!(parks >= 1 && wakes >= 1, "the models took turns: {parks} parks, {wakes} wakes; {s:?}");
+    assert!(s.gpus[0].parkable_requests > s.gpus[0].total, "oversubscribed: {s:?}");
+    let log = arbiter.log_text();
+    let how =
+        if park_with == "checkpoint" { "parked by the driver's checkpoint" } else { "parked by the shim" };
+    assert!(log.contains(how), "parks used {park_with}:\n{log}");
+    for m in &mut models {
+        m.write_stdin("QUIT\n");
+        m.expect_exit_code(0);
+    }
+    eprintln!("{park_with}: {parks} parks, {wakes} wakes, slowest request {slowest:?}");
+}
+
+#[test]
+fn parkable_models_take_turns_parked_by_the_shim() {
+    skip_on_real_gpu!(SIMGPU);
+    models_take_turns("shim");
+}
+
+#[test]
+fn parkable_models_take_turns_parked_by_the_driver_checkpoint() {
+    skip_on_real_gpu!(SIMGPU);
+    models_take_turns("checkpoint");
+}
+
+/// Three parkable models fill the GPU and are busy; a non-parkable group asking 2 GiB is
+/// admitted beside them (they are not guaranteed against it), two of them are parked for
+/// it, and its allocation succeeds: it is never parked, and the parked models come back
+/// when it is gone.
+#[test]
+fn a_firm_request_is_never_parked_nor_kept_out_by_parkable_models() {
+    skip_on_real_gpu!(SIMGPU);
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "shim");
+    let groups: Vec<String> = (0..3).map(|i| unique(&format!("m{i}"))).collect();
+    let mut models: Vec<ChildProcess> =
+        groups.iter().enumerate().map(|(i, g)| model(&gpu, &arbiter, g, i, "60s")).collect();
+    for m in &mut models {
+        m.expect_line(&["READY"], TIMEOUT);
+    }
+    let firm = unique("firm");
+    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    shim_env(&mut cmd, &arbiter, &firm)
+        .env("GPUFRAC_MEMORY_REQUEST", "2GiB")
+        .env("GPUFRAC_WAIT_TIMEOUT", "2s")
+        .args(["alloc", &(64u64 << 20).to_string(), &(1792u64 << 20).to_string()]);
+    let started = Instant::now();
+    let mut f = ChildProcess::spawn(&mut cmd);
+    let got = f.ready();
+    assert_eq!(got[0], 1792 << 20, "the firm group got its memory");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "without waiting for a timeout: {:?}",
+        started.elapsed()
+    );
+    let s = status(&arbiter);
+    let p = s.gpus[0].processes.iter().find(|p| p.group == firm).expect("the firm group registered");
+    assert_eq!((p.state.as_str(), p.parks), ("running", 0), "{s:?}");
+    wait_for(&arbiter, "parkable models parked for it", |s| {
+        s.gpus[0].processes.iter().filter(|p| p.state == "parked").count() >= 2
+    });
+    f.close_stdin();
+    f.finish();
+    // Its memory back, every model serves again, data intact.
+    for (i, m) in models.iter_mut().enumerate() {
+        assert!(
+            ask(m, &format!("REQ {i}"), &["OK", "FAIL"]).starts_with("OK"),
+            "model {i} after the firm group"
+        );
+        assert_eq!(ask(m, "CHECK", &["CHECKED", "FAIL"]), "CHECKED 4");
+    }
+    for m in &mut models {
+        m.write_stdin("QUIT\n");
+        m.expect_exit_code(0);
+    }
+}
+
+/// A parked model whose wake finds nobody idle to park waits GPUFRAC_WAIT_TIMEOUT, then
+/// its call fails with out-of-memory (and the arbiter says why); it is served once room
+/// frees.
+#[test]
+fn a_wake_that_finds_no_room_fails_its_call_after_the_wait_timeout() {
+    skip_on_real_gpu!(SIMGPU);
+    let gpu = gpu();
+    let arbiter = arbiter(&gpu, "shim");
+    // Three models that never idle long enough: parked only after 1 hour.
+    let busy: Vec<ChildProcess> = (0..3)
+        .map(|i| {
+            let mut cmd = gpu.command(env!("CARGO_BIN_EXE_parkable_model"));
+            shim_env(&mut cmd, &arbiter, &unique(&format!("busy{i}")))
+                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
+                .env("GPUFRAC_PARK_AFTER", "1h")
+                .args(["--model", "1GiB", "--seed", &i.to_string()]);
+            ChildProcess::spawn(&mut cmd)
+        })
+        .collect();
+    let mut busy = busy;
+    for m in &mut busy {
+        m.expect_line(&["READY"], TIMEOUT);
+    }
+    let group = unique("late");
+    let started = Instant::now();
+    let mut late = model(&gpu, &arbiter, &group, 9, "1s");
+    // Its first call (the context) waits for the wake, which is refused after 1 s.
+    late.wait(TIMEOUT);
+    let failed = late.diagnostics();
+    assert!(started.elapsed() >= Duration::from_secs(1), "it waited its timeout: {:?}", started.elapsed());
+    assert!(failed.contains("FAILED init"), "its init failed: {failed}");
+    assert!(failed.contains("not woken within GPUFRAC_WAIT_TIMEOUT"), "the shim says why: {failed}");
+    wait_for(&arbiter, "the late model gone", |s| !s.gpus[0].processes.iter().any(|p| p.group == group));
+    // One busy model leaves: a new late model is admitted and served at once.
+    let mut gone = busy.pop().expect("three busy models");
+    gone.write_stdin("QUIT\n");
+    gone.expect_exit_code(0);
+    let mut late = model(&gpu, &arbiter, &unique("late2"), 9, "10s");
+    late.expect_line(&["READY"], TIMEOUT);
+    assert!(ask(&mut late, "REQ 1", &["OK", "FAIL"]).starts_with("OK"));
+    late.write_stdin("QUIT\n");
+    late.expect_exit_code(0);
+    for m in &mut busy {
+        m.write_stdin("QUIT\n");
+        m.expect_exit_code(0);
+    }
+}
