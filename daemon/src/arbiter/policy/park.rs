@@ -280,9 +280,10 @@ impl Policy {
         Ok(gpu.guaranteed().saturating_add(outside).saturating_add(request) > gpu.total)
     }
 
-    /// Decides which resident parkable groups to park now: for the first waiting wake
-    /// (idle groups only) and for non-parkable guarantees crowded out (any parkable
-    /// group), least recently active first. Marks them parking and returns one order per
+    /// Decides which resident parkable groups to park now: for the first waiting wake and
+    /// to keep room for the next one while groups are parked (idle groups only), and for
+    /// non-parkable guarantees crowded out (any parkable group), least recently active
+    /// first. Marks them parking and returns one order per
     /// member.
     pub fn plan_parks(&mut self, now: Instant) -> Vec<ParkOrder> {
         let mut orders = Vec::new();
@@ -303,6 +304,17 @@ impl Policy {
                 Some(name) => gpu.groups.get(name).map_or(0, |g| g.wake_need() as i128 - gpu.room()),
                 None => 0,
             };
+            // Room kept for the next wake: while groups are parked here, idle ones are parked
+            // ahead of time so that a wake finds room at once (its wait is then only the
+            // copy of its own memory, not another group's park first).
+            let next_wake = gpu
+                .groups
+                .values()
+                .filter(|g| g.park == GroupPark::Parked)
+                .map(|g| g.wake_need())
+                .max()
+                .unwrap_or(0);
+            let for_wake = for_wake.max(next_wake as i128 - gpu.room());
             let crowded = gpu.crowding().min(gpu.parkable_resident()) as i128;
             let (mut for_wake, mut crowded) = (for_wake - parking, crowded - parking);
             if for_wake <= 0 && crowded <= 0 {
@@ -568,5 +580,182 @@ fn give_up_late_parks(gpu: &mut Gpu, now: Instant) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::*;
+    use super::*;
+
+    const MODEL: u64 = 5 * GIB / 4;
+
+    fn parkable(group: &str) -> Peer {
+        Peer {
+            park_after: Some(Duration::from_secs(1)),
+            wait_timeout: Duration::from_secs(30),
+            ..peer(group, 30_000)
+        }
+    }
+
+    /// A 4 GiB GPU with `--oversubscribe 3` and parkable models of 1.25 GiB on
+    /// connections 1..=n, admitted in order; returns whether each was admitted parked.
+    fn models(n: u64) -> (Policy, Vec<bool>) {
+        let mut p = Policy::new(&[(GPU, 4 * GIB)]);
+        p.set_oversubscribe(3.0);
+        let admitted = (1..=n)
+            .map(|conn| {
+                p.hello(conn, parkable(&format!("m{conn}")));
+                p.register(conn, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap()
+            })
+            .collect();
+        (p, admitted)
+    }
+
+    /// Makes every peer's last activity `ago` before `now`.
+    fn idle_since(p: &mut Policy, now: Instant, ago: Duration) {
+        for peer in p.peers.values_mut() {
+            peer.last_active = now - ago;
+        }
+        for gpu in p.gpus.values_mut() {
+            for g in gpu.groups.values_mut() {
+                g.active_since = now - ago;
+            }
+        }
+    }
+
+    #[test]
+    fn parkable_groups_are_admitted_past_the_gpu_up_to_the_oversubscription() {
+        let (mut p, admitted) = models(9);
+        // Three fit; the next six are admitted parked; 9 x 1.25 = 11.25 GiB <= 3 x 4 GiB.
+        assert_eq!(admitted, [false, false, false, true, true, true, true, true, true]);
+        let s = &p.status().gpus[0];
+        assert_eq!((s.guaranteed, s.parkable_requests), (3 * MODEL, 9 * MODEL));
+        assert_eq!(state(&p, 4), "parked");
+        // A tenth passes 3 x 4 GiB.
+        p.hello(10, parkable("m10"));
+        let err = p.register(10, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap_err();
+        assert!(err.contains("--oversubscribe 3") && err.contains("12.50 GiB"), "{err}");
+        // Host RAM: what cannot be on the device at once must fit --swap-limit.
+        let (mut p, _) = models(3);
+        p.set_swap_limit(GIB / 2);
+        p.hello(4, parkable("m4"));
+        let err = p.register(4, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap_err();
+        assert!(err.contains("--swap-limit"), "{err}");
+    }
+
+    #[test]
+    fn a_wake_parks_the_least_recently_active_idle_group_then_is_served() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        idle_since(&mut p, now, Duration::from_secs(5));
+        // m2 was active lately; m1 and m3 are idle, m1 the longest.
+        p.peers.get_mut(&3).unwrap().last_active = now - Duration::from_secs(3);
+        p.peers.get_mut(&2).unwrap().last_active = now;
+        assert_eq!(p.wake(4, GPU, 7, now), WakeOutcome::Queued);
+        assert_eq!(state(&p, 4), "waking");
+        let orders = p.plan_parks(now);
+        assert_eq!(orders.len(), 1, "{orders:?}");
+        assert_eq!((orders[0].conn, orders[0].why, orders[0].checkpoint), (1, "for a wake", false));
+        assert_eq!(state(&p, 1), "parking");
+        // Nothing more while that park is under way.
+        assert!(p.plan_parks(now).is_empty());
+        let (_, wakes) = p.parked(1, GPU, GIB, 64 << 20, now);
+        assert_eq!(wakes.len(), 1);
+        assert_eq!((wakes[0].conn, wakes[0].seq, wakes[0].result), (4, 7, Ok((0, false))));
+        assert_eq!(state(&p, 1), "parked");
+        assert_eq!(state(&p, 4), "waking");
+        p.woken(4, GPU, Some(MODEL), now);
+        assert_eq!(state(&p, 4), "running");
+        let s = &p.status().gpus[0];
+        // m1 keeps its context on the device: 64 MiB.
+        assert_eq!(s.guaranteed, 3 * MODEL + (64 << 20));
+        assert_eq!(s.parked, GIB);
+        let m1 = s.processes.iter().find(|x| x.group == "m1").unwrap();
+        assert_eq!((m1.parks, m1.parked_bytes), (1, GIB));
+        let m4 = s.processes.iter().find(|x| x.group == "m4").unwrap();
+        assert_eq!(m4.wakes, 1);
+    }
+
+    #[test]
+    fn only_idle_groups_are_parked_for_a_wake_which_times_out_without_room() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        // All three resident models were active just now.
+        assert_eq!(p.wake(4, GPU, 1, now), WakeOutcome::Queued);
+        assert!(p.plan_parks(now).is_empty());
+        assert!(p.expire_wakes(now + Duration::from_secs(29)).is_empty());
+        let expired = p.expire_wakes(now + Duration::from_secs(31));
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].result, Err(Denial::Timeout));
+        assert_eq!(state(&p, 4), "parked");
+    }
+
+    #[test]
+    fn room_is_kept_for_the_next_wake_while_groups_are_parked() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        idle_since(&mut p, now, Duration::from_secs(5));
+        // Nobody asks yet, but m4 is parked: one idle model is parked ahead of time.
+        let orders = p.plan_parks(now);
+        assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [1]);
+        p.parked(1, GPU, GIB, 0, now);
+        // Now m4's wake is served at once, and the next idle model (m2) is parked ahead
+        // of m1's next wake.
+        assert_eq!(p.wake(4, GPU, 1, now), WakeOutcome::Woken { bytes: 0, restore: false });
+        let orders = p.plan_parks(now);
+        assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn a_firm_request_has_parkable_groups_parked_busy_or_not_and_owes_no_borrower() {
+        let now = Instant::now();
+        let (mut p, _) = models(3);
+        // A burst holder that is not parkable: 256 MiB left, lent.
+        p.hello(9, peer("firm", 1000));
+        p.register(9, GPU, 4 * GIB, 2 * GIB, 2 * GIB, 0, 0, 0).expect("a firm request beside parkable ones");
+        assert_eq!(p.status().gpus[0].reclaiming, 0, "parkable requests are not a debt of borrowers");
+        let orders = p.plan_parks(now);
+        // 3 x 1.25 + 2 = 5.75 GiB: two models must go, whatever their activity.
+        assert_eq!(orders.len(), 2, "{orders:?}");
+        assert!(orders.iter().all(|o| o.why == "for a guarantee"));
+        for o in &orders {
+            p.parked(o.conn, GPU, GIB, 0, now);
+        }
+        assert!(p.plan_parks(now).is_empty());
+        assert_eq!(state(&p, 9), "running");
+        let s = &p.status().gpus[0];
+        assert_eq!(s.guaranteed, MODEL + 2 * GIB);
+    }
+
+    #[test]
+    fn a_declined_park_leaves_the_group_resident() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        idle_since(&mut p, now, Duration::from_secs(5));
+        let orders = p.plan_parks(now);
+        assert_eq!(orders.len(), 1);
+        assert!(p.is_parking(orders[0].conn, &GPU));
+        p.park_given_up(orders[0].conn, GPU, MODEL, now);
+        assert_eq!(state(&p, orders[0].conn), "running");
+        assert_eq!(p.status().gpus[0].guaranteed, 3 * MODEL);
+    }
+
+    #[test]
+    fn parks_use_the_checkpoint_for_members_on_one_gpu() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        p.set_checkpoint(true);
+        idle_since(&mut p, now, Duration::from_secs(5));
+        let orders = p.plan_parks(now);
+        assert!(orders[0].checkpoint);
+        assert!(p.parks_by_checkpoint(orders[0].conn, &GPU));
+        p.parked(orders[0].conn, GPU, MODEL, 0, now);
+        // Its wake restores the checkpoint before it is answered.
+        let conn = orders[0].conn;
+        p.peers.get_mut(&conn).unwrap().last_active = now;
+        idle_since(&mut p, now, Duration::ZERO);
+        assert_eq!(p.wake(conn, GPU, 3, now), WakeOutcome::Woken { bytes: 0, restore: true });
     }
 }

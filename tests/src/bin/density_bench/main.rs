@@ -39,6 +39,12 @@
 //! out-of-memory error or a server that failed. The arbiter's INFO lines per second (per
 //! server) are printed under the table: what an operator's log receives.
 //!
+//! Two more configurations run only when `--only` names them: `park-shim` and
+//! `park-checkpoint`, many mostly idle parkable models on a GPU that holds a third of them
+//! (`--models 12`, `--requests 60`; see `park.rs`). They print a table of their own:
+//! requests served, failed, wake p50/p99 and the p99's ratio to copying one model into
+//! fresh pages on this machine.
+//!
 //! `--svg PATH` also writes a chart (`gpufrac_e2e::density_chart`): one panel per
 //! configuration with the device memory each server held over time (stacked; sampled from
 //! simgpu's state every 20 ms), the GPU's size and the sum of the requests, and a red cross
@@ -76,11 +82,15 @@ const SILENCE: Duration = Duration::from_secs(300);
 /// How often `--svg` samples what each server holds.
 const SAMPLE_PERIOD: Duration = Duration::from_millis(20);
 
+mod park;
+
 const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
+/// Run only when `--only` names them.
+const PARK_CONFIGS: [&str; 2] = ["park-shim", "park-checkpoint"];
 
 const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
-[--only static,bare,wait,priority,swap] [--verify] [--rounds N] [--busy N] [--context SIZE] \
-[--context-create-time DURATION] [--check] [--svg PATH]";
+[--only static,bare,wait,priority,swap,park-shim,park-checkpoint] [--verify] [--rounds N] [--busy N] \
+[--context SIZE] [--context-create-time DURATION] [--check] [--svg PATH] [--models N] [--requests N]";
 
 struct Options {
     servers: usize,
@@ -95,6 +105,10 @@ struct Options {
     check: bool,
     /// Where `--svg` writes the chart.
     svg: Option<PathBuf>,
+    /// Parkable models in the parking configurations.
+    models: usize,
+    /// Requests played in the parking configurations.
+    requests: u32,
 }
 
 fn bad(message: String) -> ! {
@@ -115,6 +129,8 @@ fn parse_options() -> Options {
         context_create_time: "0ms".to_owned(),
         check: false,
         svg: None,
+        models: 12,
+        requests: 60,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -144,6 +160,8 @@ fn parse_options() -> Options {
             "--context",
             "--context-create-time",
             "--svg",
+            "--models",
+            "--requests",
         ]
         .contains(&name.as_str())
         {
@@ -158,6 +176,8 @@ fn parse_options() -> Options {
         };
         match name.as_str() {
             "--svg" => o.svg = Some(PathBuf::from(value)),
+            "--models" => o.models = count(24).max(2) as usize,
+            "--requests" => o.requests = count(100_000) as u32,
             "--servers" => o.servers = count(256) as usize,
             "--bursts" => o.bursts = count(10_000) as u32,
             "--rounds" => o.rounds = count(1000) as u32,
@@ -187,8 +207,12 @@ fn parse_options() -> Options {
             _ => {
                 let mut only = Vec::new();
                 for word in value.split(',').map(str::trim) {
-                    let Some(c) = CONFIGS.iter().find(|&&c| c == word) else {
-                        bad(format!("--only: unknown configuration {word:?}; known: {}", CONFIGS.join(",")))
+                    let Some(c) = CONFIGS.iter().chain(&PARK_CONFIGS).find(|&&c| c == word) else {
+                        bad(format!(
+                            "--only: unknown configuration {word:?}; known: {},{}",
+                            CONFIGS.join(","),
+                            PARK_CONFIGS.join(",")
+                        ))
                     };
                     if !only.contains(c) {
                         only.push(*c);
@@ -627,6 +651,21 @@ fn main() {
     for config in CONFIGS.iter().filter(|c| o.only.contains(c)) {
         results.push((*config, run(config, &o)));
     }
+    let parked: Vec<(&str, park::ParkOutcome)> = PARK_CONFIGS
+        .iter()
+        .filter(|c| o.only.contains(c))
+        .map(|c| (*c, park::run(c.trim_start_matches("park-"), o.models, o.requests)))
+        .collect();
+    if !parked.is_empty() {
+        print_parked(&parked);
+    }
+    if o.check && parked.iter().any(|(_, p)| p.failed > 0 || p.oom > 0 || p.notes.len() > 1) {
+        eprintln!("density_bench: --check: a parking configuration failed a request or lost data");
+        exit(1);
+    }
+    if results.is_empty() {
+        return;
+    }
 
     println!();
     println!(
@@ -679,6 +718,36 @@ fn main() {
                 );
                 exit(1);
             }
+        }
+    }
+}
+
+/// The parking configurations' table.
+fn print_parked(results: &[(&str, park::ParkOutcome)]) {
+    println!();
+    println!(
+        "| configuration | models / fit on the GPU | requests served | failed | out-of-memory errors | wake p50 | wake p99 | wake p99 / fresh-page copy | wall time |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (config, r) in results {
+        let p99 = percentile(&r.wakes, 99.0);
+        println!(
+            "| {config} | {} / 3 | {} / {} | {} | {} | {} | {} | {} | {:.1} s |",
+            r.models,
+            r.served,
+            r.requests,
+            r.failed,
+            r.oom,
+            ms(percentile(&r.wakes, 50.0)),
+            ms(p99),
+            p99.map_or_else(|| "-".to_owned(), |p| format!("{:.2}x", p as f64 / r.copy_ms.max(0.001))),
+            r.wall.as_secs_f64()
+        );
+    }
+    for (config, r) in results {
+        println!("- {config}: copying one model (1 GiB) into fresh pages here: {:.0} ms", r.copy_ms);
+        for note in &r.notes {
+            println!("- {config}: {note}");
         }
     }
 }
