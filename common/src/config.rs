@@ -349,6 +349,16 @@ mod tests {
     }
 
     #[test]
+    fn park_after_is_a_duration_and_unset_means_never_parked() {
+        let c = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB")]).unwrap().unwrap();
+        assert_eq!(c.park_after, None);
+        let c = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_PARK_AFTER", "5m")]).unwrap().unwrap();
+        assert_eq!(c.park_after, Some(Duration::from_secs(300)));
+        let err = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_PARK_AFTER", "idle")]).unwrap_err();
+        assert!(err.to_string().starts_with("invalid GPUFRAC_PARK_AFTER=\"idle\""), "{err}");
+    }
+
+    #[test]
     fn every_bad_value_names_its_variable() {
         let cases = [
             ("GPUFRAC_MEMORY_REQUEST", "lots"),

@@ -35,6 +35,10 @@ pub struct RunSettings {
     /// How long a blocked burst waits (30s, 500ms).
     #[arg(long)]
     pub wait_timeout: Option<String>,
+    /// Idle this long (30s, 5m), the group may be parked: its GPU memory moved to host RAM
+    /// when the room is wanted, brought back at its next CUDA call.
+    #[arg(long)]
+    pub park_after: Option<String>,
     /// The arbiter's unix socket (default: standalone).
     #[arg(long)]
     pub arbiter_socket: Option<PathBuf>,
@@ -95,6 +99,7 @@ impl RunSettings {
             ("GPUFRAC_PRIORITY", self.priority.map(|p| p.to_string())),
             ("GPUFRAC_GROUP", self.group.clone()),
             ("GPUFRAC_WAIT_TIMEOUT", self.wait_timeout.clone()),
+            ("GPUFRAC_PARK_AFTER", self.park_after.clone()),
             ("GPUFRAC_ARBITER_SOCKET", self.arbiter_socket.as_ref().map(|p| p.display().to_string())),
             ("GPUFRAC_POD", self.pod.clone()),
         ];
@@ -179,13 +184,14 @@ const SLICE_VARIABLES: [&str; 2] = ["GPUFRAC_MEMORY_REQUEST", "GPUFRAC_MEMORY_LI
 const SHIM_CORE: &str = "libgpufrac_core.so";
 
 /// Each `GPUFRAC_*` variable `gpufrac run` sets, with the flag that sets it.
-const FLAGS: [(&str, &str); 8] = [
+const FLAGS: [(&str, &str); 9] = [
     ("GPUFRAC_MEMORY_REQUEST", "--request"),
     ("GPUFRAC_MEMORY_LIMIT", "--limit"),
     ("GPUFRAC_RESOLVER", "--resolver"),
     ("GPUFRAC_PRIORITY", "--priority"),
     ("GPUFRAC_GROUP", "--group"),
     ("GPUFRAC_WAIT_TIMEOUT", "--wait-timeout"),
+    ("GPUFRAC_PARK_AFTER", "--park-after"),
     ("GPUFRAC_ARBITER_SOCKET", "--arbiter-socket"),
     ("GPUFRAC_POD", "--pod"),
 ];
@@ -331,6 +337,8 @@ mod tests {
         assert!(refusal(request("lots")).starts_with("invalid --request \"lots\": expected a size"));
         let limit = refusal(RunSettings { limit: Some("1GiB".into()), ..request("2GiB") });
         assert_eq!(limit, "invalid --limit \"1GiB\": the limit must be at least --request (2GiB)");
+        let park = refusal(RunSettings { park_after: Some("soon".into()), ..request("1GiB") });
+        assert!(park.starts_with("invalid --park-after \"soon\""), "{park}");
         let timeout = refusal(RunSettings { wait_timeout: Some("5parsecs".into()), ..request("1GiB") });
         assert_eq!(
             timeout,

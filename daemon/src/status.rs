@@ -367,7 +367,7 @@ impl Status {
         if self.gpus.is_empty() {
             out.push_str("no GPUs\n");
         }
-        let swapped: u64 = self.gpus.iter().map(|g| g.swapped).sum();
+        let swapped: u64 = self.gpus.iter().map(|g| g.swapped.saturating_add(g.parked)).sum();
         let cap = if self.swap_limit == u64::MAX { "no limit".to_owned() } else { gib(self.swap_limit) };
         let _ = writeln!(out, "host RAM for swapped-out memory: {} of {cap}", gib(swapped));
         for g in &self.gpus {
@@ -384,6 +384,15 @@ impl Status {
             );
             if g.outside > 0 {
                 let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
+            }
+            if g.parkable_requests > 0 {
+                let _ = writeln!(
+                    out,
+                    "  parkable requests {} ({} parked to host, {} wakes waiting for room)",
+                    gib(g.parkable_requests),
+                    gib(g.parked),
+                    g.waking
+                );
             }
             if g.reclaiming > 0 {
                 let _ = writeln!(
@@ -431,10 +440,22 @@ impl Status {
                     p.priority,
                     printable(&p.resolver),
                     printable(&p.state),
-                    gib(p.host_bytes),
+                    gib(p.host_bytes.saturating_add(p.parked_bytes)),
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms)
                 );
+                if p.park_after_ms > 0 && (p.parks > 0 || p.wakes > 0) {
+                    let _ = writeln!(
+                        out,
+                        "  {:>8}  parkable after {}: parked {} times (last took {}), woken {} times (last took {})",
+                        "",
+                        seconds(p.park_after_ms),
+                        p.parks,
+                        seconds(p.last_park_ms),
+                        p.wakes,
+                        seconds(p.last_wake_ms)
+                    );
+                }
                 // What it declared beyond its entitlement: the mismatch, shown.
                 if !p.capped.is_empty() {
                     let _ = writeln!(

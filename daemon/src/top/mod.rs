@@ -142,7 +142,8 @@ impl GpuView {
             number,
             uuid: printable(&g.uuid).into_owned(),
             total: g.total,
-            bytes: [g.guaranteed, g.burst, g.swapped, g.outside, g.free],
+            // Parked groups' memory is in host RAM too: drawn with swapped-out memory.
+            bytes: [g.guaranteed, g.burst, g.swapped.saturating_add(g.parked), g.outside, g.free],
             waiting: g.waiting,
             reclaiming: g.reclaiming,
         }

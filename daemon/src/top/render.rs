@@ -59,8 +59,8 @@ pub fn draw(frame: &mut Frame<'_>, view: &View) {
         &format!(" processes (sorted by {}) ", view.sort),
         "no processes",
         |row| match row.get(7).map(String::as_str) {
-            Some("waiting") => Style::default().fg(Color::Yellow),
-            Some("swapped") => Style::default().fg(Color::Magenta),
+            Some("waiting" | "waking") => Style::default().fg(Color::Yellow),
+            Some("swapped" | "parked" | "parking") => Style::default().fg(Color::Magenta),
             _ => Style::default(),
         },
     );
@@ -70,7 +70,7 @@ pub fn draw(frame: &mut Frame<'_>, view: &View) {
     draw_table(frame, events, &view.events, " recent events (newest first) ", "none", |row| {
         match row.get(1).map(String::as_str) {
             Some("waited") => Style::default().fg(Color::Yellow),
-            Some("swapped out" | "swapped in") => Style::default().fg(Color::Magenta),
+            Some("swapped out" | "swapped in" | "parked" | "woken") => Style::default().fg(Color::Magenta),
             Some("ended" | "denied" | "refused") => Style::default().fg(Color::Red),
             _ => Style::default(),
         }
