@@ -87,6 +87,11 @@ pub struct PreparedDevice {
     /// The priority the claim's configuration names; `None`: the pod's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+    /// Idle this long, the claim's group may be parked (`parkAfter`, the shim's
+    /// `GPUFRAC_PARK_AFTER`): a duration as the configuration wrote it, such as `30s`;
+    /// `None`: never parked. Absent from checkpoints written before parking.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub park_after: Option<String>,
     /// The CDI device ID given to the kubelet for this device.
     pub cdi_device_id: String,
 }
@@ -213,6 +218,7 @@ mod tests {
                 limit_bytes: 40 << 30,
                 resolver: Some(Resolver::Swap),
                 priority: None,
+                park_after: Some("30s".into()),
                 cdi_device_id: "gpufrac.io/claim=0f3c2a9e-1111-2222-3333-444455556666-gpu-0".into(),
             }],
         }

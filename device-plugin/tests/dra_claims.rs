@@ -1,9 +1,11 @@
 //! Claims as the API server returns them (`resource.k8s.io/v1` JSON, read into the API's
 //! own types) → the fraction the DRA plugin prepares: the consumed `memory` capacity is
-//! the request, the opaque configuration gives limit, resolver and priority, and a bad
-//! configuration is refused naming its field.
+//! the request, the opaque configuration gives limit, resolver, priority and `parkAfter`
+//! (down to the CDI spec's env), and a bad configuration is refused naming its field.
 
+use gpufrac_common::dra::PreparedClaim;
 use gpufrac_common::resolver::Resolver;
+use gpufrac_device_plugin::dra::cdi::{self, CdiConfig};
 use gpufrac_device_plugin::dra::claim::{fraction, quantity_bytes, ClaimError};
 use gpufrac_device_plugin::dra::gpus::GpuInfo;
 use gpufrac_device_plugin::dra::slices::{self, Sharing};
@@ -128,6 +130,77 @@ fn without_configuration_the_limit_is_the_request_and_without_consumable_capacit
     )
     .unwrap();
     assert_eq!(half.devices[0].limit_bytes, 40 * GIB);
+}
+
+/// The env of the CDI spec the plugin writes for `claim` (one device).
+fn cdi_env(claim: &ResourceClaim) -> Vec<String> {
+    let fraction = fraction(claim, NODE, &gpus(), Sharing::Capacity).expect("prepared");
+    let prepared = PreparedClaim {
+        namespace: "inference".into(),
+        name: "llm-0-gpu-x7k2q".into(),
+        uid: "3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13".into(),
+        pod_uids: fraction.pods.iter().map(|(uid, _)| uid.clone()).collect(),
+        devices: fraction.devices,
+    };
+    let config = CdiConfig {
+        dir: "/var/run/cdi".into(),
+        shim_dir: "/opt/gpufrac/lib".into(),
+        arbiter_socket: "/run/gpufrac/arbiter.sock".into(),
+        nvidia_cdi: false,
+    };
+    let spec = cdi::spec(&config, &prepared, 0);
+    let env = spec["devices"][0]["containerEdits"]["env"].as_array().expect("env");
+    env.iter().map(|e| e.as_str().expect("NAME=VALUE").to_owned()).collect()
+}
+
+#[test]
+fn park_after_reaches_the_cdi_env() {
+    let parkable = claim(
+        "gpu-1",
+        Some("20Gi"),
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "parkAfter": "30s"})),
+    );
+    let prepared = fraction(&parkable, NODE, &gpus(), Sharing::Capacity).expect("prepared");
+    assert_eq!(prepared.devices[0].park_after.as_deref(), Some("30s"));
+    let env = cdi_env(&parkable);
+    assert!(env.contains(&"GPUFRAC_PARK_AFTER=30s".to_owned()), "{env:?}");
+    assert!(env.contains(&"GPUFRAC_RESOLVER=wait".to_owned()), "{env:?}");
+
+    // The claim's own configuration overrides its class's.
+    let both = json!([
+        {"source": "FromClass", "opaque": config(json!({
+            "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "parkAfter": "5m"}))},
+        {"source": "FromClaim", "requests": ["gpu"], "opaque": config(json!({
+            "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "parkAfter": "500ms"}))},
+    ]);
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), both));
+    assert!(env.contains(&"GPUFRAC_PARK_AFTER=500ms".to_owned()), "{env:?}");
+
+    // Without it, no variable: the claim is never parked.
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), json!([])));
+    assert!(!env.iter().any(|e| e.starts_with("GPUFRAC_PARK_AFTER=")), "{env:?}");
+
+    // A bad duration is refused naming the field and the value.
+    for bad in [json!("soon"), json!("30"), json!(30)] {
+        let e = fraction(
+            &claim(
+                "gpu-1",
+                Some("20Gi"),
+                from_claim(
+                    json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "parkAfter": bad}),
+                ),
+            ),
+            NODE,
+            &gpus(),
+            Sharing::Capacity,
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ClaimError::Config { index: 0, .. }), "{text}");
+        assert!(text.contains("status.allocation.devices.config[0].opaque.parameters.parkAfter: "), "{text}");
+        assert!(text.contains(&bad.to_string()), "names the value: {text}");
+        assert!(text.contains("expected a duration such as"), "{text}");
+    }
 }
 
 #[test]

@@ -513,6 +513,63 @@ async fn bad_annotations_are_refused_naming_them() {
 }
 
 #[tokio::test]
+async fn park_after_sets_gpufrac_park_after_or_is_refused() {
+    let server = Server::start().await;
+    // Accepted: the variable is set, as written.
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/park-after": "30s"}),
+        json!([container("main")]),
+    ));
+    let answer = server.mutate(&review).await;
+    let env = env_of(&patched(&review, &answer)["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_PARK_AFTER"), Some("30s"));
+    assert_eq!(env.len(), 5, "{env:?}");
+    assert!(answer["response"].get("warnings").is_none(), "{answer}");
+
+    // An author-written value is replaced by the annotation's, with a warning.
+    let mut main = container("main");
+    main["env"] = json!([{"name": "GPUFRAC_PARK_AFTER", "value": "1s"}]);
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/park-after": "5m"}),
+        json!([main.clone()]),
+    ));
+    let answer = server.mutate(&review).await;
+    let env = env_of(&patched(&review, &answer)["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_PARK_AFTER"), Some("5m"));
+    assert!(warnings(&answer).iter().any(|w| w.contains("GPUFRAC_PARK_AFTER")), "{answer}");
+
+    // Absent: no variable, and the author cannot make the pod parkable without it.
+    for containers in [json!([container("main")]), json!([main])] {
+        let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), containers));
+        let env = env_of(&patched(&review, &server.mutate(&review).await)["spec"]["containers"][0]);
+        assert_eq!(env_value(&env, "GPUFRAC_PARK_AFTER"), None, "{env:?}");
+    }
+
+    // Refused, naming the annotation and the value.
+    for (annotations, expected) in [
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/park-after": "soon"}),
+            r#"gpufrac.io/park-after="soon": expected a duration such as 30s, 500ms or 2m"#,
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/park-after": "30"}),
+            r#"gpufrac.io/park-after="30""#,
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/park-after": ""}),
+            r#"gpufrac.io/park-after="""#,
+        ),
+        (json!({"gpufrac.io/park-after": "30s"}), "gpufrac.io/gpu-fraction is missing"),
+    ] {
+        let review = create(pod(annotations.clone(), json!([container("main")])));
+        let message = refusal(&server.mutate(&review).await);
+        assert!(message.contains(expected), "{annotations}: {message:?} lacks {expected:?}");
+        assert!(message.contains("gpufrac.io/park-after"), "{annotations}: {message:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn pods_without_the_annotation_pass_unchanged() {
     let server = Server::start().await;
     for annotations in [Value::Null, json!({}), json!({"example.com/x": "0.5"})] {

@@ -1,6 +1,7 @@
 //! The CDI spec of a prepared claim: one file per claim in the CDI folder, kind
 //! `gpufrac.io/claim`, one device per GPU, whose container edits preload the shim, give it
-//! the claim's fraction and the arbiter's socket, and make the GPU visible. The container
+//! the claim's fraction (and `GPUFRAC_PARK_AFTER` when the claim may be parked) and the
+//! arbiter's socket, and make the GPU visible. The container
 //! runtime applies it to every container of the pod that uses the claim.
 
 use std::io::Write as _;
@@ -68,7 +69,7 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
         .devices
         .iter()
         .map(|device| {
-            let env = vec![
+            let mut env = vec![
                 format!("LD_PRELOAD={}", shim.display()),
                 format!("NVIDIA_VISIBLE_DEVICES={}", device.gpu_uuid),
                 format!("GPUFRAC_MEMORY_REQUEST={}", device.request_bytes),
@@ -78,6 +79,9 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
                 format!("GPUFRAC_GROUP={}", group_name(&claim.uid)),
                 format!("GPUFRAC_RESOLVER={}", device.resolver.unwrap_or_default()),
             ];
+            if let Some(park_after) = &device.park_after {
+                env.push(format!("GPUFRAC_PARK_AFTER={park_after}"));
+            }
             json!({
                 "name": device_name(&claim.uid, &device.device),
                 "containerEdits": {

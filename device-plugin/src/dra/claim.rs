@@ -1,6 +1,7 @@
 //! An allocated ResourceClaim (`resource.k8s.io/v1`) → the fraction it holds of each of
 //! this node's GPUs: the request is the `memory` capacity the scheduler let it consume on
-//! the device; limit, resolver and priority come from its opaque configuration. Pure
+//! the device; limit, resolver, priority and `parkAfter` come from its opaque
+//! configuration. Pure
 //! logic over the API's own types, tested from real claims' JSON.
 
 use gpufrac_common::dra::PreparedDevice;
@@ -159,6 +160,7 @@ pub fn fraction(
             limit_bytes: request,
             resolver: settings.resolver,
             priority: settings.priority,
+            park_after: settings.park_after,
             cdi_device_id: cdi::device_id(&uid, &gpu.device_name()),
         });
     }

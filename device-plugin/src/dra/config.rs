@@ -1,11 +1,11 @@
 //! A claim's opaque configuration for this driver:
 //! `{"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": SIZE,
-//! "resolver": "wait|priority|swap", "priority": N}`, every field but the first two
-//! optional. A configuration that is not exactly this is refused, naming the field, so
-//! that a typo never silently becomes "no burst".
+//! "resolver": "wait|priority|swap", "priority": N, "parkAfter": DURATION}`, every field
+//! but the first two optional. A configuration that is not exactly this is refused, naming
+//! the field, so that a typo never silently becomes "no burst".
 
 use gpufrac_common::resolver::Resolver;
-use gpufrac_common::size::{parse_size, SizeSpec};
+use gpufrac_common::size::{parse_duration, parse_size, SizeSpec};
 use serde_json::Value;
 
 /// The configuration's `apiVersion`.
@@ -14,7 +14,7 @@ pub const API_VERSION: &str = "gpufrac.io/v1";
 pub const KIND: &str = "GpuFractionConfig";
 
 /// What one configuration says (each field optional).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct FractionConfig {
     /// The burst ceiling: bytes, or a fraction of the GPU.
     pub limit: Option<SizeSpec>,
@@ -22,6 +22,9 @@ pub struct FractionConfig {
     pub resolver: Option<Resolver>,
     /// The priority of the claim's processes (otherwise the pod's).
     pub priority: Option<i32>,
+    /// Idle this long, the claim's group may be parked (`GPUFRAC_PARK_AFTER`): a duration
+    /// the shim's parser accepts, kept as written but for surrounding whitespace.
+    pub park_after: Option<String>,
 }
 
 impl FractionConfig {
@@ -32,6 +35,7 @@ impl FractionConfig {
             limit: later.limit.or(self.limit),
             resolver: later.resolver.or(self.resolver),
             priority: later.priority.or(self.priority),
+            park_after: later.park_after.or(self.park_after),
         }
     }
 }
@@ -85,16 +89,11 @@ pub fn parse(parameters: &Value) -> Result<FractionConfig, ConfigError> {
                     .ok_or_else(|| refuse("priority", format!("expected a 32-bit integer, not {value}")))?;
                 config.priority = Some(n);
             }
-            "parkAfter" => {
-                return Err(refuse(
-                    "parkAfter",
-                    "parking idle models is not supported by this version of gpufrac",
-                ))
-            }
+            "parkAfter" => config.park_after = Some(park_after(value)?),
             other => {
                 return Err(refuse(
                     other,
-                    "unknown field (known: apiVersion, kind, limit, resolver, priority)",
+                    "unknown field (known: apiVersion, kind, limit, resolver, priority, parkAfter)",
                 ))
             }
         }
@@ -116,6 +115,19 @@ fn limit(value: &Value) -> Result<SizeSpec, ConfigError> {
     parse_size("limit", &text).map_err(|e| refuse("limit", format!("{:?}: {}", e.value, e.reason)))
 }
 
+/// A `parkAfter` duration string (`30s`, `500ms`, `5m`), checked with the shim's own
+/// parser so that the CDI spec never gives the shim a value it refuses.
+fn park_after(value: &Value) -> Result<String, ConfigError> {
+    let Value::String(text) = value else {
+        return Err(refuse(
+            "parkAfter",
+            format!("expected a duration such as \"30s\", \"500ms\" or \"5m\", not {value}"),
+        ));
+    };
+    parse_duration("parkAfter", text).map_err(|e| refuse("parkAfter", format!("{text:?}: {}", e.reason)))?;
+    Ok(text.trim().to_owned())
+}
+
 fn shown(value: Option<&Value>) -> String {
     value.map_or_else(|| "nothing".to_owned(), Value::to_string)
 }
@@ -133,10 +145,17 @@ mod tests {
 
     #[test]
     fn every_field_is_read() {
-        let c = parse(&config(json!({"limit": "40Gi", "resolver": "swap", "priority": 7}))).unwrap();
+        let c =
+            parse(&config(json!({"limit": "40Gi", "resolver": "swap", "priority": 7, "parkAfter": " 30s "})))
+                .unwrap();
         assert_eq!(c.limit, Some(SizeSpec::Bytes(40 << 30)));
         assert_eq!(c.resolver, Some(Resolver::Swap));
         assert_eq!(c.priority, Some(7));
+        assert_eq!(c.park_after.as_deref(), Some("30s"));
+        assert_eq!(
+            parse(&config(json!({"parkAfter": "1h 30m"}))).unwrap().park_after.as_deref(),
+            Some("1h 30m")
+        );
         assert_eq!(parse(&config(json!({}))).unwrap(), FractionConfig::default());
         assert_eq!(parse(&config(json!({"limit": "0.5"}))).unwrap().limit, Some(SizeSpec::Fraction(0.5)));
         assert_eq!(
@@ -156,6 +175,9 @@ mod tests {
             (config(json!({"resolver": 1})), "parameters.resolver"),
             (config(json!({"priority": "high"})), "parameters.priority"),
             (config(json!({"priority": 1u64 << 40})), "parameters.priority"),
+            (config(json!({"parkAfter": "soon"})), "parameters.parkAfter"),
+            (config(json!({"parkAfter": "30"})), "parameters.parkAfter"),
+            (config(json!({"parkAfter": 30})), "parameters.parkAfter"),
             (config(json!({"limt": "40Gi"})), "parameters.limt"),
             (json!("limit=40Gi"), "parameters"),
         ];
@@ -172,11 +194,20 @@ mod tests {
             limit: Some(SizeSpec::Fraction(1.0)),
             resolver: Some(Resolver::Wait),
             priority: None,
+            park_after: Some("5m".into()),
         };
-        let claim = FractionConfig { limit: None, resolver: Some(Resolver::Swap), priority: Some(3) };
-        let merged = class.overridden_by(claim);
+        let claim = FractionConfig {
+            limit: None,
+            resolver: Some(Resolver::Swap),
+            priority: Some(3),
+            park_after: None,
+        };
+        let merged = class.clone().overridden_by(claim);
         assert_eq!(merged.limit, Some(SizeSpec::Fraction(1.0)));
         assert_eq!(merged.resolver, Some(Resolver::Swap));
         assert_eq!(merged.priority, Some(3));
+        assert_eq!(merged.park_after.as_deref(), Some("5m"));
+        let sooner = FractionConfig { park_after: Some("30s".into()), ..FractionConfig::default() };
+        assert_eq!(class.overridden_by(sooner).park_after.as_deref(), Some("30s"));
     }
 }

@@ -10,7 +10,10 @@
 //! the device plugin's `Allocate` envs come first, then `envFrom` (each source's keys,
 //! with its `prefix`), then `env`, and a later entry of the same name wins. So:
 //! - a variable the webhook sets (`GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
-//!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD`) is overwritten in `env`, which also beats `envFrom`;
+//!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD`, and `GPUFRAC_PARK_AFTER` from
+//!   `gpufrac.io/park-after`) is overwritten in `env`, which also beats `envFrom`; without
+//!   the annotation an author-written `GPUFRAC_PARK_AFTER` is removed (parking lets a
+//!   group's request count past the GPU, so it is an entitlement, not a tuning);
 //! - a variable `Allocate` sets (`GPUFRAC_MEMORY_REQUEST`, `GPUFRAC_GROUP`,
 //!   `GPUFRAC_ARBITER_SOCKET`, `LD_PRELOAD`, `NVIDIA_VISIBLE_DEVICES`) must not be in
 //!   `env` at all, or the author's value would replace the plugin's: the webhook removes it;
@@ -134,6 +137,7 @@ mod tests {
             "GPUFRAC_POD",
             "GPUFRAC_POD_NAME",
             "GPUFRAC_ARBITER_SOCKET",
+            "GPUFRAC_PARK_AFTER",
             "GPUFRAC_SOMETHING_NEW",
         ] {
             assert!(is_owned(name, Role::Gpu), "{name}");

@@ -40,6 +40,9 @@ pub(crate) struct ContainerGrant {
     pub(crate) resolver: &'static str,
     /// `GPUFRAC_PRIORITY`.
     pub(crate) priority: String,
+    /// `GPUFRAC_PARK_AFTER`, when the pod may be parked; `None`: the variable is not set
+    /// (and an author-written one is removed, like any other `GPUFRAC_*` it owns).
+    pub(crate) park_after: Option<String>,
     /// The namespace for `GPUFRAC_POD`.
     pub(crate) namespace: String,
     /// The name for `GPUFRAC_POD`.
@@ -117,7 +120,8 @@ pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> (Vec
 }
 
 /// The container's env with ours in: a variable of ours that the container already has is
-/// replaced where it stands (later duplicates dropped); the others are appended. Every
+/// replaced where it stands (later duplicates dropped); the others are appended
+/// (`GPUFRAC_PARK_AFTER`, when the pod may be parked, last). Every
 /// other variable gpufrac owns in a container with shares (`owned.rs`: the device
 /// plugin's `GPUFRAC_MEMORY_REQUEST`, `GPUFRAC_GROUP`, `GPUFRAC_ARBITER_SOCKET`,
 /// `LD_PRELOAD`, `NVIDIA_VISIBLE_DEVICES`, any other `GPUFRAC_*` but the user settings)
@@ -138,14 +142,17 @@ fn merged_env(existing: &[Value], grant: &ContainerGrant) -> (Vec<Value>, TakenO
             "valueFrom": { "fieldRef": { "apiVersion": "v1", "fieldPath": "metadata.name" } },
         })),
     };
-    let ours: [(&str, Value); 4] = [
+    let mut ours: Vec<(&str, Value)> = vec![
         ("GPUFRAC_MEMORY_LIMIT", var("GPUFRAC_MEMORY_LIMIT", &grant.memory_limit)),
         ("GPUFRAC_RESOLVER", var("GPUFRAC_RESOLVER", grant.resolver)),
         ("GPUFRAC_PRIORITY", var("GPUFRAC_PRIORITY", &grant.priority)),
         ("GPUFRAC_POD", var("GPUFRAC_POD", &pod_value)),
     ];
+    if let Some(park_after) = &grant.park_after {
+        ours.push(("GPUFRAC_PARK_AFTER", var("GPUFRAC_PARK_AFTER", park_after)));
+    }
     let mut taken = TakenOver::default();
-    let mut emitted = [false; 4];
+    let mut emitted = vec![false; ours.len()];
     let mut out = Vec::with_capacity(existing.len() + ours.len() + 1);
     let mut emit = |i: usize, out: &mut Vec<Value>| {
         if emitted[i] {
@@ -204,6 +211,7 @@ mod tests {
             memory_limit: "0.5".into(),
             resolver: "wait",
             priority: "0".into(),
+            park_after: None,
             namespace: "ns".into(),
             name,
         }
@@ -262,5 +270,38 @@ mod tests {
         assert_eq!(env[1]["value"], "wait");
         assert_eq!(env[4]["value"], "ns/$(GPUFRAC_POD_NAME)");
         assert_eq!(env[3]["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+    }
+
+    #[test]
+    fn park_after_is_set_replaced_or_removed() {
+        let parkable = ContainerGrant { park_after: Some("30s".into()), ..grant(PodName::Known("p".into())) };
+        // Set, after the others, on a container without env.
+        let (env, taken) = merged_env(&[], &parkable);
+        assert!(taken.is_empty());
+        assert_eq!(
+            names(&env),
+            [
+                "GPUFRAC_MEMORY_LIMIT",
+                "GPUFRAC_RESOLVER",
+                "GPUFRAC_PRIORITY",
+                "GPUFRAC_POD",
+                "GPUFRAC_PARK_AFTER"
+            ]
+        );
+        assert_eq!(env[4], json!({"name": "GPUFRAC_PARK_AFTER", "value": "30s"}));
+        // An author-written value is replaced where it stands.
+        let existing = vec![
+            json!({"name": "A", "value": "1"}),
+            json!({"name": "GPUFRAC_PARK_AFTER", "value": "1s"}),
+            json!({"name": "B", "value": "2"}),
+        ];
+        let (env, taken) = merged_env(&existing, &parkable);
+        assert_eq!(taken.replaced, ["GPUFRAC_PARK_AFTER"]);
+        assert_eq!(names(&env)[..3], ["A", "GPUFRAC_PARK_AFTER", "B"]);
+        assert_eq!(env[1]["value"], "30s");
+        // Without the annotation, the author may not make the pod parkable.
+        let (env, taken) = merged_env(&existing, &grant(PodName::Known("p".into())));
+        assert_eq!(taken.removed, ["GPUFRAC_PARK_AFTER"]);
+        assert!(!names(&env).contains(&"GPUFRAC_PARK_AFTER"), "{env:?}");
     }
 }

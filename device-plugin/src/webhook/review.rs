@@ -15,8 +15,9 @@
 //!   sub-resource) is looked at; every other request, `UPDATE` of a Pod included, is
 //!   allowed unchanged (a running pod's share cannot change).
 //! - A pod with none of the `gpufrac.io/*` annotations is allowed unchanged.
-//! - A pod with `gpufrac.io/gpu-fraction-limit`, `gpufrac.io/resolver` or
-//!   `gpufrac.io/container` but no `gpufrac.io/gpu-fraction` is refused: those alone
+//! - A pod with `gpufrac.io/gpu-fraction-limit`, `gpufrac.io/resolver`,
+//!   `gpufrac.io/container` or `gpufrac.io/park-after` but no `gpufrac.io/gpu-fraction`
+//!   is refused: those alone
 //!   would do nothing, which is a mistake worth telling.
 //! - Bad values are refused (`allowed: false`, `status.code` 400) with a message naming
 //!   the annotation, the value and what is expected; every problem is listed.
@@ -24,7 +25,8 @@
 //!   gets `resources.limits` and `resources.requests` `gpufrac.io/gpu` =
 //!   `ceil(fraction × 100)`, and env `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
 //!   `GPUFRAC_PRIORITY` (`spec.priority`, else `0`) and `GPUFRAC_POD`
-//!   (`<namespace>/<name>`).
+//!   (`<namespace>/<name>`), and `GPUFRAC_PARK_AFTER` when `gpufrac.io/park-after` is set
+//!   (a duration the shim's parser accepts, such as `30s`; passed on as written).
 //! - The request is granted in whole shares, so the device plugin's
 //!   `GPUFRAC_MEMORY_REQUEST` is `shares / 100`; `GPUFRAC_MEMORY_LIMIT` is the limit
 //!   annotation (default the request) but never below `shares / 100`, so the shim's
@@ -32,7 +34,8 @@
 //!   reported as an AdmissionReview warning.
 //! - The pod's author sets none of gpufrac's variables (`owned.rs`): in the chosen
 //!   container, an author-written `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
-//!   `GPUFRAC_PRIORITY` or `GPUFRAC_POD` is replaced, and every other `GPUFRAC_*` (but
+//!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD` or (with the annotation) `GPUFRAC_PARK_AFTER` is
+//!   replaced, and every other `GPUFRAC_*` (but
 //!   `GPUFRAC_WAIT_TIMEOUT` and `GPUFRAC_LOG`), `LD_PRELOAD` and `NVIDIA_VISIBLE_DEVICES`
 //!   is removed, so the device plugin's values win; in every other container and init
 //!   container those `GPUFRAC_*` are removed too (the same two kept), and in any of them
@@ -305,6 +308,7 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
         memory_limit: memory_limit.to_string(),
         resolver: settings.resolver.as_str(),
         priority,
+        park_after: settings.park_after,
         namespace,
         name,
     };

@@ -16,6 +16,9 @@ pub(crate) const FRACTION_LIMIT: &str = "gpufrac.io/gpu-fraction-limit";
 pub(crate) const RESOLVER: &str = "gpufrac.io/resolver";
 /// The container that gets the GPU share.
 pub(crate) const CONTAINER: &str = "gpufrac.io/container";
+/// Idle this long, the group may be parked (`GPUFRAC_PARK_AFTER`): a duration such as
+/// `30s`, `500ms` or `5m`.
+pub(crate) const PARK_AFTER: &str = "gpufrac.io/park-after";
 
 /// Shares per whole GPU: a fraction `f` asks for `ceil(f × 100)` shares.
 pub(crate) const SHARES_PER_GPU: u32 = 100;
@@ -147,6 +150,9 @@ pub(crate) struct Settings {
     pub(crate) resolver: Resolver,
     /// `gpufrac.io/container`, when set (not yet checked against the pod's containers).
     pub(crate) container: Option<String>,
+    /// `gpufrac.io/park-after`, when set: a duration the shim reads (checked with the
+    /// shim's own parser), kept as written but for surrounding whitespace.
+    pub(crate) park_after: Option<String>,
 }
 
 impl Settings {
@@ -176,9 +182,10 @@ impl Settings {
         let limit_text = get(FRACTION_LIMIT);
         let resolver_text = get(RESOLVER);
         let container = get(CONTAINER);
+        let park_after_text = get(PARK_AFTER);
 
         let Some(request_text) = request_text else {
-            let companions: Vec<&str> = [FRACTION_LIMIT, RESOLVER, CONTAINER]
+            let companions: Vec<&str> = [FRACTION_LIMIT, RESOLVER, CONTAINER, PARK_AFTER]
                 .into_iter()
                 .filter(|k| annotations.contains_key(*k))
                 .collect();
@@ -240,9 +247,19 @@ impl Settings {
                 resolver
             }
         };
+        let park_after = match park_after_text {
+            None => None,
+            Some(text) => match gpufrac_common::parse_duration(PARK_AFTER, &text) {
+                Ok(_) => Some(text.trim().to_owned()),
+                Err(e) => {
+                    problems.push(format!("{PARK_AFTER}={}: {}", shown(&text), e.reason));
+                    None
+                }
+            },
+        };
         match (request, resolver) {
             (Some(request), Some(resolver)) if problems.is_empty() => {
-                Ok(Some(Settings { request, limit, resolver, container }))
+                Ok(Some(Settings { request, limit, resolver, container, park_after }))
             }
             _ => Err(problems.join("; ")),
         }
@@ -365,8 +382,28 @@ mod tests {
         assert_eq!(s.limit.map(|l| l.to_string()).as_deref(), Some("0.5"));
         assert_eq!(s.resolver, Resolver::Swap);
         assert_eq!(s.container.as_deref(), Some("b"));
+        assert_eq!(s.park_after, None);
         // A limit equal to the request, written differently, is fine.
         assert!(settings(json!({FRACTION: "0.3", FRACTION_LIMIT: "0.30"})).is_ok());
+    }
+
+    #[test]
+    fn park_after_is_a_duration_kept_as_written() {
+        for (text, kept) in [("30s", "30s"), (" 5m ", "5m"), ("500ms", "500ms"), ("1h 30m", "1h 30m")] {
+            let s = settings(json!({FRACTION: "0.25", PARK_AFTER: text})).expect("valid").expect("ours");
+            assert_eq!(s.park_after.as_deref(), Some(kept), "{text:?}");
+        }
+        for bad in ["soon", "", "30", "-5s", "5 parsecs"] {
+            let err = settings(json!({FRACTION: "0.25", PARK_AFTER: bad})).expect_err(bad);
+            assert!(
+                err.starts_with(&format!("{PARK_AFTER}={}: expected a duration such as 30s", shown(bad))),
+                "{bad:?}: {err}"
+            );
+        }
+        // Alone it would do nothing.
+        let err = settings(json!({PARK_AFTER: "30s"})).expect_err("no fraction");
+        assert!(err.starts_with("gpufrac.io/gpu-fraction is missing"), "{err}");
+        assert!(err.contains(PARK_AFTER), "{err}");
     }
 
     #[test]
