@@ -986,6 +986,9 @@ async fn expire_waiters(shared: Arc<Shared>) {
             last_flush = Instant::now();
             shared.flush_logs();
         }
+        // Wakes first: one lends again, which may leave a queued burst without a chance,
+        // refused at once by `expire`.
+        shared.park_step();
         let answers = shared.policy().expire(Instant::now());
         if !answers.is_empty() {
             shared.deliver(answers);
@@ -999,7 +1002,6 @@ async fn expire_waiters(shared: Arc<Shared>) {
         }
         shared.resolve_swap();
         shared.reclaim_guarantees();
-        shared.park_step();
     }
 }
 

@@ -80,14 +80,26 @@ impl Policy {
         };
         let now = Instant::now();
         let mut parked = false;
+        if let Some(group) = gpu.groups.get(&peer.group) {
+            if group.park_after.is_some() != peer.park_after.is_some() {
+                // Parking moves a whole group: a member that cannot be parked would keep it
+                // on the device (and one that can, in a group that cannot, never would be).
+                return Err(format!(
+                    "GPUFRAC_PARK_AFTER is {} for GPUFRAC_GROUP {:?} but {} for this process: a group's processes must all set it, or none",
+                    if group.park_after.is_some() { "set" } else { "unset" },
+                    crate::entitlement::shown_group(&peer.group),
+                    if peer.park_after.is_some() { "set" } else { "unset" },
+                ));
+            }
+        }
         match gpu.groups.get(&peer.group) {
             None => {
-                // A process coming back with memory it holds (after a restart) is resident
-                // whatever it declares: it is admitted as one that is never parked.
-                let park_after = peer.park_after.filter(|_| held == 0);
+                let park_after = peer.park_after;
                 if park_after.is_some() {
                     let rule = (self.oversubscribe, self.swap_limit);
-                    parked = Self::admit_parkable(gpu, &device, request, outside, rule)?;
+                    // A process coming back with memory it holds (after a restart) is
+                    // resident, wherever it fits.
+                    parked = Self::admit_parkable(gpu, &device, request, outside, rule)? && held == 0;
                 } else {
                     // Resident parkable groups do not keep a firm request out: they are
                     // parked for it.
@@ -164,7 +176,15 @@ impl Policy {
         let granted = granted.min(group.room()).min(available);
         let host_bytes = host_bytes.min(group.limit).min(self.swap_limit.saturating_sub(host_now));
         let mut member = Member::new(held, granted, host_bytes, now);
-        if parked {
+        if let Some(old) = group.members.get(&conn) {
+            // Registered again on the same connection: where its memory is stays as it was.
+            member.park = old.park;
+            member.parked_bytes = old.parked_bytes;
+            member.parked_grant = old.parked_grant;
+            member.left_on_device = old.left_on_device;
+            member.checkpointed = old.checkpointed;
+            member.wake_asked = old.wake_asked;
+        } else if parked {
             member.park = super::park::MemberPark::Parked;
         }
         group.members.insert(conn, member);
@@ -294,7 +314,7 @@ fn parkable_reserved(gpu: &super::Gpu) -> u64 {
         .values()
         .filter(|g| g.park_after.is_some() && g.park != super::park::GroupPark::Parked)
         .map(|g| g.request)
-        .sum()
+        .fold(0u64, u64::saturating_add)
 }
 
 #[cfg(test)]

@@ -140,6 +140,9 @@ struct Member {
     parked_bytes: u64,
     /// Burst bytes it held when parked: what its wake lends it again.
     parked_grant: u64,
+    /// What it could not move off the device when parked (contexts, small allocations),
+    /// as it reported then: what its parked group still reserves.
+    left_on_device: u64,
     /// Parked by the arbiter with the driver's checkpoint API (its wake restores it).
     checkpointed: bool,
     /// Since when its wake has waited, while it waits.
@@ -551,7 +554,7 @@ impl Policy {
                     repaid_ended: gpu.repaid.ended,
                     waiting: gpu.queue.len(),
                     swapped: gpu.members().map(|(_, _, m)| m.host_bytes).sum(),
-                    parked: gpu.members().map(|(_, _, m)| m.parked_bytes).sum(),
+                    parked: gpu.members().map(|(_, _, m)| m.parked_bytes).fold(0u64, u64::saturating_add),
                     parkable_requests: gpu.parkable_requests(),
                     waking: gpu.wakers.len(),
                     processes,

@@ -14,6 +14,7 @@
 //! the waiting call fails with out-of-memory and the next one asks again. While wakes
 //! wait, no new burst is lent: wakes are guarantees coming back, bursts are loans.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId};
@@ -70,8 +71,8 @@ impl MemberPark {
 #[derive(Debug, Clone)]
 pub(super) struct Waker {
     pub(super) conn: ConnId,
-    group: String,
-    seq: u64,
+    pub(super) group: String,
+    pub(super) seq: u64,
     since: Instant,
     deadline: Instant,
 }
@@ -132,7 +133,10 @@ impl Group {
     /// what its members left there).
     pub(super) fn reserved(&self) -> u64 {
         match self.park {
-            GroupPark::Parked => self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held)),
+            GroupPark::Parked => {
+                let left = self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.left_on_device));
+                left.min(self.request)
+            }
             _ => self.request,
         }
     }
@@ -145,7 +149,7 @@ impl Group {
     /// What waking it takes on the device: its request less what it left there, and what
     /// its parked members borrowed.
     fn wake_need(&self) -> u64 {
-        let lent: u64 = self.members.values().map(|m| m.parked_grant).sum();
+        let lent = self.members.values().map(|m| m.parked_grant).fold(0u64, u64::saturating_add);
         match self.park {
             GroupPark::Parked => self.request.saturating_sub(self.reserved()).saturating_add(lent),
             _ => lent,
@@ -165,12 +169,20 @@ impl Group {
 impl Gpu {
     /// Sum of the parkable groups' requests, parked or not.
     pub(super) fn parkable_requests(&self) -> u64 {
-        self.groups.values().filter(|g| g.park_after.is_some()).map(|g| g.request).sum()
+        self.groups
+            .values()
+            .filter(|g| g.park_after.is_some())
+            .map(|g| g.request)
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Sum of the requests of groups that are never parked.
     fn firm_requests(&self) -> u64 {
-        self.groups.values().filter(|g| g.park_after.is_none()).map(|g| g.request).sum()
+        self.groups
+            .values()
+            .filter(|g| g.park_after.is_none())
+            .map(|g| g.request)
+            .fold(0u64, u64::saturating_add)
     }
 
     /// What the parkable groups on the device (resident or parking) hold or reserve.
@@ -179,7 +191,7 @@ impl Gpu {
             .values()
             .filter(|g| g.park_after.is_some() && g.park != GroupPark::Parked)
             .map(|g| g.footprint())
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// How far the reserved requests and memory outside gpufrac pass the GPU: what
@@ -195,7 +207,7 @@ impl Gpu {
             .values()
             .filter(|g| matches!(g.park, GroupPark::Parking { .. }))
             .map(|g| g.footprint())
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Wakes `conn` of `group` if it fits now: returns the burst bytes it holds again and
@@ -215,8 +227,10 @@ impl Gpu {
             g.park = GroupPark::Resident;
             g.active_since = now;
             g.wakes += 1;
-            for m in g.members.values_mut().filter(|m| m.park == MemberPark::Parked) {
-                m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
+            let conns: Vec<ConnId> =
+                g.members.iter().filter(|(_, m)| m.park == MemberPark::Parked).map(|(&c, _)| c).collect();
+            for c in conns {
+                lend_again(g, c);
             }
         } else {
             let m = g.members.get(&conn)?;
@@ -224,8 +238,8 @@ impl Gpu {
                 return None;
             }
         }
+        lend_again(g, conn);
         let m = g.members.get_mut(&conn)?;
-        m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
         m.park = MemberPark::Waking;
         Some((m.granted, m.checkpointed))
     }
@@ -297,7 +311,6 @@ impl Policy {
             .map(|c| (c, devices_of(c, &self.gpus)))
             .collect();
         for (&device, gpu) in self.gpus.iter_mut() {
-            self::give_up_late_parks(gpu, now);
             let parking = gpu.parking() as i128;
             let waker_group = gpu.wakers.front().map(|w| w.group.clone());
             let for_wake = match &waker_group {
@@ -399,14 +412,18 @@ impl Policy {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return (Vec::new(), Vec::new()) };
         let total = gpu.total;
         let Some(g) = gpu.groups.get_mut(&group) else { return (Vec::new(), Vec::new()) };
+        let limit = g.limit;
         let Some(m) = g.members.get_mut(&conn) else { return (Vec::new(), Vec::new()) };
         if m.park != MemberPark::Parking {
             // Not asked (or asked and given up): the report still says where it is.
             tracing::debug!(conn, "a park report nobody asked for");
         }
         m.park = MemberPark::Parked;
-        m.parked_bytes = host_bytes;
+        // No process parks more than its group may hold.
+        m.parked_bytes = host_bytes.min(limit);
         m.held = held.min(total);
+        // Counted within its group's request: a report cannot reserve more than that.
+        m.left_on_device = m.held;
         m.parked_grant = m.parked_grant.saturating_add(std::mem::take(&mut m.granted));
         if let GroupPark::Parking { since } = g.park {
             if g.members.values().all(|m| m.park == MemberPark::Parked) {
@@ -437,8 +454,10 @@ impl Policy {
             }
             if let Some(m) = g.members.get_mut(&conn) {
                 m.park = MemberPark::Resident;
-                (m.held, m.checkpointed) = (held.min(total), false);
-                m.granted = m.granted.saturating_add(std::mem::take(&mut m.parked_grant));
+                (m.held, m.checkpointed, m.left_on_device) = (held.min(total), false, 0);
+            }
+            if g.members.contains_key(&conn) {
+                lend_again(g, conn);
             }
         }
         Self::drain_wakers(device, gpu, now)
@@ -488,7 +507,7 @@ impl Policy {
             if let Some(m) = g.members.get_mut(&conn) {
                 m.park = MemberPark::Resident;
                 let held = held.unwrap_or(m.held.saturating_add(m.parked_bytes));
-                (m.held, m.parked_bytes, m.checkpointed) = (held.min(total), 0, false);
+                (m.held, m.parked_bytes, m.checkpointed, m.left_on_device) = (held.min(total), 0, false, 0);
                 if let Some(asked) = m.wake_asked.take() {
                     g.last_wake = now.saturating_duration_since(asked);
                 }
@@ -523,9 +542,11 @@ impl Policy {
     }
 
     /// Wakes whose deadline passed are refused (`Timeout`); the ones behind may now fit.
+    /// Parks not answered in time are given up.
     pub fn expire_wakes(&mut self, now: Instant) -> Vec<WakeAnswer> {
         let mut answers = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
+            give_up_late_parks(gpu, now);
             while let Some(i) = gpu.wakers.iter().position(|w| w.deadline <= now) {
                 let Some(w) = gpu.wakers.remove(i) else { break };
                 if let Some(m) = gpu.member_mut(&w.group, w.conn) {
@@ -548,22 +569,46 @@ impl Policy {
     /// Serves the waiting wakes of `gpu` that fit now, in order.
     pub(super) fn drain_wakers(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<WakeAnswer> {
         let mut answers = Vec::new();
+        // Wherever they are in the queue: members back on the device without their wake
+        // (a park given up) are answered at once, with nothing to bring back and nothing
+        // lent anew; members gone are dropped.
+        let parked_still = |gpu: &Gpu, w: &Waker| {
+            gpu.groups
+                .get(&w.group)
+                .and_then(|g| g.members.get(&w.conn))
+                .map(|m| matches!(m.park, MemberPark::Parked | MemberPark::Parking))
+        };
+        let (keep, done): (VecDeque<Waker>, VecDeque<Waker>) =
+            std::mem::take(&mut gpu.wakers).into_iter().partition(|w| parked_still(gpu, w) == Some(true));
+        gpu.wakers = keep;
+        for w in done.into_iter().filter(|w| parked_still(gpu, w).is_some()) {
+            let waited = now.saturating_duration_since(w.since);
+            answers.push(WakeAnswer { conn: w.conn, seq: w.seq, device, waited, result: Ok((0, false)) });
+        }
+        // Then in order, as long as the first fits.
         while let Some(w) = gpu.wakers.front().cloned() {
-            let gone = gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_none();
-            if !gone {
-                let Some((bytes, restore)) = gpu.try_wake(&w.group, w.conn, now) else { break };
-                let waited = now.saturating_duration_since(w.since);
-                answers.push(WakeAnswer {
-                    conn: w.conn,
-                    seq: w.seq,
-                    device,
-                    waited,
-                    result: Ok((bytes, restore)),
-                });
-            }
+            let Some((bytes, restore)) = gpu.try_wake(&w.group, w.conn, now) else { break };
+            let waited = now.saturating_duration_since(w.since);
+            answers.push(WakeAnswer {
+                conn: w.conn,
+                seq: w.seq,
+                device,
+                waited,
+                result: Ok((bytes, restore)),
+            });
             gpu.wakers.pop_front();
         }
         answers
+    }
+}
+
+/// What member `conn` of `g` borrowed when it was parked is lent to it again, within what
+/// the group may still borrow (its request or limit may have changed meanwhile).
+fn lend_again(g: &mut Group, conn: ConnId) {
+    let room = g.room();
+    if let Some(m) = g.members.get_mut(&conn) {
+        let lent = std::mem::take(&mut m.parked_grant).min(room);
+        m.granted = m.granted.saturating_add(lent);
     }
 }
 
@@ -727,6 +772,16 @@ mod tests {
         assert_eq!(state(&p, 9), "running");
         let s = &p.status().gpus[0];
         assert_eq!(s.guaranteed, MODEL + 2 * GIB);
+    }
+
+    #[test]
+    fn a_group_is_parkable_in_all_its_processes_or_in_none() {
+        let (mut p, _) = models(1);
+        p.hello(2, peer("m1", 30_000));
+        let err = p.register(2, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap_err();
+        assert!(err.contains("GPUFRAC_PARK_AFTER is set for GPUFRAC_GROUP \"m1\" but unset"), "{err}");
+        p.hello(3, parkable("m1"));
+        p.register(3, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).expect("a parkable member joins");
     }
 
     #[test]
