@@ -134,7 +134,7 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
     }
     // Launches, copies and sets inside finish; new ones wait.
     crate::gate::close();
-    let host_bytes = if checkpoint { 0 } else { crate::swap::swap_out(e, &slice).bytes };
+    let host_bytes = if checkpoint { 0 } else { in_background(|| crate::swap::swap_out(e, &slice).bytes) };
     // Every grant goes back: a parked group borrows nothing. The wake grants it again.
     e.ledger.take_granted(slice.ledger, e.ledger.my_granted(slice.ledger));
     devices().insert(device, checkpoint);
@@ -152,6 +152,24 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
     }
     let micros = took.as_micros() as u64;
     client.send_until_delivered(&Request::Parked { device, host_bytes, held, micros });
+}
+
+/// Runs `work` on a thread of its own at a lower CPU priority (nice +10), with the threads
+/// it starts: a park is background work, and a wake of another process (what a request
+/// waits for) should have the CPU and the memory bandwidth first.
+fn in_background<T: Send>(work: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|scope| {
+        let worker = scope.spawn(|| {
+            // SAFETY: gettid has no preconditions; setpriority on this very thread's ID
+            // only lowers its priority (a failure leaves it as it was).
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+            }
+            work()
+        });
+        worker.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
 }
 
 /// Wakes every device this process is parked on (the swap worker's thread, when a call

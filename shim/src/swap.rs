@@ -593,13 +593,20 @@ pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
         .iter()
         .filter_map(|a| book.backings.get(a).map(|b| (*a, b.size, b.ordinal, b.device)))
         .collect();
-    // Three stages on their own threads: device memory is created and mapped one ahead
-    // of the copy back, and host copies are freed behind it.
+    // Three stages on their own threads: device memory is created and mapped ahead of the
+    // copy back (by as many threads as there are CPUs, up to four: making memory is the
+    // slow part on a host whose pages are zeroed as they come), and host copies are freed
+    // behind it.
+    let mappers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
+    let plan = Mutex::new(plan.into_iter());
     std::thread::scope(|scope| {
-        let (mapped_tx, mapped_rx) = sync_channel::<(CUdeviceptr, u64)>(1);
+        let (mapped_tx, mapped_rx) = sync_channel::<(CUdeviceptr, u64)>(mappers);
         let (freed_tx, freed_rx) = channel::<(usize, bool)>();
-        scope.spawn(move || {
-            for (addr, size, ordinal, device) in plan {
+        for _ in 0..mappers {
+            let (plan, mapped_tx) = (&plan, mapped_tx.clone());
+            scope.spawn(move || loop {
+                let next = plan.lock().unwrap_or_else(|p| p.into_inner()).next();
+                let Some((addr, size, ordinal, device)) = next else { break };
                 e.ledger.force_charge(device, size);
                 let handle = loop {
                     match map_new(e, ordinal, addr, size) {
@@ -613,8 +620,9 @@ pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
                 if mapped_tx.send((addr, handle)).is_err() {
                     break;
                 }
-            }
-        });
+            });
+        }
+        drop(mapped_tx);
         scope.spawn(move || {
             for (host, pinned) in freed_rx {
                 free_host(host, pinned);

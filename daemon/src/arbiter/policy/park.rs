@@ -320,10 +320,13 @@ impl Policy {
             // Room kept for the next wake: while groups are parked here, idle ones are parked
             // ahead of time so that a wake finds room at once (its wait is then only the
             // copy of its own memory, not another group's park first).
+            // Not while a wake is bringing memory back: that copy is what a request waits for,
+            // and a park beside it would share the host's memory bandwidth with it.
+            let waking = gpu.members().any(|(_, _, m)| m.park == MemberPark::Waking);
             let next_wake = gpu
                 .groups
                 .values()
-                .filter(|g| g.park == GroupPark::Parked)
+                .filter(|g| g.park == GroupPark::Parked && !waking)
                 .map(|g| g.wake_need())
                 .max()
                 .unwrap_or(0);
@@ -746,9 +749,12 @@ mod tests {
         let orders = p.plan_parks(now);
         assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [1]);
         p.parked(1, GPU, GIB, 0, now);
-        // Now m4's wake is served at once, and the next idle model (m2) is parked ahead
-        // of m1's next wake.
+        // Now m4's wake is served at once; while its memory comes back nothing else is
+        // parked (the copy it waits for has the host to itself), then the next idle model
+        // (m2) is parked ahead of m1's next wake.
         assert_eq!(p.wake(4, GPU, 1, now), WakeOutcome::Woken { bytes: 0, restore: false });
+        assert!(p.plan_parks(now).is_empty());
+        p.woken(4, GPU, Some(MODEL), now);
         let orders = p.plan_parks(now);
         assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [2]);
     }

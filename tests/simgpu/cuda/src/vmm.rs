@@ -176,11 +176,8 @@ fn memory_object(size: u64) -> CuResult<OwnedFd> {
     if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
         return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
     }
-    // The memory exists from cuMemCreate on, as on a GPU: first use costs no page faults.
-    // SAFETY: fallocate on a descriptor we own; the result is checked.
-    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, size as libc::off_t) } != 0 {
-        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-    }
+    // Its pages are made when it is first mapped with access (`mem_set_access` populates
+    // them): its first use costs no page faults, as on a GPU, and they are zeroed once.
     Ok(fd)
 }
 
@@ -294,6 +291,11 @@ pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> CuResult {
     Ok(())
 }
 
+/// `madvise` advice to fault pages in ahead of use (Linux 5.14), named here for older libc
+/// crates.
+const MADV_POPULATE_READ: libc::c_int = 22;
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
 pub(crate) fn mem_set_access(ptr: CUdeviceptr, size: usize, desc: *const c_void, count: usize) -> CuResult {
     driver()?;
     if desc.is_null() || count == 0 {
@@ -329,6 +331,14 @@ pub(crate) fn mem_set_access(ptr: CUdeviceptr, size: usize, desc: *const c_void,
     // SAFETY: the whole range is mapped by us (checked above).
     if unsafe { libc::mprotect(ptr as *mut c_void, size as usize, prot) } != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    if prot != libc::PROT_NONE {
+        // The memory exists since cuMemCreate: map its pages now, as a GPU's mapping is
+        // resident, so that the first use does not fault page by page. Best effort
+        // (kernels before 5.14 lack MADV_POPULATE_READ/WRITE).
+        let advice = if prot & libc::PROT_WRITE != 0 { MADV_POPULATE_WRITE } else { MADV_POPULATE_READ };
+        // SAFETY: advice on a range we mapped (checked above); it only prefaults pages.
+        unsafe { libc::madvise(ptr as *mut c_void, size as usize, advice) };
     }
     let starts: Vec<u64> = reservation.maps.range(..ptr + size).map(|(&b, _)| b).collect();
     for b in starts {

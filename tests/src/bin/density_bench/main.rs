@@ -659,7 +659,7 @@ fn main() {
     if !parked.is_empty() {
         print_parked(&parked);
     }
-    if o.check && parked.iter().any(|(_, p)| p.failed > 0 || p.oom > 0 || p.notes.len() > 1) {
+    if o.check && parked.iter().any(|(_, p)| p.failed > 0 || p.oom > 0 || p.broken > 0) {
         eprintln!("density_bench: --check: a parking configuration failed a request or lost data");
         exit(1);
     }

@@ -3,7 +3,7 @@
 //! four chunks, a 2 MiB scratch block, a 64 MiB context: a request of 1090 MiB, idle after
 //! 500 ms) share one 4 GiB simgpu GPU under `gpufrac-arbiter --oversubscribe 4`, parked by
 //! the shim's swap or by the driver's checkpoint API. `--requests` requests arrive one at a
-//! time, each to a model picked at random, 100-1000 ms apart; each checks a quarter of its
+//! time, each to a model picked at random, 1-4 s apart (a request every few seconds); each checks a quarter of its
 //! model on the device, so every request proves that the data came back intact. At the end
 //! every model checks all of its data.
 //!
@@ -39,8 +39,12 @@ pub struct ParkOutcome {
     pub failed: u32,
     /// Out-of-memory errors the models' shims or answers reported.
     pub oom: u32,
+    /// Data that came back wrong, models that failed.
+    pub broken: u32,
     /// Every wake, in ms.
     pub wakes: Vec<u64>,
+    /// Of each wake, the time it waited for room (another group's park), in ms.
+    pub waited: Vec<u64>,
     /// Copying one model's memory into fresh pages here, in ms (median of three).
     pub copy_ms: f64,
     pub wall: Duration,
@@ -105,7 +109,7 @@ pub fn run(park_with: &str, models: usize, requests: u32) -> ParkOutcome {
     let loading: Vec<usize> = children.iter().map(|c| woken(c.stderr_text())).collect();
     let mut rng = Rng::new(4242);
     for r in 0..requests {
-        std::thread::sleep(Duration::from_millis(rng.between(100, 1000)));
+        std::thread::sleep(Duration::from_millis(rng.between(1000, 4000)));
         let k = rng.between(0, models as u64 - 1) as usize;
         children[k].write_stdin(&format!("REQ {r}\n"));
         let answer = children[k].expect_line(&["OK", "FAIL"], ANSWER_TIMEOUT);
@@ -117,22 +121,26 @@ pub fn run(park_with: &str, models: usize, requests: u32) -> ParkOutcome {
             out.notes.push(format!("request {r} to model {k}: {answer}"));
         }
     }
+    // Nor the wakes of the final check (every model in turn, none of them idle between).
+    let served: Vec<usize> = children.iter().map(|c| woken(c.stderr_text())).collect();
     for (k, child) in children.iter_mut().enumerate() {
         child.write_stdin("CHECK\n");
         let checked = child.expect_line(&["CHECKED", "FAIL"], ANSWER_TIMEOUT);
         if checked != "CHECKED 4" {
+            out.broken += 1;
             out.notes.push(format!("model {k}'s data at the end: {checked}"));
         }
         child.write_stdin("QUIT\n");
         let status = child.wait(ANSWER_TIMEOUT);
         if !status.success() {
+            out.broken += 1;
             out.notes.push(format!("model {k}: {}", gpufrac_e2e::describe_status(status)));
         }
         let mut seen = 0;
         for line in child.stderr_text().lines() {
             let wake = line.contains("woken: device memory back");
             seen += usize::from(wake);
-            if wake && seen > loading[k] {
+            if wake && seen > loading[k] && seen <= served[k] {
                 let field = |key: &str| {
                     line.split_whitespace()
                         .find_map(|w| w.strip_prefix(key))
@@ -140,15 +148,25 @@ pub fn run(park_with: &str, models: usize, requests: u32) -> ParkOutcome {
                         .unwrap_or(0)
                 };
                 out.wakes.push(field("waited_ms=") + field("ms="));
+                out.waited.push(field("waited_ms="));
             }
             if line.contains("out of memory") || line.contains("CORRUPT") {
                 out.oom += u32::from(line.contains("out of memory"));
+                out.broken += u32::from(line.contains("CORRUPT"));
                 out.notes.push(format!("model {k}: {line}"));
             }
         }
     }
     out.wall = started.elapsed();
     out.wakes.sort_unstable();
+    out.waited.sort_unstable();
+    let at =
+        |v: &[u64], p: usize| v.get((v.len() * p / 100).min(v.len().saturating_sub(1))).copied().unwrap_or(0);
+    out.notes.push(format!(
+        "of the wakes, waiting for room (another model's park; for a checkpoint, the restore too): p50 {} ms, p99 {} ms",
+        at(&out.waited, 50),
+        at(&out.waited, 99)
+    ));
     let log = arbiter.log_text();
     let parks = log.matches("parked by").count();
     out.notes.push(format!("arbiter: {parks} parks, {} wakes", out.wakes.len()));
