@@ -83,6 +83,7 @@ pub(crate) fn allocating() -> Result<Allocating, Status> {
     if !PARKABLE.load(std::sync::atomic::Ordering::Relaxed) {
         return Ok(Allocating(false));
     }
+    crate::gate::touch();
     loop {
         // Counted in before looking (both sequentially consistent): a park that set
         // PARKED either sees this allocation in the count or is seen by it.
