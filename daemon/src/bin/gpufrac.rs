@@ -15,6 +15,8 @@ struct Cli {
     command: Commands,
 }
 
+// Parsed once per invocation: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Commands {
     /// Run a command under the shim, held to a GPU memory request and limit.
