@@ -238,7 +238,9 @@ impl Policy {
             pids.dedup();
             let used_by = |pid: &u32| gpu.seen.get(pid).copied().unwrap_or(0);
             let used = pids.iter().fold(0u64, |sum, pid| sum.saturating_add(used_by(pid)));
-            let believed = group.request.saturating_add(group.granted());
+            // A parked group is believed to hold what it left on the device, no more: a
+            // process that says it parked and keeps its memory is caught here.
+            let believed = group.reserved().saturating_add(group.granted());
             if used > believed.saturating_add(slack) {
                 // Named after its largest user: that process's own registration does not
                 // count it against itself (see `register`).

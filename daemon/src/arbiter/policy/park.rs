@@ -418,8 +418,10 @@ impl Policy {
         let limit = g.limit;
         let Some(m) = g.members.get_mut(&conn) else { return (Vec::new(), Vec::new()) };
         if m.park != MemberPark::Parking {
-            // Not asked (or asked and given up): the report still says where it is.
-            tracing::debug!(conn, "a park report nobody asked for");
+            // Not asked (or asked and given up): a process parks when told, not on its own
+            // say-so (that would free its reservation while it may keep its memory).
+            tracing::debug!(conn, "a park report nobody asked for: ignored");
+            return (Vec::new(), Vec::new());
         }
         m.park = MemberPark::Parked;
         // No process parks more than its group may hold.
@@ -507,7 +509,7 @@ impl Policy {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
         if let Some(g) = gpu.groups.get_mut(&group) {
-            if let Some(m) = g.members.get_mut(&conn) {
+            if let Some(m) = g.members.get_mut(&conn).filter(|m| m.park == MemberPark::Waking) {
                 m.park = MemberPark::Resident;
                 let held = held.unwrap_or(m.held.saturating_add(m.parked_bytes));
                 (m.held, m.parked_bytes, m.checkpointed, m.left_on_device) = (held.min(total), 0, false, 0);
@@ -788,6 +790,29 @@ mod tests {
         assert!(err.contains("GPUFRAC_PARK_AFTER is set for GPUFRAC_GROUP \"m1\" but unset"), "{err}");
         p.hello(3, parkable("m1"));
         p.register(3, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).expect("a parkable member joins");
+    }
+
+    #[test]
+    fn a_park_nobody_asked_for_frees_nothing_and_memory_kept_while_parked_is_never_lent() {
+        let now = Instant::now();
+        let (mut p, _) = models(3);
+        // m1 says it parked without being told: ignored, its request stays reserved.
+        p.parked(1, GPU, MODEL, 0, now);
+        assert_eq!((state(&p, 1).as_str(), p.status().gpus[0].guaranteed), ("running", 3 * MODEL));
+        // Told, it says it parked but NVML shows it still uses its model: that memory
+        // counts as used outside gpufrac, so nothing lends it to anyone.
+        idle_since(&mut p, now, Duration::from_secs(5));
+        p.hello(4, parkable("m4"));
+        assert!(p.register(4, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap());
+        let orders = p.plan_parks(now);
+        let conn = orders[0].conn;
+        p.parked(conn, GPU, MODEL, 0, now);
+        for (&c, peer) in p.peers.iter_mut() {
+            peer.pid = 100 + c as u32;
+        }
+        p.observe_processes(GPU, &[(100 + conn as u32, MODEL)], now);
+        let s = &p.status().gpus[0];
+        assert_eq!(s.outside, MODEL, "{s:?}");
     }
 
     #[test]
