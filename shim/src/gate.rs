@@ -119,6 +119,8 @@ mod parking {
     use std::sync::{Condvar, Mutex};
 
     static LOCK: Mutex<()> = Mutex::new(());
+    /// How often a waiting call asks again for what it waits for.
+    const ASK_AGAIN: std::time::Duration = std::time::Duration::from_secs(1);
     static OPENED: Condvar = Condvar::new();
 
     /// The cold path: the calling thread waits here until `done` (the gate open, the
@@ -132,7 +134,15 @@ mod parking {
             if super::FAILED_WAKES.load(SeqCst) != failed {
                 return false;
             }
-            guard = OPENED.wait(guard).unwrap_or_else(|p| p.into_inner());
+            let (next, timeout) = OPENED.wait_timeout(guard, ASK_AGAIN).unwrap_or_else(|p| p.into_inner());
+            guard = next;
+            if timeout.timed_out() && !done() {
+                // Still waiting: ask again (a wake is answered once; asking twice is
+                // harmless, a request lost on the way would otherwise leave it for ever).
+                drop(guard);
+                crate::swap::wanted();
+                guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            }
         }
         true
     }

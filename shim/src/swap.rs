@@ -178,7 +178,8 @@ pub(crate) fn start(e: &'static Enforcer, client: Arc<Client>) -> Result<(), Str
 }
 
 fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
-    while let Ok(command) = rx.recv() {
+    let mut next = None;
+    while let Some(command) = next.take().or_else(|| rx.recv().ok()) {
         match command {
             Command::SwapOut(uuid) => {
                 let Some(slice) = e.slice_by_uuid(&uuid) else { continue };
@@ -191,8 +192,14 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
                 client.send_until_delivered(&report(e, &slice, SwapDirection::Out, out.bytes, out.took));
             }
             Command::ComeBack => {
-                // Several calls may have asked: one swap-in serves them all.
-                while let Ok(Command::ComeBack) = rx.try_recv() {}
+                // Several calls may have asked: one swap-in serves them all (a command of
+                // another kind found meanwhile is kept for after it).
+                while let Ok(queued) = rx.try_recv() {
+                    if !matches!(queued, Command::ComeBack) {
+                        next = Some(queued);
+                        break;
+                    }
+                }
                 come_back(e, &client);
             }
             Command::Park { device, checkpoint } => crate::park::park(e, &client, device, checkpoint),

@@ -295,7 +295,7 @@ impl Policy {
     }
 
     /// Decides which resident parkable groups to park now: for the first waiting wake and
-    /// to keep room for the next one while groups are parked (idle groups only), and for
+    /// to keep room for the next two while groups are parked (idle groups only), and for
     /// non-parkable guarantees crowded out (any parkable group), least recently active
     /// first. Marks them parking and returns one order per
     /// member.
@@ -317,19 +317,21 @@ impl Policy {
                 Some(name) => gpu.groups.get(name).map_or(0, |g| g.wake_need() as i128 - gpu.room()),
                 None => 0,
             };
-            // Room kept for the next wake: while groups are parked here, idle ones are parked
-            // ahead of time so that a wake finds room at once (its wait is then only the
-            // copy of its own memory, not another group's park first).
+            // Room kept for the next two wakes: while groups are parked here, idle ones are
+            // parked ahead of time so that a wake finds room at once (its wait is then only
+            // the copy of its own memory, not another group's park first), and so does one
+            // coming right behind it while the park that makes room again is under way.
             // Not while a wake is bringing memory back: that copy is what a request waits for,
             // and a park beside it would share the host's memory bandwidth with it.
             let waking = gpu.members().any(|(_, _, m)| m.park == MemberPark::Waking);
-            let next_wake = gpu
+            let mut needs: Vec<u64> = gpu
                 .groups
                 .values()
                 .filter(|g| g.park == GroupPark::Parked && !waking)
                 .map(|g| g.wake_need())
-                .max()
-                .unwrap_or(0);
+                .collect();
+            needs.sort_unstable_by(|a, b| b.cmp(a));
+            let next_wake = needs.iter().take(2).fold(0u64, |sum, n| sum.saturating_add(*n));
             let for_wake = for_wake.max(next_wake as i128 - gpu.room());
             let crowded = gpu.crowding().min(gpu.parkable_resident()) as i128;
             let (mut for_wake, mut crowded) = (for_wake - parking, crowded - parking);
