@@ -11,7 +11,11 @@
 //! | set | set | guarantees the request, enforces the limit |
 //! | set | unset | guarantees the request, which is also the limit |
 //! | unset | set | guarantees nothing (request 0 bytes), enforces the limit: everything the group holds is a loan, granted by the arbiter when one is configured (like any burst), else taken while the device has it free |
-//! | unset | unset | passes every call through, whatever other `GPUFRAC_*` variables say |
+//! | unset | unset | passes every call through, whatever other `GPUFRAC_*` variables say (but a compute share alone is refused: see below) |
+//!
+//! `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` (shares of a GPU's time, see
+//! [`crate::compute`]) add compute control to a managed group; set without a memory
+//! request or limit they are refused rather than ignored.
 //!
 //! The other variables (`GPUFRAC_RESOLVER`, `GPUFRAC_PRIORITY`, `GPUFRAC_WAIT_TIMEOUT`,
 //! `GPUFRAC_GROUP`, `GPUFRAC_ARBITER_SOCKET`, `GPUFRAC_POD`, `GPUFRAC_LOG`) only say how
@@ -24,7 +28,19 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{parse_duration, parse_size, Resolver, SizeError, SizeSpec};
+use crate::{parse_duration, parse_size, ComputeSpec, Resolver, SizeError, SizeSpec};
+
+const COMPUTE_REQUEST: &str = "GPUFRAC_COMPUTE_REQUEST";
+const COMPUTE_LIMIT: &str = "GPUFRAC_COMPUTE_LIMIT";
+
+/// The static name of a compute variable (errors carry `&'static str`).
+fn compute_name(input: &str) -> &'static str {
+    if input == COMPUTE_LIMIT {
+        COMPUTE_LIMIT
+    } else {
+        COMPUTE_REQUEST
+    }
+}
 
 /// Why the environment could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +77,9 @@ pub struct Config {
     /// Idle this long, the group may be parked (its device memory moved to host RAM);
     /// `None`: never parked.
     pub park_after: Option<Duration>,
+    /// The group's share of each GPU's time (`GPUFRAC_COMPUTE_REQUEST`,
+    /// `GPUFRAC_COMPUTE_LIMIT`); `None`: no compute control, the GPU's own time-slicing.
+    pub compute: Option<ComputeSpec>,
     /// Processes of one group share one request and limit; `None`: this process alone.
     pub group: Option<String>,
     /// The arbiter's socket; `None`: standalone.
@@ -100,7 +119,24 @@ impl Config {
     /// like any burst; neither is `Ok(None)`, pass-through (see the module's table).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Config>, ConfigError> {
         let (request_text, limit_text) = (get("GPUFRAC_MEMORY_REQUEST"), get("GPUFRAC_MEMORY_LIMIT"));
+        let compute = ComputeSpec::from_texts(
+            (COMPUTE_REQUEST, get(COMPUTE_REQUEST).as_deref()),
+            (COMPUTE_LIMIT, get(COMPUTE_LIMIT).as_deref()),
+        )
+        .map_err(|e| ConfigError::Invalid {
+            name: compute_name(&e.input),
+            value: e.value,
+            reason: e.reason,
+        })?;
         let (request, limit) = match (request_text, limit_text) {
+            (None, None) if compute.is_some() => {
+                let name = if get(COMPUTE_REQUEST).is_some() { COMPUTE_REQUEST } else { COMPUTE_LIMIT };
+                return Err(invalid(
+                    name,
+                    &get(name).unwrap_or_default(),
+                    "compute shares are kept for groups gpufrac manages: set GPUFRAC_MEMORY_REQUEST or GPUFRAC_MEMORY_LIMIT too",
+                ));
+            }
             (None, None) => return Ok(None),
             // Nothing guaranteed, the limit enforced: a limit is always a limit.
             (None, Some(text)) => (SizeSpec::Bytes(0), parse_size("GPUFRAC_MEMORY_LIMIT", &text)?),
@@ -155,6 +191,16 @@ impl Config {
             }
             None => None,
         };
+        if let (Some(_), None) = (compute, &arbiter_socket) {
+            // Shares of a GPU's time are kept between groups by the arbiter, which measures
+            // them: alone, a process has nobody to share with and nothing to measure by.
+            let name = if get(COMPUTE_REQUEST).is_some() { COMPUTE_REQUEST } else { COMPUTE_LIMIT };
+            return Err(invalid(
+                name,
+                &get(name).unwrap_or_default(),
+                "compute shares are kept by gpufrac-arbiter: set GPUFRAC_ARBITER_SOCKET",
+            ));
+        }
         let pod = match get("GPUFRAC_POD") {
             Some(text) => {
                 let valid = text.split_once('/').is_some_and(|(ns, name)| {
@@ -193,6 +239,7 @@ impl Config {
             priority,
             wait_timeout,
             park_after,
+            compute,
             group,
             arbiter_socket,
             pod,
@@ -345,6 +392,38 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "invalid GPUFRAC_WAIT_TIMEOUT=\"5parsecs\": expected a duration such as 30s, 500ms or 2m"
+        );
+    }
+
+    #[test]
+    fn compute_shares_are_read_and_refused_alone_or_bad_naming_the_variable() {
+        const SOCKET: (&str, &str) = ("GPUFRAC_ARBITER_SOCKET", "/run/gpufrac/arbiter.sock");
+        let c = read(&[("GPUFRAC_MEMORY_LIMIT", "1GiB"), ("GPUFRAC_COMPUTE_REQUEST", "30%"), SOCKET])
+            .unwrap()
+            .unwrap();
+        let spec = c.compute.unwrap();
+        assert_eq!((spec.request.per_mille(), spec.limit.per_mille()), (300, 1000));
+        assert_eq!(read(&[("GPUFRAC_MEMORY_LIMIT", "1GiB")]).unwrap().unwrap().compute, None);
+        let alone = read(&[("GPUFRAC_COMPUTE_LIMIT", "50%")]).unwrap_err().to_string();
+        assert!(
+            alone.contains("GPUFRAC_COMPUTE_LIMIT") && alone.contains("GPUFRAC_MEMORY_REQUEST"),
+            "{alone}"
+        );
+        let bad = read(&[("GPUFRAC_MEMORY_LIMIT", "1GiB"), ("GPUFRAC_COMPUTE_LIMIT", "120%")]).unwrap_err();
+        assert!(bad.to_string().contains("GPUFRAC_COMPUTE_LIMIT=\"120%\""), "{bad}");
+        let below = read(&[
+            ("GPUFRAC_MEMORY_LIMIT", "1GiB"),
+            ("GPUFRAC_COMPUTE_REQUEST", "60%"),
+            ("GPUFRAC_COMPUTE_LIMIT", "0.5"),
+        ])
+        .unwrap_err();
+        assert!(below.to_string().contains("GPUFRAC_COMPUTE_LIMIT"), "{below}");
+        let standalone = read(&[("GPUFRAC_MEMORY_LIMIT", "1GiB"), ("GPUFRAC_COMPUTE_REQUEST", "30%")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            standalone.contains("GPUFRAC_COMPUTE_REQUEST") && standalone.contains("GPUFRAC_ARBITER_SOCKET"),
+            "{standalone}"
         );
     }
 

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "config")]
 pub mod config;
+pub mod compute;
 pub mod cuda_procs;
 pub mod cuda_sizes;
 #[cfg(feature = "daemon")]
@@ -20,6 +21,7 @@ pub mod resolver;
 pub mod shm;
 pub mod size;
 
+pub use compute::{ComputeShare, ComputeSpec};
 pub use resolver::Resolver;
 pub use size::{parse_bytes, parse_duration, parse_size, SizeError, SizeSpec};
 

@@ -17,7 +17,7 @@ use std::io::{self, Read, Write};
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
@@ -48,6 +48,12 @@ pub enum Request {
         /// Idle this many milliseconds, the group may be parked (`GPUFRAC_PARK_AFTER`);
         /// 0: never parked.
         park_after_ms: u64,
+        /// The group's compute request (`GPUFRAC_COMPUTE_REQUEST`), per mille of a GPU's
+        /// time; with `compute_limit_pm`, 0 and 0 for no compute control.
+        compute_request_pm: u16,
+        /// The group's compute limit (`GPUFRAC_COMPUTE_LIMIT`), per mille; at least the
+        /// request, at most 1000.
+        compute_limit_pm: u16,
     },
     /// A device the shim uses, with what it holds and was granted (non-zero after a
     /// reconnect, so the arbiter rebuilds its ledger).
@@ -276,6 +282,15 @@ pub enum Reply {
         /// The device.
         device: DeviceId,
     },
+    /// Pushed to a group with a compute share: how much of the wall clock its work on the
+    /// device may keep the GPU busy, per mille (1000: unpaced, it may use idle time up to
+    /// its limit as the GPU's own scheduler gives it).
+    Pace {
+        /// The device.
+        device: DeviceId,
+        /// The pace, 1 to 1000.
+        pace_pm: u16,
+    },
 }
 
 /// A frame that cannot be accepted.
@@ -446,16 +461,26 @@ impl Request {
     /// The frame (length prefix included).
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms, park_after_ms } => {
-                Writer::new(1)
-                    .u16(*version)
-                    .string(group)
-                    .string(pod)
-                    .u8(resolver_code(*resolver))
-                    .i32(*priority)
-                    .u64(*wait_timeout_ms)
-                    .u64(*park_after_ms)
-            }
+            Request::Hello {
+                version,
+                group,
+                pod,
+                resolver,
+                priority,
+                wait_timeout_ms,
+                park_after_ms,
+                compute_request_pm,
+                compute_limit_pm,
+            } => Writer::new(1)
+                .u16(*version)
+                .string(group)
+                .string(pod)
+                .u8(resolver_code(*resolver))
+                .i32(*priority)
+                .u64(*wait_timeout_ms)
+                .u64(*park_after_ms)
+                .u16(*compute_request_pm)
+                .u16(*compute_limit_pm),
             Request::Register { device, total, request, limit, held, granted, swapped } => Writer::new(2)
                 .device(device)
                 .u64(*total)
@@ -500,15 +525,24 @@ impl Request {
     pub fn decode(body: &[u8]) -> Result<Request, ProtocolError> {
         let mut r = Reader(body);
         let request = match r.u8().map_err(|_| ProtocolError::Empty)? {
-            1 => Request::Hello {
-                version: r.u16()?,
-                group: r.string()?,
-                pod: r.string()?,
-                resolver: resolver_from(r.u8()?)?,
-                priority: r.i32()?,
-                wait_timeout_ms: r.u64()?,
-                park_after_ms: r.u64()?,
-            },
+            1 => {
+                let hello = Request::Hello {
+                    version: r.u16()?,
+                    group: r.string()?,
+                    pod: r.string()?,
+                    resolver: resolver_from(r.u8()?)?,
+                    priority: r.i32()?,
+                    wait_timeout_ms: r.u64()?,
+                    park_after_ms: r.u64()?,
+                    compute_request_pm: r.u16()?,
+                    compute_limit_pm: r.u16()?,
+                };
+                if let Request::Hello { compute_request_pm, compute_limit_pm, .. } = hello {
+                    crate::ComputeSpec::from_wire(compute_request_pm, compute_limit_pm)
+                        .map_err(ProtocolError::BadValue)?;
+                }
+                hello
+            }
             2 => {
                 let device = r.device()?;
                 let (total, request, limit, held, granted, swapped) =
@@ -586,6 +620,7 @@ impl Reply {
             Reply::Resume { device } => Writer::new(0x82).device(device),
             Reply::Park { device, checkpoint } => Writer::new(0x83).device(device).u8(u8::from(*checkpoint)),
             Reply::Unparked { device } => Writer::new(0x84).device(device),
+            Reply::Pace { device, pace_pm } => Writer::new(0x85).device(device).u16(*pace_pm),
         }
         .finish()
     }
@@ -621,6 +656,13 @@ impl Reply {
             0x82 => Reply::Resume { device: r.device()? },
             0x83 => Reply::Park { device: r.device()?, checkpoint: flag(r.u8()?, "checkpoint")? },
             0x84 => Reply::Unparked { device: r.device()? },
+            0x85 => {
+                let (device, pace_pm) = (r.device()?, r.u16()?);
+                if pace_pm == 0 || pace_pm > 1000 {
+                    return Err(ProtocolError::BadValue("pace"));
+                }
+                Reply::Pace { device, pace_pm }
+            }
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -669,6 +711,8 @@ mod tests {
             priority: -4,
             wait_timeout_ms: 30_000,
             park_after_ms: 60_000,
+            compute_request_pm: 300,
+            compute_limit_pm: 800,
         });
         round_trip_request(Request::Register {
             device: [3; 16],
@@ -728,6 +772,7 @@ mod tests {
             Reply::Park { device: [8; 16], checkpoint: true },
             Reply::Park { device: [8; 16], checkpoint: false },
             Reply::Unparked { device: [9; 16] },
+            Reply::Pace { device: [9; 16], pace_pm: 300 },
         ] {
             let frame = reply.encode();
             let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();
@@ -764,8 +809,21 @@ mod tests {
             priority: 0,
             wait_timeout_ms: 1,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         }
         .encode();
+        let mut bad_share = hello.clone();
+        let n = bad_share.len();
+        bad_share[n - 4..].copy_from_slice(&[0xf4, 0x01, 0x90, 0x01]); // request 500 over limit 400
+        assert!(matches!(
+            Request::decode(&bad_share[4..]),
+            Err(ProtocolError::BadValue("compute request/limit"))
+        ));
+        let mut pace = Reply::Pace { device: [1; 16], pace_pm: 1 }.encode();
+        let n = pace.len();
+        pace[n - 2..].copy_from_slice(&[0, 0]);
+        assert!(matches!(Reply::decode(&pace[4..]), Err(ProtocolError::BadValue("pace"))));
         hello[9] = 0xff; // the group's single byte (after length, tag, version, string length)
         assert!(matches!(Request::decode(&hello[4..]), Err(ProtocolError::BadString)));
         let mut denied = Reply::Denied { seq: 1, reason: Denial::NotSwapped }.encode();

@@ -83,6 +83,8 @@ fn request(rng: &mut Rng) -> Request {
             priority: rng.next() as i32,
             wait_timeout_ms: rng.u64(),
             park_after_ms: rng.u64(),
+            compute_request_pm: (rng.next() % 501) as u16,
+            compute_limit_pm: 500 + (rng.next() % 501) as u16,
         },
         1 => {
             // Valid: request ≤ limit ≤ total.
@@ -246,6 +248,8 @@ fn overlong_strings_still_decode() {
             priority: 0,
             wait_timeout_ms: 0,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         };
         let Request::Hello { group: read, .. } = Request::decode(&hello.encode()[4..]).unwrap() else {
             panic!("not a Hello")

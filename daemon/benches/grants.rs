@@ -113,6 +113,8 @@ fn shim_like_client(path: &Path, i: usize) -> Box<dyn FnMut() + Send> {
         priority: 0,
         wait_timeout_ms: 30_000,
         park_after_ms: 0,
+        compute_request_pm: 0,
+        compute_limit_pm: 0,
     };
     s.write_all(&hello.encode()).expect("hello");
     let register = Request::Register {

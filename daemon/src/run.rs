@@ -39,6 +39,13 @@ pub struct RunSettings {
     /// when the room is wanted, brought back at its next CUDA call.
     #[arg(long)]
     pub park_after: Option<String>,
+    /// Guaranteed share of each GPU's time (30%, 0.3); needs --arbiter-socket.
+    #[arg(long)]
+    pub compute_request: Option<String>,
+    /// Most of each GPU's time the group takes, even alone (default 100% with
+    /// --compute-request).
+    #[arg(long)]
+    pub compute_limit: Option<String>,
     /// The arbiter's unix socket (default: standalone).
     #[arg(long)]
     pub arbiter_socket: Option<PathBuf>,
@@ -100,6 +107,8 @@ impl RunSettings {
             ("GPUFRAC_GROUP", self.group.clone()),
             ("GPUFRAC_WAIT_TIMEOUT", self.wait_timeout.clone()),
             ("GPUFRAC_PARK_AFTER", self.park_after.clone()),
+            ("GPUFRAC_COMPUTE_REQUEST", self.compute_request.clone()),
+            ("GPUFRAC_COMPUTE_LIMIT", self.compute_limit.clone()),
             ("GPUFRAC_ARBITER_SOCKET", self.arbiter_socket.as_ref().map(|p| p.display().to_string())),
             ("GPUFRAC_POD", self.pod.clone()),
         ];
@@ -184,7 +193,7 @@ const SLICE_VARIABLES: [&str; 2] = ["GPUFRAC_MEMORY_REQUEST", "GPUFRAC_MEMORY_LI
 const SHIM_CORE: &str = "libgpufrac_core.so";
 
 /// Each `GPUFRAC_*` variable `gpufrac run` sets, with the flag that sets it.
-const FLAGS: [(&str, &str); 9] = [
+const FLAGS: [(&str, &str); 11] = [
     ("GPUFRAC_MEMORY_REQUEST", "--request"),
     ("GPUFRAC_MEMORY_LIMIT", "--limit"),
     ("GPUFRAC_RESOLVER", "--resolver"),
@@ -192,6 +201,8 @@ const FLAGS: [(&str, &str); 9] = [
     ("GPUFRAC_GROUP", "--group"),
     ("GPUFRAC_WAIT_TIMEOUT", "--wait-timeout"),
     ("GPUFRAC_PARK_AFTER", "--park-after"),
+    ("GPUFRAC_COMPUTE_REQUEST", "--compute-request"),
+    ("GPUFRAC_COMPUTE_LIMIT", "--compute-limit"),
     ("GPUFRAC_ARBITER_SOCKET", "--arbiter-socket"),
     ("GPUFRAC_POD", "--pod"),
 ];
@@ -339,6 +350,15 @@ mod tests {
         assert_eq!(limit, "invalid --limit \"1GiB\": the limit must be at least --request (2GiB)");
         let park = refusal(RunSettings { park_after: Some("soon".into()), ..request("1GiB") });
         assert!(park.starts_with("invalid --park-after \"soon\""), "{park}");
+        let socket = Some("/run/gpufrac/arbiter.sock".into());
+        let share = refusal(RunSettings {
+            compute_request: Some("130%".into()),
+            arbiter_socket: socket.clone(),
+            ..request("1GiB")
+        });
+        assert!(share.starts_with("invalid --compute-request \"130%\""), "{share}");
+        let alone = refusal(RunSettings { compute_limit: Some("50%".into()), ..request("1GiB") });
+        assert!(alone.contains("--compute-limit") && alone.contains("--arbiter-socket"), "{alone}");
         let timeout = refusal(RunSettings { wait_timeout: Some("5parsecs".into()), ..request("1GiB") });
         assert_eq!(
             timeout,

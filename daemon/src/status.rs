@@ -199,6 +199,12 @@ pub struct GpuStatus {
     /// Parked groups waiting to be woken.
     #[serde(default)]
     pub waking: usize,
+    /// Sum of the compute requests of the groups on it, per mille of its time.
+    #[serde(default)]
+    pub compute_requested_pm: u32,
+    /// Its time used by processes of no group with a compute share (smoothed), per mille.
+    #[serde(default)]
+    pub compute_outside_pm: u32,
     /// Every registered process, or the first of them when there are very many.
     pub processes: Vec<ProcessStatus>,
     /// Registered processes not listed in `processes` (the document stays small).
@@ -260,6 +266,23 @@ pub struct ProcessStatus {
     /// How long its last wake took (waiting for room and bringing the memory back), in ms.
     #[serde(default)]
     pub last_wake_ms: u64,
+    /// Its group's compute request and limit, per mille of the GPU's time; both 0: no
+    /// compute share.
+    #[serde(default)]
+    pub compute_request_pm: u32,
+    /// See `compute_request_pm`.
+    #[serde(default)]
+    pub compute_limit_pm: u32,
+    /// The GPU's time its group used lately (smoothed, from NVML), per mille.
+    #[serde(default)]
+    pub compute_used_pm: u32,
+    /// What its group may use now (its request beside other active groups, up to its
+    /// limit alone), per mille.
+    #[serde(default)]
+    pub compute_allowance_pm: u32,
+    /// The pace its group is held to, per mille of the wall clock; 1000: unpaced.
+    #[serde(default)]
+    pub compute_pace_pm: u32,
     /// What it may have: the entitlement's source (`policy FILE: uid 1000`, `kubelet: ...`),
     /// `not entitled: <why>`, or `unrestricted (no policy)`.
     #[serde(default)]
@@ -312,6 +335,11 @@ pub fn fetch_document(socket: &std::path::Path) -> Result<Document, FetchError> 
         Reply::Status { json } => serde_json::from_str(&json).map_err(|e| FetchError::Answer(e.to_string())),
         other => Err(FetchError::Answer(format!("unexpected {other:?}"))),
     }
+}
+
+/// A share of a GPU's time, given in per mille, as a percentage.
+pub(crate) fn share(per_mille: u32) -> String {
+    gpufrac_common::ComputeShare::from_per_mille(per_mille.min(1000) as u16).unwrap_or_default().to_string()
 }
 
 pub(crate) fn seconds(ms: u64) -> String {
@@ -385,6 +413,14 @@ impl Status {
             if g.outside > 0 {
                 let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
             }
+            if g.compute_requested_pm > 0 || g.compute_outside_pm > 0 {
+                let _ = writeln!(
+                    out,
+                    "  compute requested {} of the GPU's time, {} used by processes without a compute share",
+                    share(g.compute_requested_pm),
+                    share(g.compute_outside_pm)
+                );
+            }
             if g.parkable_requests > 0 {
                 let _ = writeln!(
                     out,
@@ -444,6 +480,22 @@ impl Status {
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms)
                 );
+                if p.compute_limit_pm > 0 {
+                    let _ = writeln!(
+                        out,
+                        "  {:>8}  compute: request {}, limit {}, used {}, allowed {}, {}",
+                        "",
+                        share(p.compute_request_pm),
+                        share(p.compute_limit_pm),
+                        share(p.compute_used_pm),
+                        share(p.compute_allowance_pm),
+                        if p.compute_pace_pm >= 1000 {
+                            "unpaced".to_owned()
+                        } else {
+                            format!("paced to {}", share(p.compute_pace_pm))
+                        }
+                    );
+                }
                 if p.park_after_ms > 0 && (p.parks > 0 || p.wakes > 0) {
                     let _ = writeln!(
                         out,

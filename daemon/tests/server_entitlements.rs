@@ -112,6 +112,8 @@ impl Client {
             priority,
             wait_timeout_ms: 100,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         });
         assert!(matches!(c.reply(), Reply::Welcome { .. }));
         c

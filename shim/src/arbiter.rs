@@ -298,6 +298,7 @@ impl Client {
                         | Reply::Park { .. }
                         | Reply::Unparked { .. }),
                     ) => (self.pushed)(&command),
+                    Ok(Reply::Pace { device, pace_pm }) => crate::compute::set_pace(device, pace_pm),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -307,6 +308,7 @@ impl Client {
             }
             self.connected.store(false, Ordering::Release);
             *lock(&self.writer) = None;
+            crate::compute::forget_paces();
         }
     }
 

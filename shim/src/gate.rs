@@ -4,11 +4,12 @@
 //! inside, so that a swap-out or a park can close it: new calls wait, calls already inside
 //! finish, then the swap proceeds. Passing costs a relaxed load and store in other
 //! processes, and two atomic additions and a load in swappable ones; closing and waiting
-//! are the cold path. A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
+//! are the cold path. A process the arbiter paces for its compute share waits its turn
+//! here too (compute.rs). A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
 //! the calls waiting here back with out-of-memory rather than keep them for ever.
 
 use std::sync::atomic::{
-    AtomicBool, AtomicU64,
+    AtomicBool, AtomicU64, AtomicU8,
     Ordering::{Relaxed, SeqCst},
 };
 use std::time::Duration;
@@ -20,14 +21,29 @@ static ENTERED: AtomicU64 = AtomicU64::new(0);
 /// Calls that left.
 static LEFT: AtomicU64 = AtomicU64::new(0);
 static CLOSED: AtomicBool = AtomicBool::new(false);
-/// Calls inside are tracked (set once, before the first swappable allocation).
-static TRACKED: AtomicBool = AtomicBool::new(false);
+/// Why calls take the slow path, if they do: [`TRACKED`] (set once, before the first
+/// swappable allocation) and [`PACED`] (while the arbiter paces the process). One load of
+/// this decides the fast path.
+static SLOW: AtomicU8 = AtomicU8::new(0);
+/// Calls inside are tracked: the process may be swapped out or parked.
+const TRACKED: u8 = 1;
+/// Calls wait for the process's compute pace (compute.rs).
+const PACED: u8 = 2;
 /// Wakes that failed so far: a waiting call that sees this move gives up.
 static FAILED_WAKES: AtomicU64 = AtomicU64::new(0);
 
 /// Tracks the calls inside from now on: the process may be swapped out.
 pub(crate) fn track() {
-    TRACKED.store(true, SeqCst);
+    SLOW.fetch_or(TRACKED, SeqCst);
+}
+
+/// Sends calls through compute pacing (compute.rs), or no longer.
+pub(crate) fn set_paced(paced: bool) {
+    if paced {
+        SLOW.fetch_or(PACED, SeqCst);
+    } else {
+        SLOW.fetch_and(!PACED, SeqCst);
+    }
 }
 
 /// A call inside the gate; leaving is counted when it drops.
@@ -46,9 +62,24 @@ impl Drop for Pass {
 /// and its wake failed.
 #[inline(always)]
 pub(crate) fn enter() -> Result<Pass, Status> {
-    if !TRACKED.load(Relaxed) {
+    let slow = SLOW.load(Relaxed);
+    if slow == 0 {
         // Nobody ever closes this gate: only the activity count moves. Concurrent
         // bumps may be lost, which idle detection tolerates (it asks whether it moved).
+        ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
+        return Ok(Pass(false));
+    }
+    enter_slowly(slow)
+}
+
+/// [`enter`] for a paced or tracked process.
+#[cold]
+#[inline(never)]
+fn enter_slowly(slow: u8) -> Result<Pass, Status> {
+    if slow & PACED != 0 {
+        crate::compute::pace();
+    }
+    if slow & TRACKED == 0 {
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
         return Ok(Pass(false));
     }

@@ -27,6 +27,7 @@
 mod hook_list;
 
 mod arbiter;
+mod compute;
 mod context;
 mod device;
 mod driver;

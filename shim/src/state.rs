@@ -9,6 +9,7 @@ use std::sync::{Mutex, OnceLock};
 use std::sync::Arc;
 
 use gpufrac_common::config::Config;
+use gpufrac_common::ComputeSpec;
 use gpufrac_common::protocol::{Reply, Request, VERSION};
 
 use crate::arbiter::{Client, Registration};
@@ -377,6 +378,8 @@ impl Enforcer {
                 .config
                 .park_after
                 .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
+            compute_request_pm: ComputeSpec::to_wire(self.config.compute).0,
+            compute_limit_pm: ComputeSpec::to_wire(self.config.compute).1,
         };
         if self.config.park_after.is_some() {
             // Before the handshake: an admission parked closes the gate at once.

@@ -32,6 +32,8 @@ fn hello(group: &str, pod: &str) -> Vec<u8> {
         priority: 0,
         wait_timeout_ms: 1000,
         park_after_ms: 0,
+        compute_request_pm: 0,
+        compute_limit_pm: 0,
     }
     .encode()
 }

@@ -424,6 +424,8 @@ impl Raw {
             priority,
             wait_timeout_ms: 100,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         });
         assert!(matches!(raw.reply(), Reply::Welcome { .. }));
         raw
@@ -555,6 +557,8 @@ impl ForkedHolder {
             priority: 0,
             wait_timeout_ms: 1000,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         }
         .encode();
         frames.extend(
@@ -798,6 +802,8 @@ impl OrphanedConnection {
             priority: 0,
             wait_timeout_ms: 100,
             park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
         }
         .encode();
         for r in [

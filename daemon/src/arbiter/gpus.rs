@@ -40,19 +40,32 @@ pub trait ProcessList: Send + Sync {
     /// Every managed GPU with what NVML lists on it; a GPU NVML cannot answer for is left
     /// out (what was last known of it stays).
     fn processes(&self) -> Vec<(DeviceId, Vec<(u32, u64)>)>;
+
+    /// Each busy process's share of each GPU's time (0 to 1) since the previous call, for
+    /// compute shares. A GPU with no new sample yet is left out (nothing is known of it);
+    /// one with samples lists the processes that were busy (the others were idle).
+    fn utilization(&self) -> Vec<(DeviceId, Vec<(u32, f64)>)> {
+        Vec::new()
+    }
 }
+
+/// Without any new sample for this long, a GPU's processes are taken to be idle (NVML
+/// only reports processes that were busy; it samples every 1/6 s or so).
+const IDLE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// [`ProcessList`] from NVML's compute and graphics processes. PIDs are the driver's (the host's), as
 /// the arbiter's are with `hostPID: true`; memory NVML cannot report counts as none.
 pub struct NvmlProcesses {
     nvml: nvml_wrapper::Nvml,
+    /// Per GPU index: the newest utilization sample's timestamp and when it was read.
+    sampled: std::sync::Mutex<std::collections::HashMap<u32, (u64, std::time::Instant)>>,
 }
 
 impl NvmlProcesses {
     /// Opens NVML.
     pub fn open() -> Result<NvmlProcesses, String> {
         let nvml = nvml_wrapper::Nvml::init().map_err(|e| nvml_init_error(&e))?;
-        Ok(NvmlProcesses { nvml })
+        Ok(NvmlProcesses { nvml, sampled: Default::default() })
     }
 }
 
@@ -76,6 +89,44 @@ impl ProcessList for NvmlProcesses {
                     *entry = (*entry).max(bytes);
                 }
                 Some((id, used.into_iter().collect()))
+            })
+            .collect()
+    }
+
+    fn utilization(&self) -> Vec<(DeviceId, Vec<(u32, f64)>)> {
+        let Ok(count) = self.nvml.device_count() else { return Vec::new() };
+        let mut sampled = self.sampled.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        (0..count)
+            .filter_map(|i| {
+                let dev = self.nvml.device_by_index(i).ok()?;
+                let id = parse_uuid(&dev.uuid().ok()?)?;
+                let (last_seen, last_read) = sampled.get(&i).copied().unwrap_or((0, now));
+                let samples = match dev.process_utilization_stats(last_seen) {
+                    Ok(samples) => samples,
+                    Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
+                    Err(_) => return None,
+                };
+                if samples.is_empty() {
+                    // Nothing new: idle, once no sample came for a while; else not known yet.
+                    if now.saturating_duration_since(last_read) < IDLE_AFTER {
+                        sampled.entry(i).or_insert((last_seen, now));
+                        return None;
+                    }
+                    sampled.insert(i, (last_seen, now));
+                    return Some((id, Vec::new()));
+                }
+                let newest = samples.iter().map(|s| s.timestamp).max().unwrap_or(last_seen);
+                sampled.insert(i, (newest, now));
+                // Several samples of one process: each covers one sampling period.
+                let mut per_pid: std::collections::BTreeMap<u32, (u64, u32)> = Default::default();
+                for s in samples {
+                    let e = per_pid.entry(s.pid).or_default();
+                    *e = (e.0 + u64::from(s.sm_util.min(100)), e.1 + 1);
+                }
+                let shares =
+                    per_pid.into_iter().map(|(pid, (sum, n))| (pid, sum as f64 / f64::from(n) / 100.0));
+                Some((id, shares.collect()))
             })
             .collect()
     }

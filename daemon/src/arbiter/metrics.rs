@@ -15,6 +15,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -55,6 +56,10 @@ pub struct Metrics {
     /// Debts owed to guarantees, paid back, by how (`given_back`, `swapped`, `ended`).
     reclaimed: Family<GpuKind, Counter>,
     group_memory: Family<GroupKind, Gauge>,
+    /// Shares of a GPU's time (0 to 1): per GPU `requested` and `outside`; per group
+    /// `request`, `limit`, `used`, `allowance` and `pace`.
+    gpu_compute: Family<GpuKind, Gauge<f64, AtomicU64>>,
+    group_compute: Family<GroupKind, Gauge<f64, AtomicU64>>,
     pub(crate) grants: Family<GpuLabel, Counter>,
     pub(crate) granted_bytes: Family<GpuLabel, Counter>,
     pub(crate) waits: Family<GpuLabel, Counter>,
@@ -136,6 +141,18 @@ impl Metrics {
             "A group's request, limit, held and granted bytes, and what it keeps in host RAM (swapped_to_host, parked_to_host)",
             group_memory.clone(),
         );
+        let gpu_compute = Family::<GpuKind, Gauge<f64, AtomicU64>>::default();
+        let group_compute = Family::<GroupKind, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "gpu_compute_share",
+            "Shares of a GPU's time (0 to 1): requested (sum of the compute requests), outside (used by processes without a compute share)",
+            gpu_compute.clone(),
+        );
+        registry.register(
+            "group_compute_share",
+            "A group's compute request, limit, used (its share of the GPU's time lately, from NVML), allowance (what it may use now) and pace (1: unpaced), 0 to 1",
+            group_compute.clone(),
+        );
         registry.register("grants", "Burst grants", grants.clone());
         registry.register("granted_bytes", "Bytes granted as bursts", granted_bytes.clone());
         registry.register("waits", "Bursts that had to wait", waits.clone());
@@ -187,6 +204,8 @@ impl Metrics {
             gpu_memory,
             reclaimed,
             group_memory,
+            gpu_compute,
+            group_compute,
             grants,
             granted_bytes,
             waits,
@@ -210,7 +229,17 @@ impl Metrics {
     pub fn render(&self, status: &Status) -> String {
         self.gpu_memory.clear();
         self.group_memory.clear();
+        self.gpu_compute.clear();
+        self.group_compute.clear();
+        let ratio = |per_mille: u32| f64::from(per_mille) / 1000.0;
         for g in &status.gpus {
+            if g.compute_requested_pm > 0 || g.processes.iter().any(|p| p.compute_limit_pm > 0) {
+                for (kind, v) in [("requested", g.compute_requested_pm), ("outside", g.compute_outside_pm)] {
+                    self.gpu_compute
+                        .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
+                        .set(ratio(v));
+                }
+            }
             for (kind, v) in [
                 ("total", g.total),
                 ("guaranteed", g.guaranteed),
@@ -270,6 +299,19 @@ impl Metrics {
                 ] {
                     let labels = GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(gauge(v));
+                }
+                if p.compute_limit_pm > 0 {
+                    for (kind, v) in [
+                        ("request", p.compute_request_pm),
+                        ("limit", p.compute_limit_pm),
+                        ("used", p.compute_used_pm),
+                        ("allowance", p.compute_allowance_pm),
+                        ("pace", p.compute_pace_pm),
+                    ] {
+                        let labels =
+                            GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
+                        self.group_compute.get_or_create(&labels).set(ratio(v));
+                    }
                 }
             }
         }

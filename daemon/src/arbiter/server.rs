@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId, Reply, Request, MAX_FRAME, VERSION};
+use gpufrac_common::ComputeSpec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::OwnedReadHalf;
 use tokio::net::{UnixListener, UnixStream};
@@ -41,6 +42,7 @@ use crate::entitlement::identity::{self, Pidfd};
 use crate::entitlement::{believe_hello, believe_register, Entitlements, Identity, NoPolicy};
 use crate::status::{Document, Event, EventKind, EventLog, QueuedBurst, Status};
 
+mod compute;
 mod parking;
 pub use parking::ParkWith;
 
@@ -864,6 +866,7 @@ pub async fn serve(
     let observer = shared.clone();
     let _ = tokio::task::spawn_blocking(move || observer.observe_processes()).await;
     let watcher = tokio::spawn(watch_processes(shared.clone()));
+    let pacer = tokio::spawn(compute::watch_compute(shared.clone()));
     let ticker = tokio::spawn(expire_waiters(shared.clone()));
     let accept = async {
         // Kept open to be given up when descriptors run out, so that one more connection
@@ -916,6 +919,7 @@ pub async fn serve(
     }
     ticker.abort();
     watcher.abort();
+    pacer.abort();
 }
 
 /// A descriptor to give up when there are no more.
@@ -1261,7 +1265,17 @@ fn on_frame(
                 reply(out, &Reply::Status { json });
                 Ok(Flow::Close)
             }
-            Request::Hello { version, group, pod, resolver, priority, wait_timeout_ms, park_after_ms } => {
+            Request::Hello {
+                version,
+                group,
+                pod,
+                resolver,
+                priority,
+                wait_timeout_ms,
+                park_after_ms,
+                compute_request_pm,
+                compute_limit_pm,
+            } => {
                 // Names reach logs and `gpufrac status`: nothing but the characters the
                 // shim allows is accepted.
                 check_group(&group)?;
@@ -1300,6 +1314,8 @@ fn on_frame(
                     entitlement: believed.entitlement,
                     capped: believed.capped.join(", "),
                     park_after: (park_after_ms > 0).then(|| Duration::from_millis(park_after_ms)),
+                    // Checked when the frame was decoded.
+                    compute: ComputeSpec::from_wire(compute_request_pm, compute_limit_pm).ok().flatten(),
                 };
                 if park_after_ms > 0 {
                     shared.parkable_hello();
@@ -1516,6 +1532,7 @@ mod tests {
             entitlement: String::new(),
             capped: String::new(),
             park_after: None,
+            compute: None,
         };
         shared.policy().hello(1, peer);
         let victim = Victim { conn: 1, pid: child.0.id(), group: "g".into(), bytes: 1, why: "test".into() };

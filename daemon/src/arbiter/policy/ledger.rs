@@ -80,6 +80,7 @@ impl Policy {
         };
         let now = Instant::now();
         let mut parked = false;
+        Self::admit_compute(gpu, &device, &peer)?;
         if let Some(group) = gpu.groups.get(&peer.group) {
             if group.park_after.is_some() != peer.park_after.is_some() {
                 // Parking moves a whole group: a member that cannot be parked would keep it
@@ -124,6 +125,7 @@ impl Policy {
                         wakes: 0,
                         last_park: std::time::Duration::ZERO,
                         last_wake: std::time::Duration::ZERO,
+                        compute: super::compute::GroupCompute { spec: peer.compute, ..Default::default() },
                     },
                 );
             }

@@ -17,10 +17,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId};
-use gpufrac_common::Resolver;
+use gpufrac_common::{ComputeSpec, Resolver};
 
 use crate::status::{GpuStatus, ProcessStatus, Status};
 
+mod compute;
 mod ledger;
 mod park;
 mod priority;
@@ -30,6 +31,7 @@ mod reclaim;
 mod swap;
 mod wait;
 
+pub use compute::PaceOrder;
 pub use park::{ParkOrder, WakeAnswer, WakeOutcome};
 pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
 
@@ -69,6 +71,8 @@ pub struct Peer {
     pub capped: String,
     /// Idle this long, its group may be parked (`GPUFRAC_PARK_AFTER`); `None`: never.
     pub park_after: Option<Duration>,
+    /// The group's share of each GPU's time; `None`: not controlled ([`compute`]).
+    pub compute: Option<ComputeSpec>,
 }
 
 /// A process chosen to be ended: for a priority burst, or to give a guarantee its memory.
@@ -147,6 +151,8 @@ struct Member {
     checkpointed: bool,
     /// Since when its wake has waited, while it waits.
     wake_asked: Option<Instant>,
+    /// The compute pace it was last told, per mille; 0: never told (unpaced).
+    pace_told: u16,
 }
 
 /// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,
@@ -207,6 +213,8 @@ struct Group {
     wakes: u64,
     last_park: Duration,
     last_wake: Duration,
+    /// Its share of the GPU's time and what it uses ([`compute`]).
+    compute: compute::GroupCompute,
 }
 
 impl Group {
@@ -271,6 +279,9 @@ struct Gpu {
     short_last: u64,
     /// How the debts owed to guarantees here were paid, bytes in all.
     repaid: Repaid,
+    /// Smoothed share of the GPU's time used by processes of no group with a compute
+    /// share (0 to 1).
+    compute_outside: f64,
 }
 
 /// Bytes of the debts owed to guarantees on a GPU, by how they were paid back.
@@ -382,6 +393,11 @@ pub struct Policy {
 
 pub use gpufrac_common::gpu_uuid::format as uuid_string;
 
+/// A share (0 to 1) in per mille.
+fn per_mille(share: f64) -> u32 {
+    (share.clamp(0.0, 1.0) * 1000.0).round() as u32
+}
+
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
@@ -407,6 +423,7 @@ impl Policy {
                         short_since: None,
                         short_last: 0,
                         repaid: Repaid::default(),
+                        compute_outside: 0.0,
                     };
                     (id, gpu)
                 })
@@ -539,6 +556,11 @@ impl Policy {
                         wakes: group.wakes,
                         last_park_ms: group.last_park.as_millis() as u64,
                         last_wake_ms: group.last_wake.as_millis() as u64,
+                        compute_request_pm: group.compute.spec.map_or(0, |c| c.request.per_mille().into()),
+                        compute_limit_pm: group.compute.spec.map_or(0, |c| c.limit.per_mille().into()),
+                        compute_used_pm: per_mille(group.compute.used),
+                        compute_allowance_pm: group.compute.spec.map_or(0, |_| per_mille(group.compute.allowance)),
+                        compute_pace_pm: group.compute.pace_pm().into(),
                     });
                 }
                 GpuStatus {
@@ -557,6 +579,13 @@ impl Policy {
                     parked: gpu.members().map(|(_, _, m)| m.parked_bytes).fold(0u64, u64::saturating_add),
                     parkable_requests: gpu.parkable_requests(),
                     waking: gpu.wakers.len(),
+                    compute_requested_pm: gpu
+                        .groups
+                        .values()
+                        .filter_map(|g| g.compute.spec)
+                        .map(|c| u32::from(c.request.per_mille()))
+                        .sum(),
+                    compute_outside_pm: per_mille(gpu.compute_outside),
                     processes,
                     truncated: 0,
                 }
@@ -590,6 +619,7 @@ mod testing {
             entitlement: String::new(),
             capped: String::new(),
             park_after: None,
+            compute: None,
         }
     }
 

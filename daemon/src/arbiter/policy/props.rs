@@ -273,6 +273,7 @@ impl Case {
                         .rng
                         .chance(30)
                         .then(|| Duration::from_millis(self.rng.pick(&[0, 500, 5000]))),
+                    compute: None,
                 };
                 self.note(format!("hello {conn} {peer:?}"));
                 self.policy.hello(conn, peer);
