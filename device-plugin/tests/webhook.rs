@@ -570,6 +570,61 @@ async fn park_after_sets_gpufrac_park_after_or_is_refused() {
 }
 
 #[tokio::test]
+async fn compute_fractions_set_gpufrac_compute_variables_or_are_refused() {
+    let server = Server::start().await;
+    // Accepted: both variables, written as percentages; an author's own value replaced.
+    let mut main = container("main");
+    main["env"] = json!([{"name": "GPUFRAC_COMPUTE_REQUEST", "value": "100%"}]);
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/compute-fraction": "0.3",
+               "gpufrac.io/compute-fraction-limit": "80%"}),
+        json!([main.clone()]),
+    ));
+    let answer = server.mutate(&review).await;
+    let env = env_of(&patched(&review, &answer)["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_COMPUTE_REQUEST"), Some("30%"));
+    assert_eq!(env_value(&env, "GPUFRAC_COMPUTE_LIMIT"), Some("80%"));
+    assert!(warnings(&answer).iter().any(|w| w.contains("GPUFRAC_COMPUTE_REQUEST")), "{answer}");
+
+    // A request alone: only the request (the shim lets it use idle time up to the GPU).
+    let review = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/compute-fraction": "12.5%"}),
+        json!([container("main")]),
+    ));
+    let env = env_of(&patched(&review, &server.mutate(&review).await)["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_COMPUTE_REQUEST"), Some("12.5%"));
+    assert_eq!(env_value(&env, "GPUFRAC_COMPUTE_LIMIT"), None);
+
+    // Absent: the author cannot give the pod a compute share.
+    let review = create(pod(json!({"gpufrac.io/gpu-fraction": "0.25"}), json!([main])));
+    let env = env_of(&patched(&review, &server.mutate(&review).await)["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_COMPUTE_REQUEST"), None, "{env:?}");
+
+    // Refused, naming the annotation and the value.
+    for (annotations, expected) in [
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/compute-fraction": "130%"}),
+            r#"gpufrac.io/compute-fraction="130%": a share is at most one whole GPU (100% or 1.0)"#,
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/compute-fraction-limit": "lots"}),
+            r#"gpufrac.io/compute-fraction-limit="lots": expected a share of one GPU's time"#,
+        ),
+        (
+            json!({"gpufrac.io/gpu-fraction": "0.25", "gpufrac.io/compute-fraction": "50%",
+                   "gpufrac.io/compute-fraction-limit": "0.4"}),
+            r#"gpufrac.io/compute-fraction-limit="0.4": the limit must be at least gpufrac.io/compute-fraction (50%)"#,
+        ),
+        (json!({"gpufrac.io/compute-fraction": "50%"}), "gpufrac.io/gpu-fraction is missing"),
+    ] {
+        let review = create(pod(annotations.clone(), json!([container("main")])));
+        let message = refusal(&server.mutate(&review).await);
+        assert!(message.contains(expected), "{annotations}: {message:?} lacks {expected:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn pods_without_the_annotation_pass_unchanged() {
     let server = Server::start().await;
     for annotations in [Value::Null, json!({}), json!({"example.com/x": "0.5"})] {

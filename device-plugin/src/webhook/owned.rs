@@ -11,9 +11,11 @@
 //! with its `prefix`), then `env`, and a later entry of the same name wins. So:
 //! - a variable the webhook sets (`GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
 //!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD`, and `GPUFRAC_PARK_AFTER` from
-//!   `gpufrac.io/park-after`) is overwritten in `env`, which also beats `envFrom`; without
-//!   the annotation an author-written `GPUFRAC_PARK_AFTER` is removed (parking lets a
-//!   group's request count past the GPU, so it is an entitlement, not a tuning);
+//!   `gpufrac.io/park-after`, `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` from
+//!   the compute annotations) is overwritten in `env`, which also beats `envFrom`; without
+//!   its annotation an author-written `GPUFRAC_PARK_AFTER` is removed (parking lets a
+//!   group's request count past the GPU, so it is an entitlement, not a tuning), and so
+//!   are `GPUFRAC_COMPUTE_*` (a compute request is a guarantee other pods pay for);
 //! - a variable `Allocate` sets (`GPUFRAC_MEMORY_REQUEST`, `GPUFRAC_GROUP`,
 //!   `GPUFRAC_ARBITER_SOCKET`, `LD_PRELOAD`, `NVIDIA_VISIBLE_DEVICES`) must not be in
 //!   `env` at all, or the author's value would replace the plugin's: the webhook removes it;
@@ -138,6 +140,8 @@ mod tests {
             "GPUFRAC_POD_NAME",
             "GPUFRAC_ARBITER_SOCKET",
             "GPUFRAC_PARK_AFTER",
+            "GPUFRAC_COMPUTE_REQUEST",
+            "GPUFRAC_COMPUTE_LIMIT",
             "GPUFRAC_SOMETHING_NEW",
         ] {
             assert!(is_owned(name, Role::Gpu), "{name}");

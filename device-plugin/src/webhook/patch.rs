@@ -8,6 +8,7 @@
 use serde_json::{json, Value};
 
 use super::owned::{is_owned, Role};
+use super::settings::Compute;
 
 /// The extended resource the device plugin advertises.
 pub(crate) const RESOURCE: &str = "gpufrac.io/gpu";
@@ -43,6 +44,9 @@ pub(crate) struct ContainerGrant {
     /// `GPUFRAC_PARK_AFTER`, when the pod may be parked; `None`: the variable is not set
     /// (and an author-written one is removed, like any other `GPUFRAC_*` it owns).
     pub(crate) park_after: Option<String>,
+    /// `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT`, each when its annotation is
+    /// set (an author-written one without the annotation is removed).
+    pub(crate) compute: Compute,
     /// The namespace for `GPUFRAC_POD`.
     pub(crate) namespace: String,
     /// The name for `GPUFRAC_POD`.
@@ -121,7 +125,8 @@ pub(crate) fn container_patch(container: &Value, grant: &ContainerGrant) -> (Vec
 
 /// The container's env with ours in: a variable of ours that the container already has is
 /// replaced where it stands (later duplicates dropped); the others are appended
-/// (`GPUFRAC_PARK_AFTER`, when the pod may be parked, last). Every
+/// (`GPUFRAC_PARK_AFTER`, when the pod may be parked, then `GPUFRAC_COMPUTE_REQUEST` and
+/// `GPUFRAC_COMPUTE_LIMIT`, when set, last). Every
 /// other variable gpufrac owns in a container with shares (`owned.rs`: the device
 /// plugin's `GPUFRAC_MEMORY_REQUEST`, `GPUFRAC_GROUP`, `GPUFRAC_ARBITER_SOCKET`,
 /// `LD_PRELOAD`, `NVIDIA_VISIBLE_DEVICES`, any other `GPUFRAC_*` but the user settings)
@@ -150,6 +155,12 @@ fn merged_env(existing: &[Value], grant: &ContainerGrant) -> (Vec<Value>, TakenO
     ];
     if let Some(park_after) = &grant.park_after {
         ours.push(("GPUFRAC_PARK_AFTER", var("GPUFRAC_PARK_AFTER", park_after)));
+    }
+    if let Some(request) = &grant.compute.request {
+        ours.push(("GPUFRAC_COMPUTE_REQUEST", var("GPUFRAC_COMPUTE_REQUEST", request)));
+    }
+    if let Some(limit) = &grant.compute.limit {
+        ours.push(("GPUFRAC_COMPUTE_LIMIT", var("GPUFRAC_COMPUTE_LIMIT", limit)));
     }
     let mut taken = TakenOver::default();
     let mut emitted = vec![false; ours.len()];
@@ -212,6 +223,7 @@ mod tests {
             resolver: "wait",
             priority: "0".into(),
             park_after: None,
+            compute: Compute::default(),
             namespace: "ns".into(),
             name,
         }
@@ -303,5 +315,45 @@ mod tests {
         let (env, taken) = merged_env(&existing, &grant(PodName::Known("p".into())));
         assert_eq!(taken.removed, ["GPUFRAC_PARK_AFTER"]);
         assert!(!names(&env).contains(&"GPUFRAC_PARK_AFTER"), "{env:?}");
+    }
+
+    #[test]
+    fn compute_shares_are_set_replaced_or_removed() {
+        let shared = ContainerGrant {
+            park_after: Some("30s".into()),
+            compute: Compute { request: Some("30%".into()), limit: Some("80%".into()) },
+            ..grant(PodName::Known("p".into()))
+        };
+        let (env, taken) = merged_env(&[], &shared);
+        assert!(taken.is_empty());
+        assert_eq!(
+            names(&env)[4..],
+            ["GPUFRAC_PARK_AFTER", "GPUFRAC_COMPUTE_REQUEST", "GPUFRAC_COMPUTE_LIMIT"]
+        );
+        assert_eq!(env[5], json!({"name": "GPUFRAC_COMPUTE_REQUEST", "value": "30%"}));
+        assert_eq!(env[6], json!({"name": "GPUFRAC_COMPUTE_LIMIT", "value": "80%"}));
+        // The author's own values are replaced where they stand.
+        let existing = vec![
+            json!({"name": "GPUFRAC_COMPUTE_LIMIT", "value": "100%"}),
+            json!({"name": "A", "value": "1"}),
+            json!({"name": "GPUFRAC_COMPUTE_REQUEST", "value": "90%"}),
+        ];
+        let (env, taken) = merged_env(&existing, &shared);
+        assert_eq!(taken.replaced, ["GPUFRAC_COMPUTE_LIMIT", "GPUFRAC_COMPUTE_REQUEST"]);
+        assert_eq!(names(&env)[..3], ["GPUFRAC_COMPUTE_LIMIT", "A", "GPUFRAC_COMPUTE_REQUEST"]);
+        assert_eq!((env[0]["value"].as_str(), env[2]["value"].as_str()), (Some("80%"), Some("30%")));
+        // A request alone sets only the request; without the annotations, the author's
+        // values are removed.
+        let request_only = ContainerGrant {
+            compute: Compute { request: Some("50%".into()), limit: None },
+            ..grant(PodName::Known("p".into()))
+        };
+        let (env, taken) = merged_env(&existing, &request_only);
+        assert_eq!(taken.replaced, ["GPUFRAC_COMPUTE_REQUEST"]);
+        assert_eq!(taken.removed, ["GPUFRAC_COMPUTE_LIMIT"]);
+        assert!(!names(&env).contains(&"GPUFRAC_COMPUTE_LIMIT"), "{env:?}");
+        let (env, taken) = merged_env(&existing, &grant(PodName::Known("p".into())));
+        assert_eq!(taken.removed, ["GPUFRAC_COMPUTE_LIMIT", "GPUFRAC_COMPUTE_REQUEST"]);
+        assert_eq!(names(&env)[0], "A");
     }
 }

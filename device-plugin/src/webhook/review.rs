@@ -16,8 +16,9 @@
 //!   allowed unchanged (a running pod's share cannot change).
 //! - A pod with none of the `gpufrac.io/*` annotations is allowed unchanged.
 //! - A pod with `gpufrac.io/gpu-fraction-limit`, `gpufrac.io/resolver`,
-//!   `gpufrac.io/container` or `gpufrac.io/park-after` but no `gpufrac.io/gpu-fraction`
-//!   is refused: those alone
+//!   `gpufrac.io/container`, `gpufrac.io/park-after`, `gpufrac.io/compute-fraction` or
+//!   `gpufrac.io/compute-fraction-limit` but no `gpufrac.io/gpu-fraction` is refused:
+//!   those alone
 //!   would do nothing, which is a mistake worth telling.
 //! - Bad values are refused (`allowed: false`, `status.code` 400) with a message naming
 //!   the annotation, the value and what is expected; every problem is listed.
@@ -26,7 +27,13 @@
 //!   `ceil(fraction × 100)`, and env `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
 //!   `GPUFRAC_PRIORITY` (`spec.priority`, else `0`) and `GPUFRAC_POD`
 //!   (`<namespace>/<name>`), and `GPUFRAC_PARK_AFTER` when `gpufrac.io/park-after` is set
-//!   (a duration the shim's parser accepts, such as `30s`; passed on as written).
+//!   (a duration the shim's parser accepts, such as `30s`; passed on as written), and
+//!   `GPUFRAC_COMPUTE_REQUEST` / `GPUFRAC_COMPUTE_LIMIT` when `gpufrac.io/compute-fraction`
+//!   / `gpufrac.io/compute-fraction-limit` is set (a share of the GPU's time, `30%` or
+//!   `0.3`, checked with the shim's parser, together too: limit > 0 and >= request; passed
+//!   on written as a percentage). Whether a GPU's compute requests add up to more than
+//!   100% is not known at admission (the scheduler places the pod later): the arbiter
+//!   refuses the process that would overcommit when it registers.
 //! - The request is granted in whole shares, so the device plugin's
 //!   `GPUFRAC_MEMORY_REQUEST` is `shares / 100`; `GPUFRAC_MEMORY_LIMIT` is the limit
 //!   annotation (default the request) but never below `shares / 100`, so the shim's
@@ -34,8 +41,8 @@
 //!   reported as an AdmissionReview warning.
 //! - The pod's author sets none of gpufrac's variables (`owned.rs`): in the chosen
 //!   container, an author-written `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
-//!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD` or (with the annotation) `GPUFRAC_PARK_AFTER` is
-//!   replaced, and every other `GPUFRAC_*` (but
+//!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD` or (with their annotations) `GPUFRAC_PARK_AFTER`,
+//!   `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` is replaced, and every other `GPUFRAC_*` (but
 //!   `GPUFRAC_WAIT_TIMEOUT` and `GPUFRAC_LOG`), `LD_PRELOAD` and `NVIDIA_VISIBLE_DEVICES`
 //!   is removed, so the device plugin's values win; in every other container and init
 //!   container those `GPUFRAC_*` are removed too (the same two kept), and in any of them
@@ -309,6 +316,7 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
         resolver: settings.resolver.as_str(),
         priority,
         park_after: settings.park_after,
+        compute: settings.compute,
         namespace,
         name,
     };

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use gpufrac_common::compute::{ComputeError, ComputeShare, ComputeSpec};
 use serde_json::{Map, Value};
 
 /// The request, as a fraction of one GPU.
@@ -19,6 +20,12 @@ pub(crate) const CONTAINER: &str = "gpufrac.io/container";
 /// Idle this long, the group may be parked (`GPUFRAC_PARK_AFTER`): a duration such as
 /// `30s`, `500ms` or `5m`.
 pub(crate) const PARK_AFTER: &str = "gpufrac.io/park-after";
+/// The guaranteed share of the GPU's time (`GPUFRAC_COMPUTE_REQUEST`): a percentage such
+/// as `30%` or a fraction such as `0.3`.
+pub(crate) const COMPUTE: &str = "gpufrac.io/compute-fraction";
+/// The most of the GPU's time the pod may take (`GPUFRAC_COMPUTE_LIMIT`), in the same
+/// syntax.
+pub(crate) const COMPUTE_LIMIT: &str = "gpufrac.io/compute-fraction-limit";
 
 /// Shares per whole GPU: a fraction `f` asks for `ceil(f × 100)` shares.
 pub(crate) const SHARES_PER_GPU: u32 = 100;
@@ -153,6 +160,47 @@ pub(crate) struct Settings {
     /// `gpufrac.io/park-after`, when set: a duration the shim reads (checked with the
     /// shim's own parser), kept as written but for surrounding whitespace.
     pub(crate) park_after: Option<String>,
+    /// `gpufrac.io/compute-fraction` and `gpufrac.io/compute-fraction-limit`, checked with
+    /// the shim's own parser (and together: limit > 0 and >= request).
+    pub(crate) compute: Compute,
+}
+
+/// A pod's compute annotations, each as the shim's variable will hold it: the share
+/// written canonically (`30%`, `12.5%`), `None` when the annotation is absent (then the
+/// variable is not set, and the shim's defaults apply: a request alone may burst to the
+/// whole GPU, a limit alone guarantees nothing).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Compute {
+    /// `GPUFRAC_COMPUTE_REQUEST`.
+    pub(crate) request: Option<String>,
+    /// `GPUFRAC_COMPUTE_LIMIT`.
+    pub(crate) limit: Option<String>,
+}
+
+impl Compute {
+    /// Reads the two annotations' values (either possibly absent); every problem is pushed
+    /// on `problems`, naming the annotation and its value.
+    fn read(request: Option<&str>, limit: Option<&str>, problems: &mut Vec<String>) -> Compute {
+        let problem = |e: ComputeError| format!("{}={}: {}", e.input, shown(&e.value), e.reason);
+        let mut each = |key: &str, text: Option<&str>| match text.map(|t| ComputeShare::parse(key, t)) {
+            None => Ok(None),
+            Some(Ok(share)) => Ok(Some(share.to_string())),
+            Some(Err(e)) => {
+                problems.push(problem(e));
+                Err(())
+            }
+        };
+        let (Ok(request_share), Ok(limit_share)) = (each(COMPUTE, request), each(COMPUTE_LIMIT, limit))
+        else {
+            return Compute::default();
+        };
+        // Each is a share; together, the limit must let the group run and cover the request.
+        if let Err(e) = ComputeSpec::from_texts((COMPUTE, request), (COMPUTE_LIMIT, limit)) {
+            problems.push(problem(e));
+            return Compute::default();
+        }
+        Compute { request: request_share, limit: limit_share }
+    }
 }
 
 impl Settings {
@@ -183,12 +231,15 @@ impl Settings {
         let resolver_text = get(RESOLVER);
         let container = get(CONTAINER);
         let park_after_text = get(PARK_AFTER);
+        let compute_text = get(COMPUTE);
+        let compute_limit_text = get(COMPUTE_LIMIT);
 
         let Some(request_text) = request_text else {
-            let companions: Vec<&str> = [FRACTION_LIMIT, RESOLVER, CONTAINER, PARK_AFTER]
-                .into_iter()
-                .filter(|k| annotations.contains_key(*k))
-                .collect();
+            let companions: Vec<&str> =
+                [FRACTION_LIMIT, RESOLVER, CONTAINER, PARK_AFTER, COMPUTE, COMPUTE_LIMIT]
+                    .into_iter()
+                    .filter(|k| annotations.contains_key(*k))
+                    .collect();
             if companions.is_empty() && problems.is_empty() {
                 return Ok(None);
             }
@@ -203,6 +254,16 @@ impl Settings {
                         if companions.len() == 1 { "it" } else { "them" },
                     ),
                 );
+                if companions.iter().any(|k| [COMPUTE, COMPUTE_LIMIT].contains(k)) {
+                    problems.insert(
+                        1,
+                        format!(
+                            "compute shares ({COMPUTE}, {COMPUTE_LIMIT}) are for pods whose GPU \
+                             share gpufrac manages: the arbiter enforces them only for the \
+                             processes of a pod with {FRACTION}"
+                        ),
+                    );
+                }
             }
             return Err(problems.join("; "));
         };
@@ -257,9 +318,10 @@ impl Settings {
                 }
             },
         };
+        let compute = Compute::read(compute_text.as_deref(), compute_limit_text.as_deref(), &mut problems);
         match (request, resolver) {
             (Some(request), Some(resolver)) if problems.is_empty() => {
-                Ok(Some(Settings { request, limit, resolver, container, park_after }))
+                Ok(Some(Settings { request, limit, resolver, container, park_after, compute }))
             }
             _ => Err(problems.join("; ")),
         }
@@ -404,6 +466,71 @@ mod tests {
         let err = settings(json!({PARK_AFTER: "30s"})).expect_err("no fraction");
         assert!(err.starts_with("gpufrac.io/gpu-fraction is missing"), "{err}");
         assert!(err.contains(PARK_AFTER), "{err}");
+    }
+
+    fn compute(request: Option<&str>, limit: Option<&str>) -> Result<Compute, String> {
+        let mut annotations = json!({FRACTION: "0.25"});
+        if let Some(request) = request {
+            annotations[COMPUTE] = json!(request);
+        }
+        if let Some(limit) = limit {
+            annotations[COMPUTE_LIMIT] = json!(limit);
+        }
+        settings(annotations).map(|s| s.expect("ours").compute)
+    }
+
+    #[test]
+    fn compute_shares_are_read_with_the_shims_parser_and_written_as_percentages() {
+        let both = |r: Option<&str>, l: Option<&str>| {
+            let c = compute(r, l).expect("valid");
+            (c.request, c.limit)
+        };
+        let some = |t: &str| Some(t.to_owned());
+        assert_eq!(both(None, None), (None, None));
+        assert_eq!(both(Some("30%"), Some("0.8")), (some("30%"), some("80%")));
+        assert_eq!(both(Some(" 12.5 % "), None), (some("12.5%"), None));
+        assert_eq!(both(None, Some("1")), (None, some("100%")));
+        assert_eq!(both(Some("0.5"), Some("50%")), (some("50%"), some("50%")));
+        assert_eq!(both(Some("0%"), Some("10%")), (some("0%"), some("10%")));
+    }
+
+    #[test]
+    fn bad_compute_shares_are_refused_naming_the_annotation() {
+        for (request, limit, expected) in [
+            (Some("130%"), None, r#"gpufrac.io/compute-fraction="130%": a share is at most one whole GPU"#),
+            (Some("1.5"), None, r#"gpufrac.io/compute-fraction="1.5": a share is at most"#),
+            (Some("fast"), None, r#"gpufrac.io/compute-fraction="fast": expected a share of one GPU's time"#),
+            (Some("12.34%"), None, r#"gpufrac.io/compute-fraction="12.34%": shares are kept to a tenth"#),
+            (None, Some("-5%"), r#"gpufrac.io/compute-fraction-limit="-5%": expected a share"#),
+            (None, Some("0%"), r#"gpufrac.io/compute-fraction-limit="0%": a limit of 0% would never"#),
+            (
+                Some("50%"),
+                Some("40%"),
+                r#"gpufrac.io/compute-fraction-limit="40%": the limit must be at least gpufrac.io/compute-fraction (50%)"#,
+            ),
+        ] {
+            let err = compute(request, limit).expect_err("refused");
+            assert!(err.starts_with(expected), "{request:?} {limit:?}: {err}");
+        }
+        // Both bad: both named.
+        let err = compute(Some("2"), Some("x")).expect_err("refused");
+        assert!(err.contains(COMPUTE) && err.contains(&format!("{COMPUTE_LIMIT}=\"x\"")), "{err}");
+        // Not a string.
+        let err = settings(json!({FRACTION: "0.25", COMPUTE: 0.3})).expect_err("refused");
+        assert!(err.starts_with("gpufrac.io/compute-fraction=0.3: expected a string"), "{err}");
+        // A huge value is cut.
+        let err = compute(Some(&"9".repeat(10_000)), None).expect_err("refused");
+        assert!(err.len() < 300, "{err}");
+    }
+
+    #[test]
+    fn compute_shares_without_a_gpu_fraction_are_refused() {
+        for annotations in [json!({COMPUTE: "50%"}), json!({COMPUTE_LIMIT: "50%"}), json!({COMPUTE: "bad"})] {
+            let err = settings(annotations.clone()).expect_err("no fraction");
+            assert!(err.starts_with("gpufrac.io/gpu-fraction is missing"), "{annotations}: {err}");
+            assert!(err.contains("compute shares (gpufrac.io/compute-fraction"), "{annotations}: {err}");
+            assert!(err.contains("pods whose GPU share gpufrac manages"), "{annotations}: {err}");
+        }
     }
 
     #[test]
