@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::compute::ComputeSpec;
 use crate::resolver::Resolver;
 
 /// The DRA driver's name: the ResourceSlices' `spec.driver`, the claims' configuration
@@ -92,8 +93,41 @@ pub struct PreparedDevice {
     /// `None`: never parked. Absent from checkpoints written before parking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub park_after: Option<String>,
+    /// The claim's guaranteed share of the GPU's time, in per mille (0 to 1000): the
+    /// `compute` capacity it consumed on the device, else its configuration's
+    /// `computeRequest` (0 when only a limit is configured). Set with
+    /// [`compute_limit_per_mille`](Self::compute_limit_per_mille) or not at all; `None`:
+    /// no compute share (the shim's `GPUFRAC_COMPUTE_REQUEST` unset). Absent from
+    /// checkpoints written before compute shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_request_per_mille: Option<u16>,
+    /// The most of the GPU's time the claim's processes may take, in per mille (1 to 1000,
+    /// at least the request): `computeLimit`, else the whole GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_limit_per_mille: Option<u16>,
     /// The CDI device ID given to the kubelet for this device.
     pub cdi_device_id: String,
+}
+
+impl PreparedDevice {
+    /// The device's compute share; `Ok(None)`: none; `Err`: the two fields do not make one
+    /// (one without the other, a limit of 0, above 1000 or below the request).
+    pub fn compute(&self) -> Result<Option<ComputeSpec>, String> {
+        match (self.compute_request_per_mille, self.compute_limit_per_mille) {
+            (None, None) => Ok(None),
+            (Some(request), Some(limit)) if limit > 0 => ComputeSpec::from_wire(request, limit)
+                .map_err(|_| format!("compute request {request}‰ and limit {limit}‰ are not a share")),
+            (request, limit) => Err(format!(
+                "compute request {request:?}‰ and limit {limit:?}‰ are not a share (both are set, limit > 0, or neither)"
+            )),
+        }
+    }
+
+    /// Sets the device's compute share (`None`: none).
+    pub fn set_compute(&mut self, spec: Option<ComputeSpec>) {
+        self.compute_request_per_mille = spec.map(|s| s.request.per_mille());
+        self.compute_limit_per_mille = spec.map(|s| s.limit.per_mille());
+    }
 }
 
 /// Why the checkpoint could not be read or written.
@@ -141,6 +175,11 @@ impl Checkpoint {
         for (uid, claim) in &checkpoint.claims {
             if *uid != claim.uid {
                 return Err(invalid(format!("claim {uid} is recorded with uid {}", claim.uid)));
+            }
+            for device in &claim.devices {
+                device
+                    .compute()
+                    .map_err(|e| invalid(format!("claim {uid}, device {}: {e}", device.device)))?;
             }
         }
         Ok(checkpoint)
@@ -219,6 +258,8 @@ mod tests {
                 resolver: Some(Resolver::Swap),
                 priority: None,
                 park_after: Some("30s".into()),
+                compute_request_per_mille: Some(300),
+                compute_limit_per_mille: Some(1000),
                 cdi_device_id: "gpufrac.io/claim=0f3c2a9e-1111-2222-3333-444455556666-gpu-0".into(),
             }],
         }
@@ -236,10 +277,14 @@ mod tests {
         checkpoint.store(&path).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("\"resolver\": \"swap\""), "{text}");
+        assert!(text.contains("\"computeRequestPerMille\": 300"), "{text}");
+        assert!(text.contains("\"computeLimitPerMille\": 1000"), "{text}");
         let back = Checkpoint::load(&path).unwrap();
         assert_eq!(back, checkpoint);
         assert_eq!(back.claims_of_pod("7a1b2c3d-0000-4000-8000-000000000001").count(), 1);
         assert_eq!(back.claims_of_pod("another").count(), 0);
+        let spec = back.claims[&claim.uid].devices[0].compute().unwrap().unwrap();
+        assert_eq!((spec.request.per_mille(), spec.limit.per_mille()), (300, 1000));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -253,6 +298,19 @@ mod tests {
         assert!(e.contains("version 7") && e.contains(CHECKPOINT_FILE), "{e}");
         std::fs::write(&path, r#"{"version": 1, "claims": {"x": {"resolver": "fast"}}}"#).unwrap();
         assert!(Checkpoint::load(&path).is_err());
+        // A compute share that is not one (limit below the request, or half of one).
+        for (request, limit) in
+            [(Some(500), Some(400)), (Some(300), None), (None, Some(0)), (Some(0), Some(1001))]
+        {
+            let mut checkpoint = Checkpoint::new();
+            let mut claim = claim();
+            claim.devices[0].compute_request_per_mille = request;
+            claim.devices[0].compute_limit_per_mille = limit;
+            checkpoint.claims.insert(claim.uid.clone(), claim);
+            checkpoint.store(&path).unwrap();
+            let e = Checkpoint::load(&path).unwrap_err().to_string();
+            assert!(e.contains("compute request") && e.contains("gpu-0"), "{request:?} {limit:?}: {e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

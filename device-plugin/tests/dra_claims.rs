@@ -1,15 +1,18 @@
 //! Claims as the API server returns them (`resource.k8s.io/v1` JSON, read into the API's
 //! own types) → the fraction the DRA plugin prepares: the consumed `memory` capacity is
-//! the request, the opaque configuration gives limit, resolver, priority and `parkAfter`
-//! (down to the CDI spec's env), and a bad configuration is refused naming its field.
+//! the request, the opaque configuration gives limit, resolver, priority, `parkAfter` and
+//! the compute share (`computeRequest`, or the consumed `compute` capacity, and
+//! `computeLimit`) down to the CDI spec's env, and a bad configuration is refused naming
+//! its field.
 
 use gpufrac_common::dra::PreparedClaim;
 use gpufrac_common::resolver::Resolver;
 use gpufrac_device_plugin::dra::cdi::{self, CdiConfig};
-use gpufrac_device_plugin::dra::claim::{fraction, quantity_bytes, ClaimError};
+use gpufrac_device_plugin::dra::claim::{fraction, quantity_bytes, quantity_count, ClaimError};
 use gpufrac_device_plugin::dra::gpus::GpuInfo;
 use gpufrac_device_plugin::dra::slices::{self, Sharing};
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{json, Value};
 
 const GIB: u64 = 1 << 30;
@@ -203,6 +206,130 @@ fn park_after_reaches_the_cdi_env() {
     }
 }
 
+/// `claim` as if it had also consumed `compute` per mille of the GPU's time.
+fn with_compute(mut claim: ResourceClaim, compute: &str) -> ResourceClaim {
+    let status = claim.status.as_mut().expect("status");
+    let results =
+        status.allocation.as_mut().and_then(|a| a.devices.as_mut()).and_then(|d| d.results.as_mut());
+    let result = &mut results.expect("results")[0];
+    result.consumed_capacity.get_or_insert_default().insert("compute".into(), Quantity(compute.into()));
+    claim
+}
+
+fn gpufrac(parameters: Value) -> Value {
+    let mut base = json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig"});
+    base.as_object_mut().expect("object").extend(parameters.as_object().expect("object").clone());
+    base
+}
+
+fn compute_env(env: &[String]) -> Vec<&str> {
+    env.iter().filter(|e| e.starts_with("GPUFRAC_COMPUTE_")).map(String::as_str).collect()
+}
+
+#[test]
+fn compute_shares_reach_the_cdi_env_and_the_checkpoint() {
+    // From the configuration alone (the scheduler does not see it).
+    let configured = claim(
+        "gpu-1",
+        Some("20Gi"),
+        from_claim(gpufrac(json!({"computeRequest": "0.3", "computeLimit": "80%"}))),
+    );
+    let prepared = fraction(&configured, NODE, &gpus(), Sharing::Capacity).expect("prepared");
+    let device = &prepared.devices[0];
+    assert_eq!((device.compute_request_per_mille, device.compute_limit_per_mille), (Some(300), Some(800)));
+    assert_eq!(
+        compute_env(&cdi_env(&configured)),
+        ["GPUFRAC_COMPUTE_REQUEST=30%", "GPUFRAC_COMPUTE_LIMIT=80%"]
+    );
+
+    // A request alone may burst to the whole GPU; a limit alone guarantees nothing.
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), from_claim(gpufrac(json!({"computeRequest": "12.5%"})))));
+    assert_eq!(compute_env(&env), ["GPUFRAC_COMPUTE_REQUEST=12.5%", "GPUFRAC_COMPUTE_LIMIT=100%"]);
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), from_claim(gpufrac(json!({"computeLimit": "0.5"})))));
+    assert_eq!(compute_env(&env), ["GPUFRAC_COMPUTE_REQUEST=0%", "GPUFRAC_COMPUTE_LIMIT=50%"]);
+
+    // None: no variable.
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), json!([])));
+    assert!(compute_env(&env).is_empty(), "{env:?}");
+
+    // The claim's configuration overrides its class's, field by field.
+    let both = json!([
+        {"source": "FromClass", "opaque": config(gpufrac(json!({"computeRequest": "10%", "computeLimit": "50%"})))},
+        {"source": "FromClaim", "requests": ["gpu"], "opaque": config(gpufrac(json!({"computeRequest": "20%"})))},
+    ]);
+    let env = cdi_env(&claim("gpu-1", Some("20Gi"), both));
+    assert_eq!(compute_env(&env), ["GPUFRAC_COMPUTE_REQUEST=20%", "GPUFRAC_COMPUTE_LIMIT=50%"]);
+
+    // The compute capacity the scheduler let the claim consume is the request (the API
+    // server writes 1000 as "1k"); a consumed 0 (the policy's default) is no request.
+    let placed = with_compute(
+        claim("gpu-1", Some("20Gi"), from_claim(gpufrac(json!({"computeLimit": "0.6"})))),
+        "250",
+    );
+    assert_eq!(compute_env(&cdi_env(&placed)), ["GPUFRAC_COMPUTE_REQUEST=25%", "GPUFRAC_COMPUTE_LIMIT=60%"]);
+    let whole = with_compute(claim("gpu-1", Some("20Gi"), json!([])), "1k");
+    assert_eq!(compute_env(&cdi_env(&whole)), ["GPUFRAC_COMPUTE_REQUEST=100%", "GPUFRAC_COMPUTE_LIMIT=100%"]);
+    let zero = with_compute(claim("gpu-1", Some("20Gi"), json!([])), "0");
+    assert!(compute_env(&cdi_env(&zero)).is_empty());
+    let same = with_compute(
+        claim("gpu-1", Some("20Gi"), from_claim(gpufrac(json!({"computeRequest": "25%"})))),
+        "250",
+    );
+    assert_eq!(compute_env(&cdi_env(&same))[0], "GPUFRAC_COMPUTE_REQUEST=25%");
+}
+
+#[test]
+fn bad_compute_shares_are_refused_naming_the_field() {
+    let refusal = |claim: ResourceClaim| {
+        fraction(&claim, NODE, &gpus(), Sharing::Capacity).expect_err("refused").to_string()
+    };
+    for (parameters, expected) in [
+        (
+            json!({"computeRequest": "1.5"}),
+            r#"opaque.parameters.computeRequest: "1.5": a share is at most one whole GPU"#,
+        ),
+        (
+            json!({"computeRequest": "150%"}),
+            r#"opaque.parameters.computeRequest: "150%": a share is at most"#,
+        ),
+        (
+            json!({"computeLimit": "fast"}),
+            r#"opaque.parameters.computeLimit: "fast": expected a share of one GPU's time"#,
+        ),
+        (json!({"computeLimit": 0.5}), "opaque.parameters.computeLimit: expected a share of the GPU's time"),
+        (
+            json!({"computeRequest": "50%", "computeLimit": "40%"}),
+            r#"parameters.computeLimit: "40%": the limit must be at least computeRequest (50%)"#,
+        ),
+        (
+            json!({"computeLimit": "0%"}),
+            r#"parameters.computeLimit: "0%": a limit of 0% would never let the group run"#,
+        ),
+    ] {
+        let text = refusal(claim("gpu-1", Some("20Gi"), from_claim(gpufrac(parameters.clone()))));
+        assert!(text.contains(expected), "{parameters}: {text}");
+    }
+    // Merged: the class's request above the claim's limit.
+    let merged = json!([
+        {"source": "FromClass", "opaque": config(gpufrac(json!({"computeRequest": "70%"})))},
+        {"source": "FromClaim", "requests": ["gpu"], "opaque": config(gpufrac(json!({"computeLimit": "60%"})))},
+    ]);
+    let text = refusal(claim("gpu-1", Some("20Gi"), merged));
+    assert!(
+        text.contains(r#"parameters.computeLimit: "60%": the limit must be at least computeRequest (70%)"#),
+        "{text}"
+    );
+    // Asked for twice, differently.
+    let text = refusal(with_compute(
+        claim("gpu-1", Some("20Gi"), from_claim(gpufrac(json!({"computeRequest": "30%"})))),
+        "250",
+    ));
+    assert!(text.contains("parameters.computeRequest: \"30%\" differs from the compute capacity"), "{text}");
+    // A consumed capacity past the GPU.
+    let text = refusal(with_compute(claim("gpu-1", Some("20Gi"), json!([])), "1500"));
+    assert!(text.contains("consumedCapacity.compute \"1500\""), "{text}");
+}
+
 #[test]
 fn a_bad_configuration_is_refused_naming_the_field() {
     let cases = [
@@ -282,6 +409,10 @@ fn a_claim_that_is_not_this_nodes_is_refused() {
 #[test]
 fn quantities_as_the_api_server_writes_them() {
     assert_eq!(quantity_bytes("20Gi"), Some(20 * GIB));
+    assert_eq!(
+        [quantity_count("0"), quantity_count("250"), quantity_count("1k")],
+        [Some(0), Some(250), Some(1000)]
+    );
     assert_eq!(quantity_bytes("21474836480"), Some(20 * GIB));
     assert_eq!(quantity_bytes("20G"), Some(20_000_000_000));
     assert_eq!(quantity_bytes("1536Mi"), Some(1536 << 20));
@@ -304,6 +435,11 @@ fn each_gpu_is_one_device_with_a_shared_memory_capacity() {
         device["capacity"]["memory"],
         json!({"value": (80 * GIB).to_string(), "requestPolicy": {
             "default": "1Gi", "validRange": {"min": "256Mi", "step": "256Mi"}}})
+    );
+    // Compute: 1000 per mille of the GPU's time; a claim that names none consumes none.
+    assert_eq!(
+        device["capacity"]["compute"],
+        json!({"value": "1000", "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}}})
     );
     assert_eq!(device["attributes"]["computeCapability"], json!({"version": "9.0.0"}));
     assert_eq!(device["attributes"]["cudaVersion"], json!({"version": "12.8.0"}));
@@ -391,4 +527,5 @@ fn shares_are_devices_with_the_gpus_attributes() {
     assert_eq!(share["attributes"]["share"], json!({"int": 1}));
     assert_eq!(share["capacity"]["memory"], json!({"value": (10 * GIB).to_string()}));
     assert!(share.get("allowMultipleAllocations").is_none(), "a share goes to one claim");
+    assert!(share["capacity"].get("compute").is_none(), "no compute capacity without consumable capacity");
 }

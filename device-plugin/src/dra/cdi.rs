@@ -1,6 +1,7 @@
 //! The CDI spec of a prepared claim: one file per claim in the CDI folder, kind
 //! `gpufrac.io/claim`, one device per GPU, whose container edits preload the shim, give it
-//! the claim's fraction (and `GPUFRAC_PARK_AFTER` when the claim may be parked) and the
+//! the claim's fraction (and `GPUFRAC_PARK_AFTER` when the claim may be parked,
+//! `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` when it has a compute share) and the
 //! arbiter's socket, and make the GPU visible. The container
 //! runtime applies it to every container of the pod that uses the claim.
 
@@ -81,6 +82,11 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
             ];
             if let Some(park_after) = &device.park_after {
                 env.push(format!("GPUFRAC_PARK_AFTER={park_after}"));
+            }
+            // Checked when the claim was prepared and when the checkpoint is read.
+            if let Ok(Some(compute)) = device.compute() {
+                env.push(format!("GPUFRAC_COMPUTE_REQUEST={}", compute.request));
+                env.push(format!("GPUFRAC_COMPUTE_LIMIT={}", compute.limit));
             }
             json!({
                 "name": device_name(&claim.uid, &device.device),

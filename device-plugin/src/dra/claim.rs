@@ -1,9 +1,12 @@
 //! An allocated ResourceClaim (`resource.k8s.io/v1`) → the fraction it holds of each of
 //! this node's GPUs: the request is the `memory` capacity the scheduler let it consume on
 //! the device; limit, resolver, priority and `parkAfter` come from its opaque
-//! configuration. Pure
+//! configuration. Its compute share: the request is the `compute` capacity it consumed (per
+//! mille of the GPU's time, placed by the scheduler), else the configuration's
+//! `computeRequest` (which the scheduler does not see); the limit is `computeLimit`. Pure
 //! logic over the API's own types, tested from real claims' JSON.
 
+use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::dra::PreparedDevice;
 use gpufrac_common::size::{format_size, parse_bytes};
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
@@ -15,6 +18,10 @@ use super::{cdi, DRIVER};
 
 /// The device capacity that holds a claim's guarantee.
 pub const MEMORY: &str = "memory";
+
+/// The device capacity that holds a claim's compute request, in per mille of the GPU's
+/// time (each GPU has 1000).
+pub const COMPUTE: &str = "compute";
 
 /// Why a claim cannot be prepared on this node; each names the claim's field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -57,6 +64,18 @@ pub enum ClaimError {
         /// What is wrong.
         reason: String,
     },
+    /// The merged compute configuration is not a share (`computeLimit` below
+    /// `computeRequest` or 0), or `computeRequest` disagrees with the `compute` capacity
+    /// the claim consumed.
+    #[error("claim {claim}: parameters.{field}: {reason}")]
+    Compute {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// `computeRequest` or `computeLimit`.
+        field: &'static str,
+        /// What is wrong, with the value.
+        reason: String,
+    },
 }
 
 /// What preparing a claim needs from it.
@@ -77,6 +96,14 @@ pub fn quantity_bytes(quantity: &str) -> Option<u64> {
         return mantissa.checked_mul(10u64.checked_pow(exponent)?);
     }
     parse_bytes("quantity", text).ok()
+}
+
+/// Reads a count written as a Kubernetes quantity (`0`, `250`, `1k`, `1e3`).
+pub fn quantity_count(quantity: &str) -> Option<u64> {
+    match quantity.trim() {
+        "0" => Some(0),
+        text => quantity_bytes(text),
+    }
 }
 
 /// The fraction of this node's GPUs that `claim` holds. `pool` is this node's pool name;
@@ -134,6 +161,19 @@ pub fn fraction(
         }
         let settings = settings_for(&result.request, configs)
             .map_err(|(index, source)| ClaimError::Config { claim: name.clone(), index, source })?;
+        let consumed_compute = match result.consumed_capacity.as_ref().and_then(|c| c.get(COMPUTE)) {
+            None => None,
+            Some(quantity) => match quantity_count(&quantity.0).and_then(|n| u16::try_from(n).ok()) {
+                Some(n) if n <= 1000 => Some(n),
+                _ => {
+                    return Err(bad(format!(
+                    "consumedCapacity.compute {:?} is not a share of the GPU's time (0 to 1000 per mille)",
+                    quantity.0
+                )))
+                }
+            },
+        };
+        let compute = compute(&name, consumed_compute, &settings)?;
         let configured = settings.limit.map(|spec| spec.resolve(gpu.memory));
         // Shares of one request on one GPU make one fraction: their memory adds up.
         if let Some(same) = devices.iter_mut().find(|d| d.gpu_uuid == gpu.uuid) {
@@ -146,10 +186,16 @@ pub fn fraction(
             }
             same.shares.push(result.device.clone());
             same.request_bytes = (same.request_bytes + request).min(gpu.memory);
+            if compute != same.compute().ok().flatten() {
+                return Err(bad(format!(
+                    "its compute share differs from that of {} on the same GPU",
+                    same.shares.first().unwrap_or(&same.device)
+                )));
+            }
             continue;
         }
         limits.push((configured, gpu.memory));
-        devices.push(PreparedDevice {
+        let mut prepared = PreparedDevice {
             request_names: vec![result.request.clone()],
             pool: result.pool.clone(),
             device: gpu.device_name(),
@@ -161,8 +207,12 @@ pub fn fraction(
             resolver: settings.resolver,
             priority: settings.priority,
             park_after: settings.park_after,
+            compute_request_per_mille: None,
+            compute_limit_per_mille: None,
             cdi_device_id: cdi::device_id(&uid, &gpu.device_name()),
-        });
+        };
+        prepared.set_compute(compute);
+        devices.push(prepared);
     }
     // The limit: as configured (at least the request, at most the GPU), else the request.
     for (device, (configured, memory)) in devices.iter_mut().zip(limits) {
@@ -199,6 +249,46 @@ pub fn fraction(
         .map(|r| (r.uid.clone(), r.name.clone()))
         .collect();
     Ok(ClaimFraction { pods, devices })
+}
+
+/// The claim's compute share on one device: the request is the `compute` capacity it
+/// consumed when more than 0 (a `computeRequest` that says otherwise is refused: the
+/// scheduler placed the capacity), else `computeRequest`; the limit `computeLimit`, else
+/// the whole GPU. `None` when the claim asks for no share at all.
+fn compute(
+    claim: &str,
+    consumed: Option<u16>,
+    settings: &FractionConfig,
+) -> Result<Option<ComputeSpec>, ClaimError> {
+    let refuse =
+        |field: &'static str, reason: String| ClaimError::Compute { claim: claim.to_owned(), field, reason };
+    let consumed = consumed.filter(|&n| n > 0).and_then(ComputeShare::from_per_mille);
+    let request = match (consumed, settings.compute_request) {
+        (Some(capacity), Some(configured)) if capacity != configured => {
+            return Err(refuse(
+                "computeRequest",
+                format!(
+                    "\"{configured}\" differs from the compute capacity the claim consumed ({} per mille, \
+                     {capacity}): ask for the share once, in capacity.requests.compute (placed by the \
+                     scheduler) or in computeRequest",
+                    capacity.per_mille()
+                ),
+            ))
+        }
+        (capacity, configured) => capacity.or(configured),
+    };
+    let request_text = request.map(|s| s.to_string());
+    let limit_text = settings.compute_limit.map(|s| s.to_string());
+    ComputeSpec::from_texts(
+        ("computeRequest", request_text.as_deref()),
+        ("computeLimit", limit_text.as_deref()),
+    )
+    .map_err(|e| {
+        refuse(
+            if e.input == "computeLimit" { "computeLimit" } else { "computeRequest" },
+            format!("{:?}: {}", e.value, e.reason),
+        )
+    })
 }
 
 /// The settings of the request `request` (`name` or `name/subrequest`): every opaque

@@ -1,9 +1,11 @@
 //! A claim's opaque configuration for this driver:
 //! `{"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": SIZE,
-//! "resolver": "wait|priority|swap", "priority": N, "parkAfter": DURATION}`, every field
-//! but the first two optional. A configuration that is not exactly this is refused, naming
+//! "resolver": "wait|priority|swap", "priority": N, "parkAfter": DURATION,
+//! "computeRequest": SHARE, "computeLimit": SHARE}`, every field but the first two
+//! optional (a SHARE is a share of the GPU's time: `"30%"`, `"12.5%"` or `"0.3"`). A configuration that is not exactly this is refused, naming
 //! the field, so that a typo never silently becomes "no burst".
 
+use gpufrac_common::compute::ComputeShare;
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::{parse_duration, parse_size, SizeSpec};
 use serde_json::Value;
@@ -25,6 +27,12 @@ pub struct FractionConfig {
     /// Idle this long, the claim's group may be parked (`GPUFRAC_PARK_AFTER`): a duration
     /// the shim's parser accepts, kept as written but for surrounding whitespace.
     pub park_after: Option<String>,
+    /// The guaranteed share of the GPU's time (`GPUFRAC_COMPUTE_REQUEST`). Whether it fits
+    /// beside the other claims' is checked by the arbiter, or by the scheduler when the
+    /// claim asks for the device's `compute` capacity instead.
+    pub compute_request: Option<ComputeShare>,
+    /// The most of the GPU's time the claim's processes may take (`GPUFRAC_COMPUTE_LIMIT`).
+    pub compute_limit: Option<ComputeShare>,
 }
 
 impl FractionConfig {
@@ -36,6 +44,8 @@ impl FractionConfig {
             resolver: later.resolver.or(self.resolver),
             priority: later.priority.or(self.priority),
             park_after: later.park_after.or(self.park_after),
+            compute_request: later.compute_request.or(self.compute_request),
+            compute_limit: later.compute_limit.or(self.compute_limit),
         }
     }
 }
@@ -90,10 +100,13 @@ pub fn parse(parameters: &Value) -> Result<FractionConfig, ConfigError> {
                 config.priority = Some(n);
             }
             "parkAfter" => config.park_after = Some(park_after(value)?),
+            "computeRequest" => config.compute_request = Some(compute_share("computeRequest", value)?),
+            "computeLimit" => config.compute_limit = Some(compute_share("computeLimit", value)?),
             other => {
                 return Err(refuse(
                     other,
-                    "unknown field (known: apiVersion, kind, limit, resolver, priority, parkAfter)",
+                    "unknown field (known: apiVersion, kind, limit, resolver, priority, parkAfter, \
+                     computeRequest, computeLimit)",
                 ))
             }
         }
@@ -128,6 +141,19 @@ fn park_after(value: &Value) -> Result<String, ConfigError> {
     Ok(text.trim().to_owned())
 }
 
+/// A `computeRequest` or `computeLimit` (`"30%"`, `"12.5%"`, `"0.3"`), read with the
+/// shim's own parser. Whether the limit covers the request is checked once the claim's and
+/// its class's configurations are merged (`claim.rs`).
+fn compute_share(field: &str, value: &Value) -> Result<ComputeShare, ConfigError> {
+    let Value::String(text) = value else {
+        return Err(refuse(
+            field,
+            format!("expected a share of the GPU's time such as \"30%\" or \"0.3\" (a string), not {value}"),
+        ));
+    };
+    ComputeShare::parse(field, text).map_err(|e| refuse(field, format!("{text:?}: {}", e.reason)))
+}
+
 fn shown(value: Option<&Value>) -> String {
     value.map_or_else(|| "nothing".to_owned(), Value::to_string)
 }
@@ -157,6 +183,16 @@ mod tests {
             Some("1h 30m")
         );
         assert_eq!(parse(&config(json!({}))).unwrap(), FractionConfig::default());
+        let c = parse(&config(json!({"computeRequest": "30%", "computeLimit": " 0.8 "}))).unwrap();
+        assert_eq!(c.compute_request.map(ComputeShare::per_mille), Some(300));
+        assert_eq!(c.compute_limit.map(ComputeShare::per_mille), Some(800));
+        assert_eq!(
+            parse(&config(json!({"computeRequest": "12.5%"})))
+                .unwrap()
+                .compute_request
+                .map(|s| s.to_string()),
+            Some("12.5%".to_owned())
+        );
         assert_eq!(parse(&config(json!({"limit": "0.5"}))).unwrap().limit, Some(SizeSpec::Fraction(0.5)));
         assert_eq!(
             parse(&config(json!({"limit": 1073741824}))).unwrap().limit,
@@ -178,6 +214,10 @@ mod tests {
             (config(json!({"parkAfter": "soon"})), "parameters.parkAfter"),
             (config(json!({"parkAfter": "30"})), "parameters.parkAfter"),
             (config(json!({"parkAfter": 30})), "parameters.parkAfter"),
+            (config(json!({"computeRequest": "1.5"})), "parameters.computeRequest"),
+            (config(json!({"computeRequest": 0.3})), "parameters.computeRequest"),
+            (config(json!({"computeLimit": "130%"})), "parameters.computeLimit"),
+            (config(json!({"computeLimit": "lots"})), "parameters.computeLimit"),
             (config(json!({"limt": "40Gi"})), "parameters.limt"),
             (json!("limit=40Gi"), "parameters"),
         ];
@@ -189,24 +229,39 @@ mod tests {
     }
 
     #[test]
+    fn a_bad_compute_share_is_named_with_its_value() {
+        let e = parse(&config(json!({"computeRequest": "1.5"}))).unwrap_err();
+        assert!(e.reason.starts_with("\"1.5\": a share is at most one whole GPU"), "{e}");
+        assert!(e.to_string().contains("parameters.computeRequest: \"1.5\": "), "{e}");
+        let e = parse(&config(json!({"computeLimit": "12.34%"}))).unwrap_err();
+        assert!(e.reason.starts_with("\"12.34%\": shares are kept to a tenth of a percent"), "{e}");
+    }
+
+    #[test]
     fn a_later_configuration_overrides_an_earlier_one_field_by_field() {
         let class = FractionConfig {
             limit: Some(SizeSpec::Fraction(1.0)),
             resolver: Some(Resolver::Wait),
             priority: None,
             park_after: Some("5m".into()),
+            compute_request: ComputeShare::from_per_mille(200),
+            compute_limit: ComputeShare::from_per_mille(500),
         };
         let claim = FractionConfig {
             limit: None,
             resolver: Some(Resolver::Swap),
             priority: Some(3),
             park_after: None,
+            compute_request: ComputeShare::from_per_mille(300),
+            compute_limit: None,
         };
         let merged = class.clone().overridden_by(claim);
         assert_eq!(merged.limit, Some(SizeSpec::Fraction(1.0)));
         assert_eq!(merged.resolver, Some(Resolver::Swap));
         assert_eq!(merged.priority, Some(3));
         assert_eq!(merged.park_after.as_deref(), Some("5m"));
+        assert_eq!(merged.compute_request, ComputeShare::from_per_mille(300));
+        assert_eq!(merged.compute_limit, ComputeShare::from_per_mille(500));
         let sooner = FractionConfig { park_after: Some("30s".into()), ..FractionConfig::default() };
         assert_eq!(class.overridden_by(sooner).park_after.as_deref(), Some("30s"));
     }

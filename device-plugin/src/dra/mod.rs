@@ -4,7 +4,7 @@
 //! - `api`: the generated kubelet APIs (DRA `v1` and `v1beta1`, plugin registration `v1`);
 //! - `gpus`: the node's GPUs as NVML describes them;
 //! - `slices`: the ResourceSlice that advertises them, each GPU one device whose `memory`
-//!   capacity many claims share, and its publisher;
+//!   and `compute` capacities many claims share, and its publisher;
 //! - `config`: a claim's opaque `gpufrac.io/v1` configuration, validated;
 //! - `claim`: an allocated ResourceClaim → the fraction it holds of each GPU;
 //! - `cdi`: the CDI spec that makes the container (the shim, its settings, the GPU);

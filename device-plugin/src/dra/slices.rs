@@ -3,11 +3,15 @@
 //! - [`Sharing::Capacity`] (the default): one device (`gpu-<index>`) whose `memory`
 //!   capacity many claims share (`allowMultipleAllocations`, consumable capacity). The
 //!   request policy rounds what a claim asks for up to a multiple of [`MEMORY_STEP`] (at
-//!   least [`MEMORY_MIN`]; a claim that names no amount gets [`MEMORY_DEFAULT`]); or
+//!   least [`MEMORY_MIN`]; a claim that names no amount gets [`MEMORY_DEFAULT`]), and a
+//!   second consumable capacity `compute`, [`COMPUTE_PER_GPU`] per mille of the GPU's
+//!   time, of which a claim that names none consumes nothing (so the scheduler never puts
+//!   compute requests adding up past the GPU on it); or
 //! - [`Sharing::Shares`]: for clusters without consumable capacity, N devices
 //!   (`gpu-<index>-<share>`), each an equal share of its memory, all with the GPU's
 //!   attributes, so that a claim asking for several with a `matchAttribute` constraint on
-//!   `gpu.gpufrac.io/uuid` gets them all on one GPU.
+//!   `gpu.gpufrac.io/uuid` gets them all on one GPU. These have no `compute` capacity:
+//!   a claim's `computeRequest` is then checked by the arbiter alone.
 //!
 //! A GPU that turns unhealthy leaves the slice (claims prepared on it stay prepared) and
 //! comes back with it.
@@ -24,7 +28,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::{DeleteParams, PostParams};
 use kube::Api;
 
-use super::claim::MEMORY;
+use super::claim::{COMPUTE, MEMORY};
 use super::gpus::{share_name, GpuInfo};
 use super::DRIVER;
 
@@ -34,6 +38,9 @@ pub const MEMORY_MIN: &str = "256Mi";
 pub const MEMORY_STEP: &str = "256Mi";
 /// The memory of a claim that names none.
 pub const MEMORY_DEFAULT: &str = "1Gi";
+
+/// A GPU's `compute` capacity: its time, in per mille.
+pub const COMPUTE_PER_GPU: u16 = 1000;
 
 /// The most devices one ResourceSlice may hold (`resource.k8s.io/v1`).
 pub const MAX_DEVICES: usize = 128;
@@ -105,10 +112,24 @@ pub fn device(gpu: &GpuInfo) -> Device {
             valid_values: None,
         }),
     };
+    // Asked for in per mille (`compute: 300` is 30% of the GPU's time); a claim that does
+    // not ask consumes 0 and has no compute share, or the one its configuration names.
+    let compute = DeviceCapacity {
+        value: Quantity(COMPUTE_PER_GPU.to_string()),
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(Quantity("0".into())),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: Quantity("0".into()),
+                step: Some(Quantity("1".into())),
+                max: None,
+            }),
+            valid_values: None,
+        }),
+    };
     Device {
         name: gpu.device_name(),
         attributes: Some(attributes(gpu)),
-        capacity: Some(BTreeMap::from([(MEMORY.to_owned(), memory)])),
+        capacity: Some(BTreeMap::from([(MEMORY.to_owned(), memory), (COMPUTE.to_owned(), compute)])),
         allow_multiple_allocations: Some(true),
         ..Default::default()
     }
