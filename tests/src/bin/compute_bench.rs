@@ -1,0 +1,169 @@
+//! Compute shares on simgpu, measured: how two groups that both saturate one GPU split
+//! its time (bare, under the GPU's own time-slicing; and with compute requests of 30% and
+//! 70%), what a group alone gets (limit 100%, and a limit of 60%), and the queueing delay
+//! of a latency-sensitive server alone and beside a flooding neighbour (bare, and with
+//! requests of 50% each). Shares are each process's device time over the measured
+//! seconds: its kernels times their device time (a `simgpu_sleep_us` kernel needs exactly
+//! that much), divided by the wall time. Prints a table; asserts nothing.
+//!
+//! Run: `cargo build --release --workspace && target/release/compute_bench [--seconds 10]
+//! [--only split,alone,latency]` (about 2 minutes on 2 cores).
+
+use std::time::Duration;
+
+use gpufrac_e2e::{artifact, unique, Arbiter, ChildProcess, SimGpu};
+
+const FLOOD_KERNEL_US: u64 = 1000;
+const FLOOD_DEPTH: &str = "16";
+const REQUEST_KERNEL_US: u64 = 2000;
+const REQUEST_MEAN_GAP_US: &str = "8000";
+const WARMUP_S: &str = "3";
+
+struct Bench {
+    seconds: f64,
+    gpu: SimGpu,
+    arbiter: Arbiter,
+}
+
+/// A workload's compute share: `None` runs it bare (no shim).
+type Share<'a> = Option<(&'a str, &'a str)>;
+
+impl Bench {
+    fn start(&self, share: Share, args: &[&str]) -> ChildProcess {
+        let seconds = self.seconds.to_string();
+        let mut cmd = self.gpu.command(artifact("compute_load"));
+        cmd.args(args).args(["--seconds", &seconds, "--warmup", WARMUP_S]);
+        if let Some((request, limit)) = share {
+            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+                .env("GPUFRAC_MEMORY_REQUEST", "512MiB")
+                .env("GPUFRAC_ARBITER_SOCKET", self.arbiter.socket())
+                .env("GPUFRAC_GROUP", unique("compute-bench"))
+                .env("GPUFRAC_COMPUTE_REQUEST", request)
+                .env("GPUFRAC_COMPUTE_LIMIT", limit)
+                .env("GPUFRAC_LOG", "warn");
+        }
+        let mut child = ChildProcess::spawn(&mut cmd);
+        child.expect_line(&["ready"], Duration::from_secs(30));
+        child
+    }
+
+    /// Starts the measured part of every workload together and returns their reports.
+    fn run(&self, mut loads: Vec<ChildProcess>) -> Vec<serde_json::Value> {
+        for l in &mut loads {
+            l.write_stdin("go\n");
+        }
+        let timeout = Duration::from_secs_f64(self.seconds + 60.0);
+        loads
+            .iter_mut()
+            .map(|l| {
+                let line = l.expect_line(&["report"], timeout);
+                l.expect_exit_code(0);
+                serde_json::from_str(line.trim_start_matches("report "))
+                    .unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
+            })
+            .collect()
+    }
+
+    fn flood(&self, share: Share) -> ChildProcess {
+        let kernel = FLOOD_KERNEL_US.to_string();
+        self.start(share, &["flood", "--kernel-us", &kernel, "--depth", FLOOD_DEPTH])
+    }
+
+    fn server(&self, share: Share) -> ChildProcess {
+        let kernel = REQUEST_KERNEL_US.to_string();
+        self.start(
+            share,
+            &["requests", "--kernel-us", &kernel, "--mean-gap-us", REQUEST_MEAN_GAP_US, "--seed", "7"],
+        )
+    }
+}
+
+/// A flood's share of the GPU's time over its measured seconds.
+fn share_of(report: &serde_json::Value, kernel_us: u64) -> f64 {
+    let kernels = report["kernels"].as_f64().unwrap_or(0.0);
+    let wall = report["wall_s"].as_f64().unwrap_or(1.0);
+    kernels * kernel_us as f64 / 1e6 / wall
+}
+
+fn queueing(report: &serde_json::Value) -> (f64, f64) {
+    let q = &report["queueing_us"];
+    (q["p50"].as_f64().unwrap_or(0.0) / 1000.0, q["p99"].as_f64().unwrap_or(0.0) / 1000.0)
+}
+
+fn main() {
+    let mut seconds = 10.0;
+    let mut only: Option<Vec<String>> = None;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--seconds" => {
+                seconds = value.parse().ok().filter(|s: &f64| *s > 0.0 && *s <= 600.0).unwrap_or_else(|| {
+                    eprintln!("compute_bench: --seconds {value:?}: expected seconds above 0, at most 600");
+                    std::process::exit(2)
+                })
+            }
+            "--only" => only = Some(value.split(',').map(str::to_owned).collect()),
+            _ => {
+                eprintln!("compute_bench: unknown argument {flag:?}\nusage: compute_bench [--seconds S] [--only split,alone,latency]");
+                std::process::exit(2)
+            }
+        }
+    }
+    let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
+    let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start(&gpu);
+    let bench = Bench { seconds, gpu, arbiter };
+    println!("compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU");
+    println!("| configuration | result |");
+    println!("| --- | --- |");
+
+    if wanted("split") {
+        let bare = bench.run(vec![bench.flood(None), bench.flood(None)]);
+        let (a, b) = (share_of(&bare[0], FLOOD_KERNEL_US), share_of(&bare[1], FLOOD_KERNEL_US));
+        println!("| two floods, bare (the GPU's time-slicing) | {:.1}% / {:.1}% |", a * 100.0, b * 100.0);
+        let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
+        let (a, b) = (share_of(&shared[0], FLOOD_KERNEL_US), share_of(&shared[1], FLOOD_KERNEL_US));
+        println!(
+            "| two floods, compute requests 30% and 70% | {:.1}% / {:.1}% (off by {:+.1} / {:+.1} points) |",
+            a * 100.0,
+            b * 100.0,
+            (a - 0.3) * 100.0,
+            (b - 0.7) * 100.0
+        );
+    }
+    if wanted("alone") {
+        let alone = bench.run(vec![bench.flood(Some(("30%", "100%")))]);
+        println!(
+            "| one flood alone, request 30%, limit 100% | {:.1}% |",
+            share_of(&alone[0], FLOOD_KERNEL_US) * 100.0
+        );
+        let capped = bench.run(vec![bench.flood(Some(("20%", "60%")))]);
+        println!(
+            "| one flood alone, request 20%, limit 60% | {:.1}% |",
+            share_of(&capped[0], FLOOD_KERNEL_US) * 100.0
+        );
+    }
+    if wanted("latency") {
+        let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);
+        let (p50, p99) = queueing(&alone[0]);
+        println!(
+            "| latency server alone (request 50%; {REQUEST_KERNEL_US} µs kernels, Poisson arrivals every {REQUEST_MEAN_GAP_US} µs on average) | queueing p50 {p50:.2} ms, p99 {p99:.2} ms |"
+        );
+        let bare = bench.run(vec![bench.server(None), bench.flood(None)]);
+        let (b50, b99) = queueing(&bare[0]);
+        println!(
+            "| latency server beside a flood, bare | queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.1}% |",
+            b99 / p99,
+            share_of(&bare[1], FLOOD_KERNEL_US) * 100.0
+        );
+        let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
+        let (s50, s99) = queueing(&shared[0]);
+        println!(
+            "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.1}% |",
+            s99 / p99,
+            share_of(&shared[1], FLOOD_KERNEL_US) * 100.0
+        );
+    }
+}
