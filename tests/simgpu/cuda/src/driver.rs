@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{CUdevice, CUdevice_attribute as A, CUuuid};
 use gpufrac_common::parse_bytes;
+use simgpu_state::sched::Scheduler;
 use simgpu_state::{device_uuid_bytes, pci_bus_id, Machine, ProcessSlot, DEVICE_NAME};
 
 use crate::ffi::{write_c_string, write_out, CUresult, CuResult};
@@ -22,6 +23,8 @@ pub(crate) struct Driver {
     /// How long creating a context takes (`SIMGPU_CONTEXT_CREATE_TIME`, default 0): a real
     /// driver takes 100-500 ms, during which other processes go on allocating.
     pub context_create_time: std::time::Duration,
+    /// Time-slicing of the devices with the other processes (`SIMGPU_TIMESLICE`).
+    pub sched: Scheduler<'static>,
 }
 
 static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
@@ -39,10 +42,12 @@ fn start() -> Result<Driver, String> {
             .map_err(|e| format!("simgpu: {e}"))?,
         Err(_) => std::time::Duration::ZERO,
     };
+    let timeslice = simgpu_state::sched::timeslice_from_env().map_err(|e| e.to_string())?;
     // The machine lives for the rest of the process: leak it so slots can borrow it.
     let machine: &'static Machine = Box::leak(Box::new(machine));
     let slot = machine.attach().map_err(|e| e.to_string())?;
-    Ok(Driver { machine, slot, context_overhead, context_create_time })
+    let sched = slot.scheduler(timeslice);
+    Ok(Driver { machine, slot, context_overhead, context_create_time, sched })
 }
 
 /// `cuInit`: opens the simulated machine once; a bad setting is reported on stderr once.

@@ -8,12 +8,16 @@
 //! | `simgpu_noop` | none | nothing |
 //! | `simgpu_fill_u32` | `unsigned int *ptr, unsigned int value, size_t count` | `ptr[0..count] = value` |
 //! | `simgpu_checksum_u32` | `const unsigned int *ptr, size_t count, unsigned long long *out` | `*out = ` wrapping sum of `ptr[0..count]` |
-//! | `simgpu_sleep_us` | `unsigned long long us` | keeps the stream (and the device's utilization) busy for `us` microseconds |
+//! | `simgpu_sleep_us` | `unsigned long long us` | keeps the stream (and the device's utilization) busy for `us` microseconds of device time |
+//!
+//! Kernels of different processes share each device by time-slicing
+//! (`simgpu_state::sched`): fill, checksum and sleep kernels run only while their process
+//! owns the device; `simgpu_noop` takes no device time and does not wait for it.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::LazyLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::sys::{CUdevice, CUfunction, CUkernel, CUlaunchConfig, CUlibrary, CUmodule, CUstream};
 use parking_lot::Mutex;
@@ -261,9 +265,25 @@ enum Work {
 }
 
 impl Work {
+    /// Runs the kernel on `device`: `simgpu_noop` at once (it takes no device time); the
+    /// others only while this process owns the device (see `simgpu_state::sched`).
     fn run(self, device: usize) -> CuResult {
-        let started = Instant::now();
-        let result = match self {
+        let Some(sched) = driver().ok().map(|d| &d.sched) else {
+            return self.run_now();
+        };
+        match self {
+            Work::Noop => Ok(()),
+            Work::Sleep { us } => {
+                sched.run_for(device, Duration::from_micros(us));
+                Ok(())
+            }
+            cpu_work => sched.run(device, || cpu_work.run_now()),
+        }
+    }
+
+    /// Does the kernel's work in this thread now.
+    fn run_now(self) -> CuResult {
+        match self {
             Work::Noop => Ok(()),
             Work::Sleep { us } => {
                 std::thread::sleep(Duration::from_micros(us));
@@ -300,11 +320,7 @@ impl Work {
                 unsafe { (out as *mut u64).write(sum) };
                 Ok(())
             }
-        };
-        if let Ok(d) = driver() {
-            d.machine.add_busy(device, started.elapsed().as_nanos() as u64);
         }
-        result
     }
 }
 
@@ -341,5 +357,9 @@ pub(crate) fn launch_kernel(
     debug_assert!(k.params <= 3);
     let s = stream::resolve(stream, default)?;
     let device = s.device;
-    s.submit(Box::new(move || work.run(device)))
+    match work {
+        // No device time: as cheap as a launch can be (launch-overhead benchmarks).
+        Work::Noop => s.submit(Box::new(|| Ok(()))),
+        work => s.submit_kernel(Box::new(move || work.run(device))),
+    }
 }

@@ -18,6 +18,12 @@ use crate::ffi::{write_out, CUresult, CuResult};
 /// Work queued on a stream.
 pub(crate) type Job = Box<dyn FnOnce() -> CuResult + Send>;
 
+/// A job and whether it is a kernel that needs the device (see `simgpu_state::sched`).
+struct Queued {
+    job: Job,
+    kernel: bool,
+}
+
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the special stream handles.
 const STREAM_LEGACY: usize = 0x1;
 const STREAM_PER_THREAD: usize = 0x2;
@@ -42,7 +48,7 @@ pub(crate) struct Stream {
     pub device: usize,
     pub flags: c_uint,
     pub priority: c_int,
-    sender: Mutex<Option<Sender<Job>>>,
+    sender: Mutex<Option<Sender<Queued>>>,
     submitted: AtomicU64,
     progress: Arc<Progress>,
     /// The context's sticky error cell: an illegal access poisons the whole context.
@@ -75,13 +81,23 @@ impl Stream {
 
     /// Queues `job`; it runs after everything queued before it on this stream.
     pub(crate) fn submit(&self, job: Job) -> CuResult {
+        self.queue(Queued { job, kernel: false })
+    }
+
+    /// Queues a kernel that runs on the device: it runs after everything queued before it
+    /// on this stream, while this process owns the device (time-slicing).
+    pub(crate) fn submit_kernel(&self, job: Job) -> CuResult {
+        self.queue(Queued { job, kernel: true })
+    }
+
+    fn queue(&self, queued: Queued) -> CuResult {
         let mut sender = self.sender.lock();
         if sender.is_none() {
             *sender = Some(self.spawn_worker()?);
         }
         self.submitted.fetch_add(1, Ordering::AcqRel);
         PENDING_JOBS.fetch_add(1, Ordering::SeqCst);
-        let sent = sender.as_ref().map(|s| s.send(job).is_ok()).unwrap_or(false);
+        let sent = sender.as_ref().map(|s| s.send(queued).is_ok()).unwrap_or(false);
         if sent {
             Ok(())
         } else {
@@ -90,17 +106,38 @@ impl Stream {
         }
     }
 
-    fn spawn_worker(&self) -> CuResult<Sender<Job>> {
-        let (tx, rx) = unbounded::<Job>();
+    fn spawn_worker(&self) -> CuResult<Sender<Queued>> {
+        let (tx, rx) = unbounded::<Queued>();
         let progress = self.progress.clone();
         let sticky = self.sticky.clone();
+        let device = self.device;
         std::thread::Builder::new()
             .name("simgpu-stream".into())
             .spawn(move || {
-                for job in rx {
+                // Sleep kernels sleep in short chunks: wake on time, not 50 µs late.
+                // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
+                unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+                let sched = crate::driver::driver().ok().map(|d| &d.sched);
+                // Whether this stream keeps the device: it runs kernels back to back.
+                let mut claimed = false;
+                for Queued { job, kernel } in rx.iter() {
+                    if let Some(sched) = sched.filter(|_| kernel != claimed) {
+                        if kernel {
+                            sched.claim(device);
+                        } else {
+                            sched.unclaim(device);
+                        }
+                        claimed = kernel;
+                    }
                     if let Err(code) = job() {
                         // First error wins, as a context's sticky error does.
                         let _ = sticky.compare_exchange(0, code as u32, Ordering::AcqRel, Ordering::Acquire);
+                    }
+                    // Nothing queued behind: the device may go to another process before
+                    // this stream's waiters see the work done, as on a GPU.
+                    if let Some(sched) = sched.filter(|_| claimed && rx.is_empty()) {
+                        sched.unclaim(device);
+                        claimed = false;
                     }
                     let mut done = progress.completed.lock();
                     *done += 1;

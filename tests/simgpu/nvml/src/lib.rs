@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeXidCriticalError, nvmlMemory_t,
-    nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessInfo_v1_t, nvmlReturn_t, nvmlUtilization_t,
+    nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessInfo_v1_t, nvmlProcessUtilizationInfo_v1_t,
+    nvmlProcessUtilizationSample_t, nvmlProcessesUtilizationInfo_t, nvmlReturn_t, nvmlUtilization_t,
 };
 use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as ARGUMENT_VERSION_MISMATCH,
@@ -404,6 +405,88 @@ fn gpu_utilization(index: usize, machine: &Machine) -> c_uint {
 }
 
 // ---------------------------------------------------------------------------------------
+// Per-process utilization.
+
+/// `nvmlProcessesUtilizationInfo_v1`: the structure's size and version 1, as `nvml.h`
+/// defines it.
+const PROCESSES_UTILIZATION_INFO_V1: c_uint =
+    (size_of::<nvmlProcessesUtilizationInfo_t>() as c_uint) | (1 << 24);
+const _: () = assert!(PROCESSES_UTILIZATION_INFO_V1 == 0x0100_0018);
+
+/// The per-process utilization samples newer than `last_seen_us`, in NVML's list
+/// protocol: `*count` says how many entries `out` has room for and comes back as how
+/// many there are; none is `NVML_ERROR_NOT_FOUND`, a null or short buffer
+/// `NVML_ERROR_INSUFFICIENT_SIZE` (the way to ask for the count).
+fn process_utilization<T>(
+    device: nvmlDevice_t,
+    out: *mut T,
+    count: *mut c_uint,
+    last_seen_us: c_ulonglong,
+    entry: impl Fn(&simgpu_state::ProcessUtilization) -> T,
+) -> NvmlResult {
+    let (index, machine) = device_index(device)?;
+    let room = read_in(count.cast_const())? as usize;
+    let samples = machine.process_utilization(index, last_seen_us);
+    if samples.is_empty() {
+        write_out(count, 0)?;
+        return Err(NOT_FOUND);
+    }
+    write_out(count, samples.len() as c_uint)?;
+    if out.is_null() || room < samples.len() {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (i, sample) in samples.iter().enumerate() {
+        // SAFETY: `out` is non-null with room for `room` entries; i < samples.len() <= room.
+        unsafe { out.add(i).write_unaligned(entry(sample)) };
+    }
+    Ok(())
+}
+
+fn utilization_sample(p: &simgpu_state::ProcessUtilization) -> nvmlProcessUtilizationSample_t {
+    nvmlProcessUtilizationSample_t {
+        pid: p.pid,
+        timeStamp: p.timestamp_us,
+        smUtil: p.sm_util,
+        memUtil: 0,
+        encUtil: 0,
+        decUtil: 0,
+    }
+}
+
+fn utilization_info(p: &simgpu_state::ProcessUtilization) -> nvmlProcessUtilizationInfo_v1_t {
+    nvmlProcessUtilizationInfo_v1_t {
+        timeStamp: p.timestamp_us,
+        pid: p.pid,
+        smUtil: p.sm_util,
+        memUtil: 0,
+        encUtil: 0,
+        decUtil: 0,
+        jpgUtil: 0,
+        ofaUtil: 0,
+    }
+}
+
+/// `nvmlDeviceGetProcessesUtilizationInfo`: as `nvmlDeviceGetProcessUtilization`, with
+/// the count, the timestamp and the array in a versioned structure.
+fn processes_utilization_info(device: nvmlDevice_t, info: *mut nvmlProcessesUtilizationInfo_t) -> NvmlResult {
+    let query = read_in(info.cast_const())?;
+    if query.version != PROCESSES_UTILIZATION_INFO_V1 {
+        return Err(ARGUMENT_VERSION_MISMATCH);
+    }
+    let mut count = query.processSamplesCount;
+    let result = process_utilization(
+        device,
+        query.procUtilArray,
+        &mut count,
+        query.lastSeenTimeStamp,
+        utilization_info,
+    );
+    // SAFETY: `info` is non-null (read above) and points to the caller's structure.
+    unsafe { std::ptr::addr_of_mut!((*info).processSamplesCount).write_unaligned(count) };
+    result
+}
+
+// ---------------------------------------------------------------------------------------
 // Events.
 
 /// One device registered in an event set.
@@ -677,6 +760,27 @@ nvml_exports! {
             return Err(INVALID_ARGUMENT);
         }
         write_out(utilization, nvmlUtilization_t { gpu: gpu_utilization(index, machine), memory: 0 })
+    }
+
+    /// Per-process utilization: one sample per process whose kernels ran on `device` in
+    /// the samples taken after `lastSeenTimeStamp` (µs since the Unix epoch; 0 for all
+    /// kept), its `smUtil` the percent of that time during which the device ran its
+    /// kernels, `timeStamp` when the newest sample closed; memory, encoder and decoder
+    /// utilization 0. No sample: `NVML_ERROR_NOT_FOUND`; `utilization` null or
+    /// `*processSamplesCount` too small: `NVML_ERROR_INSUFFICIENT_SIZE` with the count.
+    fn nvmlDeviceGetProcessUtilization(
+        device: nvmlDevice_t,
+        utilization: *mut nvmlProcessUtilizationSample_t,
+        processSamplesCount: *mut c_uint,
+        lastSeenTimeStamp: c_ulonglong,
+    ) {
+        process_utilization(device, utilization, processSamplesCount, lastSeenTimeStamp, utilization_sample)
+    }
+    /// As `nvmlDeviceGetProcessUtilization` with `nvmlProcessesUtilizationInfo_v1_t`
+    /// (`version` must be `nvmlProcessesUtilizationInfo_v1`, else
+    /// `NVML_ERROR_ARGUMENT_VERSION_MISMATCH`); JPEG and OFA utilization 0.
+    fn nvmlDeviceGetProcessesUtilizationInfo(device: nvmlDevice_t, procesesUtilInfo: *mut nvmlProcessesUtilizationInfo_t) {
+        processes_utilization_info(device, procesesUtilInfo)
     }
 
     /// A new, empty event set.

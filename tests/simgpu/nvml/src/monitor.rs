@@ -180,14 +180,6 @@ nvml_exports! {
     fn nvmlDeviceGetMPSComputeRunningProcesses_v3(device: nvmlDevice_t, infoCount: *mut c_uint, _infos: *mut nvmlProcessInfo_t) {
         empty_list(device, infoCount)
     }
-    /// Per-process utilization samples: simgpu does not attribute kernel time to
-    /// processes, so there never are any: `NVML_ERROR_NOT_FOUND`, as NVML answers when no
-    /// sample is newer than `lastSeenTimeStamp`.
-    fn nvmlDeviceGetProcessUtilization(device: nvmlDevice_t, _utilization: *mut u8, sampleCount: *mut c_uint, _lastSeenTimeStamp: c_ulonglong) {
-        empty_list(device, sampleCount)?;
-        Err(NOT_FOUND)
-    }
-
     /// GPU temperature in °C, rising with utilization.
     fn nvmlDeviceGetTemperature(device: nvmlDevice_t, sensorType: c_uint, temp: *mut c_uint) {
         temperature(device, sensorType, temp)
@@ -496,7 +488,7 @@ not_supported! {
     nvmlDeviceGetSupportedGraphicsClocks, nvmlDeviceGetDynamicPstatesInfo, nvmlDeviceGetAdaptiveClockInfoStatus,
     nvmlDeviceGetGpcClkVfOffset, nvmlDeviceGetMemClkVfOffset, nvmlDeviceGetClkMonStatus,
     nvmlDeviceGetSupportedPerformanceStates, nvmlDeviceGetMinMaxClockOfPState, nvmlDeviceGetSamples,
-    nvmlDeviceGetProcessesUtilizationInfo, nvmlDeviceGetEncoderCapacity, nvmlDeviceGetGpuOperationMode,
+    nvmlDeviceGetEncoderCapacity, nvmlDeviceGetGpuOperationMode,
     // Memory error history (an H100 remaps rows instead of retiring pages).
     nvmlDeviceGetRetiredPages, nvmlDeviceGetRetiredPages_v2, nvmlDeviceGetRetiredPagesPendingStatus,
     nvmlDeviceGetDetailedEccErrors, nvmlDeviceGetRowRemapperHistogram,

@@ -10,9 +10,14 @@
 //!   slot. The kernel drops it when the process exits or is killed, so a slot whose byte
 //!   is free belongs to a dead process and its memory is released, as the real driver
 //!   releases a dead process's memory.
+//!
+//! It also holds each device's time-slice scheduler ([`sched`]): which process's kernels
+//! may run now, who waits, and how much device time each process has had, sampled for
+//! NVML's per-process utilization ([`Machine::process_utilization`]).
 #![deny(missing_docs)]
 
 pub mod env;
+pub mod sched;
 
 use std::ffi::CString;
 use std::io;
@@ -30,7 +35,23 @@ pub const MAX_PROCESSES: usize = 256;
 /// Device memory when `SIMGPU_DEVICES` is unset: one device of 16 GiB.
 pub const DEFAULT_DEVICES: &str = "16GiB";
 
-const MAGIC: u64 = 0x5349_4d47_5055_0000 | (std::mem::size_of::<Shared>() as u64 & 0xffff);
+/// Bumped whenever the layout of [`Shared`] changes meaning (the size is in the magic too):
+/// a process of another layout resets the file instead of misreading it.
+const LAYOUT_VERSION: u64 = 2;
+const MAGIC: u64 =
+    0x5349_4d47_0000_0000 | (LAYOUT_VERSION << 24) | (std::mem::size_of::<Shared>() as u64 & 0xff_ffff);
+
+/// Utilization samples each device keeps for `nvmlDeviceGetProcessUtilization`: at one
+/// every [`SAMPLE_PERIOD`] while kernels run, about 12.8 s of history.
+pub const SAMPLE_RING: usize = 128;
+/// Most processes one utilization sample lists (those whose kernels ran in its period).
+pub const SAMPLE_PROCESSES: usize = 32;
+/// How often the stream workers close a utilization sample while kernels run: 100 ms
+/// (a real GPU samples about every 1/6 s).
+pub const SAMPLE_PERIOD: std::time::Duration = std::time::Duration::from_millis(100);
+/// A reader of per-process utilization closes the current sample first when it is at
+/// least this old, so that its answer covers time up to its call.
+pub const READER_SAMPLE_PERIOD: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Name of every simulated device, as the driver and NVML report it.
 pub const DEVICE_NAME: &str = "simgpu Virtual GPU";
@@ -75,6 +96,9 @@ pub enum StateError {
         /// What the system said.
         source: io::Error,
     },
+    /// `SIMGPU_TIMESLICE` was zero.
+    #[error("simgpu: invalid SIMGPU_TIMESLICE={0:?}: expected a duration above zero such as 2ms or 500us")]
+    Timeslice(String),
     /// Every process slot is taken by a live process.
     #[error("simgpu: more than {MAX_PROCESSES} processes use the simulated GPU at once")]
     TooManyProcesses,
@@ -89,6 +113,44 @@ struct DeviceRecord {
     /// Number of XID events injected so far, and the code of the last one.
     xid_count: AtomicU64,
     last_xid: AtomicU64,
+    /// The scheduling token ([`ProcessRecord::token`]) of the process whose kernels may
+    /// run now; 0 when nobody owns the device. Waiters sleep on it (a futex).
+    owner: AtomicU32,
+    /// How many processes wait for the device: a hint that lets an owner skip looking
+    /// for waiters (a killed waiter's count is taken back when found dead).
+    waiters: AtomicU32,
+    /// When the owner's time slice began (CLOCK_MONOTONIC, ns).
+    slice_start_ns: AtomicU64,
+    samples: SampleRing,
+}
+
+/// Per-process utilization samples of one device, written under the table lock.
+#[repr(C)]
+struct SampleRing {
+    /// Samples written so far; entry `n % SAMPLE_RING` is the n-th.
+    written: AtomicU64,
+    /// When the last sample closed (CLOCK_MONOTONIC, ns): the next one starts there.
+    last_mono_ns: AtomicU64,
+    entries: [SampleEntry; SAMPLE_RING],
+}
+
+#[repr(C)]
+struct SampleEntry {
+    /// When the sample closed, in microseconds since the Unix epoch (NVML's timeStamp).
+    unix_us: AtomicU64,
+    /// How long the sample covers, in nanoseconds.
+    period_ns: AtomicU64,
+    count: AtomicU32,
+    _pad: AtomicU32,
+    procs: [SampleProcess; SAMPLE_PROCESSES],
+}
+
+#[repr(C)]
+struct SampleProcess {
+    pid: AtomicU32,
+    _pad: AtomicU32,
+    /// Device time the process's kernels had in the sample's period.
+    busy_ns: AtomicU64,
 }
 
 /// One process's share of the machine.
@@ -100,6 +162,16 @@ struct ProcessRecord {
     /// Contexts it has on each device: NVML lists a process with a context, as the driver
     /// does, even when the context takes no memory (`SIMGPU_CONTEXT_OVERHEAD=0`).
     contexts: [AtomicU32; MAX_DEVICES],
+    /// This slot's scheduling token: the slot index in the low 8 bits, a sequence number
+    /// above, so that a slot reused by a new process never inherits a dead owner's device.
+    token: AtomicU32,
+    _pad: AtomicU32,
+    /// Device time its kernels had on each device (ns while it owned the device and ran).
+    busy: [AtomicU64; MAX_DEVICES],
+    /// `busy` when the device's last utilization sample closed.
+    sampled_busy: [AtomicU64; MAX_DEVICES],
+    /// Since when (CLOCK_MONOTONIC, ns) it waits for each device; 0 when it does not.
+    waiting_since: [AtomicU64; MAX_DEVICES],
 }
 
 #[repr(C)]
@@ -107,8 +179,28 @@ struct Shared {
     magic: AtomicU64,
     device_count: AtomicU32,
     generation: AtomicU32,
+    /// Sequence for scheduling tokens.
+    next_token: AtomicU32,
+    _pad: AtomicU32,
     devices: [DeviceRecord; MAX_DEVICES],
     processes: [ProcessRecord; MAX_PROCESSES],
+}
+
+/// One process's share of a device over recent samples, as
+/// `nvmlDeviceGetProcessUtilization` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUtilization {
+    /// The process ID (as [`driver_pid`] gives it).
+    pub pid: u32,
+    /// Percent of the samples' time during which the device ran this process's kernels.
+    pub sm_util: u32,
+    /// When the newest of the samples closed, in microseconds since the Unix epoch: the
+    /// `lastSeenTimeStamp` to pass next time.
+    pub timestamp_us: u64,
+    /// Device time of the process in those samples, in nanoseconds.
+    pub busy_ns: u64,
+    /// How long those samples cover, in nanoseconds.
+    pub period_ns: u64,
 }
 
 /// A process using a device and the memory it holds there.
@@ -201,8 +293,10 @@ impl Machine {
         let table = self.shm.lock_table();
         let i = self.shm.claim_slot(MAX_PROCESSES, &table).ok_or(StateError::TooManyProcesses)?;
         let rec = &self.shared().processes[i];
-        rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        self.forget_waits(rec);
+        clear_record(rec);
+        let seq = self.shared().next_token.fetch_add(1, Ordering::Relaxed) % 0x00ff_ffff + 1;
+        rec.token.store(seq << 8 | i as u32, Ordering::Relaxed);
         rec.pid.store(driver_pid(), Ordering::Relaxed);
         rec.in_use.store(1, Ordering::Release);
         Ok(ProcessSlot { machine: self, index: i })
@@ -231,7 +325,9 @@ impl Machine {
             .collect()
     }
 
-    /// Adds kernel run time on `device`, for utilization.
+    /// Adds kernel run time on `device`, for utilization. The scheduler ([`sched`]) does
+    /// this for the kernels it runs: busy time is time during which some process owned the
+    /// device and ran kernels, so it never exceeds wall time.
     pub fn add_busy(&self, device: usize, nanos: u64) {
         if let Some(d) = self.shared().devices.get(device) {
             d.busy_ns.fetch_add(nanos, Ordering::Relaxed);
@@ -241,6 +337,127 @@ impl Machine {
     /// Total kernel run time on `device` so far, in nanoseconds.
     pub fn busy_ns(&self, device: usize) -> u64 {
         self.shared().devices.get(device).map_or(0, |d| d.busy_ns.load(Ordering::Relaxed))
+    }
+
+    /// Device time of each live process on `device` so far, as `(pid, nanoseconds)`: the
+    /// time during which it owned the device and ran kernels there ([`sched`]). Processes
+    /// that never ran a kernel there are left out. Releases what dead processes held.
+    pub fn process_busy_ns(&self, device: usize) -> Vec<(u32, u64)> {
+        if device >= MAX_DEVICES {
+            return Vec::new();
+        }
+        let _guard = self.shm.lock_table();
+        self.reap_dead();
+        self.shared()
+            .processes
+            .iter()
+            .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
+            .map(|p| (p.pid.load(Ordering::Relaxed), p.busy[device].load(Ordering::Relaxed)))
+            .filter(|&(_, busy)| busy > 0)
+            .collect()
+    }
+
+    /// The PID of the process that owns `device` now (whose kernels may run), if any.
+    pub fn device_owner(&self, device: usize) -> Option<u32> {
+        let token = self.shared().devices.get(device)?.owner.load(Ordering::Acquire);
+        let rec = self.token_record(token)?;
+        Some(rec.pid.load(Ordering::Relaxed))
+    }
+
+    /// Per-process utilization of `device` over the samples that closed after
+    /// `last_seen_us` (microseconds since the Unix epoch; 0 for all samples kept), one
+    /// entry per process whose kernels ran in them, as `nvmlDeviceGetProcessUtilization`
+    /// answers. The sample in progress is closed first when it is at least
+    /// [`READER_SAMPLE_PERIOD`] old. Empty when no sample is newer than `last_seen_us`.
+    pub fn process_utilization(&self, device: usize, last_seen_us: u64) -> Vec<ProcessUtilization> {
+        if device >= self.device_count().min(MAX_DEVICES) {
+            return Vec::new();
+        }
+        let _guard = self.shm.lock_table();
+        self.close_sample_locked(device, READER_SAMPLE_PERIOD.as_nanos() as u64);
+        let ring = &self.shared().devices[device].samples;
+        let written = ring.written.load(Ordering::Acquire);
+        let (mut period, mut newest) = (0u64, 0u64);
+        let mut busy: Vec<(u32, u64)> = Vec::new();
+        for n in (written.saturating_sub(SAMPLE_RING as u64)..written).rev() {
+            let entry = &ring.entries[(n % SAMPLE_RING as u64) as usize];
+            let at = entry.unix_us.load(Ordering::Relaxed);
+            if at <= last_seen_us {
+                break;
+            }
+            newest = newest.max(at);
+            period += entry.period_ns.load(Ordering::Relaxed);
+            let count = (entry.count.load(Ordering::Relaxed) as usize).min(SAMPLE_PROCESSES);
+            for p in &entry.procs[..count] {
+                let (pid, ns) = (p.pid.load(Ordering::Relaxed), p.busy_ns.load(Ordering::Relaxed));
+                match busy.iter_mut().find(|(q, _)| *q == pid) {
+                    Some((_, total)) => *total += ns,
+                    None => busy.push((pid, ns)),
+                }
+            }
+        }
+        let period = period.max(1);
+        busy.into_iter()
+            .map(|(pid, ns)| ProcessUtilization {
+                pid,
+                sm_util: ((u128::from(ns) * 100 + u128::from(period) / 2) / u128::from(period)).min(100)
+                    as u32,
+                timestamp_us: newest,
+                busy_ns: ns,
+                period_ns: period,
+            })
+            .collect()
+    }
+
+    /// Closes `device`'s utilization sample in progress if it is at least `min_ns` old.
+    pub(crate) fn close_sample_if_due(&self, device: usize, min_ns: u64) {
+        let Some(dev) = self.shared().devices.get(device) else { return };
+        if monotonic_ns().saturating_sub(dev.samples.last_mono_ns.load(Ordering::Acquire)) < min_ns {
+            return;
+        }
+        let _guard = self.shm.lock_table();
+        self.close_sample_locked(device, min_ns);
+    }
+
+    /// As [`Machine::close_sample_if_due`]; the caller holds the table lock.
+    fn close_sample_locked(&self, device: usize, min_ns: u64) {
+        let ring = &self.shared().devices[device].samples;
+        let now = monotonic_ns();
+        let last = ring.last_mono_ns.load(Ordering::Acquire);
+        if now.saturating_sub(last) < min_ns {
+            return;
+        }
+        let written = ring.written.load(Ordering::Relaxed);
+        let entry = &ring.entries[(written % SAMPLE_RING as u64) as usize];
+        let mut count = 0;
+        for p in self.shared().processes.iter().filter(|p| p.in_use.load(Ordering::Acquire) == 1) {
+            let busy = p.busy[device].load(Ordering::Relaxed);
+            let before = p.sampled_busy[device].swap(busy, Ordering::Relaxed);
+            let ran = busy.saturating_sub(before);
+            if ran > 0 && count < SAMPLE_PROCESSES {
+                entry.procs[count].pid.store(p.pid.load(Ordering::Relaxed), Ordering::Relaxed);
+                entry.procs[count].busy_ns.store(ran, Ordering::Relaxed);
+                count += 1;
+            }
+        }
+        entry.unix_us.store(now_ns() / 1000, Ordering::Relaxed);
+        entry.period_ns.store(now.saturating_sub(last), Ordering::Relaxed);
+        entry.count.store(count as u32, Ordering::Relaxed);
+        ring.last_mono_ns.store(now, Ordering::Release);
+        ring.written.store(written + 1, Ordering::Release);
+    }
+
+    /// The record of the live process holding scheduling `token`, if there is one.
+    fn token_record(&self, token: u32) -> Option<&ProcessRecord> {
+        if token == 0 {
+            return None;
+        }
+        let index = (token & 0xff) as usize;
+        let rec = &self.shared().processes[index];
+        let live = rec.in_use.load(Ordering::Acquire) == 1
+            && rec.token.load(Ordering::Relaxed) == token
+            && self.slot_alive(index);
+        live.then_some(rec)
     }
 
     /// Injects an XID error on `device` (health tests); NVML event sets deliver it.
@@ -275,8 +492,8 @@ impl Machine {
         for (i, rec) in self.shared().processes.iter().enumerate() {
             if rec.in_use.load(Ordering::Acquire) == 1 && !self.slot_alive(i) {
                 rec.in_use.store(0, Ordering::Release);
-                rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-                rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+                self.forget_waits(rec);
+                clear_record(rec);
             }
         }
     }
@@ -284,6 +501,25 @@ impl Machine {
     fn slot_alive(&self, index: usize) -> bool {
         self.shm.slot_alive(index)
     }
+
+    /// Takes back the waits of a process that is gone (or leaving) from the devices'
+    /// waiter counts.
+    fn forget_waits(&self, rec: &ProcessRecord) {
+        for (device, since) in rec.waiting_since.iter().enumerate() {
+            if since.swap(0, Ordering::SeqCst) != 0 {
+                sched::count_down(&self.shared().devices[device].waiters);
+            }
+        }
+    }
+}
+
+/// Zeroes a process record's usage, scheduling and sampling fields.
+fn clear_record(rec: &ProcessRecord) {
+    rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
+    rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+    rec.busy.iter().for_each(|b| b.store(0, Ordering::Relaxed));
+    rec.sampled_busy.iter().for_each(|b| b.store(0, Ordering::Relaxed));
+    rec.waiting_since.iter().for_each(|w| w.store(0, Ordering::Relaxed));
 }
 
 /// This process's place on the simulated machine: device memory is charged to it.
@@ -299,9 +535,15 @@ pub struct OutOfMemory {
     pub free: u64,
 }
 
-impl ProcessSlot<'_> {
+impl<'a> ProcessSlot<'a> {
     fn record(&self) -> &ProcessRecord {
         &self.machine.shared().processes[self.index]
+    }
+
+    /// The time-slice scheduler through which this process's kernels take the devices,
+    /// with slices of `slice` (see [`sched`]).
+    pub fn scheduler(&self, slice: std::time::Duration) -> sched::Scheduler<'a> {
+        sched::Scheduler::new(self.machine, self.index, self.record().token.load(Ordering::Relaxed), slice)
     }
 
     /// Charges `bytes` on `device` to this process if the device has them free.
@@ -351,8 +593,14 @@ impl Drop for ProcessSlot<'_> {
         let _guard = self.machine.shm.lock_table();
         let rec = self.record();
         rec.in_use.store(0, Ordering::Release);
-        rec.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        self.machine.forget_waits(rec);
+        clear_record(rec);
+        let token = rec.token.load(Ordering::Relaxed);
+        for dev in &self.machine.shared().devices {
+            if dev.owner.compare_exchange(token, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                sched::wake_all(&dev.owner);
+            }
+        }
         self.machine.shm.release_slot(self.index);
     }
 }
@@ -363,16 +611,30 @@ fn reset(s: &Shared, devices: &[u64]) {
         dev.busy_ns.store(0, Ordering::Relaxed);
         dev.xid_count.store(0, Ordering::Relaxed);
         dev.last_xid.store(0, Ordering::Relaxed);
+        dev.owner.store(0, Ordering::Relaxed);
+        dev.waiters.store(0, Ordering::Relaxed);
+        dev.slice_start_ns.store(0, Ordering::Relaxed);
+        dev.samples.written.store(0, Ordering::Relaxed);
+        dev.samples.last_mono_ns.store(monotonic_ns(), Ordering::Relaxed);
     }
     for p in &s.processes {
         p.in_use.store(0, Ordering::Relaxed);
         p.pid.store(0, Ordering::Relaxed);
-        p.used.iter().for_each(|u| u.store(0, Ordering::Relaxed));
-        p.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        p.token.store(0, Ordering::Relaxed);
+        clear_record(p);
     }
     s.device_count.store(devices.len() as u32, Ordering::Relaxed);
     s.generation.fetch_add(1, Ordering::Relaxed);
     s.magic.store(MAGIC, Ordering::Release);
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the same clock in every process of the machine, for
+/// time slices and sample periods.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Nanoseconds since the Unix epoch, for timestamps shared between processes.

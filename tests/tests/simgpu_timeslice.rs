@@ -1,0 +1,316 @@
+//! simgpu's time-slicing between processes, with real processes flooding one device with
+//! sleep kernels (`simgpu_flood`): two of them get half the device each, by the machine's
+//! per-process busy counters and by NVML's per-process utilization (nvml-wrapper, and
+//! pynvml where the test venv has it); one alone gets all of it; their kernels never run
+//! at the same time (busy time never exceeds wall time); a sleep kernel takes twice as
+//! long when it shares the device; and a process killed while it owns the device does not
+//! stall the others.
+//!
+//! The tests take turns (one lock): they measure shares of wall time on a small machine.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use gpufrac_e2e::{skip_on_real_gpu, SimGpu};
+use serde_json::Value;
+use simgpu_state::Machine;
+
+const SIMULATOR: &str = "measures simgpu's own time-slicing through its shared state";
+const DEVICE_BYTES: u64 = 1 << 30;
+
+static TURN: Mutex<()> = Mutex::new(());
+
+fn turn() -> MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn sim() -> SimGpu {
+    SimGpu::new("1GiB").with_context_overhead("64MiB")
+}
+
+/// The machine the test's processes share, opened (not joined) by the test.
+fn machine(sim: &SimGpu) -> Machine {
+    Machine::open(sim.state_path().to_str().expect("utf-8 path"), &[DEVICE_BYTES]).expect("open the machine")
+}
+
+fn flood_command(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Command {
+    let mut cmd = sim.command(env!("CARGO_BIN_EXE_simgpu_flood"));
+    cmd.args(["--device", "0", "--kernel-us", &kernel_us.to_string(), "--depth", &depth.to_string()])
+        .args(["--seconds", &seconds.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn flood(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Child {
+    flood_command(sim, kernel_us, depth, seconds).spawn().expect("start simgpu_flood")
+}
+
+/// Waits for a flooder and reads its report.
+fn report(child: Child) -> Value {
+    let out = child.wait_with_output().expect("wait for simgpu_flood");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "simgpu_flood failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("simgpu_flood's JSON line")
+}
+
+fn busy_of(machine: &Machine, pid: u32) -> u64 {
+    machine.process_busy_ns(0).iter().find(|(p, _)| *p == pid).map_or(0, |(_, ns)| *ns)
+}
+
+/// Waits until each of `pids` has had device time.
+fn wait_running(machine: &Machine, pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&pid| busy_of(machine, pid) == 0) {
+        assert!(
+            Instant::now() < deadline,
+            "the flooders {pids:?} never ran: {:?}",
+            machine.process_busy_ns(0)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Device time of each of `pids` and of the device, over `window`, as shares of it.
+struct Shares {
+    per_pid: Vec<f64>,
+    device: f64,
+}
+
+fn measure(machine: &Machine, pids: &[u32], during: impl FnOnce()) -> Shares {
+    let before: Vec<u64> = pids.iter().map(|&p| busy_of(machine, p)).collect();
+    let device_before = machine.busy_ns(0);
+    let start = Instant::now();
+    during();
+    let wall = start.elapsed().as_nanos() as f64;
+    let per_pid = pids.iter().zip(&before).map(|(&p, b)| (busy_of(machine, p) - b) as f64 / wall).collect();
+    Shares { per_pid, device: (machine.busy_ns(0) - device_before) as f64 / wall }
+}
+
+/// When run as the NVML watcher child (`SIMGPU_WATCH_MS` set): polls
+/// `nvmlDeviceGetProcessUtilization` through nvml-wrapper every 100 ms with the last
+/// timestamp seen, as the arbiter does, and prints `WATCH {pid: mean smUtil}`.
+#[test]
+fn nvml_watch_child() {
+    let Ok(ms) = std::env::var("SIMGPU_WATCH_MS") else { return };
+    let ms: u64 = ms.parse().expect("SIMGPU_WATCH_MS");
+    let nvml = nvml_wrapper::Nvml::init().expect("nvmlInit");
+    let device = nvml.device_by_index(0).expect("device 0");
+    // Start from now: the first answer covers the samples since.
+    let mut last =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_micros() as u64;
+    let mut sums: HashMap<u32, (u64, u64)> = HashMap::new();
+    let (mut answers, mut not_found) = (0u32, 0u32);
+    let end = Instant::now() + Duration::from_millis(ms);
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        match device.process_utilization_stats(last) {
+            Ok(samples) => {
+                answers += 1;
+                for s in &samples {
+                    let entry = sums.entry(s.pid).or_default();
+                    entry.0 += u64::from(s.sm_util);
+                    last = last.max(s.timestamp);
+                }
+                // Processes without a sample this time had 0%.
+                for entry in sums.values_mut() {
+                    entry.1 += 1;
+                }
+            }
+            Err(nvml_wrapper::error::NvmlError::NotFound) => not_found += 1,
+            Err(e) => panic!("nvmlDeviceGetProcessUtilization: {e}"),
+        }
+    }
+    let means: HashMap<String, f64> =
+        sums.iter().map(|(pid, (sum, n))| (pid.to_string(), *sum as f64 / (*n).max(1) as f64)).collect();
+    let report = serde_json::json!({ "means": means, "answers": answers, "not_found": not_found });
+    println!("WATCH {report}");
+}
+
+/// Runs the NVML watcher for `ms` on the machine and returns each PID's mean smUtil.
+fn nvml_watch(sim: &SimGpu, ms: u64) -> HashMap<u32, f64> {
+    let out = sim
+        .command(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "nvml_watch_child", "--nocapture", "--test-threads=1"])
+        .env("SIMGPU_WATCH_MS", ms.to_string())
+        .output()
+        .expect("run the NVML watcher");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the NVML watcher failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line =
+        stdout.lines().find_map(|l| l.split_once("WATCH ").map(|(_, report)| report)).unwrap_or_else(|| {
+            panic!("no report from the watcher:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr))
+        });
+    let report: Value = serde_json::from_str(line).expect("the watcher's JSON");
+    assert!(report["answers"].as_u64().unwrap_or(0) >= 5, "too few NVML answers: {report}");
+    report["means"]
+        .as_object()
+        .expect("means")
+        .iter()
+        .map(|(pid, mean)| (pid.parse().expect("pid"), mean.as_f64().expect("mean")))
+        .collect()
+}
+
+#[test]
+fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
+    skip_on_real_gpu!(SIMULATOR);
+    let _turn = turn();
+    let sim = sim();
+    let machine = machine(&sim);
+    let (a, b) = (flood(&sim, 1000, 4, 2.5), flood(&sim, 1000, 4, 2.5));
+    let pids = [a.id(), b.id()];
+    wait_running(&machine, &pids);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut nvml = HashMap::new();
+    let shares = measure(&machine, &pids, || nvml = nvml_watch(&sim, 1200));
+    let (ra, rb) = (report(a), report(b));
+    eprintln!(
+        "busy shares {:?}, device {:.3}; NVML smUtil {nvml:?}; kernels {} and {}",
+        shares.per_pid, shares.device, ra["kernels"], rb["kernels"]
+    );
+    for (pid, share) in pids.iter().zip(&shares.per_pid) {
+        assert!((0.42..=0.58).contains(share), "process {pid} had {share:.3} of the device");
+        let util = nvml.get(pid).copied().unwrap_or(0.0);
+        assert!((42.0..=58.0).contains(&util), "NVML gave process {pid} {util:.1}% ({nvml:?})");
+    }
+    // One process at a time: the device was never busier than the wall clock, and busy
+    // it was, nearly all the time.
+    assert!(shares.device <= 1.005, "device busy {:.3} of wall time: kernels overlapped", shares.device);
+    assert!(shares.per_pid.iter().sum::<f64>() <= 1.005, "{:?}", shares.per_pid);
+    assert!(shares.device >= 0.85, "device busy only {:.3} of wall time", shares.device);
+    let (ka, kb) = (ra["kernels"].as_f64().unwrap_or(0.0), rb["kernels"].as_f64().unwrap_or(0.0));
+    assert!(ka > 0.0 && (0.8..=1.25).contains(&(ka / kb)), "kernels run: {ka} and {kb}");
+}
+
+#[test]
+fn one_flooding_process_alone_gets_the_whole_device() {
+    skip_on_real_gpu!(SIMULATOR);
+    let _turn = turn();
+    let sim = sim();
+    let machine = machine(&sim);
+    let a = flood(&sim, 2000, 8, 2.0);
+    let pid = a.id();
+    wait_running(&machine, &[pid]);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut nvml = HashMap::new();
+    let shares = measure(&machine, &[pid], || nvml = nvml_watch(&sim, 1000));
+    report(a);
+    let util = nvml.get(&pid).copied().unwrap_or(0.0);
+    eprintln!("busy share {:.3}, NVML smUtil {util:.1}%", shares.per_pid[0]);
+    assert!(shares.per_pid[0] >= 0.95, "alone, the process had {:.3} of the device", shares.per_pid[0]);
+    assert!(util >= 95.0, "alone, NVML gave the process {util:.1}% ({nvml:?})");
+    assert!(shares.device <= 1.005, "device busy {:.3} of wall time", shares.device);
+}
+
+#[test]
+fn a_sleep_kernel_takes_twice_as_long_on_a_device_shared_half_and_half() {
+    skip_on_real_gpu!(SIMULATOR);
+    let _turn = turn();
+    let sim = sim();
+    let alone = report(flood(&sim, 2000, 1, 0.6));
+    let (a, b) = (flood(&sim, 2000, 1, 1.2), flood(&sim, 2000, 1, 1.2));
+    let (ra, rb) = (report(a), report(b));
+    let p50 = |r: &Value| r["sync_us"]["p50"].as_f64().expect("p50");
+    let base = p50(&alone);
+    eprintln!("kernel of 2 ms: alone {base:.0} µs, shared {:.0} and {:.0} µs", p50(&ra), p50(&rb));
+    assert!((2000.0..2600.0).contains(&base), "alone a 2 ms kernel took {base:.0} µs");
+    for r in [&ra, &rb] {
+        let stretch = p50(r) / base;
+        assert!((1.6..=2.4).contains(&stretch), "shared, a kernel took {stretch:.2}x as long: {r}");
+    }
+}
+
+#[test]
+fn a_process_killed_while_it_owns_the_device_does_not_stall_the_others() {
+    skip_on_real_gpu!(SIMULATOR);
+    let _turn = turn();
+    let sim = sim();
+    let machine = machine(&sim);
+    // Slices of 10 s: the owner keeps the device while the other waits.
+    let mut owner =
+        flood_command(&sim, 5_000_000, 1, 20.0).env("SIMGPU_TIMESLICE", "10s").spawn().expect("start");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while machine.device_owner(0) != Some(owner.id()) {
+        assert!(Instant::now() < deadline, "the first flooder never took the device");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let waiter = flood_command(&sim, 1000, 1, 1.0).env("SIMGPU_TIMESLICE", "10s").spawn().expect("start");
+    let waiter_pid = waiter.id();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(machine.device_owner(0), Some(owner.id()), "the owner lost the device within its slice");
+    assert_eq!(busy_of(&machine, waiter_pid), 0, "the waiter ran while the other owned the device");
+    owner.kill().expect("kill the owner");
+    let killed_at = Instant::now();
+    owner.wait().expect("reap the owner");
+    let report = report(waiter);
+    let after_kill = killed_at.elapsed();
+    eprintln!("after the kill the waiter went on: {report}");
+    // Its first kernel waited for the kill; after it, the rest of its second ran freely.
+    let max = report["sync_us"]["max"].as_f64().expect("max");
+    assert!(max >= 250_000.0, "the first kernel did not wait for the owner: {report}");
+    assert!(report["kernels"].as_u64().unwrap_or(0) >= 300, "too few kernels after the kill: {report}");
+    assert!(after_kill < Duration::from_secs(3), "the waiter took {after_kill:?} after the kill");
+    let p99 = report["sync_us"]["p99"].as_f64().expect("p99");
+    assert!(p99 < 50_000.0, "kernels stalled after the kill: {report}");
+}
+
+#[test]
+fn pynvml_reports_a_utilization_sample_per_busy_process() {
+    skip_on_real_gpu!(SIMULATOR);
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    let has_pynvml =
+        Command::new(&python).args(["-c", "import pynvml"]).output().is_ok_and(|o| o.status.success());
+    if !has_pynvml {
+        eprintln!("skipped: {} cannot import pynvml (tests/requirements.txt)", python.display());
+        return;
+    }
+    let _turn = turn();
+    let sim = sim();
+    let machine = machine(&sim);
+    let (a, b) = (flood(&sim, 1000, 4, 3.0), flood(&sim, 1000, 4, 3.0));
+    let pids = [a.id(), b.id()];
+    wait_running(&machine, &pids);
+    std::thread::sleep(Duration::from_millis(500));
+    let script = r#"
+import json, time, pynvml
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+every = pynvml.nvmlDeviceGetProcessUtilization(h, 0)
+time.sleep(0.5)
+recent = pynvml.nvmlDeviceGetProcessUtilization(h, int(time.time() * 1e6) - 400000)
+rows = lambda samples: [{"pid": s.pid, "sm": s.smUtil, "mem": s.memUtil, "ts": s.timeStamp} for s in samples]
+print(json.dumps({"all": rows(every), "recent": rows(recent)}))
+"#;
+    let out = sim.command(&python).args(["-c", script]).output().expect("run pynvml");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pynvml failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let answer: Value = serde_json::from_str(stdout.trim()).expect("pynvml's JSON");
+    report(a);
+    report(b);
+    eprintln!("pynvml: {answer}");
+    for key in ["all", "recent"] {
+        let rows = answer[key].as_array().expect("rows");
+        for pid in pids {
+            let row = rows
+                .iter()
+                .find(|r| r["pid"] == pid)
+                .unwrap_or_else(|| panic!("no sample for {pid}: {answer}"));
+            let sm = row["sm"].as_u64().unwrap_or(0);
+            assert!(sm > 0 && sm <= 100 && row["mem"] == 0, "{key}: {row}");
+            if key == "recent" {
+                assert!((35..=65).contains(&sm), "recent: {row}");
+            }
+        }
+    }
+}
