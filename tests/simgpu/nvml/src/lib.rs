@@ -3,7 +3,8 @@
 //!
 //! It reports what the shared simulated machine (`simgpu-state`) holds: devices and their
 //! memory, the processes using them, utilization from the kernel time the simulated CUDA
-//! driver records, and injected XID errors as events. The getters monitoring tools call
+//! driver records (per device, and per process from the samples of each process's device
+//! time under time-slicing, `simgpu_state::sched`), and injected XID errors as events. The getters monitoring tools call
 //! on every refresh (temperature, power, clocks, graphics processes, ...) are in
 //! `monitor`: plausible values of an H100, or `NVML_ERROR_NOT_SUPPORTED` for what a real
 //! H100 on Linux lacks or simgpu does not simulate. Other functions are not exported.
