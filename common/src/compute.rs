@@ -79,7 +79,7 @@ impl ComputeShare {
 
 impl fmt::Display for ComputeShare {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0 % 10 == 0 {
+        if self.0.is_multiple_of(10) {
             write!(f, "{}%", self.0 / 10)
         } else {
             write!(f, "{}.{}%", self.0 / 10, self.0 % 10)

@@ -954,12 +954,26 @@ fn the_dra_claim_asks_for_memory_of_a_gpufrac_gpu() {
     assert_eq!(parameters["apiVersion"], "gpufrac.io/v1");
     assert_eq!(parameters["kind"], "GpuFractionConfig");
     assert_eq!(parameters["resolver"], "swap");
+    // A compute share: 30% of the GPU's time through the scheduler (the "compute"
+    // capacity, per mille), at most 80% even when the GPU is otherwise idle.
+    assert_eq!(exactly["capacity"]["requests"]["compute"], "300");
+    assert_eq!(parameters["computeLimit"], "80%");
     let limit = quantity(parameters["limit"].as_str().expect("a limit"));
     assert_eq!(limit, 40 << 30);
     assert!(limit >= request);
     for key in parameters.as_object().expect("parameters").keys() {
         assert!(
-            ["apiVersion", "kind", "limit", "resolver", "priority"].contains(&key.as_str()),
+            [
+                "apiVersion",
+                "kind",
+                "limit",
+                "resolver",
+                "priority",
+                "parkAfter",
+                "computeRequest",
+                "computeLimit"
+            ]
+            .contains(&key.as_str()),
             "GpuFractionConfig has no field {key}"
         );
     }
