@@ -185,6 +185,7 @@ impl Ledger {
         }
     }
 
+    #[inline]
     fn data(&self) -> &LedgerData {
         match &self.backing {
             Backing::Shared(shm) => shm.get(),
@@ -222,14 +223,24 @@ impl Ledger {
     }
 
     /// Sum held on `dev` over members still counted (dead ones until forgotten).
+    /// Sequentially consistent, as the additions of `try_charge` are: see there.
+    #[inline]
     fn sum(&self, dev: usize) -> u64 {
+        self.sum_except(dev, usize::MAX)
+    }
+
+    /// `sum` over the members other than slot `skip`.
+    #[inline]
+    fn sum_except(&self, dev: usize, skip: usize) -> u64 {
         let d = self.data();
         let n = (d.high_water.load(Ordering::Acquire) as usize).min(MAX_MEMBERS);
-        d.members[..n]
-            .iter()
-            .filter(|m| m.state.load(Ordering::Acquire) == LIVE)
-            .map(|m| m.held[dev].load(Ordering::Acquire))
-            .fold(0u64, u64::saturating_add)
+        let mut total = 0u64;
+        for (i, m) in d.members[..n].iter().enumerate() {
+            if i != skip && m.state.load(Ordering::Acquire) == LIVE {
+                total = total.saturating_add(m.held[dev].load(Ordering::SeqCst));
+            }
+        }
+        total
     }
 
     /// Burst bytes granted to the group's live members on `dev`.
@@ -299,28 +310,52 @@ impl Ledger {
 
     /// Charges `bytes` on `dev` if the group stays within `limit`; returns what the
     /// group holds afterwards.
+    ///
+    /// Each member adds to its own counter, then reads the others'. The addition and the
+    /// reads are sequentially consistent (on x86 the same instructions as acquire and
+    /// release): of two members charging at once, at least one sees the other's
+    /// addition, so they cannot both pass the limit. Threads of one process add to the
+    /// same counter, whose additions are ordered anyway: the one that comes second sees
+    /// both in the value it added to. The hot path is that one addition and one load per
+    /// other member (none for a process alone).
+    #[inline]
     pub fn try_charge(&self, dev: usize, bytes: u64, limit: u64) -> Result<u64, OverLimit> {
+        let mine = &self.data().members[self.me].held[dev];
+        let own = mine.fetch_add(bytes, Ordering::SeqCst).saturating_add(bytes);
+        let total = own.saturating_add(self.sum_except(dev, self.me));
+        if total <= limit {
+            return Ok(total);
+        }
+        mine.fetch_sub(bytes, Ordering::SeqCst);
+        self.try_charge_again(dev, bytes, limit)
+    }
+
+    /// `try_charge` after its first try was over the limit and backed out: really full
+    /// (unless a dead member's memory is the room), or another charge raced with it.
+    #[cold]
+    #[inline(never)]
+    fn try_charge_again(&self, dev: usize, bytes: u64, limit: u64) -> Result<u64, OverLimit> {
         let mine = &self.data().members[self.me].held[dev];
         let mut forgot = false;
         for attempt in 0..64 {
-            mine.fetch_add(bytes, Ordering::AcqRel);
-            let total = self.sum(dev);
+            if self.sum(dev).saturating_add(bytes) > limit {
+                // Really full, unless a dead member's memory is the room.
+                if forgot || !self.forget_dead() {
+                    return Err(OverLimit { held: self.sum(dev) });
+                }
+                forgot = true;
+            } else {
+                // Another charge raced with ours; both backed out. Try again.
+                for _ in 0..(attempt + 1) * 8 {
+                    std::hint::spin_loop();
+                }
+            }
+            let own = mine.fetch_add(bytes, Ordering::SeqCst).saturating_add(bytes);
+            let total = own.saturating_add(self.sum_except(dev, self.me));
             if total <= limit {
                 return Ok(total);
             }
-            mine.fetch_sub(bytes, Ordering::AcqRel);
-            if self.sum(dev).saturating_add(bytes) > limit {
-                // Really full, unless a dead member's memory is the room.
-                if !forgot && self.forget_dead() {
-                    forgot = true;
-                    continue;
-                }
-                return Err(OverLimit { held: self.sum(dev) });
-            }
-            // Another charge raced with ours; both backed out. Try again.
-            for _ in 0..(attempt + 1) * 8 {
-                std::hint::spin_loop();
-            }
+            mine.fetch_sub(bytes, Ordering::SeqCst);
         }
         Err(OverLimit { held: self.sum(dev) })
     }
@@ -331,6 +366,7 @@ impl Ledger {
     }
 
     /// Gives back `bytes` on `dev`.
+    #[inline]
     pub fn release(&self, dev: usize, bytes: u64) {
         let mine = &self.data().members[self.me].held[dev];
         let _ = mine.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(bytes)));
@@ -486,5 +522,41 @@ mod tests {
         threads.into_iter().for_each(|t| t.join().unwrap());
         assert_eq!(ok.load(Ordering::Relaxed), 10, "exactly ten 100-byte charges fit in 1000");
         assert_eq!(l.held(dev), 1000);
+    }
+
+    #[test]
+    fn racing_members_of_a_group_never_pass_the_limit_together() {
+        let _folder = FolderGoes;
+        let group = format!("race-test-{}", std::process::id());
+        // Four members (each its own open file description: as four processes), two
+        // threads each, charging and releasing at once.
+        let members: Vec<_> = (0..4).map(|_| std::sync::Arc::new(Ledger::join(&group).unwrap())).collect();
+        let dev = members[0].device_index(&[2; 16]).unwrap();
+        assert!(members.iter().all(|m| m.device_index(&[2; 16]) == Some(dev)));
+        let limit = 1000;
+        // What the successful charges add up to (the ledger's own sum also counts
+        // tries that are backing out).
+        let granted = std::sync::Arc::new(AtomicU64::new(0));
+        let passed = std::sync::Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let (l, granted, passed) = (members[i % 4].clone(), granted.clone(), passed.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        if l.try_charge(dev, 300, limit).is_ok() {
+                            let now = granted.fetch_add(300, Ordering::SeqCst) + 300;
+                            assert!(now <= limit, "the group passed its limit: {now}");
+                            passed.fetch_add(1, Ordering::Relaxed);
+                            granted.fetch_sub(300, Ordering::SeqCst);
+                            l.release(dev, 300);
+                        }
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        assert!(passed.load(Ordering::Relaxed) > 0);
+        assert_eq!(members[0].held(dev), 0);
+        members.iter().for_each(|m| m.leave());
     }
 }

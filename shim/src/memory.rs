@@ -18,6 +18,7 @@ use crate::state::{enforcer, refused, Charge, Current, Enforcer};
 type Ptr = *mut c_void;
 
 /// Records a successful allocation under `key`, or gives the charge back if the driver failed.
+#[inline]
 fn settle(
     e: &Enforcer,
     status: Status,
@@ -54,6 +55,12 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnMut() -> S
 
 /// `linear`, for an allocation ordered on `stream` when there is one: one made while the
 /// stream is being captured into a graph belongs to the graph and is never VMM-backed.
+///
+/// The hot path of an allocation within the request: the enforcer (two loads), the park
+/// check (one relaxed load), the current context (`cuCtxGetCurrent` and a scan of the
+/// tracked handles), one ledger addition, the driver, one record claimed. No lock, no
+/// system call, no time read, no logging unless refused.
+#[inline]
 fn stream_ordered(
     bytes: u64,
     path: Path,
@@ -71,8 +78,11 @@ fn stream_ordered(
         Ok(c) => c,
         Err(status) => return status,
     };
+    // Swap backs allocations only in a process with an arbiter (`swap::backs`): without
+    // one, not even asked.
     if matches!(path, Path::Linear | Path::Pooled)
         && !out.is_null()
+        && e.arbiter.get().is_some()
         && crate::swap::backs(e, ordinal, &charge)
         && !stream.is_some_and(crate::swap::capturing)
     {
@@ -142,34 +152,56 @@ fn free(
     real: impl FnOnce() -> Status,
 ) -> Status {
     let Some(e) = enforcer() else { return real() };
-    let record = table(e).remove(key);
+    free_recorded(e, key, table(e), real)
+}
+
+/// `free` with the enforcer and the table at hand.
+#[inline]
+fn free_recorded(
+    e: &Enforcer,
+    key: u64,
+    table: &crate::records::Records,
+    real: impl FnOnce() -> Status,
+) -> Status {
+    let record = table.remove(key);
     let status = real();
     if let Some(r) = record {
         if status == SUCCESS {
             e.release(r.device, r.bytes);
         } else {
-            table(e).insert(key, r);
+            table.insert(key, r);
         }
     }
     status
 }
 
+/// `swap::free`, asked only where swap may have backed an allocation: it backs them only
+/// in a process with an arbiter (`swap::backs`), so without one there is nothing to ask.
+#[inline]
+fn swap_free(e: &Enforcer, dptr: CUdeviceptr, stream: Option<Ptr>) -> Option<Status> {
+    e.arbiter.get()?;
+    crate::swap::free(e, dptr, stream)
+}
+
+/// The hot path of a free: the park check, the enforcer, one load each for swap (with
+/// an arbiter only) and the pools, one record swapped out, the driver, one ledger
+/// subtraction.
 pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
     // A parked process's memory is not on the device: a free waits for the wake too.
     let _allocating = match crate::park::allocating() {
         Ok(a) => a,
         Err(status) => return status,
     };
-    if let Some(e) = enforcer() {
-        if let Some(status) = crate::swap::free(e, dptr, None) {
-            return status;
-        }
-        // A synchronous free of a pooled allocation returns it to its pool too.
-        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFree_v2(dptr))) {
-            return status;
-        }
+    let real = || call_real!(cuMemFree_v2(dptr));
+    let Some(e) = enforcer() else { return real() };
+    if let Some(status) = swap_free(e, dptr, None) {
+        return status;
     }
-    free(dptr, |e| &e.pointers, || call_real!(cuMemFree_v2(dptr)))
+    // A synchronous free of a pooled allocation returns it to its pool too.
+    if let Some(status) = e.pools.free(e, dptr, real) {
+        return status;
+    }
+    free_recorded(e, dptr, &e.pointers, real)
 }
 
 /// A stream-ordered allocation, from `pool` or (without one) from the current pool of
@@ -288,15 +320,15 @@ pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
         Ok(a) => a,
         Err(status) => return status,
     };
-    if let Some(e) = enforcer() {
-        if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
-            return status;
-        }
-        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFreeAsync(dptr, stream))) {
-            return status;
-        }
+    let real = || call_real!(cuMemFreeAsync(dptr, stream));
+    let Some(e) = enforcer() else { return real() };
+    if let Some(status) = swap_free(e, dptr, Some(stream)) {
+        return status;
     }
-    free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync(dptr, stream)))
+    if let Some(status) = e.pools.free(e, dptr, real) {
+        return status;
+    }
+    free_recorded(e, dptr, &e.pointers, real)
 }
 
 pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
@@ -305,15 +337,15 @@ pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
         Ok(a) => a,
         Err(status) => return status,
     };
-    if let Some(e) = enforcer() {
-        if let Some(status) = crate::swap::free(e, dptr, Some(stream)) {
-            return status;
-        }
-        if let Some(status) = e.pools.free(e, dptr, || call_real!(cuMemFreeAsync_ptsz(dptr, stream))) {
-            return status;
-        }
+    let real = || call_real!(cuMemFreeAsync_ptsz(dptr, stream));
+    let Some(e) = enforcer() else { return real() };
+    if let Some(status) = swap_free(e, dptr, Some(stream)) {
+        return status;
     }
-    free(dptr, |e| &e.pointers, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
+    if let Some(status) = e.pools.free(e, dptr, real) {
+        return status;
+    }
+    free_recorded(e, dptr, &e.pointers, real)
 }
 
 /// A pool made on a device is known from the start, so allocations from it are charged

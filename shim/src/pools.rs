@@ -242,6 +242,8 @@ impl PoolBook {
 
     /// Frees `addr` with `real` if it is a pooled allocation (`None` otherwise): its bytes
     /// stay charged in its pool's cache, or go back if the pool was destroyed.
+    /// One atomic load while no pooled allocation is live (the plain frees' hot path).
+    #[inline]
     pub(crate) fn free(
         &self,
         e: &Enforcer,
@@ -251,6 +253,11 @@ impl PoolBook {
         if self.live.load(Ordering::Acquire) == 0 {
             return None;
         }
+        self.free_pooled(e, addr, real)
+    }
+
+    #[inline(never)]
+    fn free_pooled(&self, e: &Enforcer, addr: CUdeviceptr, real: impl FnOnce() -> Status) -> Option<Status> {
         // The record goes first, so an address reused at once by another thread is not
         // confused with this one; it comes back if the driver refuses.
         let alloc = {

@@ -1,10 +1,11 @@
 //! One record per live allocation: what it is, where, how big, and whether it lies above
 //! the group's request (what swap will move later). A fixed-size open-addressing table
-//! updated with compare-and-swap only: recording and forgetting an allocation costs a
-//! few atomics, never a lock. A table that fills up spills into a locked map.
+//! updated with atomics only: recording an allocation is one compare-and-swap, forgetting
+//! it one swap (and a plain store), never a lock. A table that fills up spills into a
+//! locked map, which is looked at only while it holds something.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 const EMPTY: u64 = 0;
@@ -31,6 +32,7 @@ pub enum Path {
 }
 
 impl Path {
+    #[inline]
     fn from_bits(bits: u64) -> Option<Path> {
         Some(match bits {
             1 => Path::Linear,
@@ -64,6 +66,7 @@ const BYTES_BITS: u32 = 44;
 const NO_CONTEXT: u64 = 0x3f;
 
 impl Record {
+    #[inline]
     fn pack(self) -> u64 {
         debug_assert!(self.bytes < 1 << BYTES_BITS);
         (self.bytes & ((1 << BYTES_BITS) - 1))
@@ -74,6 +77,7 @@ impl Record {
             | (1 << 59)
     }
 
+    #[inline]
     fn unpack(word: u64) -> Option<Record> {
         let context = (word >> 52) & 0x3f;
         Some(Record {
@@ -86,6 +90,7 @@ impl Record {
     }
 
     /// Whether this record fits the packed form (allocations below 16 TiB).
+    #[inline]
     fn packable(&self) -> bool {
         self.bytes < 1 << BYTES_BITS
     }
@@ -99,10 +104,17 @@ struct Slot {
 }
 
 /// Live allocations by key (device address, array handle or physical handle).
+///
+/// A slot's key is claimed with a compare-and-swap (empty or tombstone to the key), then
+/// its word is stored. Whoever swaps a non-zero word out of a slot owns its removal: no
+/// other thread can take that word, and no inserter can claim the slot while it still
+/// holds the key, so the owner turns the key into a tombstone with a plain store.
 pub struct Records {
     slots: Box<[Slot]>,
     mask: usize,
     overflow: Mutex<HashMap<u64, Record>>,
+    /// Records in `overflow`: a miss in the table looks there only when it is not 0.
+    spilled: AtomicUsize,
 }
 
 impl Records {
@@ -113,15 +125,18 @@ impl Records {
             slots: (0..cap).map(|_| Slot { key: AtomicU64::new(EMPTY), word: AtomicU64::new(0) }).collect(),
             mask: cap - 1,
             overflow: Mutex::new(HashMap::new()),
+            spilled: AtomicUsize::new(0),
         }
     }
 
+    #[inline]
     fn start(&self, key: u64) -> usize {
         (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) as usize & self.mask
     }
 
     /// Records `key`. Keys are unique while live (the driver never hands out a live
     /// address twice), so no check for an existing entry is needed.
+    #[inline]
     pub fn insert(&self, key: u64, record: Record) {
         if key != EMPTY && key != TOMBSTONE && record.packable() {
             let mut i = self.start(key);
@@ -139,9 +154,38 @@ impl Records {
                 i = (i + 1) & self.mask;
             }
         }
-        self.overflow.lock().unwrap_or_else(|p| p.into_inner()).insert(key, record);
+        self.spill(key, record);
     }
 
+    /// The table is full (or the record does not pack): the locked map keeps it.
+    #[cold]
+    #[inline(never)]
+    fn spill(&self, key: u64, record: Record) {
+        let mut overflow = self.overflow();
+        // Counted under the lock, before it can be looked for: a miss that reads 0 here
+        // ran before this insert could be seen at all.
+        if overflow.insert(key, record).is_none() {
+            self.spilled.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn overflow(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Record>> {
+        self.overflow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `key` out of the locked map, if it spilled there.
+    #[cold]
+    #[inline(never)]
+    fn unspill(&self, key: u64) -> Option<Record> {
+        let mut overflow = self.overflow();
+        let r = overflow.remove(&key);
+        if r.is_some() {
+            self.spilled.fetch_sub(1, Ordering::AcqRel);
+        }
+        r
+    }
+
+    #[inline]
     fn find(&self, key: u64) -> Option<usize> {
         let mut i = self.start(key);
         for _ in 0..=self.mask {
@@ -154,20 +198,22 @@ impl Records {
         None
     }
 
-    /// Forgets `key`, returning its record. Of two threads freeing the same key, one gets it.
+    /// Forgets `key`, returning its record. Of two threads freeing the same key, one gets
+    /// it: the one that swaps the word out. The slot keeps the key until that thread
+    /// marks it a tombstone, so no insert can claim the slot in between.
+    #[inline]
     pub fn remove(&self, key: u64) -> Option<Record> {
         if let Some(i) = self.find(key) {
             let word = self.slots[i].word.swap(0, Ordering::AcqRel);
-            if word != 0
-                && self.slots[i]
-                    .key
-                    .compare_exchange(key, TOMBSTONE, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            {
+            if word != 0 {
+                self.slots[i].key.store(TOMBSTONE, Ordering::Release);
                 return Record::unpack(word);
             }
         }
-        self.overflow.lock().unwrap_or_else(|p| p.into_inner()).remove(&key)
+        if self.spilled.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.unspill(key)
     }
 
     /// The record of `key`, if live.
@@ -177,7 +223,7 @@ impl Records {
                 return Some(r);
             }
         }
-        self.overflow.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied()
+        self.overflow().get(&key).copied()
     }
 
     /// Removes and returns every record matching `pred` (context teardown; not hot).
@@ -194,9 +240,14 @@ impl Records {
                 }
             }
         }
-        let mut overflow = self.overflow.lock().unwrap_or_else(|p| p.into_inner());
+        let mut overflow = self.overflow();
         let keys: Vec<u64> = overflow.iter().filter(|(_, r)| pred(r)).map(|(&k, _)| k).collect();
-        out.extend(keys.into_iter().filter_map(|k| overflow.remove(&k).map(|r| (k, r))));
+        for k in keys {
+            if let Some(r) = overflow.remove(&k) {
+                self.spilled.fetch_sub(1, Ordering::AcqRel);
+                out.push((k, r));
+            }
+        }
         out
     }
 
@@ -211,7 +262,7 @@ impl Records {
                 Record::unpack(self.slots[i].word.load(Ordering::Acquire)).map(|r| (key, r))
             })
             .collect();
-        out.extend(self.overflow.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(&k, &r)| (k, r)));
+        out.extend(self.overflow().iter().map(|(&k, &r)| (k, r)));
         out
     }
 }
@@ -239,5 +290,67 @@ mod tests {
         assert_eq!(t.snapshot().len(), 19);
         t.insert(99, rec(1 << 40, None));
         assert_eq!(t.get(99), Some(rec(1 << 40, None)));
+    }
+
+    #[test]
+    fn racing_removers_of_one_key_get_its_record_once() {
+        use std::sync::{Arc, Barrier};
+        let t = Arc::new(Records::new(16));
+        let threads = 4;
+        let start = Arc::new(Barrier::new(threads + 1));
+        let done = Arc::new(Barrier::new(threads + 1));
+        let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let rounds = 2000u64;
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let (t, start, done, got) = (t.clone(), start.clone(), done.clone(), got.clone());
+                std::thread::spawn(move || {
+                    for round in 0..rounds {
+                        start.wait();
+                        if let Some(r) = t.remove(0x1000 + (round % 8) * 0x1000) {
+                            assert_eq!(r, rec(round + 1, Some(1)));
+                            got.fetch_add(1, Ordering::Relaxed);
+                        }
+                        done.wait();
+                    }
+                })
+            })
+            .collect();
+        for round in 0..rounds {
+            t.insert(0x1000 + (round % 8) * 0x1000, rec(round + 1, Some(1)));
+            start.wait();
+            done.wait();
+            assert_eq!(got.swap(0, Ordering::Relaxed), 1, "round {round}: one remover gets the record");
+        }
+        workers.into_iter().for_each(|w| w.join().unwrap());
+        assert!(t.snapshot().is_empty());
+    }
+
+    #[test]
+    fn threads_recording_and_forgetting_at_once_keep_every_record_exact() {
+        let t = std::sync::Arc::new(Records::new(64));
+        let workers: Vec<_> = (0..4u64)
+            .map(|w| {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    for i in 0..20_000u64 {
+                        // Eight live keys per thread, in a table of 64: collisions and reused
+                        // tombstones all the time, and a spill now and then.
+                        let key = (w << 32) | ((i % 8 + 1) << 12);
+                        let r = rec(i + 1, Some(w as usize));
+                        if i >= 8 {
+                            assert_eq!(
+                                t.remove(key),
+                                Some(rec(i - 7, Some(w as usize))),
+                                "thread {w}, step {i}"
+                            );
+                        }
+                        t.insert(key, r);
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().for_each(|w| w.join().unwrap());
+        assert_eq!(t.snapshot().len(), 32);
     }
 }

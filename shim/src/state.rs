@@ -473,31 +473,67 @@ impl Enforcer {
         Some(Current { id, ordinal: ordinal as usize })
     }
 
-    /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit.
+    /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit. The
+    /// first try (a charge that fits: the hot path) is inlined into the allocation hooks;
+    /// anything else (pools to take back, the arbiter, a refusal) is `charge_slow`.
     #[inline]
     pub(crate) fn charge(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
         let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
+        let cap = self.cap(&slice);
+        match self.try_charge(&slice, bytes, cap) {
+            Ok(charge) => Ok(charge),
+            Err(over) => self.charge_slow(ordinal, slice, bytes, (cap, over)),
+        }
+    }
+
+    /// The most the group may hold on `slice`'s device now: with an arbiter, its request
+    /// plus what it was granted.
+    #[inline]
+    fn cap(&self, slice: &Slice) -> u64 {
+        match self.arbiter.get() {
+            Some(_) => slice.limit.min(slice.request + self.ledger.group_granted(slice.ledger)),
+            None => slice.limit,
+        }
+    }
+
+    /// One try at charging `bytes` on `slice`'s device under `cap`.
+    #[inline]
+    fn try_charge(&self, slice: &Slice, bytes: u64, cap: u64) -> Result<Charge, crate::ledger::OverLimit> {
+        let total = self.ledger.try_charge(slice.ledger, bytes, cap)?;
+        Ok(Charge {
+            device: slice.ledger,
+            bytes,
+            above_request: total > slice.request,
+            whole_burst: total - bytes >= slice.request,
+        })
+    }
+
+    /// `charge` after its first try found the group full (`first`: the cap and the refusal).
+    #[cold]
+    #[inline(never)]
+    fn charge_slow(
+        &self,
+        ordinal: usize,
+        slice: Slice,
+        bytes: u64,
+        first: (u64, crate::ledger::OverLimit),
+    ) -> Result<Charge, Status> {
         let dev = slice.ledger;
         let mut pending = None;
         // How far taking back what the process's pools keep has gone (see `reclaim`).
         let mut reclaimed = 0;
+        let mut first = Some(first);
         'charge: loop {
-            // With an arbiter the group may hold its request plus what it was granted.
             let arbiter = self.arbiter.get();
-            let cap = match arbiter {
-                Some(_) => slice.limit.min(slice.request + self.ledger.group_granted(dev)),
-                None => slice.limit,
-            };
-            let over = match self.ledger.try_charge(dev, bytes, cap) {
-                Ok(total) => {
-                    return Ok(Charge {
-                        device: dev,
-                        bytes,
-                        above_request: total > slice.request,
-                        whole_burst: total - bytes >= slice.request,
-                    })
+            let (cap, over) = match first.take() {
+                Some(first) => first,
+                None => {
+                    let cap = self.cap(&slice);
+                    match self.try_charge(&slice, bytes, cap) {
+                        Ok(charge) => return Ok(charge),
+                        Err(over) => (cap, over),
+                    }
                 }
-                Err(over) => over,
             };
             // Counted as in use from here on, so that memory given back meanwhile (by the
             // pools below, or by another thread) is not returned to the arbiter as unused.
@@ -552,6 +588,13 @@ impl Enforcer {
     #[inline]
     pub(crate) fn release(&self, device: usize, bytes: u64) {
         self.ledger.release(device, bytes);
+        if self.arbiter.get().is_some() {
+            self.release_to_arbiter(device);
+        }
+    }
+
+    #[inline(never)]
+    fn release_to_arbiter(&self, device: usize) {
         if let Some(client) = self.arbiter.get() {
             let Some(slice) = self.slices().iter().find(|s| s.ledger == device).copied() else { return };
             let slack = if client.contended(&slice.uuid) { 0 } else { Self::chunk(&slice) };
@@ -580,11 +623,18 @@ impl Enforcer {
     /// is retried until `GPUFRAC_WAIT_TIMEOUT`, and at least [`OWED_WAIT`]: the arbiter
     /// takes a guarantee's memory back within its reclaim and kill graces, so a short
     /// burst timeout must not turn a guaranteed allocation into out-of-memory.
+    #[inline]
     pub(crate) fn physical(&self, mut call: impl FnMut() -> Status) -> Status {
-        let mut status = call();
+        let status = call();
         if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
             return status;
         }
+        self.physical_retry(status, call)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn physical_retry(&self, mut status: Status, mut call: impl FnMut() -> Status) -> Status {
         let now = std::time::Instant::now();
         // A timeout too large to add is as good as none.
         let deadline =
