@@ -52,6 +52,25 @@ impl Bench {
         for l in &mut loads {
             l.write_stdin("go\n");
         }
+        // Halfway: what the arbiter sees and decides, for each group with a share.
+        std::thread::sleep(Duration::from_secs_f64(self.seconds / 2.0));
+        let seen: Vec<String> = gpufrac_e2e::status(&self.arbiter).gpus[0]
+            .processes
+            .iter()
+            .filter(|p| p.compute_limit_pm > 0)
+            .map(|p| {
+                format!(
+                    "request {} used {} allowed {} pace {}",
+                    p.compute_request_pm as f64 / 10.0,
+                    p.compute_used_pm as f64 / 10.0,
+                    p.compute_allowance_pm as f64 / 10.0,
+                    p.compute_pace_pm as f64 / 10.0
+                )
+            })
+            .collect();
+        if !seen.is_empty() {
+            eprintln!("  arbiter halfway (per mille as %): {}", seen.join("; "));
+        }
         let timeout = Duration::from_secs_f64(self.seconds + 60.0);
         loads
             .iter_mut()
