@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use bytes::Bytes;
 use futures::StreamExt as _;
+use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::dra::{Checkpoint, PreparedClaim, PreparedDevice};
 use gpufrac_common::resolver::Resolver;
 use gpufrac_daemon::entitlement::kubernetes::api::pod_resources_lister_server::{
@@ -518,6 +519,13 @@ fn unknown(verdict: Verdict) -> String {
     }
 }
 
+fn compute(request: u16, limit: u16) -> ComputeSpec {
+    ComputeSpec {
+        request: ComputeShare::from_per_mille(request).expect("a share"),
+        limit: ComputeShare::from_per_mille(limit).expect("a share"),
+    }
+}
+
 fn uuid(text: &str) -> [u8; 16] {
     gpufrac_common::gpu_uuid::parse(text).expect("a GPU UUID")
 }
@@ -548,6 +556,8 @@ fn shares_are_a_fraction_of_the_right_gpu_and_the_rest_comes_from_the_pod() {
     assert_eq!(e.resolver, Some(Resolver::Priority)); // gpufrac.io/resolver
     assert_eq!(e.group.as_deref(), Some(format!("k8s-{INFERENCE_UID}-server").as_str()));
     assert_eq!(e.source, "kubelet: inference/vllm-small-6d8f7c9b54-x7k2p container server");
+    // No compute annotation: no compute request vouched (a declared limit is believed).
+    assert_eq!(e.max_compute, Some(compute(0, 1000)));
 
     // The direct pod's container sets GPUFRAC_PRIORITY=1000000 and GPUFRAC_RESOLVER=priority
     // in its env: neither counts. No annotations: limit = request, wait, spec.priority 0.
@@ -656,6 +666,30 @@ fn a_new_pod_is_waited_for_until_the_watch_delivers_it() {
     });
     let e = entitled(k8s.lookup(&process(NEW_UID, WORKER_ID)));
     assert_eq!(e.max_request, Amount::Fraction(0.1));
+}
+
+#[test]
+fn compute_annotations_are_the_most_compute_share_believed() {
+    let cluster = Cluster::with_fixtures();
+    let mut pod = fixture("pod-inference.json");
+    pod["metadata"]["annotations"]["gpufrac.io/compute-fraction"] = json!("30%");
+    pod["metadata"]["annotations"]["gpufrac.io/compute-fraction-limit"] = json!("0.8");
+    cluster.pods.put(pod);
+    let k8s = cluster.entitlements();
+    let e = entitled(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    assert_eq!(e.max_compute, Some(compute(300, 800)));
+
+    // A bad one is the pod's mistake: refused, naming it.
+    let mut pod = fixture("pod-inference.json");
+    pod["metadata"]["annotations"]["gpufrac.io/compute-fraction"] = json!("300%");
+    cluster.pods.put(pod);
+    let verdict =
+        eventually(&k8s, &process(INFERENCE_UID, SERVER_ID), |v| matches!(v, Verdict::NotEntitled { .. }));
+    let why = refused(verdict);
+    assert!(
+        why.contains("annotation gpufrac.io/compute-fraction=\"300%\": a share is at most one whole GPU"),
+        "{why}"
+    );
 }
 
 #[test]
@@ -984,6 +1018,7 @@ fn a_dra_claim_gives_its_request_limit_resolver_and_priority() {
     let mut gpu = device("gpu-0", GPU_A, 20 * GIB, 40 * GIB);
     gpu.resolver = Some(Resolver::Swap);
     gpu.priority = Some(5);
+    gpu.set_compute(Some(compute(300, 800)));
     let (k8s, _) = dra(
         &cluster,
         &checkpoint(vec![claim("inference", "llm-gpu", CLAIM_UID, &[INFERENCE_UID], vec![gpu])]),
@@ -998,6 +1033,7 @@ fn a_dra_claim_gives_its_request_limit_resolver_and_priority() {
         assert_eq!(e.resolver, Some(Resolver::Swap));
         assert_eq!(e.max_priority, 5); // the claim's, not the pod's 1000
         assert_eq!(e.group.as_deref(), Some(format!("dra-{CLAIM_UID}").as_str()));
+        assert_eq!(e.max_compute, Some(compute(300, 800))); // as prepared
     }
 }
 
@@ -1025,6 +1061,8 @@ fn a_dra_claim_without_a_priority_gets_the_pods() {
     );
     let e = entitled(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
     assert_eq!((e.max_priority, e.resolver), (1000, None)); // spec.priority; the client's resolver
+                                                            // No compute share prepared (nor any in the checkpoint's format then): no request.
+    assert_eq!(e.max_compute, Some(compute(0, 1000)));
     let e = entitled(k8s.lookup(&process(DIRECT_UID, WORKER_ID)));
     assert_eq!(e.max_priority, 0);
     assert_eq!(e.devices, Some(vec![uuid(GPU_B)]));

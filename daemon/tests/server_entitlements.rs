@@ -1,7 +1,7 @@
 //! The arbiter's server with a source of entitlements (a fixed verdict standing in for the
 //! kubelet or a policy file), spoken to over its socket with raw protocol frames: the
 //! source is asked about the peer the kernel names (once per process); a Kubernetes-like entitlement caps the
-//! request, limit, priority and resolver, and puts every process in its derived group
+//! request, limit, priority, resolver and compute share, and puts every process in its derived group
 //! whatever group it names; `Registered` carries what is believed; a process that is not
 //! entitled gets no guarantee and no burst; a GPU outside the entitlement gets nothing; a
 //! lookup that fails is no verdict: never cached, asked again before a registration.
@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpufrac_common::protocol::{read_frame, Denial, Reply, Request, MAX_FRAME, VERSION};
-use gpufrac_common::Resolver;
+use gpufrac_common::{ComputeShare, ComputeSpec, Resolver};
 use gpufrac_daemon::arbiter::server::{serve, Options, Shared, Signals};
 use gpufrac_daemon::entitlement::{Amount, Entitlement, Entitlements, Identity, Verdict};
 use gpufrac_daemon::status::Status;
@@ -101,6 +101,17 @@ struct Client(UnixStream);
 
 impl Client {
     fn hello(served: &Served, group: &str, resolver: Resolver, priority: i32) -> Client {
+        Client::hello_with_compute(served, group, resolver, priority, (0, 0))
+    }
+
+    /// Says `Hello` declaring a compute share: (request, limit) per mille, (0, 0) for none.
+    fn hello_with_compute(
+        served: &Served,
+        group: &str,
+        resolver: Resolver,
+        priority: i32,
+        (compute_request_pm, compute_limit_pm): (u16, u16),
+    ) -> Client {
         let s = UnixStream::connect(&served.socket).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut c = Client(s);
@@ -112,8 +123,8 @@ impl Client {
             priority,
             wait_timeout_ms: 100,
             park_after_ms: 0,
-            compute_request_pm: 0,
-            compute_limit_pm: 0,
+            compute_request_pm,
+            compute_limit_pm,
         });
         assert!(matches!(c.reply(), Reply::Welcome { .. }));
         c
@@ -160,6 +171,10 @@ fn kubernetes_like() -> Verdict {
         max_priority: 3,
         resolver: Some(Resolver::Wait),
         group: Some("k8s-0f3c-c".into()),
+        max_compute: Some(ComputeSpec {
+            request: ComputeShare::from_per_mille(300).unwrap(),
+            limit: ComputeShare::from_per_mille(800).unwrap(),
+        }),
     })
 }
 
@@ -202,10 +217,36 @@ fn an_entitled_client_gets_its_entitlement_and_its_derived_group() {
 }
 
 #[test]
+fn a_declared_compute_share_is_cut_to_the_entitlement() {
+    let served = Served::start(Fixed::new(kubernetes_like()));
+    // 80% declared, 30% vouched; the limit, 100%, is cut to 80%.
+    let mut a = Client::hello_with_compute(&served, "g", Resolver::Wait, 0, (800, 1000));
+    assert_eq!(a.register(GPU, GIB, 2 * GIB), Ok((GIB, 2 * GIB)));
+    let s = served.status();
+    let gpu = s.gpus.iter().find(|g| !g.processes.is_empty()).expect("registered");
+    let p = &gpu.processes[0];
+    assert_eq!((p.compute_request_pm, p.compute_limit_pm), (300, 800), "{p:?}");
+    assert!(p.capped.contains("compute request 80% -> 30%"), "{p:?}");
+    assert!(p.capped.contains("compute limit 100% -> 80%"), "{p:?}");
+    // Another process of the group declaring the same share is believed the same, and is
+    // its group's member (a group's processes must have one share).
+    let mut b = Client::hello_with_compute(&served, "h", Resolver::Wait, 0, (800, 1000));
+    assert_eq!(b.register(GPU, GIB, 2 * GIB), Ok((GIB, 2 * GIB)));
+    // A share within the entitlement is kept as declared: a second arbiter, the same source.
+    let served = Served::start(Fixed::new(kubernetes_like()));
+    let mut c = Client::hello_with_compute(&served, "g", Resolver::Wait, 0, (200, 500));
+    assert_eq!(c.register(GPU, GIB, 2 * GIB), Ok((GIB, 2 * GIB)));
+    let s = served.status();
+    let p = &s.gpus.iter().find(|g| !g.processes.is_empty()).expect("registered").processes[0];
+    assert_eq!((p.compute_request_pm, p.compute_limit_pm), (200, 500), "{p:?}");
+    assert!(!p.capped.contains("compute"), "{p:?}");
+}
+
+#[test]
 fn a_client_that_is_not_entitled_gets_no_guarantee_and_no_burst() {
     let verdict = Verdict::NotEntitled { why: "no gpufrac.io/gpu shares".into() };
     let served = Served::start(Fixed::new(verdict));
-    let mut c = Client::hello(&served, "g", Resolver::Priority, 50);
+    let mut c = Client::hello_with_compute(&served, "g", Resolver::Priority, 50, (500, 1000));
     assert_eq!(c.register(GPU, 8 * GIB, 16 * GIB), Ok((0, 0)));
     let reply = c.acquire(1, GIB);
     assert!(
@@ -218,6 +259,9 @@ fn a_client_that_is_not_entitled_gets_no_guarantee_and_no_burst() {
     let p = &gpu.processes[0];
     assert_eq!((p.priority, p.resolver.as_str()), (0, "wait"), "{p:?}");
     assert!(p.entitlement.contains("not entitled: no gpufrac.io/gpu shares"), "{p:?}");
+    // Nor any of the GPU's time.
+    assert_eq!((p.compute_request_pm, p.compute_limit_pm), (0, 0), "{p:?}");
+    assert!(p.capped.contains("compute 50%/100% -> none"), "{p:?}");
 }
 
 #[test]
@@ -227,7 +271,7 @@ fn a_failed_lookup_is_no_verdict_and_is_asked_again_at_registration() {
     let source = Fixed::new(Verdict::Entitled(e));
     let served = Served::start(source.clone());
     // The lookup at Hello fails; the one before the registration answers.
-    let mut a = Client::hello(&served, "chosen", Resolver::Wait, 0);
+    let mut a = Client::hello_with_compute(&served, "chosen", Resolver::Wait, 0, (500, 1000));
     assert_eq!(
         a.register(GPU, 12 * GIB, 16 * GIB),
         Ok((4 * GIB, 8 * GIB)),
@@ -238,8 +282,11 @@ fn a_failed_lookup_is_no_verdict_and_is_asked_again_at_registration() {
     let gpu = s.gpus.iter().find(|g| !g.processes.is_empty()).expect("registered");
     assert_eq!(gpu.processes[0].group, "k8s-0f3c-c", "the derived group, not a group of its own");
     assert_eq!(gpu.guaranteed, 4 * GIB);
+    // Its compute share, none while unknown, is the one believed under the answer.
+    let p = &gpu.processes[0];
+    assert_eq!((p.compute_request_pm, p.compute_limit_pm), (300, 800), "{p:?}");
     // The answer is cached for the process: a new connection is not asked again.
-    let mut b = Client::hello(&served, "other", Resolver::Wait, 0);
+    let mut b = Client::hello_with_compute(&served, "other", Resolver::Wait, 0, (500, 1000));
     assert_eq!(b.register(GPU, GIB, GIB), Ok((4 * GIB, 8 * GIB)));
     assert_eq!(source.asked.lock().unwrap().len(), 2);
 }

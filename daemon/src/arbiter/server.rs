@@ -1200,19 +1200,21 @@ struct Declared {
     group: String,
     resolver: gpufrac_common::Resolver,
     priority: i32,
+    compute: Option<ComputeSpec>,
 }
 
 /// What the arbiter believes of `c`'s `Hello` under its verdict (logged when capped).
 fn believe(shared: &Shared, c: &Connection) -> crate::entitlement::Believed {
     let (pid, uid) = (c.who.pid, c.who.uid);
     let verdict = c.verdict.as_ref().unwrap_or(&crate::entitlement::Verdict::Unrestricted);
-    let (group, resolver, priority) = match &c.hello {
-        Some(d) => (d.group.as_str(), d.resolver, d.priority),
-        None => ("", gpufrac_common::Resolver::Wait, 0),
+    let (group, resolver, priority, compute) = match &c.hello {
+        Some(d) => (d.group.as_str(), d.resolver, d.priority, d.compute),
+        None => ("", gpufrac_common::Resolver::Wait, 0, None),
     };
     // The cgroup is not needed here: the verdict holds what it decided.
     let identity = Identity { pid, uid, gid: c.who.gid, cgroup: crate::entitlement::Cgroup::Host };
-    let believed = believe_hello(verdict, shared.entitlements.as_ref(), &identity, group, resolver, priority);
+    let believed =
+        believe_hello(verdict, shared.entitlements.as_ref(), &identity, group, resolver, priority, compute);
     if !believed.capped.is_empty() {
         if let Some(suppressed) = shared.refusal_line(uid) {
             tracing::warn!(pid, uid, suppressed, entitlement = %believed.entitlement, "the shim declared more than its entitlement: {}", believed.capped.join(", "));
@@ -1223,7 +1225,8 @@ fn believe(shared: &Shared, c: &Connection) -> crate::entitlement::Believed {
 
 /// A connection whose lookup failed ([`Verdict::Unknown`](crate::entitlement::Verdict::Unknown))
 /// and that has registered no GPU yet is looked up again before its registration; an
-/// answer now replaces what was believed of its `Hello` (its group, resolver, priority).
+/// answer now replaces what was believed of its `Hello` (its group, resolver, priority,
+/// compute share).
 async fn look_up_again(shared: &Arc<Shared>, c: &mut Connection) {
     if c.registered || !c.verdict.as_ref().is_some_and(|v| v.is_unknown()) {
         return;
@@ -1240,6 +1243,7 @@ async fn look_up_again(shared: &Arc<Shared>, c: &mut Connection) {
     peer.group = believed.group_key;
     peer.resolver = believed.resolver;
     peer.priority = believed.priority;
+    peer.compute = believed.compute;
     peer.vetted = believed.vetted;
     peer.entitlement = believed.entitlement;
     peer.capped = believed.capped.join(", ");
@@ -1291,7 +1295,9 @@ fn on_frame(
                 }
                 let now = Instant::now();
                 c.verdict.get_or_insert(crate::entitlement::Verdict::Unrestricted);
-                c.hello = Some(Declared { group, resolver, priority });
+                // Checked when the frame was decoded.
+                let compute = ComputeSpec::from_wire(compute_request_pm, compute_limit_pm).ok().flatten();
+                c.hello = Some(Declared { group, resolver, priority, compute });
                 let believed = believe(shared, c);
                 let signalable = shared
                     .conns
@@ -1314,8 +1320,8 @@ fn on_frame(
                     entitlement: believed.entitlement,
                     capped: believed.capped.join(", "),
                     park_after: (park_after_ms > 0).then(|| Duration::from_millis(park_after_ms)),
-                    // Checked when the frame was decoded.
-                    compute: ComputeSpec::from_wire(compute_request_pm, compute_limit_pm).ok().flatten(),
+                    // Held to its entitlement like its priority.
+                    compute: believed.compute,
                 };
                 if park_after_ms > 0 {
                     shared.parkable_hello();

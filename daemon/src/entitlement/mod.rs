@@ -3,14 +3,15 @@
 //! The arbiter learns a peer's [`Identity`] from its socket (`SO_PEERCRED`, a pidfd) and its
 //! cgroup, then asks one [`Entitlements`] source (the kubelet and the API server on a
 //! Kubernetes node, an admin policy file on a shared machine, or none) for a [`Verdict`].
-//! What the client's shim declares (request, limit, priority, resolver, group) is believed
-//! only up to that verdict.
+//! What the client's shim declares (request, limit, priority, resolver, group, compute
+//! share) is believed only up to that verdict.
 
 pub mod kubernetes;
 
 pub mod identity;
 pub mod policy;
 
+use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::SizeSpec;
 
@@ -23,7 +24,7 @@ pub struct Identity {
     pub uid: u32,
     /// The peer's effective GID at connect.
     pub gid: u32,
-    /// Where /proc/<pid>/cgroup places it: on the host, in a container of a known layout
+    /// Where `/proc/<pid>/cgroup` places it: on the host, in a container of a known layout
     /// (cgroup v1 or v2; containerd, CRI-O, docker; systemd and cgroupfs drivers), or
     /// somewhere that is not understood (fail closed: never taken for the host).
     pub cgroup: Cgroup,
@@ -112,6 +113,31 @@ pub struct Entitlement {
     /// The group it belongs to, derived (Kubernetes: `k8s-<pod uid>-<container name>`);
     /// `None`: the client's own choice, scoped to its UID.
     pub group: Option<String>,
+    /// The most compute share it is believed about: a declared request above `request` is
+    /// cut to it, a declared limit above `limit` too ([`NO_COMPUTE_REQUEST`]: no guarantee
+    /// vouched, any limit). `None`: the source says nothing of compute (the policy file
+    /// without compute fields), the declared share is believed.
+    pub max_compute: Option<ComputeSpec>,
+}
+
+/// What a source vouches for when it gives a process no compute share: no guarantee (a
+/// declared request is cut to 0%), and a declared limit believed (a limit holds back only
+/// the group that declares it).
+pub const NO_COMPUTE_REQUEST: ComputeSpec =
+    ComputeSpec { request: ComputeShare::ZERO, limit: ComputeShare::WHOLE };
+
+/// A declared compute share held to `max`: the limit cut to `max.limit`, the request to
+/// `max.request` and to the limit so cut. What was cut is pushed on `capped`.
+pub fn cap_compute(declared: ComputeSpec, max: ComputeSpec, capped: &mut Vec<String>) -> ComputeSpec {
+    let limit = declared.limit.min(max.limit);
+    let request = declared.request.min(max.request).min(limit);
+    if request != declared.request {
+        capped.push(format!("compute request {} -> {request}", declared.request));
+    }
+    if limit != declared.limit {
+        capped.push(format!("compute limit {} -> {limit}", declared.limit));
+    }
+    ComputeSpec { request, limit }
 }
 
 /// The answer of an [`Entitlements`] source about one process.
@@ -206,6 +232,8 @@ pub struct Believed {
     pub resolver: Resolver,
     /// The priority it is believed about.
     pub priority: i32,
+    /// The compute share it is believed about (`None`: none, neither guaranteed nor paced).
+    pub compute: Option<ComputeSpec>,
     /// Its priority comes from an entitlement: it may get processes of other users ended.
     /// Without one a client is believed only about itself.
     pub vetted: bool,
@@ -225,7 +253,8 @@ pub fn shown_group(key: &str) -> &str {
     }
 }
 
-/// Applies `verdict` (from `source`, about `who`) to what a client said at `Hello`.
+/// Applies `verdict` (from `source`, about `who`) to what a client said at `Hello`: its
+/// group, resolver, priority and compute share (`None`: it declared none).
 pub fn believe_hello(
     verdict: &Verdict,
     source: &dyn Entitlements,
@@ -233,6 +262,7 @@ pub fn believe_hello(
     group: &str,
     resolver: Resolver,
     priority: i32,
+    compute: Option<ComputeSpec>,
 ) -> Believed {
     let own_group = format!("{}/{group}", who.uid);
     match verdict {
@@ -240,6 +270,7 @@ pub fn believe_hello(
             group_key: own_group,
             resolver,
             priority,
+            compute,
             vetted: false,
             entitlement: "unrestricted (no policy)".into(),
             capped: Vec::new(),
@@ -248,9 +279,11 @@ pub fn believe_hello(
             // A group of its own, whatever it names: joining another group (even one of
             // its own user, such as a host process's) would let it borrow that group's room.
             group_key: format!("{}:{}/{group}", who.uid, who.pid),
-            // It can never burst: its resolver and priority do not matter.
+            // It can never burst: its resolver and priority do not matter. Nor is it
+            // guaranteed any of the GPU's time.
             resolver: Resolver::Wait,
             priority: priority.min(0),
+            compute: None,
             vetted: false,
             entitlement: match verdict {
                 Verdict::Unknown { why } => {
@@ -259,7 +292,9 @@ pub fn believe_hello(
                 Verdict::NotEntitled { why } => format!("not entitled: {why}"),
                 _ => unreachable!("matched above"),
             },
-            capped: vec!["no guarantee and no burst".into()],
+            capped: std::iter::once("no guarantee and no burst".to_owned())
+                .chain(compute.map(|c| format!("compute {}/{} -> none", c.request, c.limit)))
+                .collect(),
         },
         Verdict::Entitled(e) => {
             let mut capped = Vec::new();
@@ -279,10 +314,15 @@ pub fn believe_hello(
                 }
                 None => own_group,
             };
+            let compute = match (compute, e.max_compute) {
+                (Some(declared), Some(max)) => Some(cap_compute(declared, max, &mut capped)),
+                (declared, _) => declared,
+            };
             Believed {
                 group_key,
                 resolver: held_to,
                 priority: priority.min(e.max_priority),
+                compute,
                 vetted: true,
                 entitlement: e.source.clone(),
                 capped,
@@ -346,25 +386,41 @@ mod tests {
             max_priority: 5,
             resolver: Some(Resolver::Swap),
             group: group.map(str::to_owned),
+            max_compute: Some(spec(300, 800)),
         })
+    }
+
+    fn spec(request: u16, limit: u16) -> ComputeSpec {
+        ComputeSpec {
+            request: ComputeShare::from_per_mille(request).unwrap(),
+            limit: ComputeShare::from_per_mille(limit).unwrap(),
+        }
     }
 
     #[test]
     fn a_hello_is_believed_up_to_the_entitlement() {
-        let b = believe_hello(&Verdict::Unrestricted, &NoPolicy, &who(), "a", Resolver::Priority, 99);
+        let b = believe_hello(&Verdict::Unrestricted, &NoPolicy, &who(), "a", Resolver::Priority, 99, None);
         assert_eq!(
             (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
             ("1000/a", Resolver::Priority, 99, false)
         );
         assert_eq!(shown_group(&b.group_key), "a");
-        let b = believe_hello(&entitled(Some("k8s-x-c")), &NoPolicy, &who(), "other", Resolver::Priority, 99);
+        let b = believe_hello(
+            &entitled(Some("k8s-x-c")),
+            &NoPolicy,
+            &who(),
+            "other",
+            Resolver::Priority,
+            99,
+            None,
+        );
         assert_eq!(
             (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
             ("@k8s-x-c", Resolver::Swap, 5, true)
         );
         assert_eq!(shown_group(&b.group_key), "k8s-x-c");
         assert_eq!(b.capped.len(), 3, "{:?}", b.capped);
-        let b = believe_hello(&entitled(None), &NoPolicy, &who(), "a", Resolver::Swap, 1);
+        let b = believe_hello(&entitled(None), &NoPolicy, &who(), "a", Resolver::Swap, 1, None);
         assert!(b.capped.is_empty() && b.group_key == "1000/a");
         let b = believe_hello(
             &Verdict::NotEntitled { why: "no shares".into() },
@@ -373,6 +429,7 @@ mod tests {
             "a",
             Resolver::Priority,
             7,
+            None,
         );
         assert_eq!((b.resolver, b.priority, b.vetted), (Resolver::Wait, 0, false));
         assert!(b.entitlement.contains("no shares"));
@@ -388,6 +445,7 @@ mod tests {
             "a",
             Resolver::Priority,
             7,
+            None,
         );
         assert_eq!(
             (b.group_key.as_str(), b.resolver, b.priority, b.vetted),
@@ -398,6 +456,52 @@ mod tests {
             "{}",
             b.entitlement
         );
+    }
+
+    #[test]
+    fn a_compute_share_is_believed_up_to_the_entitlement() {
+        let hello = |verdict: &Verdict, compute: Option<ComputeSpec>| {
+            believe_hello(verdict, &NoPolicy, &who(), "a", Resolver::Swap, 1, compute)
+        };
+        // Cut: the request to 30%, the limit to 80%, each shown as the priority is.
+        let b = hello(&entitled(None), Some(spec(900, 1000)));
+        assert_eq!(b.compute, Some(spec(300, 800)));
+        assert_eq!(b.capped, ["compute request 90% -> 30%", "compute limit 100% -> 80%"]);
+        // Kept: within the entitlement, or nothing declared (nothing is added).
+        let b = hello(&entitled(None), Some(spec(125, 500)));
+        assert_eq!((b.compute, b.capped.len()), (Some(spec(125, 500)), 0));
+        assert_eq!(hello(&entitled(None), None).compute, None);
+        // A limit cut below the request cuts the request too.
+        let mut e = match entitled(None) {
+            Verdict::Entitled(e) => e,
+            _ => unreachable!(),
+        };
+        e.max_compute = Some(spec(500, 200));
+        let b = hello(&Verdict::Entitled(e.clone()), Some(spec(400, 1000)));
+        assert_eq!(b.compute, Some(spec(200, 200)));
+        assert_eq!(b.capped, ["compute request 40% -> 20%", "compute limit 100% -> 20%"]);
+        // No compute request vouched: no guarantee, the declared limit believed.
+        e.max_compute = Some(NO_COMPUTE_REQUEST);
+        let b = hello(&Verdict::Entitled(e.clone()), Some(spec(300, 700)));
+        assert_eq!(
+            (b.compute, b.capped.as_slice()),
+            (Some(spec(0, 700)), &["compute request 30% -> 0%".to_owned()][..])
+        );
+        // The source says nothing of compute (the policy file without compute fields).
+        e.max_compute = None;
+        assert_eq!(hello(&Verdict::Entitled(e), Some(spec(900, 1000))).compute, Some(spec(900, 1000)));
+        // Unrestricted: believed as declared.
+        let b = hello(&Verdict::Unrestricted, Some(spec(900, 1000)));
+        assert_eq!((b.compute, b.capped.len()), (Some(spec(900, 1000)), 0));
+        // Not entitled, or not known: no share at all (no guarantee of anything).
+        for verdict in
+            [Verdict::NotEntitled { why: "no shares".into() }, Verdict::Unknown { why: "timeout".into() }]
+        {
+            let b = hello(&verdict, Some(spec(300, 800)));
+            assert_eq!(b.compute, None);
+            assert!(b.capped.contains(&"compute 30%/80% -> none".to_owned()), "{:?}", b.capped);
+            assert_eq!(hello(&verdict, None).capped, ["no guarantee and no burst"]);
+        }
     }
 
     #[test]

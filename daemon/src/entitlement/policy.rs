@@ -4,7 +4,8 @@
 //! ```json
 //! {
 //!   "default": { "max_request": "0", "max_limit": "25%", "max_priority": 0, "resolvers": ["wait"] },
-//!   "uids": { "1000": { "max_request": "4GiB", "max_limit": "8GiB", "max_priority": 10 } },
+//!   "uids": { "1000": { "max_request": "4GiB", "max_limit": "8GiB", "max_priority": 10,
+//!                       "max_compute_request": "30%", "max_compute_limit": "80%" } },
 //!   "gids": { "2000": { "max_request": 0.25, "max_limit": 0.5, "resolvers": ["wait", "swap"] } }
 //! }
 //! ```
@@ -13,12 +14,17 @@
 //! with none of them it is not entitled. Sizes are written as everywhere in gpufrac
 //! (`4GiB`, `0.25` of the device, `25%`, or `0`); `max_priority` defaults to 0 and
 //! `resolvers` (those a process may use; the first is forced on one asking another) to
-//! all three. Everything is checked when the arbiter starts, and an error names the file,
-//! the entry and the field.
+//! all three. `max_compute_request` and `max_compute_limit` (optional: a share of one
+//! GPU's time, `30%` or `0.3`) cap the compute share a process declares
+//! (`GPUFRAC_COMPUTE_REQUEST`, `GPUFRAC_COMPUTE_LIMIT`): a request alone leaves the limit
+//! free (up to 100%), a limit alone caps the request too (a request is never above the
+//! limit); with neither, the declared share is believed. Everything is checked when the
+//! arbiter starts, and an error names the file, the entry and the field.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::Resolver;
 use serde::Deserialize;
 
@@ -34,6 +40,10 @@ struct RawEntry {
     max_priority: i32,
     #[serde(default)]
     resolvers: Option<Vec<String>>,
+    #[serde(default)]
+    max_compute_request: Option<serde_json::Value>,
+    #[serde(default)]
+    max_compute_limit: Option<serde_json::Value>,
 }
 
 /// The file as written.
@@ -58,6 +68,8 @@ struct Entry {
     max_priority: i32,
     /// Never empty.
     resolvers: Vec<Resolver>,
+    /// `None`: no compute field, the declared share is believed.
+    max_compute: Option<ComputeSpec>,
 }
 
 /// Entitlements from an admin's policy file.
@@ -98,8 +110,53 @@ fn amount(
         .map_err(|e| invalid(path, format!("{entry}: {e}")))
 }
 
-/// The bytes an amount stands for on a device the size of the largest real one, to
-/// compare two amounts of different kinds only roughly: both are checked per device later.
+/// A compute share field: a string or a number as gpufrac reads shares (`30%`, `0.3`).
+fn share(
+    path: &Path,
+    entry: &str,
+    field: &str,
+    value: Option<&serde_json::Value>,
+) -> Result<Option<ComputeShare>, EntitlementError> {
+    let text = match value {
+        None => return Ok(None),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Number(n)) => n.to_string(),
+        Some(other) => {
+            return Err(invalid(
+                path,
+                format!(
+                "{entry}: {field}: expected a share of one GPU's time such as \"30%\" or 0.3, got {other}"
+            ),
+            ))
+        }
+    };
+    ComputeShare::parse(field, &text).map(Some).map_err(|e| invalid(path, format!("{entry}: {e}")))
+}
+
+/// The compute share an entry caps declared shares to (`None`: no compute field).
+fn max_compute(path: &Path, name: &str, raw: &RawEntry) -> Result<Option<ComputeSpec>, EntitlementError> {
+    let request = share(path, name, "max_compute_request", raw.max_compute_request.as_ref())?;
+    let limit = share(path, name, "max_compute_limit", raw.max_compute_limit.as_ref())?;
+    let spec = match (request, limit) {
+        (None, None) => return Ok(None),
+        (Some(request), None) => ComputeSpec { request, limit: ComputeShare::WHOLE },
+        // A request is never above its limit: the limit caps both.
+        (None, Some(limit)) => ComputeSpec { request: limit, limit },
+        (Some(request), Some(limit)) => ComputeSpec { request, limit },
+    };
+    if spec.limit == ComputeShare::ZERO {
+        return Err(invalid(
+            path,
+            format!("{name}: max_compute_limit: 0% would never let a process run (use max_compute_request 0 for no guarantee)"),
+        ));
+    }
+    if spec.limit < spec.request {
+        return Err(invalid(path, format!("{name}: max_compute_limit is below max_compute_request")));
+    }
+    Ok(Some(spec))
+}
+
+/// Checks one entry as written (`name` for errors).
 fn check_entry(path: &Path, name: String, raw: &RawEntry) -> Result<Entry, EntitlementError> {
     let max_request = amount(path, &name, "max_request", &raw.max_request)?;
     let max_limit = amount(path, &name, "max_limit", &raw.max_limit)?;
@@ -127,7 +184,8 @@ fn check_entry(path: &Path, name: String, raw: &RawEntry) -> Result<Entry, Entit
             })
             .collect::<Result<Vec<_>, _>>()?,
     };
-    Ok(Entry { name, max_request, max_limit, max_priority: raw.max_priority, resolvers })
+    let max_compute = max_compute(path, &name, raw)?;
+    Ok(Entry { name, max_request, max_limit, max_priority: raw.max_priority, resolvers, max_compute })
 }
 
 fn ids(
@@ -191,6 +249,7 @@ impl Entitlements for PolicyFile {
             max_priority: entry.max_priority,
             resolver: (entry.resolvers.len() == 1).then(|| entry.resolvers[0]),
             group: None,
+            max_compute: entry.max_compute,
         })
     }
 
@@ -245,10 +304,40 @@ mod tests {
             (e.max_request, e.max_limit, e.resolver),
             (Amount::Bytes(0), Amount::Fraction(0.25), Some(Resolver::Wait))
         );
+        assert_eq!(e.max_compute, None, "no compute field: the declared share is believed");
         let p = parse(r#"{ "uids": { "1000": { "max_request": "1GiB", "max_limit": "1GiB" } } }"#).unwrap();
         assert!(
             matches!(p.lookup(&who(7, 7)), Verdict::NotEntitled { why } if why.contains("no entry for uid 7"))
         );
+    }
+
+    #[test]
+    fn compute_fields_cap_the_declared_share() {
+        let spec = |r: u16, l: u16| {
+            Some(ComputeSpec {
+                request: ComputeShare::from_per_mille(r).unwrap(),
+                limit: ComputeShare::from_per_mille(l).unwrap(),
+            })
+        };
+        let p = parse(
+            r#"{
+              "default": { "max_request": "0", "max_limit": "1GiB", "max_compute_request": 0 },
+              "uids": {
+                "1": { "max_request": "0", "max_limit": "1GiB", "max_compute_request": "30%", "max_compute_limit": 0.8 },
+                "2": { "max_request": "0", "max_limit": "1GiB", "max_compute_request": "12.5%" },
+                "3": { "max_request": "0", "max_limit": "1GiB", "max_compute_limit": "50%" }
+              }
+            }"#,
+        )
+        .unwrap();
+        let max = |uid| match p.lookup(&who(uid, 0)) {
+            Verdict::Entitled(e) => e.max_compute,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(max(1), spec(300, 800));
+        assert_eq!(max(2), spec(125, 1000), "a request alone leaves the limit free");
+        assert_eq!(max(3), spec(500, 500), "a limit alone caps the request too");
+        assert_eq!(max(7), spec(0, 1000), "no guarantee");
     }
 
     #[test]
@@ -281,6 +370,22 @@ mod tests {
             (
                 r#"{ "default": { "max_request": "1GiB", "max_limit": "1GiB", "resolvers": [] } }"#,
                 "default: resolvers: empty",
+            ),
+            (
+                r#"{ "default": { "max_request": "0", "max_limit": "1GiB", "max_compute_request": "150%" } }"#,
+                "default: invalid max_compute_request=\"150%\"",
+            ),
+            (
+                r#"{ "default": { "max_request": "0", "max_limit": "1GiB", "max_compute_limit": [1] } }"#,
+                "default: max_compute_limit: expected a share",
+            ),
+            (
+                r#"{ "default": { "max_request": "0", "max_limit": "1GiB", "max_compute_request": "50%", "max_compute_limit": "40%" } }"#,
+                "default: max_compute_limit is below max_compute_request",
+            ),
+            (
+                r#"{ "default": { "max_request": "0", "max_limit": "1GiB", "max_compute_limit": 0 } }"#,
+                "default: max_compute_limit: 0% would never let a process run",
             ),
             ("{", "EOF"),
         ] {

@@ -320,6 +320,7 @@ impl Case {
                                 max_priority: 0,
                                 resolver: None,
                                 group: None,
+                                max_compute: None,
                             });
                         let (r, l, _) =
                             crate::entitlement::believe_register(&verdict, &d.id, d.total, request, limit);

@@ -6,8 +6,10 @@
 //! For a pod (found by UID in the store of this node's pods): the checkpoint's claims whose
 //! `podUids` hold the pod's UID and whose namespace is the pod's. Exactly one device among
 //! them is the entitlement: that GPU only, the claim's request and limit in bytes, its
-//! resolver, its priority (default the pod's `spec.priority`), and the claim's group
-//! ([`gpufrac_common::dra::group_name`]: every process using the claim shares its memory).
+//! resolver, its priority (default the pod's `spec.priority`), its compute share as
+//! prepared ([`PreparedDevice::compute`]; none prepared: no compute request, any limit),
+//! and the claim's group ([`gpufrac_common::dra::group_name`]: every process using the
+//! claim shares its memory).
 //! None is a refusal; several (two claims, or a claim of two GPUs) are refused too, naming
 //! them: a process uses one GPU.
 //!
@@ -24,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use gpufrac_common::dra::{group_name, Checkpoint, PreparedClaim, PreparedDevice};
 
 use super::pods::PodRecord;
-use super::{Amount, Entitlement};
+use super::{Amount, Entitlement, NO_COMPUTE_REQUEST};
 
 /// What identifies one version of the checkpoint file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +174,8 @@ pub fn decide(pod: &PodRecord, checkpoint: &Checkpoint) -> Result<Entitlement, D
             device.limit_bytes, device.request_bytes
         )));
     }
+    // Checked when the checkpoint was read; a device that is not a share is not believed.
+    let compute = device.compute().map_err(|e| DraRefusal::Invalid(format!("{which}: {e}")))?;
     Ok(Entitlement {
         source: format!("DRA claim {}/{}", claim.namespace, claim.name),
         devices: Some(vec![uuid]),
@@ -180,5 +184,6 @@ pub fn decide(pod: &PodRecord, checkpoint: &Checkpoint) -> Result<Entitlement, D
         max_priority: device.priority.unwrap_or(pod.priority),
         resolver: device.resolver,
         group: Some(group_name(&claim.uid)),
+        max_compute: Some(compute.unwrap_or(NO_COMPUTE_REQUEST)),
     })
 }

@@ -25,17 +25,22 @@
 //!      ([`podresources`]; `<GPU UUID>::<n>`, all on one GPU) → `shares / shares_per_gpu`
 //!      of that GPU, and only that GPU. *Limit:* the pod's `gpufrac.io/gpu-fraction-limit`
 //!      (never below the request; default the request); *resolver:* `gpufrac.io/resolver`
-//!      (default `wait`); both only for the container the pod's `gpufrac.io/container`
-//!      names (default the first), as the webhook applies them; another container with
-//!      shares gets limit = request and `wait`. *Priority:* `spec.priority` (default 0).
+//!      (default `wait`); *compute share:* `gpufrac.io/compute-fraction` (the most
+//!      compute request believed; absent: 0%, no guarantee) and
+//!      `gpufrac.io/compute-fraction-limit` (the most compute limit believed; absent:
+//!      100%), read as the webhook reads them; all only for the container the pod's
+//!      `gpufrac.io/container` names (default the first), as the webhook applies them;
+//!      another container with shares gets limit = request, `wait` and no compute
+//!      request. *Priority:* `spec.priority` (default 0).
 //!      *Group:* `k8s-<pod uid>-<container name>` ([`group_name`]). A bad annotation
 //!      refuses the entitlement, naming it.
 //!    - **DRA claims** ([`KubernetesOptions::dra_checkpoint`]; [`dra`]): the claims the DRA
 //!      kubelet plugin prepared for the pod, as its checkpoint records them, whatever the
 //!      container (only containers given the claim see its GPU). Exactly one GPU among
 //!      the pod's claims of its namespace: that GPU, the claim's request and limit in
-//!      bytes, its resolver, its priority (default `spec.priority`), group
-//!      `dra-<claim uid>`. None, or several, is a refusal naming them.
+//!      bytes, its resolver, its priority (default `spec.priority`), its compute share as
+//!      prepared (none: no compute request), group `dra-<claim uid>`. None, or several,
+//!      is a refusal naming them.
 //!
 //! The store is the cache of pods: a changed pod is seen once the watch delivers it, and
 //! the API server is never asked per lookup. The kubelet's answer about a pod's shares is
@@ -70,9 +75,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpufrac_common::compute::ComputeSpec;
 use gpufrac_common::resolver::Resolver;
 
-use super::{Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict};
+use super::{Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict, NO_COMPUTE_REQUEST};
 
 pub mod dra;
 pub mod podresources;
@@ -97,6 +103,10 @@ pub const FRACTION_LIMIT: &str = "gpufrac.io/gpu-fraction-limit";
 pub const RESOLVER: &str = "gpufrac.io/resolver";
 /// The pod annotation naming the container that gets the GPU (default the first).
 pub const CONTAINER: &str = "gpufrac.io/container";
+/// The pod annotation holding the compute request, a share of the GPU's time.
+pub const COMPUTE: &str = "gpufrac.io/compute-fraction";
+/// The pod annotation holding the compute limit, a share of the GPU's time.
+pub const COMPUTE_LIMIT: &str = "gpufrac.io/compute-fraction-limit";
 /// Shares per GPU, as the device plugin's `--shares-per-gpu` default.
 pub const DEFAULT_SHARES_PER_GPU: u32 = 100;
 /// How long the kubelet's answer about a pod's shares is kept.
@@ -576,13 +586,22 @@ fn decide(
             .parse::<Resolver>()
             .map_err(|e| format!("{at}: annotation {RESOLVER}={}: {e}", shown(text)))?,
     };
+    // As the webhook reads them (and as the shim reads the variables it sets): a request
+    // alone may burst to the whole GPU, a limit alone guarantees nothing.
+    let compute = ComputeSpec::from_texts(
+        (COMPUTE, pod.annotations.get(COMPUTE).map(String::as_str)),
+        (COMPUTE_LIMIT, pod.annotations.get(COMPUTE_LIMIT).map(String::as_str)),
+    )
+    .map_err(|e| format!("{at}: annotation {}={}: {}", e.input, shown(&e.value), e.reason))?
+    .unwrap_or(NO_COMPUTE_REQUEST);
     // The webhook gives the annotations to one container; another with shares (asked for
-    // with gpufrac.io/gpu directly) gets its request as its limit, and `wait`.
+    // with gpufrac.io/gpu directly) gets its request as its limit, `wait`, and no compute
+    // request.
     let target = pod.annotations.get(CONTAINER).or_else(|| pod.containers.first());
-    let (limit, resolver) = match target == Some(container) {
+    let (limit, resolver, compute) = match target == Some(container) {
         // The webhook raises a limit below the whole shares granted to them (0.333 → 0.34).
-        true => (limit.unwrap_or(request).max(request), resolver),
-        false => (request, Resolver::Wait),
+        true => (limit.unwrap_or(request).max(request), resolver, compute),
+        false => (request, Resolver::Wait, NO_COMPUTE_REQUEST),
     };
     Ok(Entitlement {
         source: format!("kubelet: {}/{} container {container}", pod.namespace, pod.name),
@@ -592,6 +611,7 @@ fn decide(
         max_priority: pod.priority,
         resolver: Some(resolver),
         group: Some(group_name(&pod.uid, container)),
+        max_compute: Some(compute),
     })
 }
 
@@ -758,6 +778,49 @@ mod tests {
         assert_eq!(e.max_request, Amount::Fraction(0.01));
         assert_eq!(e.max_limit, Amount::Fraction(0.01));
         assert_eq!(e.resolver, Some(Resolver::Wait));
+    }
+
+    fn compute_spec(request: u16, limit: u16) -> Option<ComputeSpec> {
+        use gpufrac_common::compute::ComputeShare;
+        Some(ComputeSpec {
+            request: ComputeShare::from_per_mille(request).unwrap(),
+            limit: ComputeShare::from_per_mille(limit).unwrap(),
+        })
+    }
+
+    #[test]
+    fn compute_annotations_are_the_most_compute_share_believed() {
+        let ids = ids(10);
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let max = |annotations: &[(&str, &str)], container: &str| {
+            decide_for(&entry(annotations, &refs), container, None, 100).expect("entitled").max_compute
+        };
+        assert_eq!(max(&[(COMPUTE, "30%"), (COMPUTE_LIMIT, "0.8")], "aa11"), compute_spec(300, 800));
+        assert_eq!(max(&[(COMPUTE, "12.5%")], "aa11"), compute_spec(125, 1000), "a request alone: any limit");
+        assert_eq!(max(&[(COMPUTE_LIMIT, "40%")], "aa11"), compute_spec(0, 400), "a limit alone: no request");
+        // No annotation: no compute request vouched, a declared limit believed.
+        assert_eq!(max(&[], "aa11"), compute_spec(0, 1000));
+        // The other container with shares gets no compute request, whatever the annotations.
+        assert_eq!(max(&[(COMPUTE, "30%")], "bb22"), compute_spec(0, 1000));
+        assert_eq!(max(&[(COMPUTE, "30%"), (CONTAINER, "side")], "bb22"), compute_spec(300, 1000));
+    }
+
+    #[test]
+    fn a_bad_compute_annotation_refuses_the_pod() {
+        let ids = ids(10);
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        for (annotations, want) in [
+            (&[(COMPUTE, "150%")][..], "gpufrac.io/compute-fraction=\"150%\""),
+            (&[(COMPUTE, "lots")][..], "gpufrac.io/compute-fraction=\"lots\""),
+            (&[(COMPUTE_LIMIT, "0%")][..], "gpufrac.io/compute-fraction-limit=\"0%\""),
+            (&[(COMPUTE, "50%"), (COMPUTE_LIMIT, "40%")][..], "gpufrac.io/compute-fraction-limit=\"40%\""),
+        ] {
+            // Whichever container asks: the annotation is the pod's mistake.
+            for container in ["aa11", "bb22"] {
+                let why = decide_for(&entry(annotations, &refs), container, None, 100).expect_err(want);
+                assert!(why.starts_with("pod ns/p: annotation ") && why.contains(want), "{why}");
+            }
+        }
     }
 
     #[test]
