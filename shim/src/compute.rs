@@ -26,7 +26,7 @@ use crate::real::{resolve, Lib};
 
 /// The pacing window: short enough that a neighbour never waits long for the GPU, long
 /// enough that the windows cost little (a sleep and a synchronize per window at least).
-pub(crate) const PERIOD: Duration = Duration::from_millis(10);
+pub(crate) const PERIOD: Duration = Duration::from_millis(4);
 
 /// The process's pace in per mille (1000: unpaced): the smallest of its GPUs' paces.
 static PACE_PM: AtomicU16 = AtomicU16::new(1000);
@@ -119,19 +119,26 @@ mod tests {
         set_pace([1; 16], 300);
         set_pace([2; 16], 800);
         assert_eq!(PACE_PM.load(Relaxed), 300);
-        // 200 calls that do nothing on the GPU pass in about as many windows' open parts:
-        // at least the closed part of most periods is waited.
+        // Calls of 0.2 ms each, back to back for 300 ms: paced at 30%, they start only in
+        // the open 30% of each period, so they keep the "GPU" busy about a third of the
+        // time (the open part plus the last call's overrun), where unpaced they would keep it
+        // busy nearly all the time.
+        let work = Duration::from_micros(200);
         let started = Instant::now();
-        let mut passed = 0;
-        while started.elapsed() < Duration::from_millis(200) {
+        let mut busy = Duration::ZERO;
+        while started.elapsed() < Duration::from_millis(300) {
             pace();
-            passed += 1;
-            // The call itself: 1 ms of work.
-            std::thread::sleep(Duration::from_millis(1));
+            let call = Instant::now();
+            while call.elapsed() < work {}
+            busy += call.elapsed();
         }
-        // Unpaced that is about 190 calls; at 30% of each 10 ms, at most about 3-4 per
-        // period (open 3 ms, each call 1 ms), so about 60-80.
-        assert!(passed < 110, "{passed} calls passed in 200 ms at a 30% pace");
+        let share = busy.as_secs_f64() / started.elapsed().as_secs_f64();
+        let overrun = work.as_secs_f64() / PERIOD.as_secs_f64();
+        assert!(
+            share > 0.15 && share < 0.3 + overrun + 0.1,
+            "calls kept {:.0}% busy at a 30% pace",
+            share * 100.0
+        );
         set_pace([1; 16], 1000);
         assert_eq!(PACE_PM.load(Relaxed), 800);
         forget_paces();

@@ -7,20 +7,24 @@
 //! that much), divided by the wall time. Prints a table; asserts nothing.
 //!
 //! Run: `cargo build --release --workspace && target/release/compute_bench [--seconds 10]
-//! [--only split,alone,latency]` (about 2 minutes on 2 cores).
+//! [--only split,alone,latency] [--server 2000/8000]` (about 2 minutes on 2 cores;
+//! `--server` sets the latency server's kernel and mean gap between requests, in µs, and
+//! `--flood-kernel-us` the floods' kernels, 1000 by default).
 
 use std::time::Duration;
 
 use gpufrac_e2e::{artifact, unique, Arbiter, ChildProcess, SimGpu};
 
-const FLOOD_KERNEL_US: u64 = 1000;
 const FLOOD_DEPTH: &str = "16";
-const REQUEST_KERNEL_US: u64 = 2000;
-const REQUEST_MEAN_GAP_US: &str = "8000";
 const WARMUP_S: &str = "3";
 
 struct Bench {
     seconds: f64,
+    /// The latency server's kernel and mean gap between requests, in µs.
+    server_kernel_us: u64,
+    server_gap_us: u64,
+    /// The floods' kernels, in µs.
+    flood_kernel_us: u64,
     gpu: SimGpu,
     arbiter: Arbiter,
 }
@@ -84,16 +88,13 @@ impl Bench {
     }
 
     fn flood(&self, share: Share) -> ChildProcess {
-        let kernel = FLOOD_KERNEL_US.to_string();
+        let kernel = self.flood_kernel_us.to_string();
         self.start(share, &["flood", "--kernel-us", &kernel, "--depth", FLOOD_DEPTH])
     }
 
     fn server(&self, share: Share) -> ChildProcess {
-        let kernel = REQUEST_KERNEL_US.to_string();
-        self.start(
-            share,
-            &["requests", "--kernel-us", &kernel, "--mean-gap-us", REQUEST_MEAN_GAP_US, "--seed", "7"],
-        )
+        let (kernel, gap) = (self.server_kernel_us.to_string(), self.server_gap_us.to_string());
+        self.start(share, &["requests", "--kernel-us", &kernel, "--mean-gap-us", &gap, "--seed", "7"])
     }
 }
 
@@ -111,6 +112,7 @@ fn queueing(report: &serde_json::Value) -> (f64, f64) {
 
 fn main() {
     let mut seconds = 10.0;
+    let (mut server_kernel_us, mut server_gap_us, mut flood_kernel_us) = (2000, 8000, 1000);
     let mut only: Option<Vec<String>> = None;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -124,8 +126,26 @@ fn main() {
                 })
             }
             "--only" => only = Some(value.split(',').map(str::to_owned).collect()),
+            "--flood-kernel-us" => {
+                flood_kernel_us =
+                    value.parse().ok().filter(|k| (1..=1_000_000).contains(k)).unwrap_or_else(|| {
+                        eprintln!("compute_bench: --flood-kernel-us {value:?}: expected 1 to 1000000");
+                        std::process::exit(2)
+                    })
+            }
+            "--server" => {
+                // KERNEL_US/MEAN_GAP_US
+                let parsed = value
+                    .split_once('/')
+                    .and_then(|(k, g)| Some((k.parse::<u64>().ok()?, g.parse::<u64>().ok()?)))
+                    .filter(|&(k, g)| (1..=1_000_000).contains(&k) && k < g && g <= 10_000_000);
+                (server_kernel_us, server_gap_us) = parsed.unwrap_or_else(|| {
+                    eprintln!("compute_bench: --server {value:?}: expected KERNEL_US/MEAN_GAP_US, the kernel shorter than the gap, such as 2000/8000");
+                    std::process::exit(2)
+                })
+            }
             _ => {
-                eprintln!("compute_bench: unknown argument {flag:?}\nusage: compute_bench [--seconds S] [--only split,alone,latency]");
+                eprintln!("compute_bench: unknown argument {flag:?}\nusage: compute_bench [--seconds S] [--only split,alone,latency] [--server KERNEL_US/MEAN_GAP_US] [--flood-kernel-us N]");
                 std::process::exit(2)
             }
         }
@@ -133,17 +153,20 @@ fn main() {
     let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
     let arbiter = Arbiter::start(&gpu);
-    let bench = Bench { seconds, gpu, arbiter };
-    println!("compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU");
+    let bench = Bench { seconds, server_kernel_us, server_gap_us, flood_kernel_us, gpu, arbiter };
+    println!(
+        "compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU, floods of {flood_kernel_us} µs kernels"
+    );
     println!("| configuration | result |");
     println!("| --- | --- |");
 
     if wanted("split") {
         let bare = bench.run(vec![bench.flood(None), bench.flood(None)]);
-        let (a, b) = (share_of(&bare[0], FLOOD_KERNEL_US), share_of(&bare[1], FLOOD_KERNEL_US));
+        let (a, b) = (share_of(&bare[0], bench.flood_kernel_us), share_of(&bare[1], bench.flood_kernel_us));
         println!("| two floods, bare (the GPU's time-slicing) | {:.1}% / {:.1}% |", a * 100.0, b * 100.0);
         let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
-        let (a, b) = (share_of(&shared[0], FLOOD_KERNEL_US), share_of(&shared[1], FLOOD_KERNEL_US));
+        let (a, b) =
+            (share_of(&shared[0], bench.flood_kernel_us), share_of(&shared[1], bench.flood_kernel_us));
         println!(
             "| two floods, compute requests 30% and 70% | {:.1}% / {:.1}% (off by {:+.1} / {:+.1} points) |",
             a * 100.0,
@@ -153,36 +176,38 @@ fn main() {
         );
     }
     if wanted("alone") {
+        let bare = bench.run(vec![bench.flood(None)]);
+        println!("| one flood alone, bare | {:.1}% |", share_of(&bare[0], bench.flood_kernel_us) * 100.0);
         let alone = bench.run(vec![bench.flood(Some(("30%", "100%")))]);
         println!(
             "| one flood alone, request 30%, limit 100% | {:.1}% |",
-            share_of(&alone[0], FLOOD_KERNEL_US) * 100.0
+            share_of(&alone[0], bench.flood_kernel_us) * 100.0
         );
         let capped = bench.run(vec![bench.flood(Some(("20%", "60%")))]);
         println!(
             "| one flood alone, request 20%, limit 60% | {:.1}% |",
-            share_of(&capped[0], FLOOD_KERNEL_US) * 100.0
+            share_of(&capped[0], bench.flood_kernel_us) * 100.0
         );
     }
     if wanted("latency") {
         let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);
         let (p50, p99) = queueing(&alone[0]);
         println!(
-            "| latency server alone (request 50%; {REQUEST_KERNEL_US} µs kernels, Poisson arrivals every {REQUEST_MEAN_GAP_US} µs on average) | queueing p50 {p50:.2} ms, p99 {p99:.2} ms |"
+            "| latency server alone (request 50%; {server_kernel_us} µs kernels, Poisson arrivals every {server_gap_us} µs on average) | queueing p50 {p50:.2} ms, p99 {p99:.2} ms |"
         );
         let bare = bench.run(vec![bench.server(None), bench.flood(None)]);
         let (b50, b99) = queueing(&bare[0]);
         println!(
             "| latency server beside a flood, bare | queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.1}% |",
             b99 / p99,
-            share_of(&bare[1], FLOOD_KERNEL_US) * 100.0
+            share_of(&bare[1], bench.flood_kernel_us) * 100.0
         );
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
         let (s50, s99) = queueing(&shared[0]);
         println!(
             "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.1}% |",
             s99 / p99,
-            share_of(&shared[1], FLOOD_KERNEL_US) * 100.0
+            share_of(&shared[1], bench.flood_kernel_us) * 100.0
         );
     }
 }
