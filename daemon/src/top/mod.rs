@@ -12,7 +12,7 @@ mod term;
 
 use std::path::Path;
 
-use crate::status::{ago, gib, printable, seconds, Document, FetchError, GpuStatus};
+use crate::status::{ago, gib, printable, seconds, share, Document, FetchError, GpuStatus};
 
 pub use term::{run, TopError};
 
@@ -197,6 +197,15 @@ impl GpuView {
     }
 }
 
+/// A process's compute share as `used/request`, `paced` when held to it; `-` without one.
+fn compute(p: &crate::status::ProcessStatus) -> String {
+    if p.compute_limit_pm == 0 {
+        return "-".to_owned();
+    }
+    let paced = if p.compute_pace_pm < 1000 { " paced" } else { "" };
+    format!("{}/{}{paced}", share(p.compute_used_pm), share(p.compute_request_pm))
+}
+
 /// Rows of text under a header, for the processes, the queue and the events.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Table {
@@ -344,9 +353,11 @@ impl App {
             processes: Table {
                 header: vec![
                     "GPU", "PID", "GROUP", "POD", "REQUEST", "LIMIT", "HELD", "STATE", "PRIO", "RESOLVER",
-                    "WAITS", "SWAPS",
+                    "WAITS", "SWAPS", "GPU TIME",
                 ],
-                right: vec![true, true, false, false, true, true, true, false, true, false, true, true],
+                right: vec![
+                    true, true, false, false, true, true, true, false, true, false, true, true, false,
+                ],
                 rows: Vec::new(),
             },
             queue: Table {
@@ -411,6 +422,7 @@ impl App {
                     printable(&p.resolver).into_owned(),
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms),
+                    compute(p),
                 ]
             })
             .collect();
