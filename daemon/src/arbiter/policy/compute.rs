@@ -4,7 +4,9 @@
 //!
 //! The rule, per GPU, every time fresh utilization samples arrive:
 //! - A group is *active* while its processes kept the GPU busy (at least 1% of a sample)
-//!   within the last [`ACTIVE_WINDOW`].
+//!   within the last [`ACTIVE_WINDOW`], or their shims reported launches, copies or sets
+//!   within [`ACTIVITY_WINDOW`] (a real GPU's NVML may go a while without a sample of a
+//!   process that runs little, a paced one say).
 //! - A group alone among the active ones may use the GPU up to its limit.
 //! - Beside other active groups, each gets its request, and the time no active group
 //!   requested is shared in proportion to the requests, never past a limit. The unused
@@ -12,10 +14,14 @@
 //!   request is there the moment its next request arrives, which is what keeps its
 //!   queueing short beside a flooding neighbour. Time of groups that are not active is
 //!   lent (work-conserving).
-//! - A group using more than its allowance is *paced*: the shim lets its work keep the
-//!   GPU busy only a fraction of the wall clock (see shim/src/compute.rs). The fraction is
-//!   corrected from what the GPU reports the group used (an integral controller), so that
-//!   what the group gets converges on its allowance whatever its kernels look like.
+//! - A group using more than its allowance is *paced*, as long as another active group is
+//!   not (that one's share is what the pacing protects; beside groups that are all paced
+//!   already, what it takes is time they cannot use, and pacing it too would leave the GPU
+//!   idle): the shim lets its calls start work only a fraction of the wall clock (see
+//!   shim/src/compute.rs). The fraction is corrected from what the GPU reports the group
+//!   used (an integral controller) and remembered as a factor over the allowance, so that
+//!   what the group gets converges on its allowance whatever its kernels look like, and a
+//!   group paced again starts where it left off.
 //!
 //! Processes without compute settings are neither paced nor guaranteed anything; what
 //! they use is shown (status's `compute_outside`) but not planned around.
@@ -28,7 +34,10 @@ use gpufrac_common::ComputeSpec;
 use super::{uuid_string, ConnId, Gpu, Peer, Policy};
 
 /// How long after its last busy sample a group still counts as active.
-pub const ACTIVE_WINDOW: Duration = Duration::from_millis(500);
+pub const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
+/// How long after its shim last reported activity a group still counts as active (the
+/// shim reports at most once a second).
+pub const ACTIVITY_WINDOW: Duration = Duration::from_millis(2500);
 /// Below this share of a sample a process is idle (a stray launch is not activity).
 const BUSY_SHARE: f64 = 0.01;
 /// How much a pace moves per unit of error (allowance - use) at each sample.
@@ -56,11 +65,18 @@ pub(super) struct GroupCompute {
     pub allowance: f64,
     /// Its pace (0 to 1); 1: unpaced.
     pub pace: f64,
+    /// The pace it needed over its allowance, learnt while paced (1 until then): where a
+    /// new pacing starts.
+    pub factor: f64,
 }
 
 impl GroupCompute {
-    fn active(&self, now: Instant) -> bool {
+    fn busy_lately(&self, now: Instant) -> bool {
         self.last_busy.is_some_and(|t| now.saturating_duration_since(t) <= ACTIVE_WINDOW)
+    }
+
+    fn paced(&self) -> bool {
+        self.pace > 0.0 && self.pace < 1.0
     }
 
     /// The pace in per mille, as the shim is told it.
@@ -175,24 +191,41 @@ impl Policy {
                 SMOOTHING * (total - accounted).max(0.0) + (1.0 - SMOOTHING) * gpu.compute_outside;
             let names: Vec<String> =
                 gpu.groups.iter().filter(|(_, g)| g.compute.spec.is_some()).map(|(n, _)| n.clone()).collect();
-            let shares: Vec<(f64, f64, bool)> = names
+            let peers = &self.peers;
+            let active: Vec<bool> = names
                 .iter()
                 .map(|n| {
-                    let c = &gpu.groups[n].compute;
-                    let spec = c.spec.unwrap_or(ComputeSpec {
+                    let g = &gpu.groups[n];
+                    let reported = g.members.keys().filter_map(|c| peers.get(c)).any(|p| {
+                        p.activity > 0 && now.saturating_duration_since(p.last_active) <= ACTIVITY_WINDOW
+                    });
+                    g.compute.busy_lately(now) || reported
+                })
+                .collect();
+            let shares: Vec<(f64, f64, bool)> = names
+                .iter()
+                .zip(&active)
+                .map(|(n, &active)| {
+                    let spec = gpu.groups[n].compute.spec.unwrap_or(ComputeSpec {
                         request: gpufrac_common::ComputeShare::ZERO,
                         limit: gpufrac_common::ComputeShare::WHOLE,
                     });
-                    (spec.request.fraction(), spec.limit.fraction(), c.active(now))
+                    (spec.request.fraction(), spec.limit.fraction(), active)
                 })
                 .collect();
             let planned = allowances(&shares);
-            for (name, allowance) in names.iter().zip(planned) {
+            // Whose share pacing protects: active groups not paced themselves.
+            let unpaced: Vec<bool> =
+                names.iter().zip(&active).map(|(n, &a)| a && !gpu.groups[n].compute.paced()).collect();
+            for (i, (name, allowance)) in names.iter().zip(planned).enumerate() {
+                let protects = (0..names.len()).any(|j| j != i && unpaced[j]);
                 let Some(group) = gpu.groups.get_mut(name) else { continue };
                 let c = &mut group.compute;
                 let before = c.pace_pm();
                 c.allowance = allowance;
-                c.pace = next_pace(c.pace, c.used, allowance, c.active(now));
+                // Beside groups that are all paced, it may take up to its limit.
+                let target = if protects { allowance } else { shares[i].1 };
+                (c.pace, c.factor) = next_pace(c.pace, c.factor, c.used, target, active[i]);
                 let after = c.pace_pm();
                 if before != after && (before == 1000 || after == 1000) {
                     tracing::info!(group = %crate::entitlement::shown_group(name), gpu = %uuid_string(device),
@@ -213,21 +246,29 @@ impl Policy {
     }
 }
 
-/// The next pace of a group that used `used` of the GPU against an `allowance`.
-fn next_pace(pace: f64, used: f64, allowance: f64, active: bool) -> f64 {
+/// The next pace and factor of a group that used `used` of the GPU against a `target`.
+fn next_pace(pace: f64, factor: f64, used: f64, target: f64, active: bool) -> (f64, f64) {
+    let factor = if factor > 0.0 { factor } else { 1.0 };
     let unpaced = pace >= 1.0 || pace <= 0.0;
-    if !active || allowance >= 0.999 {
-        return 1.0;
+    if !active || target >= 0.999 {
+        return (1.0, factor);
     }
     if unpaced {
-        // Not paced yet: start at the allowance once over it.
-        return if used > allowance + PACE_MARGIN { allowance.max(MIN_PACE) } else { 1.0 };
+        // Not paced yet: start where the last pacing left off, once over the target.
+        return if used > target + PACE_MARGIN {
+            ((target * factor).clamp(MIN_PACE, 0.999), factor)
+        } else {
+            (1.0, factor)
+        };
     }
-    let next = (pace + GAIN * (allowance - used)).clamp(MIN_PACE, 1.0);
+    let next = (pace + GAIN * (target - used)).clamp(MIN_PACE, 1.0);
+    // The factor is learnt up to 10: more means the group's work barely runs when it may
+    // (a lone kernel per window beside a busy neighbour), nothing to remember.
+    let factor = (next / target.max(MIN_PACE)).clamp(0.1, 10.0);
     if next >= 1.0 {
-        1.0
+        (1.0, factor)
     } else {
-        next
+        (next, factor)
     }
 }
 
