@@ -41,16 +41,20 @@ pub const ACTIVITY_WINDOW: Duration = Duration::from_millis(2500);
 /// Below this share of a sample a process is idle (a stray launch is not activity).
 const BUSY_SHARE: f64 = 0.01;
 /// How much a pace moves per unit of error (allowance - use) at each sample.
-const GAIN: f64 = 0.4;
+const GAIN: f64 = 0.25;
 /// A group starts being paced once it uses this much more than its allowance.
 const PACE_MARGIN: f64 = 0.02;
 /// Least pace: a paced group always makes some progress.
 const MIN_PACE: f64 = 0.01;
+/// Most pace while paced: a group the controller would pace higher, and that still uses
+/// less than its target, is not held by its pace; it is lifted (a real GPU's noisy samples
+/// would otherwise lift and pace it by turns).
+const MAX_PACE: f64 = 0.95;
 /// How far a new pace must move from the one a member was told before it is told again
 /// (per mille), unless it starts or stops pacing.
 const PACE_STEP: u16 = 5;
 /// Weight of the newest sample in a group's smoothed use.
-const SMOOTHING: f64 = 0.5;
+const SMOOTHING: f64 = 0.4;
 
 /// A group's compute state on one GPU.
 #[derive(Debug, Clone, Default)]
@@ -256,20 +260,20 @@ fn next_pace(pace: f64, factor: f64, used: f64, target: f64, active: bool) -> (f
     if unpaced {
         // Not paced yet: start where the last pacing left off, once over the target.
         return if used > target + PACE_MARGIN {
-            ((target * factor).clamp(MIN_PACE, 0.999), factor)
+            ((target * factor).clamp(MIN_PACE, MAX_PACE), factor)
         } else {
             (1.0, factor)
         };
     }
-    let next = (pace + GAIN * (target - used)).clamp(MIN_PACE, 1.0);
+    let next = (pace + GAIN * (target - used)).clamp(MIN_PACE, MAX_PACE);
+    if next >= MAX_PACE && used < target - PACE_MARGIN {
+        // Paced as high as pacing goes and still under its target: its pace holds it back
+        // no more.
+        return (1.0, factor);
+    }
     // The factor is learnt up to 10: more means the group's work barely runs when it may
     // (a lone kernel per window beside a busy neighbour), nothing to remember.
-    let factor = (next / target.max(MIN_PACE)).clamp(0.1, 10.0);
-    if next >= 1.0 {
-        (1.0, factor)
-    } else {
-        (next, factor)
-    }
+    (next, (next / target.max(MIN_PACE)).clamp(0.1, 10.0))
 }
 
 fn shown(spec: Option<ComputeSpec>) -> String {
@@ -397,6 +401,6 @@ mod tests {
         // A process without compute settings is neither paced nor planned around.
         let mut p = gpu_with(&[share(300, 1000), None]);
         assert!(p.compute_step(now, &[(GPU, vec![(101, 0.5), (102, 0.5)])]).is_empty());
-        assert!(p.gpus[&GPU].compute_outside > 0.2);
+        assert!(p.gpus[&GPU].compute_outside > 0.15);
     }
 }
