@@ -10,7 +10,7 @@ set -u
 bin=$(realpath "${1:-target/release}")
 seconds=${2:-10}
 here=$(dirname "$0")
-load="python3 $here/compute_load.py --seconds $seconds --warmup 4"
+load="timeout $((seconds + 60)) python3 $here/compute_load.py --seconds $seconds --warmup 4"
 work=$(mktemp -d)
 trap 'kill $arbiter 2>/dev/null; wait 2>/dev/null; rm -rf "$work"' EXIT
 GPUFRAC_LOG=info "$bin/gpufrac-arbiter" --socket "$work/a.sock" 2>"$work/arbiter.log" &

@@ -41,24 +41,33 @@ pub trait ProcessList: Send + Sync {
     /// out (what was last known of it stays).
     fn processes(&self) -> Vec<(DeviceId, Vec<(u32, u64)>)>;
 
-    /// Each busy process's share of each GPU's time (0 to 1) since the previous call, for
-    /// compute shares. A GPU with no new sample yet is left out (nothing is known of it);
-    /// one with samples lists the processes that were busy (the others were idle).
+    /// Each busy process's share of each GPU's time (0 to 1), from its newest sample of
+    /// the last second, for compute shares; a process without one was idle. A GPU NVML
+    /// cannot answer for is left out.
     fn utilization(&self) -> Vec<(DeviceId, Vec<(u32, f64)>)> {
         Vec::new()
     }
 }
 
-/// Without any new sample for this long, a GPU's processes are taken to be idle (NVML
-/// only reports processes that were busy; it samples every 1/6 s or so).
+/// Without any new sample for this long, a process is taken to be idle (NVML only reports
+/// processes that were busy; a real GPU's driver samples every 1/6 s or so).
 const IDLE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// [`ProcessList`] from NVML's compute and graphics processes. PIDs are the driver's (the host's), as
 /// the arbiter's are with `hostPID: true`; memory NVML cannot report counts as none.
 pub struct NvmlProcesses {
     nvml: nvml_wrapper::Nvml,
-    /// Per GPU index: the newest utilization sample's timestamp and when it was read.
-    sampled: std::sync::Mutex<std::collections::HashMap<u32, (u64, std::time::Instant)>>,
+    /// Per GPU index: what utilization samples said so far.
+    sampled: std::sync::Mutex<std::collections::HashMap<u32, Sampled>>,
+}
+
+/// A GPU's utilization samples as read so far.
+#[derive(Default)]
+struct Sampled {
+    /// The newest sample's timestamp (NVML's `lastSeenTimeStamp` for the next read).
+    last_timestamp: u64,
+    /// Each process's newest sample: its share, its timestamp and when it was read.
+    latest: std::collections::HashMap<u32, (f64, u64, std::time::Instant)>,
 }
 
 impl NvmlProcesses {
@@ -101,32 +110,28 @@ impl ProcessList for NvmlProcesses {
             .filter_map(|i| {
                 let dev = self.nvml.device_by_index(i).ok()?;
                 let id = parse_uuid(&dev.uuid().ok()?)?;
-                let (last_seen, last_read) = sampled.get(&i).copied().unwrap_or((0, now));
-                let samples = match dev.process_utilization_stats(last_seen) {
+                let seen = sampled.entry(i).or_default();
+                let samples = match dev.process_utilization_stats(seen.last_timestamp) {
                     Ok(samples) => samples,
                     Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
                     Err(_) => return None,
                 };
-                if samples.is_empty() {
-                    // Nothing new: idle, once no sample came for a while; else not known yet.
-                    if now.saturating_duration_since(last_read) < IDLE_AFTER {
-                        sampled.entry(i).or_insert((last_seen, now));
-                        return None;
-                    }
-                    sampled.insert(i, (last_seen, now));
-                    return Some((id, Vec::new()));
-                }
-                let newest = samples.iter().map(|s| s.timestamp).max().unwrap_or(last_seen);
-                sampled.insert(i, (newest, now));
-                // Several samples of one process: each covers one sampling period.
-                let mut per_pid: std::collections::BTreeMap<u32, (u64, u32)> = Default::default();
+                // Each process's newest sample stands until a newer one or until it is
+                // IDLE_AFTER old: the driver samples processes on schedules of their own, so a
+                // batch without a process does not mean it was idle.
                 for s in samples {
-                    let e = per_pid.entry(s.pid).or_default();
-                    *e = (e.0 + u64::from(s.sm_util.min(100)), e.1 + 1);
+                    seen.last_timestamp = seen.last_timestamp.max(s.timestamp);
+                    let share = f64::from(s.sm_util.min(100)) / 100.0;
+                    match seen.latest.get_mut(&s.pid) {
+                        Some(entry) if entry.1 > s.timestamp => {}
+                        Some(entry) => *entry = (share, s.timestamp, now),
+                        None => {
+                            seen.latest.insert(s.pid, (share, s.timestamp, now));
+                        }
+                    }
                 }
-                let shares =
-                    per_pid.into_iter().map(|(pid, (sum, n))| (pid, sum as f64 / f64::from(n) / 100.0));
-                Some((id, shares.collect()))
+                seen.latest.retain(|_, &mut (_, _, read)| now.saturating_duration_since(read) < IDLE_AFTER);
+                Some((id, seen.latest.iter().map(|(&pid, &(share, _, _))| (pid, share)).collect()))
             })
             .collect()
     }

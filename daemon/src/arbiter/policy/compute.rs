@@ -164,7 +164,7 @@ impl Policy {
     }
 
     /// Takes fresh utilization samples, `(pid, share of the GPU's time)` per GPU since the
-    /// previous call (a GPU absent from `samples` had no new sample: nothing changes there),
+    /// previous call (a GPU absent from `samples` could not be read: nothing changes there),
     /// re-plans the allowances and returns the paces to tell members whose pace changed.
     pub fn compute_step(&mut self, now: Instant, samples: &[(DeviceId, Vec<(u32, f64)>)]) -> Vec<PaceOrder> {
         let mut orders = Vec::new();
