@@ -320,15 +320,7 @@ pub(crate) fn mem_free_async(dptr: CUdeviceptr, stream: Ptr) -> Status {
         Ok(a) => a,
         Err(status) => return status,
     };
-    let real = || call_real!(cuMemFreeAsync(dptr, stream));
-    let Some(e) = enforcer() else { return real() };
-    if let Some(status) = swap_free(e, dptr, Some(stream)) {
-        return status;
-    }
-    if let Some(status) = e.pools.free(e, dptr, real) {
-        return status;
-    }
-    free_recorded(e, dptr, &e.pointers, real)
+    free_async(dptr, stream, || call_real!(cuMemFreeAsync(dptr, stream)))
 }
 
 pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
@@ -337,7 +329,11 @@ pub(crate) fn mem_free_async_ptsz(dptr: CUdeviceptr, stream: Ptr) -> Status {
         Ok(a) => a,
         Err(status) => return status,
     };
-    let real = || call_real!(cuMemFreeAsync_ptsz(dptr, stream));
+    free_async(dptr, stream, || call_real!(cuMemFreeAsync_ptsz(dptr, stream)))
+}
+
+/// `cuMemFreeAsync` by way of `real` (the legacy or the per-thread stream's entry point).
+fn free_async(dptr: CUdeviceptr, stream: Ptr, real: impl Fn() -> Status + Copy) -> Status {
     let Some(e) = enforcer() else { return real() };
     if let Some(status) = swap_free(e, dptr, Some(stream)) {
         return status;
