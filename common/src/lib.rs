@@ -6,9 +6,9 @@
 //! Kept free of heavy dependencies because the shim links it into other people's processes.
 #![deny(missing_docs)]
 
+pub mod compute;
 #[cfg(feature = "config")]
 pub mod config;
-pub mod compute;
 pub mod cuda_procs;
 pub mod cuda_sizes;
 #[cfg(feature = "daemon")]

@@ -9,8 +9,8 @@ use std::sync::{Mutex, OnceLock};
 use std::sync::Arc;
 
 use gpufrac_common::config::Config;
-use gpufrac_common::ComputeSpec;
 use gpufrac_common::protocol::{Reply, Request, VERSION};
+use gpufrac_common::ComputeSpec;
 
 use crate::arbiter::{Client, Registration};
 use crate::driver::call;

@@ -559,7 +559,10 @@ impl Policy {
                         compute_request_pm: group.compute.spec.map_or(0, |c| c.request.per_mille().into()),
                         compute_limit_pm: group.compute.spec.map_or(0, |c| c.limit.per_mille().into()),
                         compute_used_pm: per_mille(group.compute.used),
-                        compute_allowance_pm: group.compute.spec.map_or(0, |_| per_mille(group.compute.allowance)),
+                        compute_allowance_pm: group
+                            .compute
+                            .spec
+                            .map_or(0, |_| per_mille(group.compute.allowance)),
                         compute_pace_pm: group.compute.pace_pm().into(),
                     });
                 }
