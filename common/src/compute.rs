@@ -99,7 +99,7 @@ pub struct ComputeSpec {
 impl ComputeSpec {
     /// From the two settings as written, either possibly absent; `None` when both are.
     /// A request alone may use idle time up to the whole GPU (limit 100%); a limit alone
-    /// guarantees nothing (request 0%). `request_name` and `limit_name` name the settings
+    /// guarantees nothing (request 0%). Both must be above 0. `request_name` and `limit_name` name the settings
     /// in errors.
     pub fn from_texts(
         (request_name, request): (&str, Option<&str>),
@@ -112,6 +112,15 @@ impl ComputeSpec {
             (Some(r), None) => ComputeSpec { request: r, limit: ComputeShare::WHOLE },
             (r, Some(l)) => ComputeSpec { request: r.unwrap_or(ComputeShare::ZERO), limit: l },
         };
+        if request_share == Some(ComputeShare::ZERO) {
+            return Err(ComputeError {
+                input: request_name.to_owned(),
+                value: request.unwrap_or_default().to_owned(),
+                reason: format!(
+                    "a compute request must be above 0 (for a limit with nothing guaranteed, leave it unset and set {limit_name})"
+                ),
+            });
+        }
         let limit_text = limit.unwrap_or_default();
         if spec.limit == ComputeShare::ZERO {
             return Err(ComputeError {
@@ -194,6 +203,11 @@ mod tests {
         assert_eq!(e.input, "LIM");
         assert!(e.reason.contains("REQ (50%)"), "{e}");
         assert_eq!(spec(None, Some("0%")).unwrap_err().input, "LIM");
+        let zero = spec(Some("0"), Some("50%")).unwrap_err();
+        assert!(
+            zero.input == "REQ" && zero.reason.contains("above 0") && zero.reason.contains("LIM"),
+            "{zero}"
+        );
     }
 
     #[test]

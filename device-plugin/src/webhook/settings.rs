@@ -491,7 +491,6 @@ mod tests {
         assert_eq!(both(Some(" 12.5 % "), None), (some("12.5%"), None));
         assert_eq!(both(None, Some("1")), (None, some("100%")));
         assert_eq!(both(Some("0.5"), Some("50%")), (some("50%"), some("50%")));
-        assert_eq!(both(Some("0%"), Some("10%")), (some("0%"), some("10%")));
     }
 
     #[test]
@@ -503,6 +502,11 @@ mod tests {
             (Some("12.34%"), None, r#"gpufrac.io/compute-fraction="12.34%": shares are kept to a tenth"#),
             (None, Some("-5%"), r#"gpufrac.io/compute-fraction-limit="-5%": expected a share"#),
             (None, Some("0%"), r#"gpufrac.io/compute-fraction-limit="0%": a limit of 0% would never"#),
+            (
+                Some("0%"),
+                Some("10%"),
+                r#"gpufrac.io/compute-fraction="0%": a compute request must be above 0"#,
+            ),
             (
                 Some("50%"),
                 Some("40%"),
