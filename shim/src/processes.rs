@@ -18,6 +18,8 @@ type Ptr = *mut c_void;
 
 const INVALID_ARGUMENT: Status = 2;
 const INSUFFICIENT_SIZE: Status = 7;
+/// `NVML_ERROR_NOT_FOUND`: what utilization queries answer when there is no sample.
+const NOT_FOUND: Status = 6;
 /// Times the real function is asked again when processes appear between two calls.
 const ATTEMPTS: usize = 4;
 /// Most entries asked for: a count past it from the library below is not believed
@@ -203,11 +205,23 @@ process_lists! {
     mps_v3 => nvmlDeviceGetMPSComputeRunningProcesses_v3: ProcessV2;
 }
 
-/// `nvmlDeviceGetProcessUtilization`: samples of the group's processes only.
+/// `nvmlDeviceGetProcessUtilization`: samples of the group's processes only; none of
+/// them is `NVML_ERROR_NOT_FOUND`, as NVML answers when there is no sample at all (pynvml
+/// takes a count of 0 with success for an error).
 pub(crate) fn utilization(device: Ptr, samples: Ptr, count: *mut c_uint, last_seen: c_ulonglong) -> Status {
-    filtered(count, samples.cast::<UtilizationSample>(), |n, buffer: *mut UtilizationSample| {
+    let status = filtered(count, samples.cast::<UtilizationSample>(), |n, buffer: *mut UtilizationSample| {
         call_real!(nvmlDeviceGetProcessUtilization(device, buffer.cast(), n, last_seen))
-    })
+    });
+    none_is_not_found(status, read(count))
+}
+
+/// A utilization answer of no sample, as NVML gives it.
+fn none_is_not_found(status: Status, count: Option<c_uint>) -> Status {
+    if status == SUCCESS && count == Some(0) {
+        NOT_FOUND
+    } else {
+        status
+    }
 }
 
 /// `nvmlDeviceGetProcessesUtilizationInfo`: the same count protocol inside a versioned
@@ -229,7 +243,7 @@ pub(crate) fn utilization_info(device: Ptr, info: Ptr) -> Status {
     let mut count = caller.count;
     let status = answer(&mut count, caller.entries, &kept);
     write(list, UtilizationList { count, ..caller });
-    status
+    none_is_not_found(status, Some(count))
 }
 
 #[cfg(test)]

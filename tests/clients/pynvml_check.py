@@ -1,7 +1,7 @@
 """nvidia-ml-py (pynvml), as monitoring tools use it: the device and its memory as the shim
 shows them (the slice, with what the group holds as used), and the process lists of every
 version, which show the group's own processes (CLIENT_OWN_PIDS) and, under the shim, none
-of another tenant's (CLIENT_OTHER_PIDS)."""
+of another tenant's (CLIENT_OTHER_PIDS); the same for per-process utilization samples."""
 
 import os
 
@@ -47,5 +47,15 @@ for what, query in queries.items():
     leaked = listed & others
     assert not leaked, f"{what}: another tenant's processes {sorted(leaked)} listed"
     report(what, listed=",".join(map(str, sorted(listed))))
+# Per-process utilization (what an arbiter samples for compute shares): the count protocol
+# works, no sample is an NVML "not found" (never a count of 0 with success, which pynvml
+# takes for an error), and another tenant's samples are not shown under the shim.
+try:
+    sampled = {s.pid for s in pynvml.nvmlDeviceGetProcessUtilization(handle, 0)}
+except pynvml.NVMLError_NotFound:
+    sampled = set()
+leaked = sampled & others
+assert not leaked, f"process utilization: another tenant's processes {sorted(leaked)} sampled"
+report("process_utilization", sampled=",".join(map(str, sorted(sampled))))
 pynvml.nvmlShutdown()
 report("done")
