@@ -15,7 +15,7 @@
 //! real `cuCtxSynchronize` is resolved when the first pace arrives.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicPtr, AtomicU16, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ static PACE_PM: AtomicU16 = AtomicU16::new(1000);
 static PHASE_NS: AtomicU64 = AtomicU64::new(0);
 /// The real `cuCtxSynchronize`, once a pace arrived.
 static CTX_SYNCHRONIZE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// A synchronize failed (most likely a CUDA graph being captured, where synchronizing is
+/// illegal): from then on paced calls only wait for their window.
+static SYNC_FAILED: AtomicBool = AtomicBool::new(false);
 /// Each GPU's pace as the arbiter last said it (cold: written when a pace arrives).
 static PACES: Mutex<Vec<(DeviceId, u16)>> = Mutex::new(Vec::new());
 
@@ -85,10 +88,15 @@ pub(crate) fn pace() {
         return;
     }
     let sync = CTX_SYNCHRONIZE.load(Relaxed);
-    if !sync.is_null() {
-        // SAFETY: the real driver's cuCtxSynchronize (no arguments); an error (no current
-        // context) is the caller's own call's to report.
-        unsafe { std::mem::transmute::<*mut c_void, CtxSynchronize>(sync)() };
+    if !sync.is_null() && !SYNC_FAILED.load(Relaxed) {
+        // SAFETY: the real driver's cuCtxSynchronize (no arguments).
+        let status = unsafe { std::mem::transmute::<*mut c_void, CtxSynchronize>(sync)() };
+        // No current context is the caller's own call's to report; anything else (a stream
+        // being captured into a graph) means synchronizing here is not safe: stop.
+        const INVALID_CONTEXT: Status = 201;
+        if status != crate::ffi::SUCCESS && status != INVALID_CONTEXT && !SYNC_FAILED.swap(true, Relaxed) {
+            tracing::warn!(status, "compute pacing: cuCtxSynchronize failed (a CUDA graph being captured?); paced calls no longer wait for earlier work, only for their window");
+        }
     }
     let period = PERIOD.as_nanos() as u64;
     let open = period * u64::from(pace) / 1000;
