@@ -24,12 +24,12 @@ type Ptr = *mut c_void;
 /// this process's charge moved while NVML answered. The device's total is never used:
 /// other processes allocate on it at any moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Usage {
-    own: Option<u64>,
-    mine: u64,
+pub(crate) struct Usage {
+    pub own: Option<u64>,
+    pub mine: u64,
 }
 
-fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
+pub(crate) fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
     let mut device = 0;
     let mut uuid = [0u8; 16];
     if call!(cuDeviceGet(&mut device, ordinal as c_int), 801) != SUCCESS
@@ -73,10 +73,16 @@ fn own_usage(listed: &[[u64; 3]], pid: u32) -> Option<u64> {
 /// its usage too). `None` when it cannot be measured cleanly: NVML does not list the
 /// process afterwards.
 fn delta(before: Usage, after: Usage) -> Option<u64> {
+    Some(signed_delta(before, after)?.clamp(0, i128::from(u64::MAX)) as u64)
+}
+
+/// What a call changed in this process's own usage, less what its other threads were
+/// charged or freed meanwhile: negative when the call gave memory back (a smaller heap).
+pub(crate) fn signed_delta(before: Usage, after: Usage) -> Option<i128> {
     // Signed: another thread may have freed meanwhile (both figures fall by it).
     let grown = i128::from(after.own?) - i128::from(before.own.unwrap_or(0));
     let others = i128::from(after.mine) - i128::from(before.mine);
-    Some((grown - others).clamp(0, i128::from(u64::MAX)) as u64)
+    Some(grown - others)
 }
 
 /// Whether `bytes` is far from the last clean measurement `known` (more than twice, or
@@ -135,6 +141,11 @@ fn measured(
     destroy: impl FnOnce(),
 ) -> Status {
     let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
+    // Another thread retained the primary context first (both found it inactive): this
+    // retain only counts a reference, and the context keeps the charge it was given.
+    if primary && primary_active(ordinal as c_int) {
+        return create().0;
+    }
     let Some(slice) = e.slice(ordinal) else { return create().0 };
     let dev = slice.ledger;
     let estimate = estimate(e, dev, slice.limit);
@@ -184,14 +195,26 @@ fn measured(
         e.release(dev, estimate - bytes);
     }
     match e.contexts.add(handle, ordinal, bytes, primary) {
-        Some(id) => e.set_context_charge(id, bytes),
-        None => tracing::warn!("more than {} contexts; not tracking this one", crate::state::MAX_CONTEXTS),
+        Some((_, true)) => {}
+        // Tracked already with no charge of its own (adopted when it was current before
+        // this hook saw it): it holds what was just measured.
+        Some((id, false)) => e.contexts.add_charge(id, bytes),
+        None => {
+            destroy();
+            e.release(dev, bytes);
+            tracing::warn!(
+                ordinal,
+                "gpufrac: out of memory: refused a context past the {} this process may have (each one's memory must be counted)",
+                crate::state::MAX_CONTEXTS
+            );
+            return crate::ffi::OUT_OF_MEMORY;
+        }
     }
     tracing::debug!(ordinal, bytes, primary, "context created");
     status
 }
 
-fn primary_active(dev: c_int) -> bool {
+pub(crate) fn primary_active(dev: c_int) -> bool {
     let (mut flags, mut active) = (0, 0);
     call!(cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active), 801) == SUCCESS && active != 0
 }
@@ -292,8 +315,21 @@ pub(crate) fn ctx_create_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_in
     create(ctx, dev, || call_real!(cuCtxCreate_v4(ctx, params, flags, dev)))
 }
 
+/// The pre-4.0 `cuCtxCreate`, which the real driver still exports.
+pub(crate) fn ctx_create_v1(ctx: *mut Ptr, flags: c_uint, dev: c_int) -> Status {
+    create(ctx, dev, || call_real!(cuCtxCreate(ctx, flags, dev)))
+}
+
+pub(crate) fn ctx_destroy_v1(ctx: Ptr) -> Status {
+    destroyed(ctx, call_real!(cuCtxDestroy(ctx)))
+}
+
 pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
-    let status = call_real!(cuCtxDestroy_v2(ctx));
+    destroyed(ctx, call_real!(cuCtxDestroy_v2(ctx)))
+}
+
+/// After the driver destroyed context `ctx`: what it held goes back.
+fn destroyed(ctx: Ptr, status: Status) -> Status {
     if let Some(e) = enforcer() {
         if status == SUCCESS {
             let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());

@@ -16,6 +16,8 @@ pub(crate) const SUCCESS: Status = 0;
 pub(crate) const INVALID_VALUE: Status = 1;
 pub(crate) const OUT_OF_MEMORY: Status = 2;
 pub(crate) const NOT_INITIALIZED: Status = 3;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub(crate) const NOT_SUPPORTED: Status = 801;
 
 /// Runs a hook's body; a panic becomes the library's "unknown error" (999 in both CUDA
 /// and NVML) instead of unwinding into the host program.

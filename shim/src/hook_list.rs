@@ -36,6 +36,19 @@ macro_rules! hook_list {
                 Cuda cuCtxCreate_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) => crate::context::ctx_create_v3;
                 Cuda cuCtxCreate_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v4;
                 Cuda cuCtxDestroy_v2(ctx: Ptr) => crate::context::ctx_destroy;
+                // Memory the driver takes without a size argument.
+                Cuda cuCtxSetLimit(limit: c_int, value: usize) => crate::implicit::ctx_set_limit;
+                Cuda cuModuleLoad(module: *mut Ptr, path: *const c_char) => crate::implicit::module_load;
+                Cuda cuModuleLoadData(module: *mut Ptr, image: *const c_void) => crate::implicit::module_load_data;
+                Cuda cuModuleLoadDataEx(module: *mut Ptr, image: *const c_void, count: c_uint, options: *mut c_int, values: *mut Ptr)
+                    => crate::implicit::module_load_data_ex;
+                Cuda cuModuleLoadFatBinary(module: *mut Ptr, image: *const c_void) => crate::implicit::module_load_fat_binary;
+                Cuda cuModuleUnload(module: Ptr) => crate::implicit::module_unload;
+                Cuda cuLibraryLoadData(library: *mut Ptr, code: *const c_void, jit_options: *mut c_int, jit_values: *mut Ptr,
+                    jit_count: c_uint, options: *mut c_int, values: *mut Ptr, count: c_uint) => crate::implicit::library_load_data;
+                Cuda cuLibraryLoadFromFile(library: *mut Ptr, path: *const c_char, jit_options: *mut c_int, jit_values: *mut Ptr,
+                    jit_count: c_uint, options: *mut c_int, values: *mut Ptr, count: c_uint) => crate::implicit::library_load_from_file;
+                Cuda cuLibraryUnload(library: Ptr) => crate::implicit::library_unload;
                 // Every allocation path.
                 Cuda cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => crate::memory::mem_alloc;
                 Cuda cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)
@@ -63,6 +76,18 @@ macro_rules! hook_list {
                 Cuda cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: Handle, flags: c_ulonglong) => crate::memory::mem_map;
                 Cuda cuMemUnmap(ptr: CUdeviceptr, size: usize) => crate::memory::mem_unmap;
                 Cuda cuMemRetainAllocationHandle(handle: *mut Handle, addr: Ptr) => crate::memory::mem_retain_allocation_handle;
+                // The pre-3.2 entry points the real driver still exports (32-bit addresses
+                // and sizes), reached by dlsym or a cuGetProcAddress for an old version.
+                Cuda cuMemAlloc(dptr: *mut c_uint, size: c_uint) => crate::memory::mem_alloc_v1;
+                Cuda cuMemAllocPitch(dptr: *mut c_uint, pitch: *mut c_uint, width: c_uint, height: c_uint, elem: c_uint)
+                    => crate::memory::mem_alloc_pitch_v1;
+                Cuda cuMemFree(dptr: c_uint) => crate::memory::mem_free_v1;
+                Cuda cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => crate::device::mem_get_info_v1;
+                Cuda cuDeviceTotalMem(bytes: *mut c_uint, dev: c_int) => crate::device::device_total_mem_v1;
+                Cuda cuCtxCreate(ctx: *mut Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v1;
+                Cuda cuCtxDestroy(ctx: Ptr) => crate::context::ctx_destroy_v1;
+                Cuda cuArrayCreate(array: *mut Ptr, desc: *const c_void) => crate::memory::array_create_v1;
+                Cuda cuArray3DCreate(array: *mut Ptr, desc: *const c_void) => crate::memory::array_3d_create_v1;
                 // NVML's view of the device.
                 Nvml nvmlDeviceGetMemoryInfo(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info;
                 Nvml nvmlDeviceGetMemoryInfo_v2(device: Ptr, memory: *mut c_void) => crate::nvml::memory_info_v2;

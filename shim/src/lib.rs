@@ -8,7 +8,8 @@
 //! - `hook_list`: the one list of hooked symbols, shared with `libgpufrac.so`; `hooks`:
 //!   the exports, `dlsym` and `cuGetProcAddress` answers and the real functions' pointers
 //!   built from it;
-//! - `memory`, `context`, `device`, `nvml`: what the implemented hooks do; `pools`: what
+//! - `memory`, `context`, `implicit`, `device`, `nvml`: what the implemented hooks do
+//!   (`implicit`: memory the driver takes without a size argument: heaps, modules); `pools`: what
 //!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
 //!   the group's own only;
 //! - `gate`: what launches, copies and sets pass through;
@@ -34,6 +35,7 @@ mod driver;
 mod ffi;
 pub mod gate;
 mod hooks;
+mod implicit;
 mod init;
 pub mod ledger;
 mod memory;

@@ -73,7 +73,7 @@ fn stream_ordered(
         Ok(a) => a,
         Err(status) => return status,
     };
-    let Some(Current { id, ordinal }) = e.current() else { return real() };
+    let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
     let charge = match e.charge(ordinal, bytes) {
         Ok(c) => c,
         Err(status) => return status,
@@ -109,21 +109,38 @@ pub(crate) fn mem_alloc_pitch(
     height: usize,
     elem: c_uint,
 ) -> Status {
-    let real = || call_real!(cuMemAllocPitch_v2(dptr, pitch, width, height, elem));
+    pitched(
+        width as u64,
+        height as u64,
+        || call_real!(cuMemAllocPitch_v2(dptr, pitch, width, height, elem)),
+        || Some((read(dptr)?, read(pitch)? as u64)),
+        |p| call_real!(cuMemFree_v2(p)),
+    )
+}
+
+/// `mem_alloc_pitch` for any width of pointer: `made` reads back the address and pitch,
+/// `free` undoes the allocation.
+fn pitched(
+    width: u64,
+    height: u64,
+    real: impl FnMut() -> Status,
+    made: impl Fn() -> Option<(u64, u64)>,
+    free: impl FnOnce(u64) -> Status,
+) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     let _allocating = match crate::park::allocating() {
         Ok(a) => a,
         Err(status) => return status,
     };
-    let Some(Current { id, ordinal }) = e.current() else { return real() };
-    let estimate = (width as u64).saturating_mul(height as u64);
+    let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
+    let estimate = width.saturating_mul(height);
     let mut charge = match e.charge(ordinal, estimate) {
         Ok(c) => c,
         Err(status) => return status,
     };
     let status = e.physical(real);
     if status == SUCCESS {
-        let actual = read(pitch).map_or(estimate, |p| (p as u64).saturating_mul(height as u64));
+        let actual = made().map_or(estimate, |(_, p)| p.saturating_mul(height));
         if actual > estimate {
             match e.charge(ordinal, actual - estimate) {
                 Ok(extra) => {
@@ -131,8 +148,8 @@ pub(crate) fn mem_alloc_pitch(
                     charge.above_request |= extra.above_request;
                 }
                 Err(refused) => {
-                    if let Some(p) = read(dptr) {
-                        call_real!(cuMemFree_v2(p));
+                    if let Some((p, _)) = made() {
+                        free(p);
                     }
                     e.release(charge.device, charge.bytes);
                     return refused;
@@ -140,7 +157,50 @@ pub(crate) fn mem_alloc_pitch(
             }
         }
     }
-    settle(e, status, charge, read(dptr), Path::Pitched, Some(id))
+    settle(e, status, charge, made().map(|(p, _)| p), Path::Pitched, Some(id))
+}
+
+/// The pre-3.2 entry points the real driver still exports, with 32-bit addresses and
+/// sizes (`CUdeviceptr_v1`): counted exactly as their current versions.
+pub(crate) fn mem_alloc_v1(dptr: *mut c_uint, size: c_uint) -> Status {
+    let real = || call_real!(cuMemAlloc(dptr, size));
+    let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
+    let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
+    let charge = match e.charge(ordinal, u64::from(size)) {
+        Ok(c) => c,
+        Err(status) => return status,
+    };
+    let status = e.physical(real);
+    settle(e, status, charge, read(dptr).map(u64::from), Path::Linear, Some(id))
+}
+
+pub(crate) fn mem_alloc_pitch_v1(
+    dptr: *mut c_uint,
+    pitch: *mut c_uint,
+    width: c_uint,
+    height: c_uint,
+    elem: c_uint,
+) -> Status {
+    pitched(
+        u64::from(width),
+        u64::from(height),
+        || call_real!(cuMemAllocPitch(dptr, pitch, width, height, elem)),
+        || Some((u64::from(read(dptr)?), u64::from(read(pitch)?))),
+        // Only an address the 32-bit entry point gave, which fits in 32 bits.
+        |p| call_real!(cuMemFree(p as c_uint)),
+    )
+}
+
+pub(crate) fn mem_free_v1(dptr: c_uint) -> Status {
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
+    free(u64::from(dptr), |e| &e.pointers, || call_real!(cuMemFree(dptr)))
 }
 
 /// Frees memory recorded under `key`: the record goes first (so an address reused by
@@ -222,7 +282,7 @@ fn pooled(
         Ok(a) => a,
         Err(status) => return status,
     };
-    let Some(Current { id, ordinal }) = e.current() else { return real() };
+    let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
     let bytes = size as u64;
     let target = match pool {
         _ if dptr.is_null() || crate::swap::capturing(stream) => None,
@@ -378,14 +438,18 @@ pub(crate) fn mem_pool_trim_to(pool: Ptr, keep: usize) -> Status {
 }
 
 /// Arrays: charged from the descriptor before creation, then corrected to the size the
-/// driver reports (`cuArrayGetMemoryRequirements`).
+/// driver reports (`cuArrayGetMemoryRequirements`). A format the shim cannot size is
+/// charged by that report alone, and an array whose size neither gives is destroyed and
+/// refused: an array outside the count would be memory past the limit.
 fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl FnMut() -> Status) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(&mut real) };
     let _allocating = match crate::park::allocating() {
         Ok(a) => a,
         Err(status) => return status,
     };
-    let (Some(Current { id, ordinal }), Some(estimate)) = (e.current(), estimate) else { return real() };
+    let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
+    let known = estimate.is_some();
+    let estimate = estimate.unwrap_or(0);
     let mut charge = match e.charge(ordinal, estimate) {
         Ok(c) => c,
         Err(status) => return status,
@@ -393,6 +457,13 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
     let status = e.physical(real);
     let handle = read(out).filter(|_| status == SUCCESS);
     if let Some(h) = handle {
+        let destroy = || {
+            if mipmapped {
+                call!(cuMipmappedArrayDestroy(h), 801);
+            } else {
+                call!(cuArrayDestroy(h), 801);
+            }
+        };
         let mut req = [0usize; 4];
         let asked = if mipmapped {
             call!(cuMipmappedArrayGetMemoryRequirements(&mut req, h, ordinal as i32), 801)
@@ -400,13 +471,18 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
             call!(cuArrayGetMemoryRequirements(&mut req, h, ordinal as i32), 801)
         };
         let actual = req[0] as u64;
+        if asked != SUCCESS && !known {
+            destroy();
+            e.release(charge.device, charge.bytes);
+            tracing::warn!(
+                ordinal,
+                "gpufrac: refused an array in a format gpufrac cannot size (the driver did not report its memory requirements)"
+            );
+            return crate::ffi::NOT_SUPPORTED;
+        }
         if asked == SUCCESS && actual > estimate {
             if e.charge(ordinal, actual - estimate).is_err() {
-                if mipmapped {
-                    call!(cuMipmappedArrayDestroy(h), 801);
-                } else {
-                    call!(cuArrayDestroy(h), 801);
-                }
+                destroy();
                 e.release(charge.device, charge.bytes);
                 return OUT_OF_MEMORY;
             }
@@ -418,6 +494,40 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
     }
     let path = if mipmapped { Path::Mipmapped } else { Path::Array };
     settle(e, status, charge, handle.map(|h| h as u64), path, Some(id))
+}
+
+/// `CUDA_ARRAY_DESCRIPTOR` of the pre-3.2 `cuArrayCreate`: 32-bit sizes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ArrayDescriptorV1 {
+    width: c_uint,
+    height: c_uint,
+    format: c_uint,
+    channels: c_uint,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` of the pre-3.2 `cuArray3DCreate`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Array3DDescriptorV1 {
+    width: c_uint,
+    height: c_uint,
+    depth: c_uint,
+    format: c_uint,
+    channels: c_uint,
+    flags: c_uint,
+}
+
+pub(crate) fn array_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {
+    let estimate = read(desc.cast::<ArrayDescriptorV1>())
+        .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
+    array(estimate, out, false, || call_real!(cuArrayCreate(out, desc)))
+}
+
+pub(crate) fn array_3d_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {
+    let estimate = read(desc.cast::<Array3DDescriptorV1>())
+        .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
+    array(estimate, out, false, || call_real!(cuArray3DCreate(out, desc)))
 }
 
 pub(crate) fn array_create(out: *mut Ptr, desc: *const c_void) -> Status {

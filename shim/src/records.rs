@@ -29,6 +29,8 @@ pub enum Path {
     Mipmapped = 6,
     /// `cuMemCreate`.
     Physical = 7,
+    /// A module's or library's code and globals (`cuModuleLoad*`, `cuLibraryLoad*`).
+    Module = 8,
 }
 
 impl Path {
@@ -42,6 +44,7 @@ impl Path {
             5 => Path::Array,
             6 => Path::Mipmapped,
             7 => Path::Physical,
+            8 => Path::Module,
             _ => return None,
         })
     }
@@ -62,37 +65,44 @@ pub struct Record {
     pub above_request: bool,
 }
 
-const BYTES_BITS: u32 = 44;
-const NO_CONTEXT: u64 = 0x3f;
+/// Bits 0-39: bytes; 40-43: device; 44-47: path; 48-57: context; 58: above the request;
+/// 59: set (a word of 0 is an empty slot). A larger allocation (1 TiB and up) goes to
+/// the overflow map.
+const BYTES_BITS: u32 = 40;
+const CONTEXT_BITS: u32 = 10;
+const NO_CONTEXT: u64 = (1 << CONTEXT_BITS) - 1;
+/// Contexts a record can name: every id below `NO_CONTEXT`.
+pub(crate) const MAX_RECORD_CONTEXTS: usize = NO_CONTEXT as usize;
 
 impl Record {
     #[inline]
     fn pack(self) -> u64 {
-        debug_assert!(self.bytes < 1 << BYTES_BITS);
+        debug_assert!(self.packable());
         (self.bytes & ((1 << BYTES_BITS) - 1))
-            | ((self.device as u64 & 0xf) << 44)
-            | ((self.path as u64) << 48)
-            | (self.context.map_or(NO_CONTEXT, |c| c as u64 & 0x3f) << 52)
+            | ((self.device as u64 & 0xf) << 40)
+            | ((self.path as u64) << 44)
+            | (self.context.map_or(NO_CONTEXT, |c| c as u64 & NO_CONTEXT) << 48)
             | ((self.above_request as u64) << 58)
             | (1 << 59)
     }
 
     #[inline]
     fn unpack(word: u64) -> Option<Record> {
-        let context = (word >> 52) & 0x3f;
+        let context = (word >> 48) & NO_CONTEXT;
         Some(Record {
             bytes: word & ((1 << BYTES_BITS) - 1),
-            device: ((word >> 44) & 0xf) as usize,
-            path: Path::from_bits((word >> 48) & 0xf)?,
+            device: ((word >> 40) & 0xf) as usize,
+            path: Path::from_bits((word >> 44) & 0xf)?,
             context: (context != NO_CONTEXT).then_some(context as usize),
             above_request: (word >> 58) & 1 == 1,
         })
     }
 
-    /// Whether this record fits the packed form (allocations below 16 TiB).
+    /// Whether this record fits the packed form (allocations below 1 TiB, a context id
+    /// below `NO_CONTEXT`).
     #[inline]
     fn packable(&self) -> bool {
-        self.bytes < 1 << BYTES_BITS
+        self.bytes < 1 << BYTES_BITS && self.context.is_none_or(|c| (c as u64) < NO_CONTEXT)
     }
 }
 

@@ -103,11 +103,20 @@ pub(crate) fn enforcer() -> Option<&'static Enforcer> {
     }
 }
 
-/// `CUDA_ERROR_NOT_INITIALIZED` while a bad setting is in force: a program that ignored
-/// `cuInit`'s failure must not allocate unchecked.
-#[inline]
+/// `CUDA_ERROR_NOT_INITIALIZED` while the shim refused this process's start: a bad
+/// setting, or a `cuInit` whose devices could not be set up (a request larger than the
+/// GPU, an arbiter that refused the registration). A program that ignored `cuInit`'s
+/// failure gets the same error from every call that would take device memory, never the
+/// driver's memory unchecked. Answered only when there is no enforcer (the slow branch).
+#[cold]
 pub(crate) fn refused() -> Option<Status> {
-    matches!(MODE.get(), Some(Mode::Broken(_))).then_some(crate::ffi::NOT_INITIALIZED)
+    match MODE.get() {
+        Some(Mode::Broken(_)) => Some(crate::ffi::NOT_INITIALIZED),
+        Some(Mode::Enforcing(e)) if matches!(e.devices.get(), Some(Err(_))) => {
+            Some(crate::ffi::NOT_INITIALIZED)
+        }
+        _ => None,
+    }
 }
 
 /// The enforcer even before `cuInit` (NVML callers never call it).
@@ -133,8 +142,10 @@ pub struct Slice {
     pub uuid: [u8; 16],
 }
 
-/// Most contexts tracked at once.
-pub(crate) const MAX_CONTEXTS: usize = 63;
+/// Most contexts tracked at once. A context past it is refused (`CUDA_ERROR_OUT_OF_MEMORY`,
+/// destroyed again), never left outside the count: each takes hundreds of MiB on a real
+/// GPU, so no program reaches this by using its memory.
+pub(crate) const MAX_CONTEXTS: usize = crate::records::MAX_RECORD_CONTEXTS;
 
 /// Contexts created through the shim: their handle, CUDA ordinal and measured memory.
 pub(crate) struct Contexts {
@@ -183,10 +194,17 @@ impl Contexts {
         })
     }
 
-    /// Tracks a context; returns its id (or the existing one).
-    pub(crate) fn add(&self, handle: u64, ordinal: usize, charged: u64, primary: bool) -> Option<usize> {
+    /// Tracks a context; returns its id and whether it is new (an existing one keeps its
+    /// charge), or `None` when every slot is taken.
+    pub(crate) fn add(
+        &self,
+        handle: u64,
+        ordinal: usize,
+        charged: u64,
+        primary: bool,
+    ) -> Option<(usize, bool)> {
         if let Some(id) = self.find(handle) {
-            return Some(id);
+            return Some((id, false));
         }
         for i in 0..MAX_CONTEXTS {
             if self.handles[i].compare_exchange(0, handle, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
@@ -194,10 +212,26 @@ impl Contexts {
                 self.charged[i].store(charged, Ordering::Relaxed);
                 self.primary[i].store(primary, Ordering::Relaxed);
                 self.used.fetch_max(i as u32 + 1, Ordering::AcqRel);
-                return Some(i);
+                return Some((i, true));
             }
         }
         None
+    }
+
+    /// Adds `bytes` to what context `id` holds beyond its allocations (its device heap,
+    /// stack and printf FIFO), given back with it.
+    pub(crate) fn add_charge(&self, id: usize, bytes: u64) {
+        self.charged[id].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Takes up to `bytes` off context `id`'s own charge; returns what was taken.
+    pub(crate) fn take_charge(&self, id: usize, bytes: u64) -> u64 {
+        let mut taken = 0;
+        let _ = self.charged[id].fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            taken = held.min(bytes);
+            Some(held - taken)
+        });
+        taken
     }
 
     /// The CUDA ordinal of context `id`.
@@ -231,6 +265,8 @@ pub(crate) struct Enforcer {
     pub arrays: Records,
     /// VMM physical allocations by handle.
     pub physical: Records,
+    /// Loaded modules and libraries by handle: their code and globals.
+    pub modules: Records,
     pub contexts: Contexts,
     pub vmm: Mutex<crate::memory::VmmBook>,
     /// Stream-ordered memory pools and their allocations.
@@ -280,6 +316,7 @@ impl Enforcer {
             pointers: Records::new(1 << 14),
             arrays: Records::new(1 << 12),
             physical: Records::new(1 << 14),
+            modules: Records::new(1 << 10),
             contexts: Contexts::new(),
             vmm: Mutex::new(Default::default()),
             pools: Default::default(),
@@ -469,8 +506,29 @@ impl Enforcer {
         if call!(cuCtxGetDevice(&mut ordinal), 801) != SUCCESS {
             return None;
         }
-        let id = self.contexts.add(handle, ordinal as usize, 0, false)?;
+        let (id, _) = self.contexts.add(handle, ordinal as usize, 0, false)?;
         Some(Current { id, ordinal: ordinal as usize })
+    }
+
+    /// What an allocation answers when [`Enforcer::current`] found no context to charge:
+    /// the driver's own answer when no context is current (it fails the call), and
+    /// `CUDA_ERROR_OUT_OF_MEMORY` when one is current but cannot be tracked (every slot
+    /// taken): memory in a context outside the count would be memory past the limit.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn untracked(&self, real: impl FnOnce() -> Status) -> Status {
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        if call!(cuCtxGetCurrent(&mut ctx), 801) != SUCCESS || ctx.is_null() {
+            return real();
+        }
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "gpufrac: out of memory: the current context is one of more than {MAX_CONTEXTS} this process made; \
+                 memory in a context gpufrac cannot track is refused"
+            );
+        }
+        OUT_OF_MEMORY
     }
 
     /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit. The
@@ -688,11 +746,10 @@ impl Enforcer {
         for (_, r) in self.arrays.drain_where(|r| r.context == Some(id)) {
             self.release(r.device, r.bytes);
         }
+        for (_, r) in self.modules.drain_where(|r| r.context == Some(id)) {
+            self.release(r.device, r.bytes);
+        }
         self.pools.context_gone(self, id);
-    }
-
-    pub(crate) fn set_context_charge(&self, id: usize, bytes: u64) {
-        self.contexts.charged[id].store(bytes, Ordering::Relaxed);
     }
 }
 

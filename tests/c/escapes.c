@@ -1,0 +1,168 @@
+/*
+ * escapes.c: tries, as a hostile or merely unusual program would, to hold more device
+ * memory than its limit allows, then holds what it got until stdin closes, so that the
+ * test can read what the device itself reports the process holding.
+ *
+ * Every driver function is found with dlopen("libcuda.so.1") and dlsym (so a preloaded
+ * shim answers with its hooks, as it does for any program that loads the driver itself).
+ *
+ * Usage: escapes <case> <chunk_bytes> [arg]
+ *   refused          ignores cuInit's failure, then allocates with cuMemAlloc_v2
+ *   contexts N       creates N contexts of its own (cuCtxCreate_v2), allocates in the last
+ *   heap BYTES       asks for a device heap of BYTES (cuCtxSetLimit), then allocates
+ *   modules N        loads N modules (cuModuleLoadData), then allocates
+ *   v1               allocates through the pre-3.2 cuMemAlloc (32-bit addresses), by dlsym
+ *   v1procaddr       the same, resolved by cuGetProcAddress for CUDA 2.0
+ *   v1ctx            creates a context with the unversioned cuCtxCreate, then allocates
+ *
+ * Each allocation is one chunk, until one fails. Prints, each line flushed:
+ *   <step> <CUresult>             for each setup step (init, retain, current, heap...)
+ *   HELD <bytes> <CUresult>       what the allocations got, and the error that ended them
+ * then reads stdin to its end and exits 0 (2: usage or loading error).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef void *CUcontext;
+typedef void *CUmodule;
+typedef unsigned long long CUdeviceptr;
+
+static void *lib;
+
+static void *sym(const char *name) {
+    void *p = dlsym(lib, name);
+    if (!p) {
+        fprintf(stderr, "escapes: no %s in the driver\n", name);
+        exit(2);
+    }
+    return p;
+}
+
+static void step(const char *name, CUresult r) {
+    printf("%s %d\n", name, r);
+    fflush(stdout);
+}
+
+static CUresult (*cuInit)(unsigned);
+static CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, int);
+static CUresult (*cuCtxSetCurrent)(CUcontext);
+static CUresult (*cuMemAlloc_v2)(CUdeviceptr *, size_t);
+
+/* Allocates chunks with `alloc` until one fails; prints what it held. */
+static void fill(CUresult (*alloc)(CUdeviceptr *, size_t), size_t chunk) {
+    unsigned long long held = 0;
+    CUresult r = 0;
+    for (int i = 0; i < 100000; i++) {
+        CUdeviceptr p = 0;
+        r = alloc(&p, chunk);
+        if (r != 0) break;
+        held += chunk;
+    }
+    printf("HELD %llu %d\n", held, r);
+    fflush(stdout);
+}
+
+static CUresult (*cuMemAlloc_v1)(unsigned *, unsigned);
+static CUresult alloc_v1(CUdeviceptr *out, size_t bytes) {
+    unsigned p = 0;
+    CUresult r = cuMemAlloc_v1(&p, (unsigned)bytes);
+    *out = p;
+    return r;
+}
+
+static void primary(void) {
+    CUcontext ctx = NULL;
+    step("retain", cuDevicePrimaryCtxRetain(&ctx, 0));
+    step("current", cuCtxSetCurrent(ctx));
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: escapes <case> <chunk_bytes> [arg]\n");
+        return 2;
+    }
+    const char *which = argv[1];
+    size_t chunk = strtoull(argv[2], NULL, 10);
+    long long arg = argc > 3 ? strtoll(argv[3], NULL, 10) : 0;
+    lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!lib) {
+        fprintf(stderr, "escapes: %s\n", dlerror());
+        return 2;
+    }
+    cuInit = sym("cuInit");
+    cuDevicePrimaryCtxRetain = sym("cuDevicePrimaryCtxRetain");
+    cuCtxSetCurrent = sym("cuCtxSetCurrent");
+    cuMemAlloc_v2 = sym("cuMemAlloc_v2");
+    step("init", cuInit(0));
+
+    if (!strcmp(which, "refused")) {
+        primary();
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "contexts")) {
+        CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate_v2");
+        CUcontext last = NULL;
+        long long made = 0;
+        CUresult r = 0;
+        for (long long i = 0; i < arg; i++) {
+            CUcontext c = NULL;
+            r = create(&c, 0, 0);
+            if (r != 0) break;
+            last = c;
+            made++;
+        }
+        printf("CONTEXTS %lld %d\n", made, r);
+        fflush(stdout);
+        if (last) step("current", cuCtxSetCurrent(last));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "heap")) {
+        CUresult (*set_limit)(int, size_t) = sym("cuCtxSetLimit");
+        primary();
+        step("heap", set_limit(2 /* CU_LIMIT_MALLOC_HEAP_SIZE */, (size_t)arg));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "modules")) {
+        CUresult (*load)(CUmodule *, const void *) = sym("cuModuleLoadData");
+        static const char image[] = "simgpu module";
+        primary();
+        long long loaded = 0;
+        CUresult r = 0;
+        for (long long i = 0; i < arg; i++) {
+            CUmodule m = NULL;
+            r = load(&m, image);
+            if (r != 0) break;
+            loaded++;
+        }
+        printf("MODULES %lld %d\n", loaded, r);
+        fflush(stdout);
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "v1")) {
+        cuMemAlloc_v1 = sym("cuMemAlloc");
+        primary();
+        fill(alloc_v1, chunk);
+    } else if (!strcmp(which, "v1procaddr")) {
+        CUresult (*get)(const char *, void **, int, unsigned long long, int *) = sym("cuGetProcAddress_v2");
+        void *fn = NULL;
+        int found = -1;
+        step("procaddr", get("cuMemAlloc", &fn, 2000, 0, &found));
+        if (!fn) return 2;
+        cuMemAlloc_v1 = fn;
+        primary();
+        fill(alloc_v1, chunk);
+    } else if (!strcmp(which, "v1ctx")) {
+        CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate");
+        CUcontext c = NULL;
+        step("context", create(&c, 0, 0));
+        fill(cuMemAlloc_v2, chunk);
+    } else {
+        fprintf(stderr, "escapes: unknown case %s\n", which);
+        return 2;
+    }
+    char buf[64];
+    while (fgets(buf, sizeof buf, stdin)) {
+    }
+    return 0;
+}

@@ -1,0 +1,93 @@
+//! No way past the limit: a program tries, as a hostile or merely unusual one would, to
+//! hold more device memory than its limit, and what the device itself reports the process
+//! holding (simgpu's per-process figure, the one NVML reports) never passes the limit.
+//! Each case runs `tests/c/escapes.c` under the shim on a simulated 4 GiB device.
+//! Run: `cargo build --workspace && cargo test -p gpufrac-e2e --test escapes`.
+
+use std::time::Duration;
+
+use gpufrac_e2e::size::{mib, GIB, MIB};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu};
+
+const DEVICE: &str = "4GiB";
+const LIMIT: u64 = 512 * MIB;
+const CHUNK: u64 = 16 * MIB;
+const SIMULATED: &str = "reads simgpu's own per-process figure and sizes a 4 GiB simulated device";
+
+/// What the device reports process `pid` holding on device 0 (0 when not listed).
+fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
+    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
+        .expect("open simgpu's state");
+    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
+}
+
+/// Starts `escapes CASE CHUNK [ARG]` under the shim with a 256 MiB request and a 512 MiB
+/// limit, plus `env`.
+fn start(gpu: &SimGpu, case: &str, arg: Option<&str>, env: &[(&str, &str)]) -> ChildProcess {
+    let mut cmd = gpu.command(compile_c("escapes.c", &[], false));
+    cmd.arg(case).arg(CHUNK.to_string());
+    if let Some(arg) = arg {
+        cmd.arg(arg);
+    }
+    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    ChildProcess::spawn(&mut cmd)
+}
+
+/// The numbers on the child's line starting with `word`.
+fn line(child: &mut ChildProcess, word: &str) -> Vec<i64> {
+    let text = child.expect_line(&[word], Duration::from_secs(60));
+    text.split_whitespace().skip(1).filter_map(|w| w.parse().ok()).collect()
+}
+
+/// Reads `HELD`, checks the device's own figure for the process against the limit, and
+/// lets the child go. Returns (held, the error that ended the allocations, the figure).
+fn held_within_limit(gpu: &SimGpu, child: &mut ChildProcess, case: &str) -> (u64, i64, u64) {
+    let held = line(child, "HELD");
+    let figure = device_figure(gpu, child.pid());
+    assert!(
+        figure <= LIMIT,
+        "{case}: the device reports the process holding {}, past its {} limit\n{}",
+        mib(figure),
+        mib(LIMIT),
+        child.diagnostics()
+    );
+    child.close_stdin();
+    child.expect_exit_code(0);
+    (held[0] as u64, held[1], figure)
+}
+
+#[test]
+fn a_process_whose_start_was_refused_gets_no_device_memory_on_any_path() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // A request larger than the device: cuInit fails, and the program carries on.
+    let mut child =
+        start(&gpu, "refused", None, &[("GPUFRAC_MEMORY_REQUEST", "8GiB"), ("GPUFRAC_MEMORY_LIMIT", "8GiB")]);
+    assert_eq!(line(&mut child, "init"), vec![3], "cuInit answers CUDA_ERROR_NOT_INITIALIZED");
+    assert_eq!(line(&mut child, "retain"), vec![3], "no context after a refused start");
+    let (held, error, figure) = held_within_limit(&gpu, &mut child, "refused");
+    assert_eq!((held, error), (0, 3), "every allocation answers cuInit's error");
+    assert_eq!(figure, 0, "the device holds nothing for the process");
+}
+
+#[test]
+fn memory_in_the_seventieth_context_is_counted() {
+    skip_on_real_gpu!(SIMULATED);
+    // Small contexts, so that 70 fit under the limit.
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("1MiB");
+    let mut child = start(&gpu, "contexts", Some("70"), &[]);
+    assert_eq!(line(&mut child, "CONTEXTS"), vec![70, 0], "70 contexts of 1 MiB fit in 512 MiB");
+    let (held, error, figure) = held_within_limit(&gpu, &mut child, "contexts");
+    assert_eq!(error, 2, "the allocations end in CUDA_ERROR_OUT_OF_MEMORY");
+    assert!(
+        held + 70 * MIB <= LIMIT && held + 70 * MIB + CHUNK > LIMIT,
+        "held {} beside 70 contexts",
+        mib(held)
+    );
+    assert!(figure >= held, "the device figure {} includes the {} held", mib(figure), mib(held));
+}
