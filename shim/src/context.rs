@@ -211,6 +211,8 @@ fn measured(
         }
     }
     tracing::debug!(ordinal, bytes, primary, "context created");
+    // Listed by the device from now on: a look at what it holds beyond the charges.
+    e.backstop.look(e, ordinal, crate::backstop::PERIOD);
     status
 }
 

@@ -42,6 +42,7 @@ fn measured_call(
     // read the other's memory as its own).
     let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
     let Some(slice) = e.slice(cur.ordinal) else { return Err(crate::ffi::INVALID_VALUE) };
+    e.backstop.look(e, cur.ordinal, crate::backstop::PERIOD);
     let dev = slice.ledger;
     if let Err(status) = e.charge(cur.ordinal, estimate) {
         tracing::warn!(

@@ -14,6 +14,7 @@
 //!   the group's own only;
 //! - `gate`: what launches, copies and sets pass through;
 //! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
+//!   `backstop`: the device's own count, compared on the slow paths;
 //! - `state`, `init`: setup at the first CUDA call, from the settings of
 //!   `gpufrac_common::config`; `real`, `driver`: the real libraries; `procaddr`: `dlsym`
 //!   and `cuGetProcAddress`; `query`: `gpufrac.h`.
@@ -28,6 +29,7 @@
 mod hook_list;
 
 mod arbiter;
+mod backstop;
 mod compute;
 mod context;
 mod device;

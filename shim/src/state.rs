@@ -271,6 +271,8 @@ pub(crate) struct Enforcer {
     pub vmm: Mutex<crate::memory::VmmBook>,
     /// Stream-ordered memory pools and their allocations.
     pub pools: crate::pools::PoolBook,
+    /// Memory the device showed and no hook charged.
+    pub backstop: crate::backstop::Backstop,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
@@ -320,6 +322,7 @@ impl Enforcer {
             contexts: Contexts::new(),
             vmm: Mutex::new(Default::default()),
             pools: Default::default(),
+            backstop: Default::default(),
             arbiter: OnceLock::new(),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
@@ -606,6 +609,12 @@ impl Enforcer {
                 if self.pools.reclaim(self, dev, reclaimed - 1) {
                     continue 'charge;
                 }
+            }
+            if reclaimed == 2 {
+                // Once per refusal: memory taken past the hooks is counted before the
+                // answer (it may be what fills the slice).
+                reclaimed += 1;
+                self.backstop.look(self, ordinal, crate::backstop::REFUSAL_PERIOD);
             }
             let Some(client) = arbiter.filter(|_| over.held.saturating_add(bytes) <= slice.limit) else {
                 tracing::debug!(

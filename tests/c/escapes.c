@@ -14,6 +14,10 @@
  *   v1               allocates through the pre-3.2 cuMemAlloc (32-bit addresses), by dlsym
  *   v1procaddr       the same, resolved by cuGetProcAddress for CUDA 2.0
  *   v1ctx            creates a context with the unversioned cuCtxCreate, then allocates
+ *   bypass BYTES     allocates through the shim, then BYTES through a private copy of the
+ *                    driver (dlmopen of $ESCAPES_PRIVATE_DRIVER, symbols found with glibc's
+ *                    own dlsym) that no hook sees, asks the shim for 1 TiB (refused), then
+ *                    allocates through the shim again
  *
  * Each allocation is one chunk, until one fails. Prints, each line flushed:
  *   <step> <CUresult>             for each setup step (init, retain, current, heap...)
@@ -156,6 +160,35 @@ int main(int argc, char **argv) {
         CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate");
         CUcontext c = NULL;
         step("context", create(&c, 0, 0));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "bypass")) {
+        const char *path = getenv("ESCAPES_PRIVATE_DRIVER");
+        void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+        void *(*glibc_dlsym)(void *, const char *) = NULL;
+        if (libc) glibc_dlsym = dlvsym(libc, "dlsym", "GLIBC_2.34");
+        if (libc && !glibc_dlsym) glibc_dlsym = dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+        void *private = path ? dlmopen(LM_ID_NEWLM, path, RTLD_NOW | RTLD_LOCAL) : NULL;
+        if (!glibc_dlsym || !private) {
+            fprintf(stderr, "escapes: no private driver (%s): %s\n", path ? path : "unset", dlerror());
+            return 2;
+        }
+        CUresult (*p_init)(unsigned) = glibc_dlsym(private, "cuInit");
+        CUresult (*p_retain)(CUcontext *, int) = glibc_dlsym(private, "cuDevicePrimaryCtxRetain");
+        CUresult (*p_current)(CUcontext) = glibc_dlsym(private, "cuCtxSetCurrent");
+        CUresult (*p_alloc)(CUdeviceptr *, size_t) = glibc_dlsym(private, "cuMemAlloc_v2");
+        if (!p_init || !p_retain || !p_current || !p_alloc) return 2;
+        primary();
+        CUdeviceptr first = 0;
+        step("shimmed", cuMemAlloc_v2(&first, chunk));
+        CUcontext pctx = NULL;
+        step("private_init", p_init(0));
+        step("private_retain", p_retain(&pctx, 0));
+        step("private_current", p_current(pctx));
+        CUdeviceptr hidden = 0;
+        step("private_alloc", p_alloc(&hidden, (size_t)arg));
+        /* One allocation past the limit: refused, and a refusal is when the shim looks. */
+        CUdeviceptr huge = 0;
+        step("past_limit", cuMemAlloc_v2(&huge, (size_t)1 << 40));
         fill(cuMemAlloc_v2, chunk);
     } else {
         fprintf(stderr, "escapes: unknown case %s\n", which);

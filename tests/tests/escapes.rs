@@ -91,3 +91,45 @@ fn memory_in_the_seventieth_context_is_counted() {
     );
     assert!(figure >= held, "the device figure {} includes the {} held", mib(figure), mib(held));
 }
+
+#[test]
+fn memory_taken_past_every_hook_is_charged_from_the_device_count() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    let driver = artifact("libsimgpu_cuda.so");
+    let hidden = 200 * MIB;
+    let mut child = start(
+        &gpu,
+        "bypass",
+        Some(&hidden.to_string()),
+        &[("ESCAPES_PRIVATE_DRIVER", driver.to_str().expect("a UTF-8 path"))],
+    );
+    assert_eq!(line(&mut child, "shimmed"), vec![0]);
+    assert_eq!(line(&mut child, "private_alloc"), vec![0], "the private copy allocates unseen");
+    assert_eq!(line(&mut child, "past_limit"), vec![2], "1 TiB is refused");
+    let held = line(&mut child, "HELD");
+    let figure = device_figure(&gpu, child.pid());
+    // The shim's own context and first chunk, the private copy's context and its hidden
+    // allocation: once a refusal made the shim look at the device's count, what it lets
+    // the program hold besides stays under the limit (the unseen memory itself cannot be
+    // stopped, only counted).
+    let shimmed = 64 * MIB + CHUNK + held[0] as u64;
+    let unseen = 64 * MIB + hidden;
+    assert_eq!(held[1], 2, "the allocations end in CUDA_ERROR_OUT_OF_MEMORY");
+    assert!(
+        shimmed + unseen <= LIMIT + 2 * MIB && figure <= LIMIT + 2 * MIB,
+        "held {} through the shim beside {} unseen: the device reports {} against a {} limit\n{}",
+        mib(shimmed),
+        mib(unseen),
+        mib(figure),
+        mib(LIMIT),
+        child.diagnostics()
+    );
+    assert!(
+        child.stderr_text().contains("more than gpufrac counted"),
+        "the shim says it found uncounted memory\n{}",
+        child.diagnostics()
+    );
+    child.close_stdin();
+    child.expect_exit_code(0);
+}

@@ -313,16 +313,21 @@ impl Machine {
     pub fn processes(&self, device: usize) -> Vec<ProcessUsage> {
         let _guard = self.shm.lock_table();
         self.reap_dead();
-        self.shared()
-            .processes
-            .iter()
-            .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
-            .filter_map(|p| {
-                let used = p.used.get(device)?.load(Ordering::Relaxed);
-                let contexts = p.contexts.get(device)?.load(Ordering::Relaxed);
-                (used > 0 || contexts > 0).then(|| ProcessUsage { pid: p.pid.load(Ordering::Relaxed), used })
-            })
-            .collect()
+        let mut listed: Vec<ProcessUsage> = Vec::new();
+        let slots = self.shared().processes.iter().filter(|p| p.in_use.load(Ordering::Acquire) == 1);
+        for (pid, used) in slots.filter_map(|p| {
+            let used = p.used.get(device)?.load(Ordering::Relaxed);
+            let contexts = p.contexts.get(device)?.load(Ordering::Relaxed);
+            (used > 0 || contexts > 0).then(|| (p.pid.load(Ordering::Relaxed), used))
+        }) {
+            // One entry per process, as the device counts it: a process that loaded the
+            // driver twice (a private `dlmopen` copy) has two slots and one figure.
+            match listed.iter_mut().find(|p| p.pid == pid) {
+                Some(p) => p.used += used,
+                None => listed.push(ProcessUsage { pid, used }),
+            }
+        }
+        listed
     }
 
     /// Adds kernel run time on `device`, for utilization. The scheduler ([`sched`]) does
