@@ -76,6 +76,8 @@ macro_rules! hook_list {
                 Cuda cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: Handle, flags: c_ulonglong) => crate::memory::mem_map;
                 Cuda cuMemUnmap(ptr: CUdeviceptr, size: usize) => crate::memory::mem_unmap;
                 Cuda cuMemRetainAllocationHandle(handle: *mut Handle, addr: Ptr) => crate::memory::mem_retain_allocation_handle;
+                Cuda cuMemExportToShareableHandle(shareable: Ptr, handle: Handle, kind: c_int, flags: c_ulonglong)
+                    => crate::memory::mem_export;
                 // The pre-3.2 entry points the real driver still exports (32-bit addresses
                 // and sizes), reached by dlsym or a cuGetProcAddress for an old version.
                 Cuda cuMemAlloc(dptr: *mut c_uint, size: c_uint) => crate::memory::mem_alloc_v1;

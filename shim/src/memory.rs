@@ -4,7 +4,7 @@
 //! release.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_uint, c_ulonglong, c_void};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 
 use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes, Array3DDescriptor, ArrayDescriptor};
 
@@ -565,6 +565,8 @@ pub(crate) struct VmmBook {
     handles: HashMap<u64, (u32, u32)>,
     /// mapped address → (handle, size)
     mappings: BTreeMap<u64, (u64, u64)>,
+    /// Handles exported to a shareable handle (`cuMemExportToShareableHandle`).
+    exported: std::collections::HashSet<u64>,
 }
 
 impl VmmBook {
@@ -576,6 +578,32 @@ impl VmmBook {
         }
         false
     }
+}
+
+/// Gives back the charge of physical allocation `handle`, which this process no longer
+/// references or maps, unless it was exported: another process may have imported it and
+/// keep the memory alive however long it likes, where no hook of this process sees it, so
+/// an exported allocation stays charged to this group until the process ends. A loop of
+/// export, import elsewhere and release therefore fills the exporter's limit, never more.
+fn physical_gone(e: &Enforcer, handle: u64, exported: bool) {
+    let Some(r) = e.physical.remove(handle) else { return };
+    if exported {
+        tracing::debug!(
+            bytes = r.bytes,
+            "released an exported allocation: it stays charged (an importer may keep it alive)"
+        );
+    } else {
+        e.release(r.device, r.bytes);
+    }
+}
+
+/// `cuMemExportToShareableHandle`: the allocation may now outlive this process's handles.
+pub(crate) fn mem_export(shareable: Ptr, handle: c_ulonglong, kind: c_int, flags: c_ulonglong) -> Status {
+    let status = call_real!(cuMemExportToShareableHandle(shareable, handle, kind, flags));
+    if let (Some(e), SUCCESS) = (enforcer(), status) {
+        book(e).exported.insert(handle);
+    }
+    status
 }
 
 fn book(e: &Enforcer) -> std::sync::MutexGuard<'_, VmmBook> {
@@ -627,10 +655,9 @@ pub(crate) fn mem_release(handle: c_ulonglong) -> Status {
             entry.0 = entry.0.saturating_sub(1);
         }
         if book.unused(handle) {
+            let exported = book.exported.remove(&handle);
             drop(book);
-            if let Some(r) = e.physical.remove(handle) {
-                e.release(r.device, r.bytes);
-            }
+            physical_gone(e, handle, exported);
         }
     }
     status
@@ -677,14 +704,13 @@ pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> Status {
                 entry.1 = entry.1.saturating_sub(1);
             }
             if book.unused(h) {
-                freed.push(h);
+                let exported = book.exported.remove(&h);
+                freed.push((h, exported));
             }
         }
         drop(book);
-        for h in freed {
-            if let Some(r) = e.physical.remove(h) {
-                e.release(r.device, r.bytes);
-            }
+        for (h, exported) in freed {
+            physical_gone(e, h, exported);
         }
     }
     status

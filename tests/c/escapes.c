@@ -14,6 +14,8 @@
  *   v1               allocates through the pre-3.2 cuMemAlloc (32-bit addresses), by dlsym
  *   v1procaddr       the same, resolved by cuGetProcAddress for CUDA 2.0
  *   v1ctx            creates a context with the unversioned cuCtxCreate, then allocates
+ *   race N           N rounds of: two threads retain the primary context at once, and
+ *                    it is released twice (destroyed); then allocates
  *   bypass BYTES     allocates through the shim, then BYTES through a private copy of the
  *                    driver (dlmopen of $ESCAPES_PRIVATE_DRIVER, symbols found with glibc's
  *                    own dlsym) that no hook sees, asks the shim for 1 TiB (refused), then
@@ -26,6 +28,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,6 +80,16 @@ static CUresult alloc_v1(CUdeviceptr *out, size_t bytes) {
     CUresult r = cuMemAlloc_v1(&p, (unsigned)bytes);
     *out = p;
     return r;
+}
+
+static pthread_barrier_t together;
+
+static void *retain_together(void *unused) {
+    (void)unused;
+    CUcontext ctx = NULL;
+    pthread_barrier_wait(&together);
+    CUresult r = cuDevicePrimaryCtxRetain(&ctx, 0);
+    return (void *)(intptr_t)(r == 0 ? 0 : 1);
 }
 
 static void primary(void) {
@@ -160,6 +173,25 @@ int main(int argc, char **argv) {
         CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate");
         CUcontext c = NULL;
         step("context", create(&c, 0, 0));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "race")) {
+        CUresult (*release)(int) = sym("cuDevicePrimaryCtxRelease_v2");
+        intptr_t failed = 0;
+        for (long long round = 0; round < arg; round++) {
+            pthread_t threads[2];
+            pthread_barrier_init(&together, NULL, 2);
+            for (int i = 0; i < 2; i++) pthread_create(&threads[i], NULL, retain_together, NULL);
+            for (int i = 0; i < 2; i++) {
+                void *r = NULL;
+                pthread_join(threads[i], &r);
+                failed += (intptr_t)r;
+            }
+            pthread_barrier_destroy(&together);
+            failed += release(0) != 0;
+            failed += release(0) != 0;
+        }
+        step("race_failures", (CUresult)failed);
+        primary();
         fill(cuMemAlloc_v2, chunk);
     } else if (!strcmp(which, "bypass")) {
         const char *path = getenv("ESCAPES_PRIVATE_DRIVER");

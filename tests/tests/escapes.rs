@@ -133,3 +133,22 @@ fn memory_taken_past_every_hook_is_charged_from_the_device_count() {
     child.close_stdin();
     child.expect_exit_code(0);
 }
+
+#[test]
+fn a_primary_context_retained_by_two_threads_at_once_is_charged_once_and_given_back() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // A slow context creation, so that both threads find the context inactive; five
+    // rounds of retaining it from two threads at once and releasing it twice.
+    let mut child = start(&gpu, "race", Some("5"), &[("SIMGPU_CONTEXT_CREATE_TIME", "50ms")]);
+    assert_eq!(line(&mut child, "race_failures"), vec![0], "every retain and release succeeds");
+    let (held, error, _) = held_within_limit(&gpu, &mut child, "race");
+    assert_eq!(error, 2, "the allocations end in CUDA_ERROR_OUT_OF_MEMORY");
+    // Each round's context was charged once and given back once: the slice is whole.
+    assert!(
+        held + 64 * MIB <= LIMIT && held + 64 * MIB + CHUNK > LIMIT,
+        "held {} beside one 64 MiB context, of a {} limit",
+        mib(held),
+        mib(LIMIT)
+    );
+}
