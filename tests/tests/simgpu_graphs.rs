@@ -67,7 +67,12 @@ fn graph_memory_stays_with_the_process_until_trimmed() {
     assert_eq!(trimmed[1], DEVICE - OVERHEAD - SMALL, "the device has the memory back");
     assert_eq!(trimmed[2], 0, "the reserved high-water mark resets to the current value");
     let held = held_by(&gpu, pid);
-    assert_eq!(held, OVERHEAD + SMALL, "after the trim the process holds its context only, got {}", mib(held));
+    assert_eq!(
+        held,
+        OVERHEAD + SMALL,
+        "after the trim the process holds its context only, got {}",
+        mib(held)
+    );
 
     child.close_stdin();
     child.expect_line(&["DONE"], TIMEOUT);
@@ -86,6 +91,10 @@ fn synchronizing_during_a_capture_fails_and_invalidates_it() {
     // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, and no graph.
     assert_eq!(sync, [900, 2, 901, 1], "cuCtxSynchronize during a capture");
     let malloc = numbers(&mut child, "MALLOC");
-    assert_eq!(malloc, [900, 0], "cuMemAlloc is refused during a GLOBAL capture, allowed to a RELAXED thread");
+    assert_eq!(
+        malloc,
+        [900, 0],
+        "cuMemAlloc is refused during a GLOBAL capture, allowed to a RELAXED thread"
+    );
     child.expect_exit_code(0);
 }

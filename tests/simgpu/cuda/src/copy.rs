@@ -144,7 +144,11 @@ pub(crate) fn queued(op: Op, stream: CUstream, default: DefaultStream) -> CuResu
     // memory yet, so the ranges are checked then).
     if s.capturing().is_some() {
         let ty = if matches!(op, Op::Set { .. }) { NodeType::Memset } else { NodeType::Memcpy };
-        return s.enqueue(ty, std::sync::Arc::new(move || op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)), false);
+        return s.enqueue(
+            ty,
+            std::sync::Arc::new(move || op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)),
+            false,
+        );
     }
     let (pageable_src, pageable_dst) = {
         let reg = REGISTRY.read();

@@ -6,18 +6,21 @@ use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 
 use cudarc::driver::sys::{
     CUarray, CUcheckpointCheckpointArgs, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
-    CUcheckpointUnlockArgs, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode,
-    CUkernel, CUlaunchConfig,
+    CUcheckpointUnlockArgs, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUkernel, CUlaunchConfig,
     CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUprocessState,
     CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
-    CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
+};
+use cudarc::driver::sys::{
+    CUgraph, CUgraphExec, CUgraphNode, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
 
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
-use crate::{array, checkpoint, context, driver, export_tables, graph, memory, module, pool, procaddr, stream, vmm};
+use crate::{
+    array, checkpoint, context, driver, export_tables, graph, memory, module, pool, procaddr, stream, vmm,
+};
 
 macro_rules! exports {
     ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {

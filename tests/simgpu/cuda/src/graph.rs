@@ -201,7 +201,9 @@ pub(crate) fn unsafe_call() -> CuResult {
     let active = ACTIVE.lock();
     let forbidding: Vec<&Arc<Capture>> = active
         .iter()
-        .filter(|c| c.mode != MODE_RELAXED && (c.thread == me || (mode == MODE_GLOBAL && c.mode == MODE_GLOBAL)))
+        .filter(|c| {
+            c.mode != MODE_RELAXED && (c.thread == me || (mode == MODE_GLOBAL && c.mode == MODE_GLOBAL))
+        })
         .filter(|c| !c.invalidated())
         .collect();
     if forbidding.is_empty() {
@@ -311,7 +313,11 @@ pub(crate) fn end_capture(handle: CUstream, out: *mut CUgraph, default: DefaultS
         return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     }
     let nodes = std::mem::take(&mut st.nodes);
-    let handle = register_graph(Graph { nodes: Mutex::new(nodes), device: Some(capture.device), execs: AtomicU32::new(0) });
+    let handle = register_graph(Graph {
+        nodes: Mutex::new(nodes),
+        device: Some(capture.device),
+        execs: AtomicU32::new(0),
+    });
     write_out(out, handle as CUgraph)
 }
 
@@ -381,7 +387,8 @@ pub(crate) fn capture_free(capture: &Capture, ptr: CUdeviceptr) -> CuResult {
         capture.invalidate();
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let freed_twice = capture.state.lock().nodes.iter().any(|n| matches!(**n, Node::Free { addr } if addr == ptr));
+    let freed_twice =
+        capture.state.lock().nodes.iter().any(|n| matches!(**n, Node::Free { addr } if addr == ptr));
     if freed_twice {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -400,7 +407,8 @@ pub(crate) fn graph_create(out: *mut CUgraph, flags: c_uint) -> CuResult {
     if flags != 0 || out.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let handle = register_graph(Graph { nodes: Mutex::new(Vec::new()), device: None, execs: AtomicU32::new(0) });
+    let handle =
+        register_graph(Graph { nodes: Mutex::new(Vec::new()), device: None, execs: AtomicU32::new(0) });
     write_out(out, handle as CUgraph)
 }
 
@@ -431,7 +439,9 @@ fn node(handle: CUgraphNode) -> CuResult<Arc<Node>> {
     let graphs = GRAPHS.lock();
     graphs
         .values()
-        .find_map(|g| g.nodes.lock().iter().find(|n| Arc::as_ptr(n) as usize == handle as usize).cloned())
+        .find_map(|g| {
+            g.nodes.lock().iter().find(|n| std::ptr::eq(Arc::as_ptr(n).cast(), handle.cast_const())).cloned()
+        })
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
 }
 
@@ -441,7 +451,10 @@ pub(crate) fn node_get_type(handle: CUgraphNode, out: *mut c_uint) -> CuResult {
 
 /// `cuGraphMemAllocNodeGetParams`: the node's size, address and pool properties
 /// (pinned memory on its device, read-write for it alone).
-pub(crate) fn mem_alloc_node_get_params(handle: CUgraphNode, out: *mut CUDA_MEM_ALLOC_NODE_PARAMS) -> CuResult {
+pub(crate) fn mem_alloc_node_get_params(
+    handle: CUgraphNode,
+    out: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+) -> CuResult {
     let n = node(handle)?;
     let Node::Alloc { va, device } = &*n else {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -481,7 +494,10 @@ fn instantiate(out: *mut CUgraphExec, handle: CUgraph, flags: u64) -> CuResult<A
     driver()?;
     let known = FLAG_AUTO_FREE_ON_LAUNCH | FLAG_UPLOAD | FLAG_DEVICE_LAUNCH | FLAG_USE_NODE_PRIORITY;
     let device_launch_and_auto_free = FLAG_DEVICE_LAUNCH | FLAG_AUTO_FREE_ON_LAUNCH;
-    if out.is_null() || flags & !known != 0 || flags & device_launch_and_auto_free == device_launch_and_auto_free {
+    if out.is_null()
+        || flags & !known != 0
+        || flags & device_launch_and_auto_free == device_launch_and_auto_free
+    {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
     let g = graph(handle)?;

@@ -162,8 +162,16 @@ static ERRORS: &[(c_uint, &std::ffi::CStr, &std::ffi::CStr)] = &[
     ),
     (903, c"CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", c"capture was not initiated in this stream"),
     (905, c"CUDA_ERROR_STREAM_CAPTURE_ISOLATION", c"dependency created on uncaptured work in another stream"),
-    (906, c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", c"operation would make the legacy stream depend on a capturing blocking stream"),
-    (908, c"CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", c"attempt to terminate a thread-local capture sequence from another thread"),
+    (
+        906,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        908,
+        c"CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+        c"attempt to terminate a thread-local capture sequence from another thread",
+    ),
     (401, c"CUDA_ERROR_ILLEGAL_STATE", c"the operation cannot be performed in the present state"),
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];

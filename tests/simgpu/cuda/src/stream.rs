@@ -23,6 +23,9 @@ pub(crate) type Job = Box<dyn FnOnce() -> CuResult + Send>;
 struct Queued {
     job: Job,
     kernel: bool,
+    /// An event's marker: it counts as done on this stream before it signals the event,
+    /// so that a stream query after an event synchronize sees the stream at that point.
+    marker: bool,
 }
 
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the special stream handles.
@@ -85,13 +88,18 @@ impl Stream {
 
     /// Queues `job`; it runs after everything queued before it on this stream.
     pub(crate) fn submit(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: false })
+        self.queue(Queued { job, kernel: false, marker: false })
+    }
+
+    /// Queues an event's marker (see [`Queued::marker`]).
+    fn submit_marker(&self, job: Job) -> CuResult {
+        self.queue(Queued { job, kernel: false, marker: true })
     }
 
     /// Queues a kernel that runs on the device: it runs after everything queued before it
     /// on this stream, while this process owns the device (time-slicing).
     pub(crate) fn submit_kernel(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: true })
+        self.queue(Queued { job, kernel: true, marker: false })
     }
 
     /// Queues `run` (a kernel when `device_time`), or records it as a node of type `ty`
@@ -157,7 +165,7 @@ impl Stream {
                 let sched = crate::driver::driver().ok().map(|d| &d.sched);
                 // Whether this stream keeps the device: it runs kernels back to back.
                 let mut claimed = false;
-                for Queued { job, kernel } in rx.iter() {
+                for Queued { job, kernel, marker } in rx.iter() {
                     if let Some(sched) = sched.filter(|_| kernel != claimed) {
                         if kernel {
                             sched.claim(device);
@@ -165,6 +173,16 @@ impl Stream {
                             sched.unclaim(device);
                         }
                         claimed = kernel;
+                    }
+                    let bump = || {
+                        let mut done = progress.completed.lock();
+                        *done += 1;
+                        progress.done.notify_all();
+                        drop(done);
+                        PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
+                    };
+                    if marker {
+                        bump();
                     }
                     if let Err(code) = job() {
                         // First error wins, as a context's sticky error does.
@@ -176,11 +194,9 @@ impl Stream {
                         sched.unclaim(device);
                         claimed = false;
                     }
-                    let mut done = progress.completed.lock();
-                    *done += 1;
-                    progress.done.notify_all();
-                    drop(done);
-                    PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
+                    if !marker {
+                        bump();
+                    }
                 }
             })
             .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -380,7 +396,12 @@ pub(crate) fn event_create(out: *mut CUevent, flags: c_uint) -> CuResult {
     if flags & !0xf != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let ev = Arc::new(Event { flags, captured: Mutex::new(None), state: Mutex::new(EventState::default()), done: Condvar::new() });
+    let ev = Arc::new(Event {
+        flags,
+        captured: Mutex::new(None),
+        state: Mutex::new(EventState::default()),
+        done: Condvar::new(),
+    });
     let handle = Arc::as_ptr(&ev) as usize;
     write_out(out, handle as CUevent)?;
     EVENTS.lock().insert(handle, ev);
@@ -421,7 +442,7 @@ pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultSt
         st.recorded
     };
     let marker = ev.clone();
-    stream.submit(Box::new(move || {
+    stream.submit_marker(Box::new(move || {
         let mut st = marker.state.lock();
         if st.completed < generation {
             st.completed = generation;
