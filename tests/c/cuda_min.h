@@ -257,14 +257,96 @@ CUDA_MIN_ASSERT(offsetof(CUmemPoolProps, usage) == 32);
     X(cuMemcpyDtoH, cuMemcpyDtoH_v2,                                                          \
       (void *dstHost, CUdeviceptr srcDevice, size_t ByteCount))
 
+/* Stream capture, graphs and the graph memory pool, and what the graph programs launch
+ * (kernels of a loaded module). A list of its own: programs that load every function of
+ * CUDA_DRIVER_FUNCTIONS do not need these. */
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphNode_st *CUgraphNode;
+
+typedef enum CUstreamCaptureMode_enum {
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+} CUstreamCaptureMode;
+
+typedef enum CUstreamCaptureStatus_enum {
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+    CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
+} CUstreamCaptureStatus;
+
+typedef enum CUgraphNodeType_enum {
+    CU_GRAPH_NODE_TYPE_KERNEL = 0,
+    CU_GRAPH_NODE_TYPE_MEMCPY = 1,
+    CU_GRAPH_NODE_TYPE_MEMSET = 2,
+    CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+    CU_GRAPH_NODE_TYPE_MEM_FREE = 11
+} CUgraphNodeType;
+
+typedef enum CUgraphMem_attribute_enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3
+} CUgraphMem_attribute;
+
+typedef enum CUgraphInstantiate_flags_enum {
+    CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1,
+    CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD = 2
+} CUgraphInstantiate_flags;
+
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+CUDA_MIN_ASSERT(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120);
+CUDA_MIN_ASSERT(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, dptr) == 112);
+
+#define CUDA_GRAPH_FUNCTIONS(X)                                                               \
+    X(cuModuleLoadData, cuModuleLoadData, (CUmodule *module, const void *image))              \
+    X(cuModuleGetFunction, cuModuleGetFunction,                                               \
+      (CUfunction *hfunc, CUmodule hmod, const char *name))                                   \
+    X(cuLaunchKernel, cuLaunchKernel,                                                         \
+      (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,     \
+       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                \
+       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra))     \
+    X(cuThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode,                   \
+      (CUstreamCaptureMode *mode))                                                            \
+    X(cuStreamBeginCapture, cuStreamBeginCapture_v2,                                          \
+      (CUstream hStream, CUstreamCaptureMode mode))                                           \
+    X(cuStreamEndCapture, cuStreamEndCapture, (CUstream hStream, CUgraph *phGraph))           \
+    X(cuStreamIsCapturing, cuStreamIsCapturing,                                               \
+      (CUstream hStream, CUstreamCaptureStatus *captureStatus))                               \
+    X(cuGraphDestroy, cuGraphDestroy, (CUgraph hGraph))                                       \
+    X(cuGraphGetNodes, cuGraphGetNodes, (CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes)) \
+    X(cuGraphNodeGetType, cuGraphNodeGetType, (CUgraphNode hNode, CUgraphNodeType *type))     \
+    X(cuGraphMemAllocNodeGetParams, cuGraphMemAllocNodeGetParams,                             \
+      (CUgraphNode hNode, CUDA_MEM_ALLOC_NODE_PARAMS *params_out))                            \
+    X(cuGraphInstantiate, cuGraphInstantiateWithFlags,                                        \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags))                   \
+    X(cuGraphUpload, cuGraphUpload, (CUgraphExec hGraphExec, CUstream hStream))               \
+    X(cuGraphLaunch, cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream))               \
+    X(cuGraphExecDestroy, cuGraphExecDestroy, (CUgraphExec hGraphExec))                       \
+    X(cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, (CUdevice device))                          \
+    X(cuDeviceGetGraphMemAttribute, cuDeviceGetGraphMemAttribute,                             \
+      (CUdevice device, CUgraphMem_attribute attr, void *value))                              \
+    X(cuDeviceSetGraphMemAttribute, cuDeviceSetGraphMemAttribute,                             \
+      (CUdevice device, CUgraphMem_attribute attr, void *value))
+
 /* Prototypes of the exported symbols, as cuda.h declares them. */
 #define CUDA_MIN_PROTOTYPE(base, symbol, params) CUresult symbol params;
 CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PROTOTYPE)
+CUDA_GRAPH_FUNCTIONS(CUDA_MIN_PROTOTYPE)
 #undef CUDA_MIN_PROTOTYPE
 
 /* Pointer types by base name, as cudaTypedefs.h names them (PFN_cuMemAlloc). */
 #define CUDA_MIN_PFN(base, symbol, params) typedef CUresult (*PFN_##base) params;
 CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PFN)
+CUDA_GRAPH_FUNCTIONS(CUDA_MIN_PFN)
 #undef CUDA_MIN_PFN
 
 /* The entry point through which everything else can be resolved (CUDA >= 12.5 ABI). */

@@ -142,6 +142,7 @@ fn destroy(ctx: &Arc<Context>) {
         d.slot.release(ctx.device, d.context_overhead);
         d.slot.context_destroyed(ctx.device);
     }
+    crate::graph::context_destroyed(ctx.device);
 }
 
 pub(crate) fn primary_retain(out: *mut CUcontext, device: CUdevice) -> CuResult {
@@ -295,6 +296,7 @@ pub(crate) fn ctx_get_api_version(handle: CUcontext, out: *mut c_uint) -> CuResu
 /// `cuCtxSynchronize`: waits for every stream of the current context.
 pub(crate) fn ctx_synchronize() -> CuResult {
     let ctx = current()?;
+    crate::graph::context_sync(ctx.handle)?;
     ctx.null_stream.synchronize()?;
     for s in stream::streams_of(ctx.handle) {
         s.synchronize()?;

@@ -7,6 +7,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use crate::driver::driver;
 use crate::ffi::{CUresult, CuResult};
+use crate::graph::NodeType;
 use crate::memory::{Registry, REGISTRY};
 use crate::stream::{self, DefaultStream};
 
@@ -118,6 +119,12 @@ impl Op {
 pub(crate) fn sync(op: Op, default: DefaultStream) -> CuResult {
     driver()?;
     let s = stream::resolve(std::ptr::null_mut(), default)?;
+    // A synchronous copy waits for its stream: a capture may forbid it, and the legacy
+    // stream cannot wait for a capturing one.
+    crate::graph::unsafe_call()?;
+    if crate::graph::any_capture() && stream::is_legacy(&s) {
+        crate::graph::legacy_use(s.ctx)?;
+    }
     s.synchronize()?;
     op.run(CUresult::CUDA_ERROR_INVALID_VALUE)
 }
@@ -132,6 +139,16 @@ pub(crate) fn queued(op: Op, stream: CUstream, default: DefaultStream) -> CuResu
     let s = stream::resolve(stream, default)?;
     if op.len() == 0 {
         return Ok(());
+    }
+    // Captured: a node that copies when the graph runs (graph allocations are not
+    // memory yet, so the ranges are checked then).
+    if s.capturing().is_some() {
+        let ty = if matches!(op, Op::Set { .. }) { NodeType::Memset } else { NodeType::Memcpy };
+        return s.enqueue(
+            ty,
+            std::sync::Arc::new(move || op.run(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)),
+            false,
+        );
     }
     let (pageable_src, pageable_dst) = {
         let reg = REGISTRY.read();

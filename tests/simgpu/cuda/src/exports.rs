@@ -10,12 +10,17 @@ use cudarc::driver::sys::{
     CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUprocessState,
     CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
+use cudarc::driver::sys::{
+    CUgraph, CUgraphExec, CUgraphNode, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
+};
 
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
-use crate::{array, checkpoint, context, driver, export_tables, memory, module, pool, procaddr, stream, vmm};
+use crate::{
+    array, checkpoint, context, driver, export_tables, graph, memory, module, pool, procaddr, stream, vmm,
+};
 
 macro_rules! exports {
     ($( $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) => $body:expr ;)*) => {
@@ -251,6 +256,38 @@ exports! {
         edges: *mut *const c_void, count: *mut usize)
         => stream::stream_get_capture_info(s, status, CaptureOuts { id, graph, deps, edges, count }, PerThread);
     cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) => stream::exchange_capture_mode(mode);
+
+    // Stream capture, graphs and the graph memory pool. cuStreamBeginCapture without
+    // a mode is CUDA 10.0's, whose captures behave as GLOBAL ones.
+    cuStreamBeginCapture(s: CUstream) => graph::begin_capture(s, graph::MODE_GLOBAL, Legacy);
+    cuStreamBeginCapture_ptsz(s: CUstream) => graph::begin_capture(s, graph::MODE_GLOBAL, PerThread);
+    cuStreamBeginCapture_v2(s: CUstream, mode: c_uint) => graph::begin_capture(s, mode, Legacy);
+    cuStreamBeginCapture_v2_ptsz(s: CUstream, mode: c_uint) => graph::begin_capture(s, mode, PerThread);
+    cuStreamEndCapture(s: CUstream, g: *mut CUgraph) => graph::end_capture(s, g, Legacy);
+    cuStreamEndCapture_ptsz(s: CUstream, g: *mut CUgraph) => graph::end_capture(s, g, PerThread);
+    cuGraphCreate(g: *mut CUgraph, flags: c_uint) => graph::graph_create(g, flags);
+    cuGraphDestroy(g: CUgraph) => graph::graph_destroy(g);
+    cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, count: *mut usize) => graph::graph_get_nodes(g, nodes, count);
+    cuGraphNodeGetType(node: CUgraphNode, ty: *mut c_uint) => graph::node_get_type(node, ty);
+    cuGraphMemAllocNodeGetParams(node: CUgraphNode, params: *mut CUDA_MEM_ALLOC_NODE_PARAMS)
+        => graph::mem_alloc_node_get_params(node, params);
+    cuGraphInstantiate(e: *mut CUgraphExec, g: CUgraph, err: *mut CUgraphNode, log: *mut c_char, size: usize)
+        => graph::instantiate_v1(e, g, err, log, size);
+    cuGraphInstantiate_v2(e: *mut CUgraphExec, g: CUgraph, err: *mut CUgraphNode, log: *mut c_char, size: usize)
+        => graph::instantiate_v1(e, g, err, log, size);
+    cuGraphInstantiateWithFlags(e: *mut CUgraphExec, g: CUgraph, flags: c_ulonglong) => graph::instantiate_with_flags(e, g, flags);
+    cuGraphInstantiateWithParams(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS)
+        => graph::instantiate_with_params(e, g, p, Legacy);
+    cuGraphInstantiateWithParams_ptsz(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS)
+        => graph::instantiate_with_params(e, g, p, PerThread);
+    cuGraphUpload(e: CUgraphExec, s: CUstream) => graph::graph_upload(e, s, Legacy);
+    cuGraphUpload_ptsz(e: CUgraphExec, s: CUstream) => graph::graph_upload(e, s, PerThread);
+    cuGraphLaunch(e: CUgraphExec, s: CUstream) => graph::graph_launch(e, s, Legacy);
+    cuGraphLaunch_ptsz(e: CUgraphExec, s: CUstream) => graph::graph_launch(e, s, PerThread);
+    cuGraphExecDestroy(e: CUgraphExec) => graph::exec_destroy(e);
+    cuDeviceGraphMemTrim(dev: CUdevice) => graph::device_graph_mem_trim(dev);
+    cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: c_int, value: *mut c_void) => graph::device_get_graph_mem_attribute(dev, attr, value);
+    cuDeviceSetGraphMemAttribute(dev: CUdevice, attr: c_int, value: *mut c_void) => graph::device_set_graph_mem_attribute(dev, attr, value);
     cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) => stream::priority_range(least, greatest);
     cuEventCreate(e: *mut CUevent, flags: c_uint) => stream::event_create(e, flags);
     cuEventDestroy_v2(e: CUevent) => stream::event_destroy(e);
@@ -319,8 +356,6 @@ unsupported! {
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
-    cuGraphCreate, cuGraphLaunch, cuGraphInstantiateWithFlags, cuGraphDestroy, cuGraphExecDestroy,
-    cuStreamBeginCapture_v2, cuStreamEndCapture,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
     cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
     cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
@@ -333,8 +368,6 @@ unsupported! {
     cuMemsetD2D8_v2_ptds, cuMemsetD2D16_v2, cuMemsetD2D16_v2_ptds, cuMemsetD2D32_v2, cuMemsetD2D32_v2_ptds,
     cuMemsetD2D8Async, cuMemsetD2D8Async_ptsz, cuMemsetD2D16Async, cuMemsetD2D16Async_ptsz,
     cuMemsetD2D32Async, cuMemsetD2D32Async_ptsz, cuLaunchCooperativeKernel_ptsz,
-    cuGraphLaunch_ptsz, cuStreamBeginCapture, cuStreamBeginCapture_ptsz, cuStreamBeginCapture_v2_ptsz,
-    cuStreamEndCapture_ptsz,
     // PyTorch's driver table (c10/cuda/driver_api) requires these to exist, and looks for
     // the multicast ones (a miss leaves an error behind in the CUDA runtime).
     cuStreamWriteValue32, cuStreamWriteValue32_ptsz, cuStreamWriteValue32_v2, cuStreamWriteValue32_v2_ptsz,

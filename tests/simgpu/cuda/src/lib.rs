@@ -17,6 +17,7 @@ mod driver;
 mod export_tables;
 mod exports;
 mod ffi;
+mod graph;
 mod memory;
 mod module;
 mod pool;

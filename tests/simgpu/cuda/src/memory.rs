@@ -30,6 +30,9 @@ pub(crate) enum Kind {
     Host,
     /// Stream-ordered, from a memory pool (the pool's handle).
     Pooled(usize),
+    /// Made by a graph's allocation node, backed by the graph memory pool; its address
+    /// range belongs to the graph and outlives the allocation (see `graph`).
+    Graph,
 }
 
 /// One linear allocation: its own anonymous mapping.
@@ -170,6 +173,8 @@ pub(crate) fn allocate(size: u64, charge: u64, kind: Kind) -> CuResult<u64> {
     }
     let ctx = context::current()?;
     let d = driver()?;
+    // A synchronous allocation is not captured: a capture may forbid it.
+    crate::graph::unsafe_call()?;
     let charged = if kind == Kind::Host { 0 } else { round_up(charge, ALLOC_ALIGN) };
     if charged > 0 {
         d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -190,9 +195,12 @@ pub(crate) fn allocate(size: u64, charge: u64, kind: Kind) -> CuResult<u64> {
 /// to its pool). The caller holds the registry for writing.
 pub(crate) fn release_allocation(reg: &mut Registry, addr: u64) -> Option<Allocation> {
     let a = reg.allocs.remove(&addr)?;
-    unmap(addr, a.size);
+    if a.kind != Kind::Graph {
+        unmap(addr, a.size);
+    }
     match a.kind {
         Kind::Pooled(pool) => crate::pool::returned(pool, a.device, a.charged),
+        Kind::Graph => crate::graph::returned(addr, a.device, a.charged),
         _ => {
             if let Ok(d) = driver() {
                 d.slot.release(a.device, a.charged);
@@ -252,6 +260,7 @@ pub(crate) fn mem_free(ptr: CUdeviceptr) -> CuResult {
     if ptr == 0 {
         return Ok(());
     }
+    crate::graph::unsafe_call()?;
     let ctx = {
         let reg = REGISTRY.read();
         match reg.allocs.get(&ptr) {

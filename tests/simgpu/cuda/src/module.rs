@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use crate::context;
 use crate::driver::{device_index, driver};
 use crate::ffi::{new_handle, read_in, read_str, write_out, CUresult, CuResult};
+use crate::graph::NodeType;
 use crate::memory::REGISTRY;
 use crate::stream::{self, DefaultStream};
 
@@ -257,6 +258,7 @@ fn param<T: Copy>(params: *mut *mut c_void, i: usize) -> CuResult<T> {
 }
 
 /// What a queued kernel will do, with its parameters copied at launch, as CUDA does.
+#[derive(Clone, Copy)]
 enum Work {
     Noop,
     Fill { ptr: u64, value: u32, count: usize },
@@ -359,7 +361,7 @@ pub(crate) fn launch_kernel(
     let device = s.device;
     match work {
         // No device time: as cheap as a launch can be (launch-overhead benchmarks).
-        Work::Noop => s.submit(Box::new(|| Ok(()))),
-        work => s.submit_kernel(Box::new(move || work.run(device))),
+        Work::Noop => s.enqueue(NodeType::Kernel, std::sync::Arc::new(|| Ok(())), false),
+        work => s.enqueue(NodeType::Kernel, std::sync::Arc::new(move || work.run(device)), true),
     }
 }

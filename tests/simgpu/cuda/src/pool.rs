@@ -271,6 +271,10 @@ fn alloc_from(
     if p.device != s.device {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
+    // Captured: an allocation node of the graph memory pool, not this pool's memory.
+    if let Some(capture) = s.capturing() {
+        return crate::graph::capture_alloc(&capture, out, size);
+    }
     let d = driver()?;
     let charge = round_up(size as u64, ALLOC_ALIGN);
     {
@@ -331,15 +335,21 @@ pub(crate) fn mem_alloc_from_pool_async(
 /// `cuMemFreeAsync`: the memory stays usable until the stream reaches the free.
 pub(crate) fn mem_free_async(ptr: CUdeviceptr, stream: CUstream, default: DefaultStream) -> CuResult {
     let s = stream::resolve(stream, default)?;
+    if let Some(capture) = s.capturing() {
+        return crate::graph::capture_free(&capture, ptr);
+    }
     {
         let mut reg = REGISTRY.write();
         match reg.allocs.get_mut(&ptr) {
             Some(a) if a.kind != Kind::Host && !a.freeing => a.freeing = true,
+            // A graph allocation whose launch is queued but has not allocated it yet:
+            // freed when the stream gets there, as its address is fixed.
+            None if crate::graph::is_graph_address(ptr) => {}
             _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
         }
     }
-    s.submit(Box::new(move || {
-        release_allocation(&mut REGISTRY.write(), ptr);
-        Ok(())
+    s.submit(Box::new(move || match release_allocation(&mut REGISTRY.write(), ptr) {
+        Some(_) => Ok(()),
+        None => Err(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
     }))
 }

@@ -70,6 +70,30 @@ static SIMGPU_PROCS: &[(&str, &[Version])] = &[
     ),
     ("cuStreamEndCapture", &[(10000, "cuStreamEndCapture", Some("cuStreamEndCapture_ptsz"))]),
     ("cuThreadExchangeStreamCaptureMode", &[(10010, "cuThreadExchangeStreamCaptureMode", None)]),
+    ("cuGraphCreate", &[(10000, "cuGraphCreate", None)]),
+    ("cuGraphDestroy", &[(10000, "cuGraphDestroy", None)]),
+    ("cuGraphGetNodes", &[(10000, "cuGraphGetNodes", None)]),
+    ("cuGraphNodeGetType", &[(10000, "cuGraphNodeGetType", None)]),
+    ("cuGraphMemAllocNodeGetParams", &[(11040, "cuGraphMemAllocNodeGetParams", None)]),
+    // CUDA 12 gave cuGraphInstantiate the flags signature (cudaTypedefs.h).
+    (
+        "cuGraphInstantiate",
+        &[
+            (10000, "cuGraphInstantiate", None),
+            (11000, "cuGraphInstantiate_v2", None),
+            (12000, "cuGraphInstantiateWithFlags", None),
+        ],
+    ),
+    ("cuGraphInstantiateWithFlags", &[(11040, "cuGraphInstantiateWithFlags", None)]),
+    (
+        "cuGraphInstantiateWithParams",
+        &[(12000, "cuGraphInstantiateWithParams", Some("cuGraphInstantiateWithParams_ptsz"))],
+    ),
+    ("cuGraphUpload", &[(11010, "cuGraphUpload", Some("cuGraphUpload_ptsz"))]),
+    ("cuGraphExecDestroy", &[(10000, "cuGraphExecDestroy", None)]),
+    ("cuDeviceGraphMemTrim", &[(11040, "cuDeviceGraphMemTrim", None)]),
+    ("cuDeviceGetGraphMemAttribute", &[(11040, "cuDeviceGetGraphMemAttribute", None)]),
+    ("cuDeviceSetGraphMemAttribute", &[(11040, "cuDeviceSetGraphMemAttribute", None)]),
     ("cuFuncGetAttribute", &[(2020, "cuFuncGetAttribute", None)]),
     ("cuFuncGetName", &[(12030, "cuFuncGetName", None)]),
     ("cuModuleGetGlobal", &[(3020, "cuModuleGetGlobal_v2", None)]),
@@ -130,6 +154,25 @@ static ERRORS: &[(c_uint, &std::ffi::CStr, &std::ffi::CStr)] = &[
     (700, c"CUDA_ERROR_ILLEGAL_ADDRESS", c"an illegal memory access was encountered"),
     (719, c"CUDA_ERROR_LAUNCH_FAILED", c"unspecified launch failure"),
     (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+    (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", c"operation not permitted when stream is capturing"),
+    (
+        901,
+        c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        c"operation failed due to a previous error during capture",
+    ),
+    (903, c"CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", c"capture was not initiated in this stream"),
+    (905, c"CUDA_ERROR_STREAM_CAPTURE_ISOLATION", c"dependency created on uncaptured work in another stream"),
+    (
+        906,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
+    ),
+    (
+        908,
+        c"CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+        c"attempt to terminate a thread-local capture sequence from another thread",
+    ),
+    (401, c"CUDA_ERROR_ILLEGAL_STATE", c"the operation cannot be performed in the present state"),
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 

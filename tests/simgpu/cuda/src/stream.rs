@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
@@ -14,6 +14,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::context::{self, Context};
 use crate::ffi::{write_out, CUresult, CuResult};
+use crate::graph::{self, Capture, Node, NodeType, Task};
 
 /// Work queued on a stream.
 pub(crate) type Job = Box<dyn FnOnce() -> CuResult + Send>;
@@ -22,6 +23,9 @@ pub(crate) type Job = Box<dyn FnOnce() -> CuResult + Send>;
 struct Queued {
     job: Job,
     kernel: bool,
+    /// An event's marker: it counts as done on this stream before it signals the event,
+    /// so that a stream query after an event synchronize sees the stream at that point.
+    marker: bool,
 }
 
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the special stream handles.
@@ -53,6 +57,8 @@ pub(crate) struct Stream {
     progress: Arc<Progress>,
     /// The context's sticky error cell: an illegal access poisons the whole context.
     sticky: Arc<AtomicU32>,
+    /// The capture this stream records into, while it captures (see `graph`).
+    pub capture: Mutex<Option<Arc<Capture>>>,
 }
 
 impl Stream {
@@ -72,6 +78,7 @@ impl Stream {
             submitted: AtomicU64::new(0),
             progress: Arc::new(Progress { completed: Mutex::new(0), done: Condvar::new() }),
             sticky,
+            capture: Mutex::new(None),
         })
     }
 
@@ -81,16 +88,54 @@ impl Stream {
 
     /// Queues `job`; it runs after everything queued before it on this stream.
     pub(crate) fn submit(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: false })
+        self.queue(Queued { job, kernel: false, marker: false })
+    }
+
+    /// Queues an event's marker (see [`Queued::marker`]).
+    fn submit_marker(&self, job: Job) -> CuResult {
+        self.queue(Queued { job, kernel: false, marker: true })
     }
 
     /// Queues a kernel that runs on the device: it runs after everything queued before it
     /// on this stream, while this process owns the device (time-slicing).
     pub(crate) fn submit_kernel(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: true })
+        self.queue(Queued { job, kernel: true, marker: false })
+    }
+
+    /// Queues `run` (a kernel when `device_time`), or records it as a node of type `ty`
+    /// while the stream captures.
+    pub(crate) fn enqueue(&self, ty: NodeType, run: Task, device_time: bool) -> CuResult {
+        if let Some(capture) = self.capturing() {
+            return capture.record(Node::Task { ty, run, device_time });
+        }
+        let job: Job = Box::new(move || run());
+        if device_time {
+            self.submit_kernel(job)
+        } else {
+            self.submit(job)
+        }
+    }
+
+    /// The capture this stream records into, if it captures.
+    pub(crate) fn capturing(&self) -> Option<Arc<Capture>> {
+        if !graph::any_capture() {
+            return None;
+        }
+        self.capture.lock().clone()
     }
 
     fn queue(&self, queued: Queued) -> CuResult {
+        if graph::any_capture() {
+            // Work that reached a capturing stream without being recorded would run
+            // now: refuse it, as the driver refuses what capture does not support.
+            if let Some(capture) = self.capturing() {
+                capture.invalidate();
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            if is_legacy(self) {
+                graph::legacy_use(self.ctx)?;
+            }
+        }
         let mut sender = self.sender.lock();
         if sender.is_none() {
             *sender = Some(self.spawn_worker()?);
@@ -120,7 +165,7 @@ impl Stream {
                 let sched = crate::driver::driver().ok().map(|d| &d.sched);
                 // Whether this stream keeps the device: it runs kernels back to back.
                 let mut claimed = false;
-                for Queued { job, kernel } in rx.iter() {
+                for Queued { job, kernel, marker } in rx.iter() {
                     if let Some(sched) = sched.filter(|_| kernel != claimed) {
                         if kernel {
                             sched.claim(device);
@@ -128,6 +173,16 @@ impl Stream {
                             sched.unclaim(device);
                         }
                         claimed = kernel;
+                    }
+                    let bump = || {
+                        let mut done = progress.completed.lock();
+                        *done += 1;
+                        progress.done.notify_all();
+                        drop(done);
+                        PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
+                    };
+                    if marker {
+                        bump();
                     }
                     if let Err(code) = job() {
                         // First error wins, as a context's sticky error does.
@@ -139,11 +194,9 @@ impl Stream {
                         sched.unclaim(device);
                         claimed = false;
                     }
-                    let mut done = progress.completed.lock();
-                    *done += 1;
-                    progress.done.notify_all();
-                    drop(done);
-                    PENDING_JOBS.fetch_sub(1, Ordering::SeqCst);
+                    if !marker {
+                        bump();
+                    }
                 }
             })
             .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -238,8 +291,28 @@ pub(crate) fn stream_destroy(handle: CUstream) -> CuResult {
     STREAMS.lock().remove(&(handle as usize)).map(|_| ()).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
+/// Whether `s` is its context's legacy default stream (the one capture cannot use).
+pub(crate) fn is_legacy(s: &Stream) -> bool {
+    context::lookup(s.ctx).is_ok_and(|c| std::ptr::eq(Arc::as_ptr(&c.null_stream), s))
+}
+
+/// A synchronize or query of a capturing stream can never see its work done: the
+/// capture is invalidated and the call refused. The legacy stream cannot wait for a
+/// blocking stream that captures.
+fn check_waitable(stream: &Stream) -> CuResult {
+    if let Some(capture) = stream.capturing() {
+        capture.invalidate();
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
+    if graph::any_capture() && is_legacy(stream) {
+        graph::legacy_use(stream.ctx)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn stream_synchronize(handle: CUstream, default: DefaultStream) -> CuResult {
     let stream = resolve(handle, default)?;
+    check_waitable(&stream)?;
     stream.synchronize()?;
     crate::pool::trim_after_sync(stream.device);
     Ok(())
@@ -247,6 +320,7 @@ pub(crate) fn stream_synchronize(handle: CUstream, default: DefaultStream) -> Cu
 
 pub(crate) fn stream_query(handle: CUstream, default: DefaultStream) -> CuResult {
     let stream = resolve(handle, default)?;
+    check_waitable(&stream)?;
     stream.sticky_error()?;
     if stream.idle() {
         Ok(())
@@ -298,6 +372,8 @@ pub(crate) fn forget_streams_of(ctx: usize) {
 /// An event: a marker recorded into a stream, complete when the stream reaches it.
 pub(crate) struct Event {
     flags: c_uint,
+    /// The capture it was last recorded in, if it was recorded on a capturing stream.
+    captured: Mutex<Option<Weak<Capture>>>,
     state: Mutex<EventState>,
     done: Condvar,
 }
@@ -320,7 +396,12 @@ pub(crate) fn event_create(out: *mut CUevent, flags: c_uint) -> CuResult {
     if flags & !0xf != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let ev = Arc::new(Event { flags, state: Mutex::new(EventState::default()), done: Condvar::new() });
+    let ev = Arc::new(Event {
+        flags,
+        captured: Mutex::new(None),
+        state: Mutex::new(EventState::default()),
+        done: Condvar::new(),
+    });
     let handle = Arc::as_ptr(&ev) as usize;
     write_out(out, handle as CUevent)?;
     EVENTS.lock().insert(handle, ev);
@@ -331,8 +412,8 @@ pub(crate) fn event_destroy(handle: CUevent) -> CuResult {
     EVENTS.lock().remove(&(handle as usize)).map(|_| ()).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
 }
 
-/// `cuEventRecordWithFlags`: as `cuEventRecord`; the one flag (CU_EVENT_RECORD_EXTERNAL)
-/// matters only in stream capture, which simgpu does not do.
+/// `cuEventRecordWithFlags`: as `cuEventRecord`; the one flag (CU_EVENT_RECORD_EXTERNAL,
+/// an event node in a captured graph) is not modelled: the event marks the capture.
 pub(crate) fn event_record_with_flags(
     handle: CUevent,
     stream: CUstream,
@@ -348,13 +429,20 @@ pub(crate) fn event_record_with_flags(
 pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultStream) -> CuResult {
     let ev = event(handle)?;
     let stream = resolve(stream, default)?;
+    // On a capturing stream the event marks a point of the capture (no work is queued):
+    // a stream that waits for it joins the capture.
+    if let Some(capture) = stream.capturing() {
+        *ev.captured.lock() = Some(Arc::downgrade(&capture));
+        return Ok(());
+    }
+    *ev.captured.lock() = None;
     let generation = {
         let mut st = ev.state.lock();
         st.recorded += 1;
         st.recorded
     };
     let marker = ev.clone();
-    stream.submit(Box::new(move || {
+    stream.submit_marker(Box::new(move || {
         let mut st = marker.state.lock();
         if st.completed < generation {
             st.completed = generation;
@@ -365,8 +453,18 @@ pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultSt
     }))
 }
 
+/// An event last recorded in a capture that is still going on has no completion to
+/// wait for or query.
+fn check_not_captured(ev: &Event) -> CuResult {
+    if graph::any_capture() && ev.captured.lock().as_ref().is_some_and(graph::is_active) {
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
+    Ok(())
+}
+
 pub(crate) fn event_synchronize(handle: CUevent) -> CuResult {
     let ev = event(handle)?;
+    check_not_captured(&ev)?;
     let mut st = ev.state.lock();
     let target = st.recorded;
     while st.completed < target {
@@ -377,6 +475,7 @@ pub(crate) fn event_synchronize(handle: CUevent) -> CuResult {
 
 pub(crate) fn event_query(handle: CUevent) -> CuResult {
     let ev = event(handle)?;
+    check_not_captured(&ev)?;
     let st = ev.state.lock();
     if st.completed >= st.recorded {
         Ok(())
@@ -418,6 +517,15 @@ pub(crate) fn stream_wait_event(
     }
     let ev = event(handle)?;
     let stream = resolve(stream, default)?;
+    let captured = ev.captured.lock().as_ref().and_then(Weak::upgrade);
+    if let Some(capture) = captured.filter(|_| graph::any_capture()) {
+        return graph::join(&stream, &capture);
+    }
+    // A capture may not depend on work outside it.
+    if let Some(capture) = stream.capturing() {
+        capture.invalidate();
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+    }
     let target = ev.state.lock().recorded;
     stream.submit(Box::new(move || {
         let mut st = ev.state.lock();
@@ -428,14 +536,10 @@ pub(crate) fn stream_wait_event(
     }))
 }
 
-/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`. simgpu has no graphs, so
-/// no stream is ever capturing (`cuStreamBeginCapture` is not supported).
-const CAPTURE_STATUS_NONE: c_uint = 0;
-
-/// `cuStreamIsCapturing`: never capturing; the handle is still checked.
+/// `cuStreamIsCapturing`: NONE, ACTIVE or INVALIDATED (see `graph`).
 pub(crate) fn stream_is_capturing(handle: CUstream, status: *mut c_uint, default: DefaultStream) -> CuResult {
-    resolve(handle, default)?;
-    write_out(status, CAPTURE_STATUS_NONE)
+    let s = resolve(handle, default)?;
+    write_out(status, graph::capture_status(&s)?.0)
 }
 
 /// Optional outputs of `cuStreamGetCaptureInfo` (`_v2` adds the graph and its
@@ -456,29 +560,33 @@ impl CaptureOuts {
     }
 }
 
-/// `cuStreamGetCaptureInfo` (all versions): `CU_STREAM_CAPTURE_STATUS_NONE`, and the
-/// optional outputs the caller asked for zeroed.
+/// `cuStreamGetCaptureInfo` (all versions): the status and, while a capture is active,
+/// its id (unique in the process), its graph, its dependency (the last node recorded)
+/// and no edge data (all edges are plain); outside a capture the outputs read as empty.
 pub(crate) fn stream_get_capture_info(
     handle: CUstream,
     status: *mut c_uint,
     outs: CaptureOuts,
     default: DefaultStream,
 ) -> CuResult {
-    stream_is_capturing(handle, status, default)?;
+    let s = resolve(handle, default)?;
+    let (code, capture) = graph::capture_status(&s)?;
+    write_out(status, code)?;
+    let (id, graph, deps, count) = capture.map_or((0, 0, std::ptr::null(), 0), |c| graph::capture_info(&c));
     if !outs.id.is_null() {
-        write_out(outs.id, 0)?;
+        write_out(outs.id, id)?;
     }
     if !outs.graph.is_null() {
-        write_out(outs.graph, std::ptr::null_mut())?;
+        write_out(outs.graph, graph as *mut c_void)?;
     }
     if !outs.deps.is_null() {
-        write_out(outs.deps, std::ptr::null())?;
+        write_out(outs.deps, if count > 0 { deps.cast() } else { std::ptr::null() })?;
     }
     if !outs.edges.is_null() {
         write_out(outs.edges, std::ptr::null())?;
     }
     if !outs.count.is_null() {
-        write_out(outs.count, 0)?;
+        write_out(outs.count, count)?;
     }
     Ok(())
 }
@@ -488,9 +596,12 @@ thread_local! {
     static CAPTURE_MODE: std::cell::Cell<c_uint> = const { std::cell::Cell::new(0) };
 }
 
+/// The calling thread's capture mode, which decides which calls a capture forbids it.
+pub(crate) fn thread_capture_mode() -> c_uint {
+    CAPTURE_MODE.try_with(|m| m.get()).unwrap_or(0)
+}
+
 /// `cuThreadExchangeStreamCaptureMode`: swaps the thread's capture mode with `*mode`.
-/// It only matters while a stream captures, which never happens on simgpu, but callers
-/// save and restore it around their work.
 pub(crate) fn exchange_capture_mode(mode: *mut c_uint) -> CuResult {
     let wanted = crate::ffi::read_in(mode.cast_const())?;
     if wanted > 2 {
