@@ -203,6 +203,13 @@ procs! {
     "cuLaunchKernelEx": [11060 => "cuLaunchKernelEx"] ptds "cuLaunchKernelEx_ptsz";
     "cuLaunchCooperativeKernel": [9000 => "cuLaunchCooperativeKernel"] ptds "cuLaunchCooperativeKernel_ptsz";
     "cuGraphLaunch": [10000 => "cuGraphLaunch"] ptds "cuGraphLaunch_ptsz";
+    // CUDA 12 gave cuGraphInstantiate the flags signature (cudaTypedefs.h).
+    "cuGraphInstantiate": [10000 => "cuGraphInstantiate", 11000 => "cuGraphInstantiate_v2", 12000 => "cuGraphInstantiateWithFlags"];
+    "cuGraphInstantiateWithFlags": [11040 => "cuGraphInstantiateWithFlags"];
+    "cuGraphInstantiateWithParams": [12000 => "cuGraphInstantiateWithParams"] ptds "cuGraphInstantiateWithParams_ptsz";
+    "cuGraphUpload": [11010 => "cuGraphUpload"] ptds "cuGraphUpload_ptsz";
+    "cuGraphExecDestroy": [10000 => "cuGraphExecDestroy"];
+    "cuDeviceGraphMemTrim": [11040 => "cuDeviceGraphMemTrim"];
 }
 
 #[cfg(test)]

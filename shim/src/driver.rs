@@ -49,6 +49,10 @@ real_fns! {
     Cuda cuDeviceGetMemPool(*mut *mut c_void, c_int);
     Cuda cuDeviceGetDefaultMemPool(*mut *mut c_void, c_int);
     Cuda cuStreamGetCtx(*mut c_void, *mut *mut c_void);
+    Cuda cuGraphGetNodes(*mut c_void, *mut *mut c_void, *mut usize);
+    Cuda cuGraphNodeGetType(*mut c_void, *mut c_uint);
+    Cuda cuGraphMemAllocNodeGetParams(*mut c_void, *mut c_void);
+    Cuda cuDeviceGetGraphMemAttribute(c_int, c_int, *mut c_void);
     Nvml nvmlInit_v2();
     Nvml nvmlDeviceGetHandleByUUID(*const c_char, *mut *mut c_void);
     Nvml nvmlDeviceGetUUID(*mut c_void, *mut c_char, c_uint);

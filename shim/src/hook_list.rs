@@ -49,6 +49,21 @@ macro_rules! hook_list {
                 Cuda cuLibraryLoadFromFile(library: *mut Ptr, path: *const c_char, jit_options: *mut c_int, jit_values: *mut Ptr,
                     jit_count: c_uint, options: *mut c_int, values: *mut Ptr, count: c_uint) => crate::implicit::library_load_from_file;
                 Cuda cuLibraryUnload(library: Ptr) => crate::implicit::library_unload;
+                // CUDA graphs: what their memory pool keeps (launches pass the gate too).
+                Cuda cuGraphInstantiate(exec: *mut Ptr, graph: Ptr, error_node: *mut Ptr, log: *mut c_char, size: usize)
+                    => crate::graphs::instantiate_v1;
+                Cuda cuGraphInstantiate_v2(exec: *mut Ptr, graph: Ptr, error_node: *mut Ptr, log: *mut c_char, size: usize)
+                    => crate::graphs::instantiate_v2;
+                Cuda cuGraphInstantiateWithFlags(exec: *mut Ptr, graph: Ptr, flags: c_ulonglong) => crate::graphs::instantiate_with_flags;
+                Cuda cuGraphInstantiateWithParams(exec: *mut Ptr, graph: Ptr, params: Ptr) => crate::graphs::instantiate_with_params;
+                Cuda cuGraphInstantiateWithParams_ptsz(exec: *mut Ptr, graph: Ptr, params: Ptr)
+                    => crate::graphs::instantiate_with_params_ptsz;
+                Cuda cuGraphUpload(exec: Ptr, stream: Ptr) => crate::graphs::upload;
+                Cuda cuGraphUpload_ptsz(exec: Ptr, stream: Ptr) => crate::graphs::upload_ptsz;
+                Cuda cuGraphLaunch(exec: Ptr, stream: Ptr) => crate::graphs::launch;
+                Cuda cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) => crate::graphs::launch_ptsz;
+                Cuda cuGraphExecDestroy(exec: Ptr) => crate::graphs::exec_destroy;
+                Cuda cuDeviceGraphMemTrim(dev: c_int) => crate::graphs::mem_trim;
                 // Every allocation path.
                 Cuda cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => crate::memory::mem_alloc;
                 Cuda cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)
@@ -172,8 +187,6 @@ macro_rules! hook_list {
                     shared: c_uint, stream: Ptr, params: *mut Ptr);
                 cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
                     shared: c_uint, stream: Ptr, params: *mut Ptr);
-                cuGraphLaunch(exec: Ptr, stream: Ptr);
-                cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr);
             }
         }
     };

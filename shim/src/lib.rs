@@ -9,7 +9,8 @@
 //!   the exports, `dlsym` and `cuGetProcAddress` answers and the real functions' pointers
 //!   built from it;
 //! - `memory`, `context`, `implicit`, `device`, `nvml`: what the implemented hooks do
-//!   (`implicit`: memory the driver takes without a size argument: heaps, modules); `pools`: what
+//!   (`implicit`: memory the driver takes without a size argument: heaps, modules;
+//!   `graphs`: what CUDA graphs' memory pool keeps); `pools`: what
 //!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
 //!   the group's own only;
 //! - `gate`: what launches, copies and sets pass through;
@@ -36,6 +37,7 @@ mod device;
 mod driver;
 mod ffi;
 pub mod gate;
+mod graphs;
 mod hooks;
 mod implicit;
 mod init;

@@ -266,9 +266,9 @@ pub(crate) fn mem_free(dptr: CUdeviceptr) -> Status {
 
 /// A stream-ordered allocation, from `pool` or (without one) from the current pool of
 /// the stream's device. Its pool's book charges it (see `pools`), except when the stream
-/// is being captured into a graph (the memory belongs to the graph: charged per
-/// allocation and given back at its free, as before), when the pool is not one of a
-/// device's, and when swap backs it with the VMM API.
+/// is being captured into a graph (the graph's memory pool is charged instead, see
+/// `graphs`), when the pool is not one of a device's, and when swap backs it with the
+/// VMM API.
 fn pooled(
     size: usize,
     dptr: *mut CUdeviceptr,
@@ -278,6 +278,11 @@ fn pooled(
     free: impl FnOnce(CUdeviceptr) -> Status,
 ) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
+    // Captured into a graph: the address of one of its allocation nodes, which takes
+    // memory only when the graph runs, from the graph pool (charged there: `graphs`).
+    if crate::swap::capturing(stream) {
+        return real();
+    }
     let _allocating = match crate::park::allocating() {
         Ok(a) => a,
         Err(status) => return status,
@@ -285,7 +290,7 @@ fn pooled(
     let Some(Current { id, ordinal }) = e.current() else { return e.untracked(real) };
     let bytes = size as u64;
     let target = match pool {
-        _ if dptr.is_null() || crate::swap::capturing(stream) => None,
+        _ if dptr.is_null() => None,
         Some(pool) => pools::pool_ordinal(e, pool).map(|ordinal| Target { pool, ordinal, context: None }),
         None => pools::stream_pool(e, stream, ordinal),
     }

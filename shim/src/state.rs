@@ -273,6 +273,8 @@ pub(crate) struct Enforcer {
     pub pools: crate::pools::PoolBook,
     /// Memory the device showed and no hook charged.
     pub backstop: crate::backstop::Backstop,
+    /// CUDA graphs with allocation nodes, and their devices' graph pools.
+    pub graphs: crate::graphs::GraphBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
@@ -323,6 +325,7 @@ impl Enforcer {
             vmm: Mutex::new(Default::default()),
             pools: Default::default(),
             backstop: Default::default(),
+            graphs: Default::default(),
             arbiter: OnceLock::new(),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })

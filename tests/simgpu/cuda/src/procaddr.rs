@@ -75,23 +75,8 @@ static SIMGPU_PROCS: &[(&str, &[Version])] = &[
     ("cuGraphGetNodes", &[(10000, "cuGraphGetNodes", None)]),
     ("cuGraphNodeGetType", &[(10000, "cuGraphNodeGetType", None)]),
     ("cuGraphMemAllocNodeGetParams", &[(11040, "cuGraphMemAllocNodeGetParams", None)]),
-    // CUDA 12 gave cuGraphInstantiate the flags signature (cudaTypedefs.h).
-    (
-        "cuGraphInstantiate",
-        &[
-            (10000, "cuGraphInstantiate", None),
-            (11000, "cuGraphInstantiate_v2", None),
-            (12000, "cuGraphInstantiateWithFlags", None),
-        ],
-    ),
-    ("cuGraphInstantiateWithFlags", &[(11040, "cuGraphInstantiateWithFlags", None)]),
-    (
-        "cuGraphInstantiateWithParams",
-        &[(12000, "cuGraphInstantiateWithParams", Some("cuGraphInstantiateWithParams_ptsz"))],
-    ),
-    ("cuGraphUpload", &[(11010, "cuGraphUpload", Some("cuGraphUpload_ptsz"))]),
-    ("cuGraphExecDestroy", &[(10000, "cuGraphExecDestroy", None)]),
-    ("cuDeviceGraphMemTrim", &[(11040, "cuDeviceGraphMemTrim", None)]),
+    // cuGraphInstantiate*, cuGraphUpload, cuGraphExecDestroy and cuDeviceGraphMemTrim are
+    // in the shared table (the shim hooks them).
     ("cuDeviceGetGraphMemAttribute", &[(11040, "cuDeviceGetGraphMemAttribute", None)]),
     ("cuDeviceSetGraphMemAttribute", &[(11040, "cuDeviceSetGraphMemAttribute", None)]),
     ("cuFuncGetAttribute", &[(2020, "cuFuncGetAttribute", None)]),
