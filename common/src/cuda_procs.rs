@@ -112,6 +112,8 @@ procs! {
     "cuCtxSetFlags": [12010 => "cuCtxSetFlags"];
     "cuCtxGetApiVersion": [3020 => "cuCtxGetApiVersion"];
     "cuCtxSynchronize": [2000 => "cuCtxSynchronize"];
+    "cuCtxGetLimit": [3010 => "cuCtxGetLimit"];
+    "cuCtxSetLimit": [3010 => "cuCtxSetLimit"];
     // Memory.
     "cuMemGetInfo": [3020 => "cuMemGetInfo_v2"];
     "cuMemAlloc": [3020 => "cuMemAlloc_v2"];

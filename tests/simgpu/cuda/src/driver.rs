@@ -153,6 +153,22 @@ pub(crate) fn device_compute_capability(major: *mut c_int, minor: *mut c_int, de
 /// feature simgpu implements (pools, VMM, managed memory, unified addressing).
 pub(crate) fn device_get_attribute(value: *mut c_int, attrib: c_int, device: CUdevice) -> CuResult {
     let index = device_index(device)?;
+    if attrib <= 0 || attrib >= A::CU_DEVICE_ATTRIBUTE_MAX as c_int {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    write_out(value, attribute(index, attrib))
+}
+
+/// The threads `device` can hold resident at once (multiprocessors times threads per
+/// multiprocessor): what a per-thread stack size is multiplied by.
+pub(crate) fn resident_threads(device: usize) -> u64 {
+    let sms = attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as c_int);
+    let threads = attribute(device, A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR as c_int);
+    sms.max(0) as u64 * threads.max(0) as u64
+}
+
+/// The value of attribute `attrib` of device `index` (0 for those simgpu lacks).
+fn attribute(index: usize, attrib: c_int) -> c_int {
     let table: &[(A, c_int)] = &[
         (A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 1024),
         (A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X, 1024),
@@ -200,9 +216,5 @@ pub(crate) fn device_get_attribute(value: *mut c_int, attrib: c_int, device: CUd
         (A::CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, 32),
         (A::CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO, 2),
     ];
-    if attrib <= 0 || attrib >= A::CU_DEVICE_ATTRIBUTE_MAX as c_int {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    let found = table.iter().find(|(a, _)| *a as c_int == attrib).map_or(0, |&(_, v)| v);
-    write_out(value, found)
+    table.iter().find(|(a, _)| *a as c_int == attrib).map_or(0, |&(_, v)| v)
 }

@@ -127,6 +127,8 @@ exports! {
     cuCtxSetFlags(flags: c_uint) => context::ctx_set_flags(flags);
     cuCtxGetApiVersion(ctx: CUcontext, version: *mut c_uint) => context::ctx_get_api_version(ctx, version);
     cuCtxSynchronize() => context::ctx_synchronize();
+    cuCtxGetLimit(value: *mut usize, limit: c_int) => context::ctx_get_limit(value, limit);
+    cuCtxSetLimit(limit: c_int, value: usize) => context::ctx_set_limit(limit, value);
 
     // Linear memory.
     cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => memory::mem_get_info(free, total);
@@ -323,7 +325,7 @@ unsupported! {
     cuStreamBeginCapture_v2, cuStreamEndCapture,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
     cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
-    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
+    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
     cuMemsetD2D8_v2, cuDeviceGetLuid,

@@ -1,0 +1,176 @@
+/*
+ * implicit_memory.c: takes device memory on the paths a CUDA program does not see as
+ * allocations (context limits, module and library loads) and through the pre-3.2 entry
+ * points the driver still exports, and reports after each step what the device says this
+ * process holds.
+ *
+ * Usage: implicit_memory <scenario> [file]
+ *   limits   cuCtxSetLimit on the stack, printf FIFO and heap, in the primary context and
+ *            in a created one
+ *   modules  cuModuleLoad (file), cuModuleLoadData(Ex), cuModuleLoadFatBinary,
+ *            cuLibraryLoadData and cuLibraryLoadFromFile (file), unloads, and a module
+ *            left loaded in a context that is destroyed
+ *   legacy   every pre-3.2 entry point, found with dlsym by its unversioned name
+ *   legacy-procaddr  the same, found with cuGetProcAddress_v2 at CUDA version 2000
+ *
+ * Every driver function is found with dlsym in libcuda.so.1 (or cuGetProcAddress_v2),
+ * NVML's with dlsym in libnvidia-ml.so.1. After each step it prints one line:
+ *   STEP <label> <rc> <used> <free> <value>
+ * rc: the step's CUresult; used: this process's usedGpuMemory on device 0 from
+ * nvmlDeviceGetComputeRunningProcesses_v3 (0 if not listed); free: cuMemGetInfo_v2's free
+ * (0 without a current context); value: what the step read (a limit, a pointer, ...) or 0.
+ * Exit status: 0 done; 1 setup failed; 2 usage or loading error.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cuda_min.h"
+
+/* ---- NVML: this process's usage on device 0 ---- */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+static int (*nvml_get_processes)(void *device, unsigned int *count, nvmlProcessInfo_t *infos);
+static void *nvml_device;
+
+static void *cuda_lib;
+static PFN_cuGetProcAddress_v2 get_proc;
+static int use_procaddr;
+
+static void die(const char *what) {
+    fprintf(stderr, "implicit_memory: %s\n", what);
+    exit(2);
+}
+
+static void *need(void *lib, const char *name) {
+    void *f = dlsym(lib, name);
+    if (!f) {
+        fprintf(stderr, "implicit_memory: no %s\n", name);
+        exit(2);
+    }
+    return f;
+}
+
+/* A driver function by the name a pre-3.2 program links (dlsym), or by its base name at
+ * CUDA version `version` (cuGetProcAddress_v2). */
+__attribute__((unused)) static void *cu(const char *symbol, const char *base, int version) {
+    if (!use_procaddr) return need(cuda_lib, symbol);
+    void *f = NULL;
+    CUdriverProcAddressQueryResult status;
+    if (get_proc(base, &f, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || !f) {
+        fprintf(stderr, "implicit_memory: cuGetProcAddress_v2(%s, %d) failed (%d)\n", base, version, status);
+        exit(2);
+    }
+    return f;
+}
+
+static unsigned long long nvml_used(void) {
+    nvmlProcessInfo_t infos[64];
+    unsigned int count = 64;
+    if (nvml_get_processes(nvml_device, &count, infos) != 0) die("nvmlDeviceGetComputeRunningProcesses_v3 failed");
+    for (unsigned int i = 0; i < count; i++)
+        if (infos[i].pid == (unsigned int)getpid()) return infos[i].usedGpuMemory;
+    return 0;
+}
+
+static PFN_cuMemGetInfo get_info;
+
+static void step(const char *label, CUresult rc, unsigned long long value) {
+    size_t free = 0, total = 0;
+    if (get_info(&free, &total) != CUDA_SUCCESS) free = 0;
+    printf("STEP %s %d %llu %zu %llu\n", label, (int)rc, nvml_used(), free, value);
+    fflush(stdout);
+}
+
+static CUdevice device;
+static CUcontext primary;
+
+static void setup(void) {
+    cuda_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!cuda_lib) die(dlerror());
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!nvml) die(dlerror());
+    get_proc = (PFN_cuGetProcAddress_v2)need(cuda_lib, "cuGetProcAddress_v2");
+    int (*nvml_init)(void) = need(nvml, "nvmlInit_v2");
+    int (*nvml_handle)(unsigned int, void **) = need(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    nvml_get_processes = need(nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
+    if (nvml_init() != 0 || nvml_handle(0, &nvml_device) != 0) die("NVML setup failed");
+
+    PFN_cuInit init = (PFN_cuInit)need(cuda_lib, "cuInit");
+    PFN_cuDeviceGet device_get = (PFN_cuDeviceGet)need(cuda_lib, "cuDeviceGet");
+    PFN_cuDevicePrimaryCtxRetain retain = (PFN_cuDevicePrimaryCtxRetain)need(cuda_lib, "cuDevicePrimaryCtxRetain");
+    PFN_cuCtxSetCurrent set_current = (PFN_cuCtxSetCurrent)need(cuda_lib, "cuCtxSetCurrent");
+    get_info = (PFN_cuMemGetInfo)need(cuda_lib, "cuMemGetInfo_v2");
+    if (init(0) || device_get(&device, 0) || retain(&primary, device) || set_current(primary)) {
+        fprintf(stderr, "implicit_memory: CUDA setup failed\n");
+        exit(1);
+    }
+}
+
+/* ---- limits ---- */
+
+static void limits(void) {
+    PFN_cuCtxGetLimit_v3010 get_limit = (PFN_cuCtxGetLimit_v3010)need(cuda_lib, "cuCtxGetLimit");
+    PFN_cuCtxSetLimit_v3010 set_limit = (PFN_cuCtxSetLimit_v3010)need(cuda_lib, "cuCtxSetLimit");
+    PFN_cuCtxCreate_v3020 ctx_create = (PFN_cuCtxCreate_v3020)need(cuda_lib, "cuCtxCreate_v2");
+    PFN_cuCtxDestroy_v4000 ctx_destroy = (PFN_cuCtxDestroy_v4000)need(cuda_lib, "cuCtxDestroy_v2");
+    size_t v = 0;
+    CUresult rc;
+
+    step("start", CUDA_SUCCESS, 0);
+    rc = get_limit(&v, CU_LIMIT_STACK_SIZE);
+    step("default-stack", rc, v);
+    rc = get_limit(&v, CU_LIMIT_PRINTF_FIFO_SIZE);
+    step("default-printf", rc, v);
+    rc = get_limit(&v, CU_LIMIT_MALLOC_HEAP_SIZE);
+    step("default-heap", rc, v);
+
+    step("heap-up", set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, (8u << 20) + (256u << 20)), 0);
+    step("heap-back", set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, 8u << 20), 0);
+    step("stack-up", set_limit(CU_LIMIT_STACK_SIZE, 2048), 0);
+    step("stack-back", set_limit(CU_LIMIT_STACK_SIZE, 1024), 0);
+    step("printf-up", set_limit(CU_LIMIT_PRINTF_FIFO_SIZE, (1u << 20) + (64u << 20)), 0);
+    step("printf-back", set_limit(CU_LIMIT_PRINTF_FIFO_SIZE, 1u << 20), 0);
+    step("heap-down", set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, 0), 0);
+    step("heap-default", set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, 8u << 20), 0);
+
+    /* Larger than the device: refused, nothing changes. */
+    rc = set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, (size_t)1 << 40);
+    get_limit(&v, CU_LIMIT_MALLOC_HEAP_SIZE);
+    step("heap-too-big", rc, v);
+
+    /* A limit that takes no memory. */
+    rc = set_limit(CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, 4);
+    get_limit(&v, CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH);
+    step("sync-depth", rc, v);
+    step("unsupported", get_limit(&v, (CUlimit)CU_LIMIT_MAX), 0);
+
+    /* A created context: its own limits, all given back when it is destroyed. */
+    CUcontext ctx;
+    step("ctx", ctx_create(&ctx, 0, device), 0);
+    rc = get_limit(&v, CU_LIMIT_MALLOC_HEAP_SIZE);
+    step("ctx-default-heap", rc, v);
+    step("ctx-heap-up", set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, (8u << 20) + (128u << 20)), 0);
+    step("ctx-destroyed", ctx_destroy(ctx), 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) die("usage: implicit_memory <scenario> [file]");
+    setup();
+    if (!strcmp(argv[1], "limits")) {
+        limits();
+    } else {
+        die("unknown scenario");
+    }
+    return 0;
+}

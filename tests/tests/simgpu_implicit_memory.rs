@@ -1,0 +1,111 @@
+//! simgpu takes device memory where a real driver does without an allocation call —
+//! context limits (stack, printf FIFO, device heap), module and library loads — and on the
+//! pre-3.2 entry points the real `libcuda` still exports, each seen as what the device
+//! reports the process holding (NVML's per-process `usedGpuMemory`) and in
+//! `cuMemGetInfo`'s free.
+//!
+//! Each test runs `tests/c/implicit_memory.c` on a private 4 GiB device whose contexts
+//! take 64 MiB. Run: `cargo build --workspace && cargo test -p gpufrac-e2e --test simgpu_implicit_memory`.
+
+use std::collections::HashMap;
+
+use gpufrac_e2e::size::MIB;
+use gpufrac_e2e::{compile_c, skip_on_real_gpu, SimGpu};
+
+/// Why every test here needs simgpu.
+const SIMULATOR: &str = "tests the simulator's own model of implicit memory, with its sizes";
+const OVERHEAD: u64 = 64 * MIB;
+/// simgpu's device: 132 multiprocessors of 2048 resident threads.
+const RESIDENT_THREADS: u64 = 132 * 2048;
+
+/// One `STEP <label> <rc> <used> <free> <value>` line.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    rc: i32,
+    used: u64,
+    free: u64,
+    value: u64,
+}
+
+/// Runs a scenario and returns its steps by label.
+fn run(gpu: &SimGpu, scenario: &str, extra: &[(&str, &str)], args: &[&str]) -> HashMap<String, Step> {
+    let program = compile_c("implicit_memory.c", &[], false);
+    let mut cmd = gpu.command(program);
+    cmd.arg(scenario).args(args);
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run implicit_memory");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "implicit_memory {scenario} failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() == 6 && f[0] == "STEP").then(|| {
+                let n = |i: usize| f[i].parse::<u64>().unwrap_or_else(|_| panic!("bad line {line:?}"));
+                let step = Step { rc: f[2].parse().expect("rc"), used: n(3), free: n(4), value: n(5) };
+                (f[1].to_owned(), step)
+            })
+        })
+        .collect()
+}
+
+fn at<'a>(steps: &'a HashMap<String, Step>, label: &str) -> &'a Step {
+    steps.get(label).unwrap_or_else(|| panic!("no step {label}: {steps:?}"))
+}
+
+/// Asserts step `label` succeeded and the process holds `delta` bytes more than at
+/// `base` (negative: fewer), in NVML's figure and in `cuMemGetInfo`'s free alike.
+fn assert_delta(steps: &HashMap<String, Step>, base: &str, label: &str, delta: i64) {
+    let (b, s) = (at(steps, base), at(steps, label));
+    assert_eq!(s.rc, 0, "{label} must succeed: {s:?}");
+    assert_eq!(s.used as i64 - b.used as i64, delta, "{label}: NVML's usage against {base} ({b:?} -> {s:?})");
+    assert_eq!(b.free as i64 - s.free as i64, delta, "{label}: cuMemGetInfo's free against {base} ({b:?} -> {s:?})");
+}
+
+fn gpu() -> SimGpu {
+    SimGpu::new("4GiB").with_context_overhead("64MiB")
+}
+
+#[test]
+fn context_limits_take_and_give_back_device_memory() {
+    skip_on_real_gpu!(SIMULATOR);
+    let steps = run(&gpu(), "limits", &[], &[]);
+    // A fresh context holds its overhead, which includes the limits at their defaults.
+    assert_eq!(at(&steps, "start").used, OVERHEAD);
+    assert_eq!(at(&steps, "default-stack").value, 1024);
+    assert_eq!(at(&steps, "default-printf").value, MIB);
+    assert_eq!(at(&steps, "default-heap").value, 8 * MIB);
+
+    assert_delta(&steps, "start", "heap-up", (256 * MIB) as i64);
+    assert_delta(&steps, "start", "heap-back", 0);
+    // The stack is per resident thread: 1 KiB more for each of them.
+    assert_delta(&steps, "start", "stack-up", (1024 * RESIDENT_THREADS) as i64);
+    assert_delta(&steps, "start", "stack-back", 0);
+    assert_delta(&steps, "start", "printf-up", (64 * MIB) as i64);
+    assert_delta(&steps, "start", "printf-back", 0);
+    assert_delta(&steps, "start", "heap-down", -((8 * MIB) as i64));
+    assert_delta(&steps, "start", "heap-default", 0);
+
+    let too_big = at(&steps, "heap-too-big");
+    assert_eq!(too_big.rc, 2, "a heap larger than the device is CUDA_ERROR_OUT_OF_MEMORY: {too_big:?}");
+    assert_eq!(too_big.value, 8 * MIB, "a refused limit leaves the old value");
+    assert_eq!(too_big.used, at(&steps, "start").used, "a refused limit takes nothing");
+
+    let sync = at(&steps, "sync-depth");
+    assert_eq!((sync.rc, sync.value), (0, 4), "other limits are accepted: {sync:?}");
+    assert_delta(&steps, "start", "sync-depth", 0);
+    assert_eq!(at(&steps, "unsupported").rc, 215, "an unknown limit is CUDA_ERROR_UNSUPPORTED_LIMIT");
+
+    // A created context has its own limits, and gives them all back when destroyed.
+    assert_delta(&steps, "start", "ctx", OVERHEAD as i64);
+    assert_eq!(at(&steps, "ctx-default-heap").value, 8 * MIB);
+    assert_delta(&steps, "start", "ctx-heap-up", (OVERHEAD + 128 * MIB) as i64);
+    assert_delta(&steps, "start", "ctx-destroyed", 0);
+}
