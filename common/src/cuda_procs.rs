@@ -199,6 +199,8 @@ procs! {
     // Modules and launches.
     "cuModuleLoadData": [2000 => "cuModuleLoadData"];
     "cuModuleLoadDataEx": [2010 => "cuModuleLoadDataEx"];
+    "cuModuleLoad": [2000 => "cuModuleLoad"];
+    "cuModuleLoadFatBinary": [2000 => "cuModuleLoadFatBinary"];
     "cuModuleUnload": [2000 => "cuModuleUnload"];
     "cuModuleGetFunction": [2000 => "cuModuleGetFunction"];
     "cuLaunchKernel": [4000 => "cuLaunchKernel"] ptds "cuLaunchKernel_ptsz";

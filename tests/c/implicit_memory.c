@@ -164,11 +164,81 @@ static void limits(void) {
     step("ctx-destroyed", ctx_destroy(ctx), 0);
 }
 
+/* ---- modules and libraries ---- */
+
+static const char image[] = "simgpu reads no image";
+
+static void modules(const char *file) {
+    PFN_cuModuleLoad_v2000 load = (PFN_cuModuleLoad_v2000)need(cuda_lib, "cuModuleLoad");
+    PFN_cuModuleLoadData_v2000 load_data = (PFN_cuModuleLoadData_v2000)need(cuda_lib, "cuModuleLoadData");
+    PFN_cuModuleLoadDataEx_v2010 load_data_ex = (PFN_cuModuleLoadDataEx_v2010)need(cuda_lib, "cuModuleLoadDataEx");
+    PFN_cuModuleLoadFatBinary_v2000 load_fat = (PFN_cuModuleLoadFatBinary_v2000)need(cuda_lib, "cuModuleLoadFatBinary");
+    PFN_cuModuleUnload_v2000 unload = (PFN_cuModuleUnload_v2000)need(cuda_lib, "cuModuleUnload");
+    PFN_cuLibraryLoadData_v12000 lib_load = (PFN_cuLibraryLoadData_v12000)need(cuda_lib, "cuLibraryLoadData");
+    PFN_cuLibraryLoadFromFile_v12000 lib_load_file = (PFN_cuLibraryLoadFromFile_v12000)need(cuda_lib, "cuLibraryLoadFromFile");
+    PFN_cuLibraryUnload_v12000 lib_unload = (PFN_cuLibraryUnload_v12000)need(cuda_lib, "cuLibraryUnload");
+    PFN_cuLibraryGetModule_v12000 lib_module = (PFN_cuLibraryGetModule_v12000)need(cuda_lib, "cuLibraryGetModule");
+    PFN_cuCtxSetCurrent set_current = (PFN_cuCtxSetCurrent)need(cuda_lib, "cuCtxSetCurrent");
+    PFN_cuCtxCreate_v3020 ctx_create = (PFN_cuCtxCreate_v3020)need(cuda_lib, "cuCtxCreate_v2");
+    PFN_cuCtxDestroy_v4000 ctx_destroy = (PFN_cuCtxDestroy_v4000)need(cuda_lib, "cuCtxDestroy_v2");
+    CUmodule m[4], lm;
+    CUlibrary lib;
+
+    step("start", CUDA_SUCCESS, 0);
+    step("load-file", load(&m[0], file), 0);
+    step("load-missing", load(&lm, "/nonexistent/simgpu.cubin"), 0);
+    step("load-data", load_data(&m[1], image), 0);
+    step("load-data-ex", load_data_ex(&m[2], image, 0, NULL, NULL), 0);
+    step("load-fatbinary", load_fat(&m[3], image), 0);
+    for (int i = 0; i < 4; i++) unload(m[i]);
+    step("unloaded", CUDA_SUCCESS, 0);
+    step("unload-again", unload(m[0]), 0);
+
+    step("library", lib_load(&lib, image, NULL, NULL, 0, NULL, NULL, 0), 0);
+    step("library-unloaded", lib_unload(lib), 0);
+    step("library-file", lib_load_file(&lib, file, NULL, NULL, 0, NULL, NULL, 0), 0);
+    step("library-file-unloaded", lib_unload(lib), 0);
+
+    /* Loaded without a context: takes its memory when first used in one. */
+    set_current(NULL);
+    step("library-no-ctx", lib_load(&lib, image, NULL, NULL, 0, NULL, NULL, 0), 0);
+    set_current(primary);
+    step("library-first-use", lib_module(&lm, lib), 0);
+    step("library-second-use", lib_module(&lm, lib), 0);
+
+    /* A destroyed context takes its modules, and what libraries held in it, away. */
+    CUcontext ctx;
+    step("library-unloaded-again", lib_unload(lib), 0);
+    step("ctx", ctx_create(&ctx, 0, device), 0);
+    step("ctx-module", load_data(&m[0], image), 0);
+    step("ctx-library", lib_load(&lib, image, NULL, NULL, 0, NULL, NULL, 0), 0);
+    step("ctx-destroyed", ctx_destroy(ctx), 0);
+    step("ctx-module-gone", unload(m[0]), 0);
+    step("ctx-library-reused", lib_module(&lm, lib), 0);
+    step("end", lib_unload(lib), 0);
+}
+
+/* Two modules of SIMGPU_MODULE_BYTES each, on a device with room for one. */
+static void modules_oom(void) {
+    PFN_cuModuleLoadData_v2000 load_data = (PFN_cuModuleLoadData_v2000)need(cuda_lib, "cuModuleLoadData");
+    PFN_cuLibraryLoadData_v12000 lib_load = (PFN_cuLibraryLoadData_v12000)need(cuda_lib, "cuLibraryLoadData");
+    CUmodule a, b;
+    CUlibrary lib;
+    step("start", CUDA_SUCCESS, 0);
+    step("first", load_data(&a, image), 0);
+    step("second", load_data(&b, image), 0);
+    step("library", lib_load(&lib, image, NULL, NULL, 0, NULL, NULL, 0), 0);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) die("usage: implicit_memory <scenario> [file]");
     setup();
     if (!strcmp(argv[1], "limits")) {
         limits();
+    } else if (!strcmp(argv[1], "modules") && argc > 2) {
+        modules(argv[2]);
+    } else if (!strcmp(argv[1], "modules-oom")) {
+        modules_oom();
     } else {
         die("unknown scenario");
     }

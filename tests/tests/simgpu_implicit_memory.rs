@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use gpufrac_e2e::size::MIB;
+use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{compile_c, skip_on_real_gpu, SimGpu};
 
 /// Why every test here needs simgpu.
@@ -108,4 +108,74 @@ fn context_limits_take_and_give_back_device_memory() {
     assert_eq!(at(&steps, "ctx-default-heap").value, 8 * MIB);
     assert_delta(&steps, "start", "ctx-heap-up", (OVERHEAD + 128 * MIB) as i64);
     assert_delta(&steps, "start", "ctx-destroyed", 0);
+}
+
+/// Every way of loading a module or library takes `bytes` on the device, given back at
+/// unload or with its context.
+fn modules_take(bytes: Option<u64>) {
+    skip_on_real_gpu!(SIMULATOR);
+    let gpu = gpu();
+    // Any readable file is an image to simgpu.
+    let file = gpu.lib_dir().join("module.cubin");
+    std::fs::write(&file, b"not read").expect("write a module file");
+    let setting = bytes.map(|b| b.to_string());
+    let env: Vec<(&str, &str)> = setting.iter().map(|b| ("SIMGPU_MODULE_BYTES", b.as_str())).collect();
+    let steps = run(&gpu, "modules", &env, &[file.to_str().expect("utf-8 path")]);
+    let m = bytes.unwrap_or(2 * MIB) as i64;
+
+    assert_delta(&steps, "start", "load-file", m);
+    assert_eq!(at(&steps, "load-missing").rc, 301, "a missing file is CUDA_ERROR_FILE_NOT_FOUND");
+    assert_eq!(at(&steps, "load-missing").used, at(&steps, "load-file").used, "a refused load takes nothing");
+    assert_delta(&steps, "start", "load-data", 2 * m);
+    assert_delta(&steps, "start", "load-data-ex", 3 * m);
+    assert_delta(&steps, "start", "load-fatbinary", 4 * m);
+    assert_delta(&steps, "start", "unloaded", 0);
+    assert_eq!(at(&steps, "unload-again").rc, 400, "an unloaded module is an invalid handle");
+
+    assert_delta(&steps, "start", "library", m);
+    assert_delta(&steps, "start", "library-unloaded", 0);
+    assert_delta(&steps, "start", "library-file", m);
+    assert_delta(&steps, "start", "library-file-unloaded", 0);
+
+    // Without a context nothing is taken (and cuMemGetInfo has no context to answer).
+    let no_ctx = at(&steps, "library-no-ctx");
+    assert_eq!((no_ctx.rc, no_ctx.used), (0, at(&steps, "start").used), "{no_ctx:?}");
+    assert_delta(&steps, "start", "library-first-use", m);
+    assert_delta(&steps, "start", "library-second-use", m);
+    assert_delta(&steps, "start", "library-unloaded-again", 0);
+
+    assert_delta(&steps, "start", "ctx", OVERHEAD as i64);
+    assert_delta(&steps, "start", "ctx-module", OVERHEAD as i64 + m);
+    assert_delta(&steps, "start", "ctx-library", OVERHEAD as i64 + 2 * m);
+    assert_delta(&steps, "start", "ctx-destroyed", 0);
+    assert_eq!(at(&steps, "ctx-module-gone").rc, 400, "a destroyed context's module is gone");
+    assert_delta(&steps, "start", "ctx-library-reused", m);
+    assert_delta(&steps, "start", "end", 0);
+}
+
+#[test]
+fn modules_and_libraries_take_two_mib_by_default() {
+    modules_take(None);
+}
+
+#[test]
+fn modules_take_simgpu_module_bytes() {
+    modules_take(Some(5 * MIB));
+}
+
+#[test]
+fn modules_take_nothing_with_simgpu_module_bytes_zero() {
+    modules_take(Some(0));
+}
+
+#[test]
+fn a_module_that_does_not_fit_is_out_of_memory() {
+    skip_on_real_gpu!(SIMULATOR);
+    let steps = run(&gpu(), "modules-oom", &[("SIMGPU_MODULE_BYTES", "3GiB")], &[]);
+    assert_delta(&steps, "start", "first", (3 * GIB) as i64);
+    for label in ["second", "library"] {
+        let s = at(&steps, label);
+        assert_eq!(s.rc, 2, "{label}: a module larger than what is free is CUDA_ERROR_OUT_OF_MEMORY: {s:?}");
+        assert_eq!(s.used, at(&steps, "first").used, "{label}: a refused module takes nothing");
+    }
 }

@@ -177,6 +177,7 @@ fn destroy(ctx: &Arc<Context>) {
     CONTEXTS.lock().remove(&ctx.handle);
     stream::forget_streams_of(ctx.handle);
     crate::memory::free_all_of_context(ctx.handle);
+    crate::module::context_destroyed(ctx.handle);
     with_stack(|stack| stack.retain(|&h| h != ctx.handle));
     if let Ok(d) = driver() {
         d.slot.release(ctx.device, ctx.limits.lock().charged);

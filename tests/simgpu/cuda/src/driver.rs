@@ -14,12 +14,18 @@ use crate::ffi::{write_c_string, write_out, CUresult, CuResult};
 pub(crate) const DRIVER_VERSION: c_int = 12080;
 /// Device memory each context takes when `SIMGPU_CONTEXT_OVERHEAD` is unset.
 const DEFAULT_CONTEXT_OVERHEAD: &str = "256MiB";
+/// Device memory each loaded module takes when `SIMGPU_MODULE_BYTES` is unset: the code
+/// and globals of a small module (a real framework's modules range from kilobytes to
+/// hundreds of megabytes).
+const DEFAULT_MODULE_BYTES: &str = "2MiB";
 
 /// Everything `cuInit` sets up, shared by the whole process.
 pub(crate) struct Driver {
     pub machine: &'static Machine,
     pub slot: ProcessSlot<'static>,
     pub context_overhead: u64,
+    /// Device memory each loaded module or library takes (`SIMGPU_MODULE_BYTES`).
+    pub module_bytes: u64,
     /// How long creating a context takes (`SIMGPU_CONTEXT_CREATE_TIME`, default 0): a real
     /// driver takes 100-500 ms, during which other processes go on allocating.
     pub context_create_time: std::time::Duration,
@@ -31,12 +37,8 @@ static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
 
 fn start() -> Result<Driver, String> {
     let machine = Machine::open_from_env().map_err(|e| e.to_string())?;
-    let overhead_text =
-        std::env::var("SIMGPU_CONTEXT_OVERHEAD").unwrap_or_else(|_| DEFAULT_CONTEXT_OVERHEAD.to_owned());
-    let context_overhead = match overhead_text.trim() {
-        "0" => 0,
-        text => parse_bytes("SIMGPU_CONTEXT_OVERHEAD", text).map_err(|e| format!("simgpu: {e}"))?,
-    };
+    let context_overhead = size_from_env("SIMGPU_CONTEXT_OVERHEAD", DEFAULT_CONTEXT_OVERHEAD)?;
+    let module_bytes = size_from_env("SIMGPU_MODULE_BYTES", DEFAULT_MODULE_BYTES)?;
     let context_create_time = match std::env::var("SIMGPU_CONTEXT_CREATE_TIME") {
         Ok(text) => gpufrac_common::parse_duration("SIMGPU_CONTEXT_CREATE_TIME", &text)
             .map_err(|e| format!("simgpu: {e}"))?,
@@ -47,7 +49,16 @@ fn start() -> Result<Driver, String> {
     let machine: &'static Machine = Box::leak(Box::new(machine));
     let slot = machine.attach().map_err(|e| e.to_string())?;
     let sched = slot.scheduler(timeslice);
-    Ok(Driver { machine, slot, context_overhead, context_create_time, sched })
+    Ok(Driver { machine, slot, context_overhead, module_bytes, context_create_time, sched })
+}
+
+/// A size from the environment variable `name` (`default` when unset); `0` is allowed.
+fn size_from_env(name: &str, default: &str) -> Result<u64, String> {
+    let text = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    match text.trim() {
+        "0" => Ok(0),
+        text => parse_bytes(name, text).map_err(|e| format!("simgpu: {e}")),
+    }
 }
 
 /// `cuInit`: opens the simulated machine once; a bad setting is reported on stderr once.

@@ -270,6 +270,8 @@ exports! {
     cuModuleLoadData(m: *mut CUmodule, image: *const c_void) => module::module_load_data(m, image);
     cuModuleLoadDataEx(m: *mut CUmodule, image: *const c_void, _n: c_uint, _opts: *mut c_int, _vals: *mut *mut c_void)
         => module::module_load_data(m, image);
+    cuModuleLoad(m: *mut CUmodule, path: *const c_char) => module::module_load(m, path);
+    cuModuleLoadFatBinary(m: *mut CUmodule, image: *const c_void) => module::module_load_data(m, image);
     cuModuleUnload(m: CUmodule) => module::module_unload(m);
     cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) => module::module_get_function(f, m, name);
     cuModuleGetGlobal_v2(_dptr: *mut CUdeviceptr, _bytes: *mut usize, m: CUmodule, name: *const c_char)
@@ -317,7 +319,7 @@ ungated! {
 // Entry points that exist in the real driver but are not simulated: programs that probe
 // for them get a clean error rather than a missing symbol.
 unsupported! {
-    cuModuleLoad, cuModuleLoadFatBinary, cuLaunchCooperativeKernel,
+    cuLaunchCooperativeKernel,
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
