@@ -33,6 +33,41 @@ pub struct Array3DDescriptor {
     pub flags: u32,
 }
 
+/// `CUDA_ARRAY_DESCRIPTOR_v1` of the pre-3.2 API (`cuArrayCreate`): 32-bit sizes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayDescriptorV1 {
+    /// Width in elements.
+    pub width: u32,
+    /// Height in elements (0: one-dimensional).
+    pub height: u32,
+    /// `CUarray_format`.
+    pub format: u32,
+    /// Channels per element.
+    pub channels: u32,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR_v1` of the pre-3.2 API (`cuArray3DCreate`): 32-bit sizes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct Array3DDescriptorV1 {
+    /// Width in elements.
+    pub width: u32,
+    /// Height in elements (0: absent).
+    pub height: u32,
+    /// Depth in elements (0: absent).
+    pub depth: u32,
+    /// `CUarray_format`.
+    pub format: u32,
+    /// Channels per element.
+    pub channels: u32,
+    /// `CUDA_ARRAY3D_*` flags.
+    pub flags: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<ArrayDescriptorV1>() == 16);
+const _: () = assert!(std::mem::size_of::<Array3DDescriptorV1>() == 24);
+
 /// Bytes per element of a `CUarray_format`, for the formats with a fixed element size.
 pub fn array_format_bytes(format: u32) -> Option<u64> {
     Some(match format {

@@ -63,7 +63,7 @@ static void *need(void *lib, const char *name) {
 
 /* A driver function by the name a pre-3.2 program links (dlsym), or by its base name at
  * CUDA version `version` (cuGetProcAddress_v2). */
-__attribute__((unused)) static void *cu(const char *symbol, const char *base, int version) {
+static void *cu(const char *symbol, const char *base, int version) {
     if (!use_procaddr) return need(cuda_lib, symbol);
     void *f = NULL;
     CUdriverProcAddressQueryResult status;
@@ -230,6 +230,75 @@ static void modules_oom(void) {
     step("library", lib_load(&lib, image, NULL, NULL, 0, NULL, NULL, 0), 0);
 }
 
+/* ---- the pre-3.2 entry points ---- */
+
+/* (Each call is made before the step that prints what it wrote: C leaves the order in
+ * which a call's arguments are evaluated unspecified.) */
+
+#define V1(name, version) ((PFN_##name##_v##version)cu(#name, #name, version))
+
+static void legacy(void) {
+    PFN_cuArrayDestroy destroy_array = NULL;
+    destroy_array = (PFN_cuArrayDestroy)need(cuda_lib, "cuArrayDestroy");
+    unsigned int u = 0, u2 = 0;
+    CUdeviceptr_v1 p = 0, q = 0, base = 0;
+    unsigned int host[16], data[16];
+    CUresult rc;
+
+    step("start", CUDA_SUCCESS, 0);
+    rc = V1(cuDeviceTotalMem, 2000)(&u, device);
+    step("total-mem", rc, u);
+    rc = V1(cuMemGetInfo, 2000)(&u, &u2);
+    step("info-free", rc, u);
+    step("info-total", rc, u2);
+
+    rc = V1(cuMemAlloc, 2000)(&p, 256u << 20);
+    step("alloc", rc, p);
+    rc = V1(cuMemsetD32, 2000)(p, 0xabcd1234u, 16);
+    if (!rc) rc = V1(cuMemcpyDtoH, 2000)(host, p, sizeof host);
+    step("memset-d32", rc, host[15]);
+    for (int i = 0; i < 16; i++) data[i] = 1000u + i;
+    rc = V1(cuMemcpyHtoD, 2000)(p, data, sizeof data);
+    if (!rc) rc = V1(cuMemcpyDtoD, 2000)(p + 4096, p, sizeof data);
+    if (!rc) rc = V1(cuMemcpyDtoH, 2000)(host, p + 4096, sizeof host);
+    step("copies", rc, host[15]);
+    rc = V1(cuMemsetD8, 2000)(p, 0x11, 4);
+    if (!rc) rc = V1(cuMemsetD16, 2000)(p + 4, 0x2222, 2);
+    if (!rc) rc = V1(cuMemcpyDtoH, 2000)(host, p, 8);
+    step("memset-d8-d16", rc, ((unsigned long long)host[1] << 32) | host[0]);
+    rc = V1(cuMemGetAddressRange, 2000)(&base, &u, p + 100);
+    step("range-base", rc, base);
+    step("range-size", rc, u);
+
+    rc = V1(cuMemAllocPitch, 2000)(&q, &u, 1000, 1024, 4);
+    step("pitch", rc, q);
+    step("pitch-pitch", rc, u);
+
+    CUarray a, b;
+    CUDA_ARRAY_DESCRIPTOR_v1 d2 = {1024, 1024, CU_AD_FORMAT_FLOAT, 1};
+    CUDA_ARRAY3D_DESCRIPTOR_v1 d3 = {64, 64, 64, CU_AD_FORMAT_UNSIGNED_INT8, 4, 0};
+    step("array", V1(cuArrayCreate, 2000)(&a, &d2), 0);
+    step("array3d", V1(cuArray3DCreate, 2000)(&b, &d3), 0);
+    destroy_array(a);
+    step("arrays-destroyed", destroy_array(b), 0);
+
+    void *h = NULL;
+    rc = V1(cuMemAllocHost, 2000)(&h, 1u << 20);
+    step("alloc-host", rc, h != NULL);
+    step("free", V1(cuMemFree, 2000)(p), 0);
+    step("free-pitch", V1(cuMemFree, 2000)(q), 0);
+
+    CUcontext ctx = NULL, popped = NULL;
+    step("ctx", V1(cuCtxCreate, 2000)(&ctx, 0, device), 0);
+    rc = V1(cuMemAlloc, 2000)(&p, 32u << 20);
+    step("ctx-alloc", rc, p);
+    rc = V1(cuCtxPopCurrent, 2000)(&popped);
+    step("ctx-popped", rc, popped == ctx);
+    step("ctx-pushed", V1(cuCtxPushCurrent, 2000)(ctx), 0);
+    step("ctx-destroyed", V1(cuCtxDestroy, 2000)(ctx), 0);
+    step("primary-released", V1(cuDevicePrimaryCtxRelease, 7000)(device), 0);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) die("usage: implicit_memory <scenario> [file]");
     setup();
@@ -239,6 +308,11 @@ int main(int argc, char **argv) {
         modules(argv[2]);
     } else if (!strcmp(argv[1], "modules-oom")) {
         modules_oom();
+    } else if (!strcmp(argv[1], "legacy")) {
+        legacy();
+    } else if (!strcmp(argv[1], "legacy-procaddr")) {
+        use_procaddr = 1;
+        legacy();
     } else {
         die("unknown scenario");
     }

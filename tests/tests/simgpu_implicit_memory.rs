@@ -179,3 +179,59 @@ fn a_module_that_does_not_fit_is_out_of_memory() {
         assert_eq!(s.used, at(&steps, "first").used, "{label}: a refused module takes nothing");
     }
 }
+
+/// Every pre-3.2 entry point, found as `how` finds it, works with 32-bit pointers and sizes
+/// and holds real device memory.
+fn legacy_entry_points(how: &str) {
+    skip_on_real_gpu!(SIMULATOR);
+    let steps = run(&gpu(), how, &[], &[]);
+    let device = 4 * GIB;
+    // 32-bit totals and free clamp: the 4 GiB device does not fit in 32 bits.
+    assert_eq!(at(&steps, "total-mem").value, u64::from(u32::MAX), "cuDeviceTotalMem clamps to 32 bits");
+    assert_eq!(at(&steps, "info-total").value, u64::from(u32::MAX), "cuMemGetInfo's total clamps to 32 bits");
+    assert_eq!(at(&steps, "info-free").value, device - OVERHEAD, "cuMemGetInfo's free (under 4 GiB here)");
+
+    let alloc = at(&steps, "alloc");
+    assert!(
+        alloc.value != 0 && alloc.value + 256 * MIB <= 1 << 32,
+        "a v1 allocation lies wholly below 4 GiB: {alloc:?}"
+    );
+    assert_delta(&steps, "start", "alloc", (256 * MIB) as i64);
+    assert_eq!(at(&steps, "memset-d32").value, 0xabcd_1234, "cuMemsetD32 then cuMemcpyDtoH");
+    assert_eq!(at(&steps, "copies").value, 1015, "cuMemcpyHtoD, cuMemcpyDtoD, cuMemcpyDtoH");
+    assert_eq!(at(&steps, "memset-d8-d16").value, 0x2222_2222_1111_1111, "cuMemsetD8 and cuMemsetD16");
+    assert_eq!(at(&steps, "range-base").value, alloc.value, "cuMemGetAddressRange's base");
+    assert_eq!(at(&steps, "range-size").value, 256 * MIB, "cuMemGetAddressRange's size");
+
+    let pitch = at(&steps, "pitch");
+    assert!(pitch.value != 0 && pitch.value + MIB <= 1 << 32, "a v1 pitched allocation is below 4 GiB: {pitch:?}");
+    assert_eq!(at(&steps, "pitch-pitch").value, 1024, "1000-byte rows padded to 512 bytes");
+    assert_delta(&steps, "start", "pitch", (257 * MIB) as i64);
+    assert_delta(&steps, "start", "array", (261 * MIB) as i64);
+    assert_delta(&steps, "start", "array3d", (262 * MIB) as i64);
+    assert_delta(&steps, "start", "arrays-destroyed", (257 * MIB) as i64);
+    let host = at(&steps, "alloc-host");
+    assert_eq!(host.value, 1, "cuMemAllocHost gave a pointer: {host:?}");
+    assert_delta(&steps, "start", "alloc-host", (257 * MIB) as i64);
+    assert_delta(&steps, "start", "free", MIB as i64);
+    assert_delta(&steps, "start", "free-pitch", 0);
+
+    assert_delta(&steps, "start", "ctx", OVERHEAD as i64);
+    assert_delta(&steps, "start", "ctx-alloc", (OVERHEAD + 32 * MIB) as i64);
+    let popped = at(&steps, "ctx-popped");
+    assert_eq!((popped.rc, popped.value), (0, 1), "cuCtxPopCurrent pops the created context: {popped:?}");
+    assert_delta(&steps, "start", "ctx-pushed", (OVERHEAD + 32 * MIB) as i64);
+    assert_delta(&steps, "start", "ctx-destroyed", 0);
+    let released = at(&steps, "primary-released");
+    assert_eq!((released.rc, released.used), (0, 0), "the CUDA 7.0 cuDevicePrimaryCtxRelease: {released:?}");
+}
+
+#[test]
+fn the_pre_3_2_entry_points_found_by_dlsym_hold_device_memory() {
+    legacy_entry_points("legacy");
+}
+
+#[test]
+fn the_pre_3_2_entry_points_found_by_cu_get_proc_address_at_version_2000_hold_device_memory() {
+    legacy_entry_points("legacy-procaddr");
+}

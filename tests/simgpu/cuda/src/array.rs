@@ -16,7 +16,9 @@ use crate::driver::driver;
 use crate::ffi::{new_handle, read_in, write_out, CUresult, CuResult};
 use crate::memory::{round_up, ALLOC_ALIGN};
 
-use gpufrac_common::cuda_sizes::{Array3DDescriptor as Array3DDescRaw, ArrayDescriptor as ArrayDescRaw};
+use gpufrac_common::cuda_sizes::{
+    Array3DDescriptor as Array3DDescRaw, Array3DDescriptorV1, ArrayDescriptor as ArrayDescRaw, ArrayDescriptorV1,
+};
 
 const _: () = assert!(size_of::<ArrayDescRaw>() == size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
 const _: () = assert!(size_of::<Array3DDescRaw>() == size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
@@ -82,6 +84,32 @@ pub(crate) fn array_3d_create(out: *mut CUarray, desc: *const sys::CUDA_ARRAY3D_
     let bytes =
         level_bytes(desc.width as u64, desc.height as u64, desc.depth as u64, desc.format, desc.channels)?;
     write_out(out, create(bytes, false)? as CUarray)
+}
+
+/// `cuArrayCreate` of the pre-3.2 API: a descriptor of 32-bit sizes.
+pub(crate) fn array_create_v1(out: *mut CUarray, desc: *const ArrayDescriptorV1) -> CuResult {
+    let v1 = read_in(desc)?;
+    let desc = ArrayDescRaw {
+        width: v1.width as usize,
+        height: v1.height as usize,
+        format: v1.format,
+        channels: v1.channels,
+    };
+    array_create(out, std::ptr::from_ref(&desc).cast())
+}
+
+/// `cuArray3DCreate` of the pre-3.2 API: a descriptor of 32-bit sizes.
+pub(crate) fn array_3d_create_v1(out: *mut CUarray, desc: *const Array3DDescriptorV1) -> CuResult {
+    let v1 = read_in(desc)?;
+    let desc = Array3DDescRaw {
+        width: v1.width as usize,
+        height: v1.height as usize,
+        depth: v1.depth as usize,
+        format: v1.format,
+        channels: v1.channels,
+        flags: v1.flags,
+    };
+    array_3d_create(out, std::ptr::from_ref(&desc).cast())
 }
 
 pub(crate) fn array_destroy(handle: CUarray) -> CuResult {

@@ -134,6 +134,12 @@ pub(crate) fn device_total_mem(bytes: *mut usize, device: CUdevice) -> CuResult 
     write_out(bytes, driver()?.machine.total(index) as usize)
 }
 
+/// `cuDeviceTotalMem` of the pre-3.2 API: the total clamped to 32 bits.
+pub(crate) fn device_total_mem_v1(bytes: *mut c_uint, device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    write_out(bytes, crate::memory::clamp32(driver()?.machine.total(index)))
+}
+
 fn pci_bus(index: usize) -> c_int {
     simgpu_state::pci_bus(index) as c_int
 }

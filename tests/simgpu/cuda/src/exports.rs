@@ -11,6 +11,8 @@ use cudarc::driver::sys::{
     CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
 
+use gpufrac_common::cuda_sizes::{Array3DDescriptorV1, ArrayDescriptorV1};
+
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
@@ -144,6 +146,33 @@ exports! {
     cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => memory::pointer_get_attribute(data, attribute, ptr);
     cuPointerGetAttributes(count: c_uint, attributes: *mut c_int, data: *mut *mut c_void, ptr: CUdeviceptr)
         => memory::pointer_get_attributes(count, attributes, data, ptr);
+
+    // The pre-3.2 entry points the real driver still exports under their plain names:
+    // 32-bit device pointers and sizes (`CUdeviceptr_v1` is `unsigned int`).
+    cuMemAlloc(dptr: *mut c_uint, size: c_uint) => memory::mem_alloc_v1(dptr, size);
+    cuMemAllocPitch(dptr: *mut c_uint, pitch: *mut c_uint, width: c_uint, height: c_uint, elem: c_uint)
+        => memory::mem_alloc_pitch_v1(dptr, pitch, width, height, elem);
+    cuMemFree(dptr: c_uint) => memory::mem_free(dptr as CUdeviceptr);
+    cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => memory::mem_get_info_v1(free, total);
+    cuMemGetAddressRange(base: *mut c_uint, size: *mut c_uint, dptr: c_uint) => memory::mem_get_address_range_v1(base, size, dptr);
+    cuMemAllocHost(pp: *mut *mut c_void, size: c_uint) => memory::mem_alloc_host(pp, size as usize);
+    cuDeviceTotalMem(bytes: *mut c_uint, dev: CUdevice) => driver::device_total_mem_v1(bytes, dev);
+    cuCtxCreate(ctx: *mut CUcontext, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);
+    cuCtxDestroy(ctx: CUcontext) => context::ctx_destroy(ctx);
+    cuCtxPushCurrent(ctx: CUcontext) => context::ctx_push(ctx);
+    cuCtxPopCurrent(ctx: *mut CUcontext) => context::ctx_pop(ctx);
+    cuArrayCreate(a: *mut CUarray, desc: *const ArrayDescriptorV1) => array::array_create_v1(a, desc);
+    cuArray3DCreate(a: *mut CUarray, desc: *const Array3DDescriptorV1) => array::array_3d_create_v1(a, desc);
+    cuMemcpyHtoD(dst: c_uint, src: *const c_void, n: c_uint) => copy::sync(htod(dst as CUdeviceptr, src, n as usize), Legacy);
+    cuMemcpyDtoH(dst: *mut c_void, src: c_uint, n: c_uint) => copy::sync(dtoh(dst, src as CUdeviceptr, n as usize), Legacy);
+    cuMemcpyDtoD(dst: c_uint, src: c_uint, n: c_uint)
+        => copy::sync(Op::DtoD { dst: dst as CUdeviceptr, src: src as CUdeviceptr, n: n as usize }, Legacy);
+    cuMemsetD8(dst: c_uint, v: c_uchar, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v as u32, width: 1, count: n as usize }, Legacy);
+    cuMemsetD16(dst: c_uint, v: c_ushort, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v as u32, width: 2, count: n as usize }, Legacy);
+    cuMemsetD32(dst: c_uint, v: c_uint, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v, width: 4, count: n as usize }, Legacy);
 
     // Stream-ordered allocation and pools.
     cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, s: CUstream) => pool::mem_alloc_async(dptr, size, s, Legacy);
