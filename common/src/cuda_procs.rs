@@ -230,10 +230,25 @@ mod tests {
     #[test]
     fn old_versions_answer_the_unversioned_symbols() {
         for name in [
-            "cuMemAlloc", "cuMemAllocPitch", "cuMemFree", "cuMemGetInfo", "cuMemGetAddressRange",
-            "cuDeviceTotalMem", "cuCtxCreate", "cuCtxDestroy", "cuCtxPushCurrent", "cuCtxPopCurrent",
-            "cuArrayCreate", "cuArray3DCreate", "cuMemAllocHost", "cuMemcpyHtoD", "cuMemcpyDtoH",
-            "cuMemcpyDtoD", "cuMemsetD8", "cuMemsetD16", "cuMemsetD32",
+            "cuMemAlloc",
+            "cuMemAllocPitch",
+            "cuMemFree",
+            "cuMemGetInfo",
+            "cuMemGetAddressRange",
+            "cuDeviceTotalMem",
+            "cuCtxCreate",
+            "cuCtxDestroy",
+            "cuCtxPushCurrent",
+            "cuCtxPopCurrent",
+            "cuArrayCreate",
+            "cuArray3DCreate",
+            "cuMemAllocHost",
+            "cuMemcpyHtoD",
+            "cuMemcpyDtoH",
+            "cuMemcpyDtoD",
+            "cuMemsetD8",
+            "cuMemsetD16",
+            "cuMemsetD32",
         ] {
             assert_eq!(resolve(name, 2000, 0), ProcQuery::Found(name), "{name} at CUDA 2.0");
             assert_eq!(resolve(name, 3010, 0), ProcQuery::Found(name), "{name} at CUDA 3.1");
@@ -242,7 +257,10 @@ mod tests {
         }
         assert_eq!(resolve("cuMemAlloc", 3020, 0), ProcQuery::Found("cuMemAlloc_v2"));
         assert_eq!(resolve("cuCtxDestroy", 3020, 0), ProcQuery::Found("cuCtxDestroy"));
-        assert_eq!(resolve("cuDevicePrimaryCtxRelease", 7000, 0), ProcQuery::Found("cuDevicePrimaryCtxRelease"));
+        assert_eq!(
+            resolve("cuDevicePrimaryCtxRelease", 7000, 0),
+            ProcQuery::Found("cuDevicePrimaryCtxRelease")
+        );
         // Per-thread variants are of the newest version only.
         let pt = FLAG_PER_THREAD_DEFAULT_STREAM;
         assert_eq!(resolve("cuMemcpyHtoD", 2000, pt), ProcQuery::Found("cuMemcpyHtoD"));

@@ -116,9 +116,9 @@ pub fn array_format(format: u32) -> Option<FormatLayout> {
         0xa3 | 0xa4 => Planar { sample: 2, chroma_x: 2, chroma_y: 1 }, // P210, P216
         0xb2 | 0xb4 => Planar { sample: 1, chroma_x: 1, chroma_y: 1 }, // Y444_PLANAR8, YUV444_8bit_SemiPlanar
         0xb3 | 0xb5 => Planar { sample: 2, chroma_x: 1, chroma_y: 1 }, // Y444_PLANAR10, YUV444_16bit_SemiPlanar
-        0xa5 => Texel(2),                                       // YUY2
-        0xa6 | 0xa7 | 0xa8 | 0xa9 => Texel(4),                  // Y210, Y216, AYUV, Y410
-        0xb1 => Texel(8),                                       // Y416
+        0xa5 => Texel(2),                                              // YUY2
+        0xa6..=0xa9 => Texel(4),                                       // Y210, Y216, AYUV, Y410
+        0xb1 => Texel(8),                                              // Y416
         _ => return None,
     })
 }
@@ -150,7 +150,8 @@ pub fn array_bytes(width: u64, height: u64, depth: u64, format: u32, channels: u
         FormatLayout::Block(bytes) => width.div_ceil(4).checked_mul(h.div_ceil(4))?.checked_mul(bytes)?,
         FormatLayout::Planar { sample, chroma_x, chroma_y } => {
             let luma = width.checked_mul(h)?.checked_mul(sample)?;
-            let chroma = width.div_ceil(chroma_x).checked_mul(h.div_ceil(chroma_y))?.checked_mul(2 * sample)?;
+            let chroma =
+                width.div_ceil(chroma_x).checked_mul(h.div_ceil(chroma_y))?.checked_mul(2 * sample)?;
             luma.checked_add(chroma)?
         }
     };
@@ -208,7 +209,9 @@ mod tests {
     #[test]
     fn block_compressed_formats_take_8_or_16_bytes_per_4x4_block() {
         // 10x10 texels: 3x3 blocks.
-        for (format, block) in [(0x91, 8), (0x92, 8), (0x97, 8), (0x98, 8), (0x93, 16), (0x95, 16), (0x99, 16)] {
+        for (format, block) in
+            [(0x91, 8), (0x92, 8), (0x97, 8), (0x98, 8), (0x93, 16), (0x95, 16), (0x99, 16)]
+        {
             assert_eq!(array_bytes(10, 10, 0, format, 4), Some(9 * block), "format {format:#x}");
         }
         for format in [0x94, 0x96, 0x9a, 0x9b, 0x9c, 0x9d, 0x9e] {
@@ -240,22 +243,57 @@ mod tests {
     fn every_format_of_cuda_12_8_is_known_and_nothing_else() {
         use cudarc::driver::sys::CUarray_format as F;
         let all = [
-            F::CU_AD_FORMAT_UNSIGNED_INT8, F::CU_AD_FORMAT_UNSIGNED_INT16, F::CU_AD_FORMAT_UNSIGNED_INT32,
-            F::CU_AD_FORMAT_SIGNED_INT8, F::CU_AD_FORMAT_SIGNED_INT16, F::CU_AD_FORMAT_SIGNED_INT32,
-            F::CU_AD_FORMAT_HALF, F::CU_AD_FORMAT_FLOAT, F::CU_AD_FORMAT_NV12, F::CU_AD_FORMAT_UNORM_INT8X1,
-            F::CU_AD_FORMAT_UNORM_INT8X2, F::CU_AD_FORMAT_UNORM_INT8X4, F::CU_AD_FORMAT_UNORM_INT16X1,
-            F::CU_AD_FORMAT_UNORM_INT16X2, F::CU_AD_FORMAT_UNORM_INT16X4, F::CU_AD_FORMAT_SNORM_INT8X1,
-            F::CU_AD_FORMAT_SNORM_INT8X2, F::CU_AD_FORMAT_SNORM_INT8X4, F::CU_AD_FORMAT_SNORM_INT16X1,
-            F::CU_AD_FORMAT_SNORM_INT16X2, F::CU_AD_FORMAT_SNORM_INT16X4, F::CU_AD_FORMAT_BC1_UNORM,
-            F::CU_AD_FORMAT_BC1_UNORM_SRGB, F::CU_AD_FORMAT_BC2_UNORM, F::CU_AD_FORMAT_BC2_UNORM_SRGB,
-            F::CU_AD_FORMAT_BC3_UNORM, F::CU_AD_FORMAT_BC3_UNORM_SRGB, F::CU_AD_FORMAT_BC4_UNORM,
-            F::CU_AD_FORMAT_BC4_SNORM, F::CU_AD_FORMAT_BC5_UNORM, F::CU_AD_FORMAT_BC5_SNORM,
-            F::CU_AD_FORMAT_BC6H_UF16, F::CU_AD_FORMAT_BC6H_SF16, F::CU_AD_FORMAT_BC7_UNORM,
-            F::CU_AD_FORMAT_BC7_UNORM_SRGB, F::CU_AD_FORMAT_P010, F::CU_AD_FORMAT_P016, F::CU_AD_FORMAT_NV16,
-            F::CU_AD_FORMAT_P210, F::CU_AD_FORMAT_P216, F::CU_AD_FORMAT_YUY2, F::CU_AD_FORMAT_Y210,
-            F::CU_AD_FORMAT_Y216, F::CU_AD_FORMAT_AYUV, F::CU_AD_FORMAT_Y410, F::CU_AD_FORMAT_Y416,
-            F::CU_AD_FORMAT_Y444_PLANAR8, F::CU_AD_FORMAT_Y444_PLANAR10, F::CU_AD_FORMAT_YUV444_8bit_SemiPlanar,
-            F::CU_AD_FORMAT_YUV444_16bit_SemiPlanar, F::CU_AD_FORMAT_UNORM_INT_101010_2,
+            F::CU_AD_FORMAT_UNSIGNED_INT8,
+            F::CU_AD_FORMAT_UNSIGNED_INT16,
+            F::CU_AD_FORMAT_UNSIGNED_INT32,
+            F::CU_AD_FORMAT_SIGNED_INT8,
+            F::CU_AD_FORMAT_SIGNED_INT16,
+            F::CU_AD_FORMAT_SIGNED_INT32,
+            F::CU_AD_FORMAT_HALF,
+            F::CU_AD_FORMAT_FLOAT,
+            F::CU_AD_FORMAT_NV12,
+            F::CU_AD_FORMAT_UNORM_INT8X1,
+            F::CU_AD_FORMAT_UNORM_INT8X2,
+            F::CU_AD_FORMAT_UNORM_INT8X4,
+            F::CU_AD_FORMAT_UNORM_INT16X1,
+            F::CU_AD_FORMAT_UNORM_INT16X2,
+            F::CU_AD_FORMAT_UNORM_INT16X4,
+            F::CU_AD_FORMAT_SNORM_INT8X1,
+            F::CU_AD_FORMAT_SNORM_INT8X2,
+            F::CU_AD_FORMAT_SNORM_INT8X4,
+            F::CU_AD_FORMAT_SNORM_INT16X1,
+            F::CU_AD_FORMAT_SNORM_INT16X2,
+            F::CU_AD_FORMAT_SNORM_INT16X4,
+            F::CU_AD_FORMAT_BC1_UNORM,
+            F::CU_AD_FORMAT_BC1_UNORM_SRGB,
+            F::CU_AD_FORMAT_BC2_UNORM,
+            F::CU_AD_FORMAT_BC2_UNORM_SRGB,
+            F::CU_AD_FORMAT_BC3_UNORM,
+            F::CU_AD_FORMAT_BC3_UNORM_SRGB,
+            F::CU_AD_FORMAT_BC4_UNORM,
+            F::CU_AD_FORMAT_BC4_SNORM,
+            F::CU_AD_FORMAT_BC5_UNORM,
+            F::CU_AD_FORMAT_BC5_SNORM,
+            F::CU_AD_FORMAT_BC6H_UF16,
+            F::CU_AD_FORMAT_BC6H_SF16,
+            F::CU_AD_FORMAT_BC7_UNORM,
+            F::CU_AD_FORMAT_BC7_UNORM_SRGB,
+            F::CU_AD_FORMAT_P010,
+            F::CU_AD_FORMAT_P016,
+            F::CU_AD_FORMAT_NV16,
+            F::CU_AD_FORMAT_P210,
+            F::CU_AD_FORMAT_P216,
+            F::CU_AD_FORMAT_YUY2,
+            F::CU_AD_FORMAT_Y210,
+            F::CU_AD_FORMAT_Y216,
+            F::CU_AD_FORMAT_AYUV,
+            F::CU_AD_FORMAT_Y410,
+            F::CU_AD_FORMAT_Y416,
+            F::CU_AD_FORMAT_Y444_PLANAR8,
+            F::CU_AD_FORMAT_Y444_PLANAR10,
+            F::CU_AD_FORMAT_YUV444_8bit_SemiPlanar,
+            F::CU_AD_FORMAT_YUV444_16bit_SemiPlanar,
+            F::CU_AD_FORMAT_UNORM_INT_101010_2,
         ];
         for f in all {
             assert!(array_format(f as u32).is_some(), "{f:?} is not known");

@@ -66,7 +66,11 @@ fn assert_delta(steps: &HashMap<String, Step>, base: &str, label: &str, delta: i
     let (b, s) = (at(steps, base), at(steps, label));
     assert_eq!(s.rc, 0, "{label} must succeed: {s:?}");
     assert_eq!(s.used as i64 - b.used as i64, delta, "{label}: NVML's usage against {base} ({b:?} -> {s:?})");
-    assert_eq!(b.free as i64 - s.free as i64, delta, "{label}: cuMemGetInfo's free against {base} ({b:?} -> {s:?})");
+    assert_eq!(
+        b.free as i64 - s.free as i64,
+        delta,
+        "{label}: cuMemGetInfo's free against {base} ({b:?} -> {s:?})"
+    );
 }
 
 fn gpu() -> SimGpu {
@@ -204,7 +208,10 @@ fn legacy_entry_points(how: &str) {
     assert_eq!(at(&steps, "range-size").value, 256 * MIB, "cuMemGetAddressRange's size");
 
     let pitch = at(&steps, "pitch");
-    assert!(pitch.value != 0 && pitch.value + MIB <= 1 << 32, "a v1 pitched allocation is below 4 GiB: {pitch:?}");
+    assert!(
+        pitch.value != 0 && pitch.value + MIB <= 1 << 32,
+        "a v1 pitched allocation is below 4 GiB: {pitch:?}"
+    );
     assert_eq!(at(&steps, "pitch-pitch").value, 1024, "1000-byte rows padded to 512 bytes");
     assert_delta(&steps, "start", "pitch", (257 * MIB) as i64);
     assert_delta(&steps, "start", "array", (261 * MIB) as i64);

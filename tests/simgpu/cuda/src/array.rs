@@ -19,7 +19,8 @@ use crate::ffi::{new_handle, read_in, write_out, CUresult, CuResult};
 use crate::memory::{round_up, ALLOC_ALIGN};
 
 use gpufrac_common::cuda_sizes::{
-    Array3DDescriptor as Array3DDescRaw, Array3DDescriptorV1, ArrayDescriptor as ArrayDescRaw, ArrayDescriptorV1,
+    Array3DDescriptor as Array3DDescRaw, Array3DDescriptorV1, ArrayDescriptor as ArrayDescRaw,
+    ArrayDescriptorV1,
 };
 
 const _: () = assert!(size_of::<ArrayDescRaw>() == size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
@@ -85,9 +86,14 @@ fn texels(format: u32) -> Option<Texels> {
             Fixed(4)
         }
         x if x == f(F::CU_AD_FORMAT_Y416) => Fixed(8),
-        x if [F::CU_AD_FORMAT_BC1_UNORM, F::CU_AD_FORMAT_BC1_UNORM_SRGB, F::CU_AD_FORMAT_BC4_UNORM, F::CU_AD_FORMAT_BC4_SNORM]
-            .iter()
-            .any(|&b| x == f(b)) =>
+        x if [
+            F::CU_AD_FORMAT_BC1_UNORM,
+            F::CU_AD_FORMAT_BC1_UNORM_SRGB,
+            F::CU_AD_FORMAT_BC4_UNORM,
+            F::CU_AD_FORMAT_BC4_SNORM,
+        ]
+        .iter()
+        .any(|&b| x == f(b)) =>
         {
             Blocks(8)
         }
@@ -112,7 +118,9 @@ fn texels(format: u32) -> Option<Texels> {
         x if x == f(F::CU_AD_FORMAT_P010) || x == f(F::CU_AD_FORMAT_P016) => yuv(2, 2, 2),
         x if x == f(F::CU_AD_FORMAT_NV16) => yuv(1, 2, 1),
         x if x == f(F::CU_AD_FORMAT_P210) || x == f(F::CU_AD_FORMAT_P216) => yuv(2, 2, 1),
-        x if x == f(F::CU_AD_FORMAT_Y444_PLANAR8) || x == f(F::CU_AD_FORMAT_YUV444_8bit_SemiPlanar) => yuv(1, 1, 1),
+        x if x == f(F::CU_AD_FORMAT_Y444_PLANAR8) || x == f(F::CU_AD_FORMAT_YUV444_8bit_SemiPlanar) => {
+            yuv(1, 1, 1)
+        }
         x if x == f(F::CU_AD_FORMAT_Y444_PLANAR10) || x == f(F::CU_AD_FORMAT_YUV444_16bit_SemiPlanar) => {
             yuv(2, 1, 1)
         }
@@ -313,7 +321,16 @@ mod tests {
     /// format value and a spread of shapes and channel counts.
     #[test]
     fn the_shims_sizes_agree_with_the_driver_for_every_format() {
-        let shapes = [(1, 0, 0), (5, 0, 0), (3, 3, 0), (10, 7, 0), (64, 64, 0), (1920, 1080, 0), (9, 5, 3), (16, 16, 6)];
+        let shapes = [
+            (1, 0, 0),
+            (5, 0, 0),
+            (3, 3, 0),
+            (10, 7, 0),
+            (64, 64, 0),
+            (1920, 1080, 0),
+            (9, 5, 3),
+            (16, 16, 6),
+        ];
         let mut known = 0;
         for format in 0..=0x200u32 {
             for &(w, h, d) in &shapes {
@@ -323,7 +340,11 @@ mod tests {
                     assert_eq!(driver, shim, "format {format:#x}, {w}x{h}x{d}, {channels} channels");
                 }
                 let driver = mipmapped_level_bytes(w, h, d, format, 4, 5).ok();
-                assert_eq!(driver, cuda_sizes::mipmapped_bytes(w, h, d, format, 4, 5), "format {format:#x} mipmapped");
+                assert_eq!(
+                    driver,
+                    cuda_sizes::mipmapped_bytes(w, h, d, format, 4, 5),
+                    "format {format:#x} mipmapped"
+                );
             }
             known += usize::from(texels(format).is_some());
         }

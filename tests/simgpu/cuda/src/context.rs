@@ -51,7 +51,9 @@ struct Limits {
 /// FIFO and the heap are one buffer each. `None` if it does not fit in 64 bits.
 fn limit_memory(values: &[usize; LIMIT_COUNT], device: usize) -> Option<u64> {
     let stack = (values[LIMIT_STACK_SIZE] as u64).checked_mul(crate::driver::resident_threads(device))?;
-    stack.checked_add(values[LIMIT_PRINTF_FIFO_SIZE] as u64)?.checked_add(values[LIMIT_MALLOC_HEAP_SIZE] as u64)
+    stack
+        .checked_add(values[LIMIT_PRINTF_FIFO_SIZE] as u64)?
+        .checked_add(values[LIMIT_MALLOC_HEAP_SIZE] as u64)
 }
 
 /// What a context whose limits are `values` takes on `device`: `SIMGPU_CONTEXT_OVERHEAD`,
