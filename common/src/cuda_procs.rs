@@ -5,7 +5,10 @@
 //! version they were built against (`12080`) and a flag choosing the legacy or the
 //! per-thread default stream. The answer is the newest versioned symbol not newer than
 //! the request (`cuMemAlloc_v2`), or its `_ptds`/`_ptsz` variant for per-thread callers.
-//! Versions and variants follow `cudaTypedefs.h`.
+//! Versions and variants follow `cudaTypedefs.h`: an entry point whose ABI changed lists
+//! its old symbol too (`cuMemAlloc` at 2000, the pre-3.2 API with 32-bit device pointers
+//! and sizes, which the real driver still exports), so a caller asking for an old version
+//! gets the old ABI, as from the real driver.
 
 /// `CU_GET_PROC_ADDRESS_LEGACY_STREAM`.
 pub const FLAG_LEGACY_STREAM: u64 = 1;
@@ -87,7 +90,7 @@ procs! {
     "cuDeviceGetCount": [2000 => "cuDeviceGetCount"];
     "cuDeviceGetName": [2000 => "cuDeviceGetName"];
     "cuDeviceGetUuid": [9020 => "cuDeviceGetUuid", 11040 => "cuDeviceGetUuid_v2"];
-    "cuDeviceTotalMem": [3020 => "cuDeviceTotalMem_v2"];
+    "cuDeviceTotalMem": [2000 => "cuDeviceTotalMem", 3020 => "cuDeviceTotalMem_v2"];
     "cuDeviceGetAttribute": [2000 => "cuDeviceGetAttribute"];
     "cuDeviceGetPCIBusId": [4010 => "cuDeviceGetPCIBusId"];
     "cuDeviceGetByPCIBusId": [4010 => "cuDeviceGetByPCIBusId"];
@@ -101,27 +104,29 @@ procs! {
     "cuDevicePrimaryCtxReset": [7000 => "cuDevicePrimaryCtxReset", 11000 => "cuDevicePrimaryCtxReset_v2"];
     "cuDevicePrimaryCtxSetFlags": [11000 => "cuDevicePrimaryCtxSetFlags_v2"];
     "cuDevicePrimaryCtxGetState": [7000 => "cuDevicePrimaryCtxGetState"];
-    "cuCtxCreate": [3020 => "cuCtxCreate_v2", 11040 => "cuCtxCreate_v3", 12050 => "cuCtxCreate_v4"];
-    "cuCtxDestroy": [4000 => "cuCtxDestroy_v2"];
+    "cuCtxCreate": [2000 => "cuCtxCreate", 3020 => "cuCtxCreate_v2", 11040 => "cuCtxCreate_v3", 12050 => "cuCtxCreate_v4"];
+    "cuCtxDestroy": [2000 => "cuCtxDestroy", 4000 => "cuCtxDestroy_v2"];
     "cuCtxGetCurrent": [4000 => "cuCtxGetCurrent"];
     "cuCtxSetCurrent": [4000 => "cuCtxSetCurrent"];
-    "cuCtxPushCurrent": [4000 => "cuCtxPushCurrent_v2"];
-    "cuCtxPopCurrent": [4000 => "cuCtxPopCurrent_v2"];
+    "cuCtxPushCurrent": [2000 => "cuCtxPushCurrent", 4000 => "cuCtxPushCurrent_v2"];
+    "cuCtxPopCurrent": [2000 => "cuCtxPopCurrent", 4000 => "cuCtxPopCurrent_v2"];
     "cuCtxGetDevice": [2000 => "cuCtxGetDevice"];
     "cuCtxGetFlags": [7000 => "cuCtxGetFlags"];
     "cuCtxSetFlags": [12010 => "cuCtxSetFlags"];
     "cuCtxGetApiVersion": [3020 => "cuCtxGetApiVersion"];
     "cuCtxSynchronize": [2000 => "cuCtxSynchronize"];
+    "cuCtxGetLimit": [3010 => "cuCtxGetLimit"];
+    "cuCtxSetLimit": [3010 => "cuCtxSetLimit"];
     // Memory.
-    "cuMemGetInfo": [3020 => "cuMemGetInfo_v2"];
-    "cuMemAlloc": [3020 => "cuMemAlloc_v2"];
-    "cuMemAllocPitch": [3020 => "cuMemAllocPitch_v2"];
+    "cuMemGetInfo": [2000 => "cuMemGetInfo", 3020 => "cuMemGetInfo_v2"];
+    "cuMemAlloc": [2000 => "cuMemAlloc", 3020 => "cuMemAlloc_v2"];
+    "cuMemAllocPitch": [2000 => "cuMemAllocPitch", 3020 => "cuMemAllocPitch_v2"];
     "cuMemAllocManaged": [6000 => "cuMemAllocManaged"];
-    "cuMemFree": [3020 => "cuMemFree_v2"];
-    "cuMemAllocHost": [3020 => "cuMemAllocHost_v2"];
+    "cuMemFree": [2000 => "cuMemFree", 3020 => "cuMemFree_v2"];
+    "cuMemAllocHost": [2000 => "cuMemAllocHost", 3020 => "cuMemAllocHost_v2"];
     "cuMemHostAlloc": [2020 => "cuMemHostAlloc"];
     "cuMemFreeHost": [2000 => "cuMemFreeHost"];
-    "cuMemGetAddressRange": [3020 => "cuMemGetAddressRange_v2"];
+    "cuMemGetAddressRange": [2000 => "cuMemGetAddressRange", 3020 => "cuMemGetAddressRange_v2"];
     "cuPointerGetAttribute": [4000 => "cuPointerGetAttribute"];
     "cuMemAllocAsync": [11020 => "cuMemAllocAsync"] ptds "cuMemAllocAsync_ptsz";
     "cuMemFreeAsync": [11020 => "cuMemFreeAsync"] ptds "cuMemFreeAsync_ptsz";
@@ -131,8 +136,8 @@ procs! {
     "cuMemPoolTrimTo": [11020 => "cuMemPoolTrimTo"];
     "cuMemPoolSetAttribute": [11020 => "cuMemPoolSetAttribute"];
     "cuMemPoolGetAttribute": [11020 => "cuMemPoolGetAttribute"];
-    "cuArrayCreate": [3020 => "cuArrayCreate_v2"];
-    "cuArray3DCreate": [3020 => "cuArray3DCreate_v2"];
+    "cuArrayCreate": [2000 => "cuArrayCreate", 3020 => "cuArrayCreate_v2"];
+    "cuArray3DCreate": [2000 => "cuArray3DCreate", 3020 => "cuArray3DCreate_v2"];
     "cuArrayDestroy": [2000 => "cuArrayDestroy"];
     "cuMipmappedArrayCreate": [5000 => "cuMipmappedArrayCreate"];
     "cuMipmappedArrayDestroy": [5000 => "cuMipmappedArrayDestroy"];
@@ -152,15 +157,15 @@ procs! {
     // Copies and sets.
     "cuMemcpy": [4000 => "cuMemcpy"] ptds "cuMemcpy_ptds";
     "cuMemcpyAsync": [4000 => "cuMemcpyAsync"] ptds "cuMemcpyAsync_ptsz";
-    "cuMemcpyHtoD": [3020 => "cuMemcpyHtoD_v2"] ptds "cuMemcpyHtoD_v2_ptds";
-    "cuMemcpyDtoH": [3020 => "cuMemcpyDtoH_v2"] ptds "cuMemcpyDtoH_v2_ptds";
-    "cuMemcpyDtoD": [3020 => "cuMemcpyDtoD_v2"] ptds "cuMemcpyDtoD_v2_ptds";
+    "cuMemcpyHtoD": [2000 => "cuMemcpyHtoD", 3020 => "cuMemcpyHtoD_v2"] ptds "cuMemcpyHtoD_v2_ptds";
+    "cuMemcpyDtoH": [2000 => "cuMemcpyDtoH", 3020 => "cuMemcpyDtoH_v2"] ptds "cuMemcpyDtoH_v2_ptds";
+    "cuMemcpyDtoD": [2000 => "cuMemcpyDtoD", 3020 => "cuMemcpyDtoD_v2"] ptds "cuMemcpyDtoD_v2_ptds";
     "cuMemcpyHtoDAsync": [3020 => "cuMemcpyHtoDAsync_v2"] ptds "cuMemcpyHtoDAsync_v2_ptsz";
     "cuMemcpyDtoHAsync": [3020 => "cuMemcpyDtoHAsync_v2"] ptds "cuMemcpyDtoHAsync_v2_ptsz";
     "cuMemcpyDtoDAsync": [3020 => "cuMemcpyDtoDAsync_v2"] ptds "cuMemcpyDtoDAsync_v2_ptsz";
-    "cuMemsetD8": [3020 => "cuMemsetD8_v2"] ptds "cuMemsetD8_v2_ptds";
-    "cuMemsetD16": [3020 => "cuMemsetD16_v2"] ptds "cuMemsetD16_v2_ptds";
-    "cuMemsetD32": [3020 => "cuMemsetD32_v2"] ptds "cuMemsetD32_v2_ptds";
+    "cuMemsetD8": [2000 => "cuMemsetD8", 3020 => "cuMemsetD8_v2"] ptds "cuMemsetD8_v2_ptds";
+    "cuMemsetD16": [2000 => "cuMemsetD16", 3020 => "cuMemsetD16_v2"] ptds "cuMemsetD16_v2_ptds";
+    "cuMemsetD32": [2000 => "cuMemsetD32", 3020 => "cuMemsetD32_v2"] ptds "cuMemsetD32_v2_ptds";
     "cuMemsetD8Async": [3020 => "cuMemsetD8Async"] ptds "cuMemsetD8Async_ptsz";
     "cuMemsetD16Async": [3020 => "cuMemsetD16Async"] ptds "cuMemsetD16Async_ptsz";
     "cuMemsetD32Async": [3020 => "cuMemsetD32Async"] ptds "cuMemsetD32Async_ptsz";
@@ -197,6 +202,8 @@ procs! {
     // Modules and launches.
     "cuModuleLoadData": [2000 => "cuModuleLoadData"];
     "cuModuleLoadDataEx": [2010 => "cuModuleLoadDataEx"];
+    "cuModuleLoad": [2000 => "cuModuleLoad"];
+    "cuModuleLoadFatBinary": [2000 => "cuModuleLoadFatBinary"];
     "cuModuleUnload": [2000 => "cuModuleUnload"];
     "cuModuleGetFunction": [2000 => "cuModuleGetFunction"];
     "cuLaunchKernel": [4000 => "cuLaunchKernel"] ptds "cuLaunchKernel_ptsz";
@@ -223,7 +230,47 @@ mod tests {
         assert_eq!(resolve("cuCtxCreate", 12000, 0), ProcQuery::Found("cuCtxCreate_v3"));
         assert_eq!(resolve("cuCtxCreate", 11000, 0), ProcQuery::Found("cuCtxCreate_v2"));
         assert_eq!(resolve("cuMemAllocAsync", 11000, 0), ProcQuery::VersionNotSufficient);
+        assert_eq!(resolve("cuMemAllocPitch", 1000, 0), ProcQuery::VersionNotSufficient);
         assert_eq!(resolve("cuNoSuchThing", 12080, 0), ProcQuery::SymbolNotFound);
+    }
+
+    #[test]
+    fn old_versions_answer_the_unversioned_symbols() {
+        for name in [
+            "cuMemAlloc",
+            "cuMemAllocPitch",
+            "cuMemFree",
+            "cuMemGetInfo",
+            "cuMemGetAddressRange",
+            "cuDeviceTotalMem",
+            "cuCtxCreate",
+            "cuCtxDestroy",
+            "cuCtxPushCurrent",
+            "cuCtxPopCurrent",
+            "cuArrayCreate",
+            "cuArray3DCreate",
+            "cuMemAllocHost",
+            "cuMemcpyHtoD",
+            "cuMemcpyDtoH",
+            "cuMemcpyDtoD",
+            "cuMemsetD8",
+            "cuMemsetD16",
+            "cuMemsetD32",
+        ] {
+            assert_eq!(resolve(name, 2000, 0), ProcQuery::Found(name), "{name} at CUDA 2.0");
+            assert_eq!(resolve(name, 3010, 0), ProcQuery::Found(name), "{name} at CUDA 3.1");
+            assert_ne!(resolve(name, 12080, 0), ProcQuery::Found(name), "{name} at CUDA 12.8");
+            assert_eq!(base_name(name), Some(name));
+        }
+        assert_eq!(resolve("cuMemAlloc", 3020, 0), ProcQuery::Found("cuMemAlloc_v2"));
+        assert_eq!(resolve("cuCtxDestroy", 3020, 0), ProcQuery::Found("cuCtxDestroy"));
+        assert_eq!(
+            resolve("cuDevicePrimaryCtxRelease", 7000, 0),
+            ProcQuery::Found("cuDevicePrimaryCtxRelease")
+        );
+        // Per-thread variants are of the newest version only.
+        let pt = FLAG_PER_THREAD_DEFAULT_STREAM;
+        assert_eq!(resolve("cuMemcpyHtoD", 2000, pt), ProcQuery::Found("cuMemcpyHtoD"));
     }
 
     #[test]

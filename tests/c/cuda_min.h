@@ -50,6 +50,8 @@ typedef enum cudaError_enum {
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_UNSUPPORTED_LIMIT = 215,
+    CUDA_ERROR_FILE_NOT_FOUND = 301,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
@@ -355,6 +357,99 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
 typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
                                             cuuint64_t flags,
                                             CUdriverProcAddressQueryResult *symbolStatus);
+
+/* ---- implicit device memory and the pre-3.2 entry points ----
+ * Reached only through dlsym or cuGetProcAddress (tests/c/implicit_memory.c), so they
+ * are declared as pointer types named as cudaTypedefs.h names them (PFN_<base>_v<version>),
+ * not as prototypes. The pre-3.2 ("v1") ABI has 32-bit device pointers and sizes. */
+typedef enum CUlimit_enum {
+    CU_LIMIT_STACK_SIZE = 0,
+    CU_LIMIT_PRINTF_FIFO_SIZE = 1,
+    CU_LIMIT_MALLOC_HEAP_SIZE = 2,
+    CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH = 3,
+    CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT = 4,
+    CU_LIMIT_MAX_L2_FETCH_GRANULARITY = 5,
+    CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 6,
+    CU_LIMIT_SHMEM_SIZE = 7,
+    CU_LIMIT_CIG_ENABLED = 8,
+    CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED = 9,
+    CU_LIMIT_MAX
+} CUlimit;
+
+typedef struct CUlib_st *CUlibrary;
+typedef unsigned int CUdeviceptr_v1;
+
+typedef struct CUDA_ARRAY_DESCRIPTOR_v1_st {
+    unsigned int Width;
+    unsigned int Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR_v1;
+
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_v1_st {
+    unsigned int Width;
+    unsigned int Height;
+    unsigned int Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR_v1;
+
+CUDA_MIN_ASSERT(sizeof(CUDA_ARRAY_DESCRIPTOR_v1) == 16);
+CUDA_MIN_ASSERT(sizeof(CUDA_ARRAY3D_DESCRIPTOR_v1) == 24);
+
+#define CUDA_DLSYM_FUNCTIONS(X)                                                               \
+    X(cuCtxGetLimit, 3010, (size_t *pvalue, CUlimit limit))                                   \
+    X(cuCtxSetLimit, 3010, (CUlimit limit, size_t value))                                     \
+    X(cuCtxCreate, 3020, (CUcontext *pctx, unsigned int flags, CUdevice dev))                 \
+    X(cuCtxDestroy, 4000, (CUcontext ctx))                                                    \
+    X(cuModuleLoad, 2000, (CUmodule *module, const char *fname))                              \
+    X(cuModuleLoadData, 2000, (CUmodule *module, const void *image))                          \
+    X(cuModuleLoadDataEx, 2010,                                                               \
+      (CUmodule *module, const void *image, unsigned int numOptions, int *options,            \
+       void **optionValues))                                                                  \
+    X(cuModuleLoadFatBinary, 2000, (CUmodule *module, const void *fatCubin))                  \
+    X(cuModuleUnload, 2000, (CUmodule hmod))                                                  \
+    X(cuLibraryLoadData, 12000,                                                               \
+      (CUlibrary *library, const void *code, int *jitOptions, void **jitOptionsValues,        \
+       unsigned int numJitOptions, int *libraryOptions, void **libraryOptionValues,           \
+       unsigned int numLibraryOptions))                                                       \
+    X(cuLibraryLoadFromFile, 12000,                                                           \
+      (CUlibrary *library, const char *fileName, int *jitOptions, void **jitOptionsValues,    \
+       unsigned int numJitOptions, int *libraryOptions, void **libraryOptionValues,           \
+       unsigned int numLibraryOptions))                                                       \
+    X(cuLibraryUnload, 12000, (CUlibrary library))                                            \
+    X(cuLibraryGetModule, 12000, (CUmodule *pMod, CUlibrary library))                         \
+    X(cuMemAlloc, 2000, (CUdeviceptr_v1 *dptr, unsigned int bytesize))                        \
+    X(cuMemAllocPitch, 2000,                                                                  \
+      (CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,                 \
+       unsigned int Height, unsigned int ElementSizeBytes))                                   \
+    X(cuMemFree, 2000, (CUdeviceptr_v1 dptr))                                                 \
+    X(cuMemGetInfo, 2000, (unsigned int *free, unsigned int *total))                          \
+    X(cuMemGetAddressRange, 2000,                                                             \
+      (CUdeviceptr_v1 *pbase, unsigned int *psize, CUdeviceptr_v1 dptr))                      \
+    X(cuDeviceTotalMem, 2000, (unsigned int *bytes, CUdevice dev))                            \
+    X(cuCtxCreate, 2000, (CUcontext *pctx, unsigned int flags, CUdevice dev))                 \
+    X(cuCtxDestroy, 2000, (CUcontext ctx))                                                    \
+    X(cuCtxPushCurrent, 2000, (CUcontext ctx))                                                \
+    X(cuCtxPopCurrent, 2000, (CUcontext *pctx))                                               \
+    X(cuArrayCreate, 2000, (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *pAllocateArray)) \
+    X(cuArray3DCreate, 2000,                                                                  \
+      (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *pAllocateArray))                   \
+    X(cuMemAllocHost, 2000, (void **pp, unsigned int bytesize))                               \
+    X(cuMemcpyHtoD, 2000, (CUdeviceptr_v1 dstDevice, const void *srcHost, unsigned int ByteCount)) \
+    X(cuMemcpyDtoH, 2000, (void *dstHost, CUdeviceptr_v1 srcDevice, unsigned int ByteCount))   \
+    X(cuMemcpyDtoD, 2000,                                                                     \
+      (CUdeviceptr_v1 dstDevice, CUdeviceptr_v1 srcDevice, unsigned int ByteCount))           \
+    X(cuMemsetD8, 2000, (CUdeviceptr_v1 dstDevice, unsigned char uc, unsigned int N))         \
+    X(cuMemsetD16, 2000, (CUdeviceptr_v1 dstDevice, unsigned short us, unsigned int N))       \
+    X(cuMemsetD32, 2000, (CUdeviceptr_v1 dstDevice, unsigned int ui, unsigned int N))         \
+    X(cuDevicePrimaryCtxRelease, 7000, (CUdevice dev))                                        \
+    X(cuDevicePrimaryCtxReset, 7000, (CUdevice dev))
+
+#define CUDA_MIN_PFN_VERSIONED(base, version, params) typedef CUresult (*PFN_##base##_v##version) params;
+CUDA_DLSYM_FUNCTIONS(CUDA_MIN_PFN_VERSIONED)
+#undef CUDA_MIN_PFN_VERSIONED
 
 #ifdef __cplusplus
 }

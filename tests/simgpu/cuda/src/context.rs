@@ -1,5 +1,6 @@
 //! Contexts: primary and created ones, the per-thread current-context stack, and the
-//! device memory each context takes (`SIMGPU_CONTEXT_OVERHEAD`).
+//! device memory each context takes (`SIMGPU_CONTEXT_OVERHEAD`, plus what its limits
+//! take beyond their defaults: `cuCtxSetLimit`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -23,6 +24,46 @@ pub(crate) struct Context {
     pub sticky: Arc<AtomicU32>,
     handle: usize,
     alive: AtomicBool,
+    /// Its `CUlimit` values and the device memory the context holds for itself.
+    limits: Mutex<Limits>,
+}
+
+/// `CUlimit` values up to `CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED` (CUDA 12.8).
+const LIMIT_COUNT: usize = 10;
+const LIMIT_STACK_SIZE: usize = 0;
+const LIMIT_PRINTF_FIFO_SIZE: usize = 1;
+const LIMIT_MALLOC_HEAP_SIZE: usize = 2;
+
+/// Each limit's value in a new context, as on a real GPU: 1 KiB of stack per thread, a
+/// 1 MiB printf FIFO, an 8 MiB device heap; device-runtime sync depth 2 and 2048 pending
+/// launches, 64-byte L2 fetch granularity; no persisting L2, shared memory or CIG settings.
+const DEFAULT_LIMITS: [usize; LIMIT_COUNT] = [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 0];
+
+/// A context's limits and the device memory it holds for itself.
+struct Limits {
+    values: [usize; LIMIT_COUNT],
+    /// Bytes charged to the device for the context: its overhead, adjusted by its limits.
+    charged: u64,
+}
+
+/// Device memory the stack, printf FIFO and heap limits take on `device`: the stack is
+/// per resident thread (the device's multiprocessors times the threads each can hold), the
+/// FIFO and the heap are one buffer each. `None` if it does not fit in 64 bits.
+fn limit_memory(values: &[usize; LIMIT_COUNT], device: usize) -> Option<u64> {
+    let stack = (values[LIMIT_STACK_SIZE] as u64).checked_mul(crate::driver::resident_threads(device))?;
+    stack
+        .checked_add(values[LIMIT_PRINTF_FIFO_SIZE] as u64)?
+        .checked_add(values[LIMIT_MALLOC_HEAP_SIZE] as u64)
+}
+
+/// What a context whose limits are `values` takes on `device`: `SIMGPU_CONTEXT_OVERHEAD`,
+/// which includes the limits at their defaults (as a real context's memory does), plus
+/// what the limits take beyond their defaults (minus what they take less), never below
+/// zero. `None` if it does not fit in 64 bits.
+fn context_memory(overhead: u64, values: &[usize; LIMIT_COUNT], device: usize) -> Option<u64> {
+    let now = limit_memory(values, device)? as i128;
+    let defaults = limit_memory(&DEFAULT_LIMITS, device)? as i128;
+    u64::try_from((overhead as i128 + now - defaults).max(0)).ok()
 }
 
 impl Context {
@@ -117,6 +158,7 @@ fn create(device: usize, flags: c_uint, primary: Option<usize>) -> CuResult<Arc<
             sticky,
             handle,
             alive: AtomicBool::new(true),
+            limits: Mutex::new(Limits { values: DEFAULT_LIMITS, charged: d.context_overhead }),
         }
     });
     CONTEXTS.lock().insert(ctx.handle, ctx.clone());
@@ -137,9 +179,10 @@ fn destroy(ctx: &Arc<Context>) {
     CONTEXTS.lock().remove(&ctx.handle);
     stream::forget_streams_of(ctx.handle);
     crate::memory::free_all_of_context(ctx.handle);
+    crate::module::context_destroyed(ctx.handle);
     with_stack(|stack| stack.retain(|&h| h != ctx.handle));
     if let Ok(d) = driver() {
-        d.slot.release(ctx.device, d.context_overhead);
+        d.slot.release(ctx.device, ctx.limits.lock().charged);
         d.slot.context_destroyed(ctx.device);
     }
     crate::graph::context_destroyed(ctx.device);
@@ -303,6 +346,41 @@ pub(crate) fn ctx_synchronize() -> CuResult {
     }
     crate::pool::trim_after_sync(ctx.device);
     sticky_to_result(ctx.sticky.load(Ordering::Acquire))
+}
+
+/// The index of a `CUlimit` simgpu knows: `CUDA_ERROR_UNSUPPORTED_LIMIT` for others.
+fn limit_index(limit: c_int) -> CuResult<usize> {
+    usize::try_from(limit).ok().filter(|&i| i < LIMIT_COUNT).ok_or(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT)
+}
+
+/// `cuCtxGetLimit`: the current context's value of `limit`.
+pub(crate) fn ctx_get_limit(out: *mut usize, limit: c_int) -> CuResult {
+    let ctx = current()?;
+    let index = limit_index(limit)?;
+    let value = ctx.limits.lock().values[index];
+    write_out(out, value)
+}
+
+/// `cuCtxSetLimit`: sets `limit` of the current context. The stack, printf FIFO and heap
+/// are device memory of the context: a larger value takes the difference from the device
+/// (`CUDA_ERROR_OUT_OF_MEMORY`, nothing changed, when it does not fit), a smaller one
+/// gives it back. Other limits take no memory.
+pub(crate) fn ctx_set_limit(limit: c_int, value: usize) -> CuResult {
+    let ctx = current()?;
+    let index = limit_index(limit)?;
+    let d = driver()?;
+    let mut limits = ctx.limits.lock();
+    let mut values = limits.values;
+    values[index] = value;
+    let wanted =
+        context_memory(d.context_overhead, &values, ctx.device).ok_or(CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    if wanted > limits.charged {
+        d.slot.charge(ctx.device, wanted - limits.charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+    } else {
+        d.slot.release(ctx.device, limits.charged - wanted);
+    }
+    *limits = Limits { values, charged: wanted };
+    Ok(())
 }
 
 /// Opaque pointer form of a context handle, for pointer attributes.

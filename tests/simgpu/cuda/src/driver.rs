@@ -14,12 +14,18 @@ use crate::ffi::{write_c_string, write_out, CUresult, CuResult};
 pub(crate) const DRIVER_VERSION: c_int = 12080;
 /// Device memory each context takes when `SIMGPU_CONTEXT_OVERHEAD` is unset.
 const DEFAULT_CONTEXT_OVERHEAD: &str = "256MiB";
+/// Device memory each loaded module takes when `SIMGPU_MODULE_BYTES` is unset: the code
+/// and globals of a small module (a real framework's modules range from kilobytes to
+/// hundreds of megabytes).
+const DEFAULT_MODULE_BYTES: &str = "2MiB";
 
 /// Everything `cuInit` sets up, shared by the whole process.
 pub(crate) struct Driver {
     pub machine: &'static Machine,
     pub slot: ProcessSlot<'static>,
     pub context_overhead: u64,
+    /// Device memory each loaded module or library takes (`SIMGPU_MODULE_BYTES`).
+    pub module_bytes: u64,
     /// How long creating a context takes (`SIMGPU_CONTEXT_CREATE_TIME`, default 0): a real
     /// driver takes 100-500 ms, during which other processes go on allocating.
     pub context_create_time: std::time::Duration,
@@ -31,12 +37,8 @@ static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
 
 fn start() -> Result<Driver, String> {
     let machine = Machine::open_from_env().map_err(|e| e.to_string())?;
-    let overhead_text =
-        std::env::var("SIMGPU_CONTEXT_OVERHEAD").unwrap_or_else(|_| DEFAULT_CONTEXT_OVERHEAD.to_owned());
-    let context_overhead = match overhead_text.trim() {
-        "0" => 0,
-        text => parse_bytes("SIMGPU_CONTEXT_OVERHEAD", text).map_err(|e| format!("simgpu: {e}"))?,
-    };
+    let context_overhead = size_from_env("SIMGPU_CONTEXT_OVERHEAD", DEFAULT_CONTEXT_OVERHEAD)?;
+    let module_bytes = size_from_env("SIMGPU_MODULE_BYTES", DEFAULT_MODULE_BYTES)?;
     let context_create_time = match std::env::var("SIMGPU_CONTEXT_CREATE_TIME") {
         Ok(text) => gpufrac_common::parse_duration("SIMGPU_CONTEXT_CREATE_TIME", &text)
             .map_err(|e| format!("simgpu: {e}"))?,
@@ -47,7 +49,16 @@ fn start() -> Result<Driver, String> {
     let machine: &'static Machine = Box::leak(Box::new(machine));
     let slot = machine.attach().map_err(|e| e.to_string())?;
     let sched = slot.scheduler(timeslice);
-    Ok(Driver { machine, slot, context_overhead, context_create_time, sched })
+    Ok(Driver { machine, slot, context_overhead, module_bytes, context_create_time, sched })
+}
+
+/// A size from the environment variable `name` (`default` when unset); `0` is allowed.
+fn size_from_env(name: &str, default: &str) -> Result<u64, String> {
+    let text = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    match text.trim() {
+        "0" => Ok(0),
+        text => parse_bytes(name, text).map_err(|e| format!("simgpu: {e}")),
+    }
 }
 
 /// `cuInit`: opens the simulated machine once; a bad setting is reported on stderr once.
@@ -123,6 +134,12 @@ pub(crate) fn device_total_mem(bytes: *mut usize, device: CUdevice) -> CuResult 
     write_out(bytes, driver()?.machine.total(index) as usize)
 }
 
+/// `cuDeviceTotalMem` of the pre-3.2 API: the total clamped to 32 bits.
+pub(crate) fn device_total_mem_v1(bytes: *mut c_uint, device: CUdevice) -> CuResult {
+    let index = device_index(device)?;
+    write_out(bytes, crate::memory::clamp32(driver()?.machine.total(index)))
+}
+
 fn pci_bus(index: usize) -> c_int {
     simgpu_state::pci_bus(index) as c_int
 }
@@ -153,6 +170,22 @@ pub(crate) fn device_compute_capability(major: *mut c_int, minor: *mut c_int, de
 /// feature simgpu implements (pools, VMM, managed memory, unified addressing).
 pub(crate) fn device_get_attribute(value: *mut c_int, attrib: c_int, device: CUdevice) -> CuResult {
     let index = device_index(device)?;
+    if attrib <= 0 || attrib >= A::CU_DEVICE_ATTRIBUTE_MAX as c_int {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    write_out(value, attribute(index, attrib))
+}
+
+/// The threads `device` can hold resident at once (multiprocessors times threads per
+/// multiprocessor): what a per-thread stack size is multiplied by.
+pub(crate) fn resident_threads(device: usize) -> u64 {
+    let sms = attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as c_int);
+    let threads = attribute(device, A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR as c_int);
+    sms.max(0) as u64 * threads.max(0) as u64
+}
+
+/// The value of attribute `attrib` of device `index` (0 for those simgpu lacks).
+fn attribute(index: usize, attrib: c_int) -> c_int {
     let table: &[(A, c_int)] = &[
         (A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 1024),
         (A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X, 1024),
@@ -200,9 +233,5 @@ pub(crate) fn device_get_attribute(value: *mut c_int, attrib: c_int, device: CUd
         (A::CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, 32),
         (A::CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO, 2),
     ];
-    if attrib <= 0 || attrib >= A::CU_DEVICE_ATTRIBUTE_MAX as c_int {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    let found = table.iter().find(|(a, _)| *a as c_int == attrib).map_or(0, |&(_, v)| v);
-    write_out(value, found)
+    table.iter().find(|(a, _)| *a as c_int == attrib).map_or(0, |&(_, v)| v)
 }

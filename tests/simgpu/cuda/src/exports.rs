@@ -14,6 +14,8 @@ use cudarc::driver::sys::{
     CUgraph, CUgraphExec, CUgraphNode, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
 
+use gpufrac_common::cuda_sizes::{Array3DDescriptorV1, ArrayDescriptorV1};
+
 use crate::copy::{self, dtoh, htod, Op};
 use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
@@ -132,6 +134,8 @@ exports! {
     cuCtxSetFlags(flags: c_uint) => context::ctx_set_flags(flags);
     cuCtxGetApiVersion(ctx: CUcontext, version: *mut c_uint) => context::ctx_get_api_version(ctx, version);
     cuCtxSynchronize() => context::ctx_synchronize();
+    cuCtxGetLimit(value: *mut usize, limit: c_int) => context::ctx_get_limit(value, limit);
+    cuCtxSetLimit(limit: c_int, value: usize) => context::ctx_set_limit(limit, value);
 
     // Linear memory.
     cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => memory::mem_get_info(free, total);
@@ -147,6 +151,33 @@ exports! {
     cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => memory::pointer_get_attribute(data, attribute, ptr);
     cuPointerGetAttributes(count: c_uint, attributes: *mut c_int, data: *mut *mut c_void, ptr: CUdeviceptr)
         => memory::pointer_get_attributes(count, attributes, data, ptr);
+
+    // The pre-3.2 entry points the real driver still exports under their plain names:
+    // 32-bit device pointers and sizes (`CUdeviceptr_v1` is `unsigned int`).
+    cuMemAlloc(dptr: *mut c_uint, size: c_uint) => memory::mem_alloc_v1(dptr, size);
+    cuMemAllocPitch(dptr: *mut c_uint, pitch: *mut c_uint, width: c_uint, height: c_uint, elem: c_uint)
+        => memory::mem_alloc_pitch_v1(dptr, pitch, width, height, elem);
+    cuMemFree(dptr: c_uint) => memory::mem_free(dptr as CUdeviceptr);
+    cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) => memory::mem_get_info_v1(free, total);
+    cuMemGetAddressRange(base: *mut c_uint, size: *mut c_uint, dptr: c_uint) => memory::mem_get_address_range_v1(base, size, dptr);
+    cuMemAllocHost(pp: *mut *mut c_void, size: c_uint) => memory::mem_alloc_host(pp, size as usize);
+    cuDeviceTotalMem(bytes: *mut c_uint, dev: CUdevice) => driver::device_total_mem_v1(bytes, dev);
+    cuCtxCreate(ctx: *mut CUcontext, flags: c_uint, dev: CUdevice) => context::ctx_create(ctx, flags, dev);
+    cuCtxDestroy(ctx: CUcontext) => context::ctx_destroy(ctx);
+    cuCtxPushCurrent(ctx: CUcontext) => context::ctx_push(ctx);
+    cuCtxPopCurrent(ctx: *mut CUcontext) => context::ctx_pop(ctx);
+    cuArrayCreate(a: *mut CUarray, desc: *const ArrayDescriptorV1) => array::array_create_v1(a, desc);
+    cuArray3DCreate(a: *mut CUarray, desc: *const Array3DDescriptorV1) => array::array_3d_create_v1(a, desc);
+    cuMemcpyHtoD(dst: c_uint, src: *const c_void, n: c_uint) => copy::sync(htod(dst as CUdeviceptr, src, n as usize), Legacy);
+    cuMemcpyDtoH(dst: *mut c_void, src: c_uint, n: c_uint) => copy::sync(dtoh(dst, src as CUdeviceptr, n as usize), Legacy);
+    cuMemcpyDtoD(dst: c_uint, src: c_uint, n: c_uint)
+        => copy::sync(Op::DtoD { dst: dst as CUdeviceptr, src: src as CUdeviceptr, n: n as usize }, Legacy);
+    cuMemsetD8(dst: c_uint, v: c_uchar, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v as u32, width: 1, count: n as usize }, Legacy);
+    cuMemsetD16(dst: c_uint, v: c_ushort, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v as u32, width: 2, count: n as usize }, Legacy);
+    cuMemsetD32(dst: c_uint, v: c_uint, n: c_uint)
+        => copy::sync(Op::Set { dst: dst as CUdeviceptr, value: v, width: 4, count: n as usize }, Legacy);
 
     // Stream-ordered allocation and pools.
     cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, s: CUstream) => pool::mem_alloc_async(dptr, size, s, Legacy);
@@ -305,6 +336,8 @@ exports! {
     cuModuleLoadData(m: *mut CUmodule, image: *const c_void) => module::module_load_data(m, image);
     cuModuleLoadDataEx(m: *mut CUmodule, image: *const c_void, _n: c_uint, _opts: *mut c_int, _vals: *mut *mut c_void)
         => module::module_load_data(m, image);
+    cuModuleLoad(m: *mut CUmodule, path: *const c_char) => module::module_load(m, path);
+    cuModuleLoadFatBinary(m: *mut CUmodule, image: *const c_void) => module::module_load_data(m, image);
     cuModuleUnload(m: CUmodule) => module::module_unload(m);
     cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) => module::module_get_function(f, m, name);
     cuModuleGetGlobal_v2(_dptr: *mut CUdeviceptr, _bytes: *mut usize, m: CUmodule, name: *const c_char)
@@ -352,13 +385,13 @@ ungated! {
 // Entry points that exist in the real driver but are not simulated: programs that probe
 // for them get a clean error rather than a missing symbol.
 unsupported! {
-    cuModuleLoad, cuModuleLoadFatBinary, cuLaunchCooperativeKernel,
+    cuLaunchCooperativeKernel,
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
     cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
-    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess, cuCtxGetLimit, cuCtxSetLimit,
+    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
     cuMemsetD2D8_v2, cuDeviceGetLuid,

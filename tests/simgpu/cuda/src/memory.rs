@@ -166,8 +166,59 @@ impl Registry {
     }
 }
 
+/// Maps `len` bytes of fresh, zeroed, lazily reserved memory wholly below 4 GiB, where
+/// the 32-bit device pointers of the pre-3.2 API (`CUdeviceptr_v1`) can address it.
+/// It tries fixed addresses from 256 MiB (above the image and early heap of a program
+/// linked at a low address) up in 16 MiB steps, never replacing an existing mapping.
+fn map_low(len: u64, prot: i32) -> CuResult<u64> {
+    const START: u64 = 256 << 20;
+    const END: u64 = 1 << 32;
+    const STEP: u64 = 16 << 20;
+    let mut at = START;
+    while at.checked_add(len).is_some_and(|end| end <= END) {
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping: the kernel
+        // fails with EEXIST where the range is taken; failure is checked.
+        let addr = unsafe {
+            libc::mmap(
+                at as *mut c_void,
+                len as usize,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if addr != libc::MAP_FAILED {
+            if addr as u64 == at {
+                return Ok(at);
+            }
+            // A kernel older than MAP_FIXED_NOREPLACE took it as a hint and mapped elsewhere.
+            unmap(addr as u64, len);
+        } else if std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+            break;
+        }
+        at += STEP;
+    }
+    Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+/// Where an allocation's address must lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Window {
+    /// Anywhere (the `_v2` API's 64-bit pointers).
+    Any,
+    /// Wholly below 4 GiB (the pre-3.2 API's 32-bit pointers).
+    Low32,
+}
+
 /// Allocates linear memory charged to the current context's device.
 pub(crate) fn allocate(size: u64, charge: u64, kind: Kind) -> CuResult<u64> {
+    allocate_in(size, charge, kind, Window::Any)
+}
+
+/// Allocates linear memory charged to the current context's device, at an address in
+/// `window`.
+pub(crate) fn allocate_in(size: u64, charge: u64, kind: Kind, window: Window) -> CuResult<u64> {
     if size == 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
@@ -179,7 +230,12 @@ pub(crate) fn allocate(size: u64, charge: u64, kind: Kind) -> CuResult<u64> {
     if charged > 0 {
         d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     }
-    let addr = match map_anonymous(size, libc::PROT_READ | libc::PROT_WRITE) {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let mapped = match window {
+        Window::Any => map_anonymous(size, prot),
+        Window::Low32 => map_low(size, prot),
+    };
+    let addr = match mapped {
         Ok(addr) => addr,
         Err(e) => {
             d.slot.release(ctx.device, charged);
@@ -226,14 +282,77 @@ pub(crate) fn mem_alloc_pitch(
     height: usize,
     element_size: c_uint,
 ) -> CuResult {
-    if out.is_null() || pitch.is_null() || width == 0 || height == 0 || ![4, 8, 16].contains(&element_size) {
+    if out.is_null() || pitch.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let row = round_up(width as u64, ALLOC_ALIGN);
-    let size = row.checked_mul(height as u64).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    let addr = allocate(size, size, Kind::Pitched)?;
+    let (addr, row) = pitched(width as u64, height as u64, element_size, Window::Any)?;
     write_out(pitch, row as usize)?;
     write_out(out, addr)
+}
+
+/// A pitched allocation in `window`: its address and its pitch.
+fn pitched(width: u64, height: u64, element_size: c_uint, window: Window) -> CuResult<(u64, u64)> {
+    if width == 0 || height == 0 || ![4, 8, 16].contains(&element_size) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let row = round_up(width, ALLOC_ALIGN);
+    let size = row.checked_mul(height).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    Ok((allocate_in(size, size, Kind::Pitched, window)?, row))
+}
+
+/// `cuMemAlloc` of the pre-3.2 API: a 32-bit size, and an address below 4 GiB.
+pub(crate) fn mem_alloc_v1(out: *mut c_uint, size: c_uint) -> CuResult {
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let addr = allocate_in(size as u64, size as u64, Kind::Device, Window::Low32)?;
+    write_out(out, addr as c_uint)
+}
+
+/// `cuMemAllocPitch` of the pre-3.2 API: 32-bit sizes and pitch, an address below 4 GiB.
+pub(crate) fn mem_alloc_pitch_v1(
+    out: *mut c_uint,
+    pitch: *mut c_uint,
+    width: c_uint,
+    height: c_uint,
+    element_size: c_uint,
+) -> CuResult {
+    if out.is_null() || pitch.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let (addr, row) = pitched(width as u64, height as u64, element_size, Window::Low32)?;
+    // The whole allocation lies below 4 GiB, so its pitch does too.
+    write_out(pitch, row as c_uint)?;
+    write_out(out, addr as c_uint)
+}
+
+/// `cuMemGetInfo` of the pre-3.2 API: free and total clamped to 32 bits.
+pub(crate) fn mem_get_info_v1(free: *mut c_uint, total: *mut c_uint) -> CuResult {
+    let (mut f, mut t) = (0usize, 0usize);
+    mem_get_info(&mut f, &mut t)?;
+    write_out(free, clamp32(f as u64))?;
+    write_out(total, clamp32(t as u64))
+}
+
+/// A size for a 32-bit out-parameter: at most `u32::MAX`.
+pub(crate) fn clamp32(value: u64) -> c_uint {
+    value.min(c_uint::MAX as u64) as c_uint
+}
+
+/// `cuMemGetAddressRange` of the pre-3.2 API. A range whose base or size does not fit in
+/// 32 bits (only memory of the 64-bit API can be so) is `CUDA_ERROR_INVALID_VALUE`.
+pub(crate) fn mem_get_address_range_v1(base: *mut c_uint, size: *mut c_uint, ptr: c_uint) -> CuResult {
+    driver()?;
+    let (b, s, ..) = find(ptr as u64)?;
+    let b = c_uint::try_from(b).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let s = c_uint::try_from(s).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if !base.is_null() {
+        write_out(base, b)?;
+    }
+    if !size.is_null() {
+        write_out(size, s)?;
+    }
+    Ok(())
 }
 
 pub(crate) fn mem_alloc_managed(out: *mut CUdeviceptr, size: usize, flags: c_uint) -> CuResult {

@@ -14,7 +14,7 @@
 //! (`simgpu_state::sched`): fill, checksum and sleep kernels run only while their process
 //! owns the device; `simgpu_noop` takes no device time and does not wait for it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -44,10 +44,47 @@ static KERNELS: [Kernel; 4] = [
     Kernel { name: c"simgpu_sleep_us", params: 1 },
 ];
 
-static MODULES: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(Default::default);
+/// Device memory a loaded module holds (`SIMGPU_MODULE_BYTES`): its code and globals in
+/// one context.
+#[derive(Debug, Clone, Copy)]
+struct Charge {
+    device: usize,
+    ctx: usize,
+    bytes: u64,
+}
 
-/// Loaded libraries by handle, each with the module `cuLibraryGetModule` answers.
-static LIBRARIES: LazyLock<Mutex<HashMap<usize, usize>>> = LazyLock::new(Default::default);
+impl Charge {
+    /// Takes a module's memory on the device of `ctx`.
+    fn take(ctx: &context::Context) -> CuResult<Charge> {
+        let d = driver()?;
+        let bytes = d.module_bytes;
+        if bytes > 0 {
+            d.slot.charge(ctx.device, bytes).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+        }
+        Ok(Charge { device: ctx.device, ctx: ctx.handle(), bytes })
+    }
+
+    fn give_back(self) {
+        if let Ok(d) = driver() {
+            d.slot.release(self.device, self.bytes);
+        }
+    }
+}
+
+/// Loaded modules by handle, with what each holds; a library's module holds nothing of
+/// its own (its library does).
+static MODULES: LazyLock<Mutex<HashMap<usize, Option<Charge>>>> = LazyLock::new(Default::default);
+
+/// A library (`cuLibraryLoad*`): the module `cuLibraryGetModule` answers, and its memory
+/// once it is loaded into a context (`None` until then, and again after that context is
+/// destroyed).
+struct Library {
+    module: usize,
+    charge: Option<Charge>,
+}
+
+/// Loaded libraries by handle.
+static LIBRARIES: LazyLock<Mutex<HashMap<usize, Library>>> = LazyLock::new(Default::default);
 
 fn find_kernel(name: *const c_char) -> CuResult<&'static Kernel> {
     let name = read_str(name)?;
@@ -58,28 +95,77 @@ fn as_function(k: &'static Kernel) -> CUfunction {
     std::ptr::from_ref(k).cast_mut().cast()
 }
 
+/// `cuModuleLoadData`, `cuModuleLoadDataEx` and `cuModuleLoadFatBinary`: any image loads
+/// into the current context and takes `SIMGPU_MODULE_BYTES` of its device.
 pub(crate) fn module_load_data(out: *mut CUmodule, image: *const c_void) -> CuResult {
-    context::current()?;
+    let ctx = context::current()?;
     if out.is_null() || image.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
+    new_module(out, &ctx)
+}
+
+/// `cuModuleLoad`: the file must exist and be readable; its contents are not interpreted.
+pub(crate) fn module_load(out: *mut CUmodule, path: *const c_char) -> CuResult {
+    let ctx = context::current()?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    std::fs::File::open(read_str(path)?).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
+    new_module(out, &ctx)
+}
+
+fn new_module(out: *mut CUmodule, ctx: &context::Context) -> CuResult {
+    let charge = Charge::take(ctx)?;
     let handle = new_handle();
-    MODULES.lock().insert(handle);
-    write_out(out, handle as CUmodule)
+    MODULES.lock().insert(handle, Some(charge));
+    if let Err(e) = write_out(out, handle as CUmodule) {
+        MODULES.lock().remove(&handle);
+        charge.give_back();
+        return Err(e);
+    }
+    Ok(())
 }
 
 pub(crate) fn module_unload(module: CUmodule) -> CuResult {
     driver()?;
     let handle = module as usize;
-    if !MODULES.lock().remove(&handle) {
-        return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+    // A library's module goes with its library (`cuLibraryUnload`).
+    let mut modules = MODULES.lock();
+    match modules.get(&handle) {
+        Some(Some(_)) => {}
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
+    }
+    if let Some(Some(charge)) = modules.remove(&handle) {
+        charge.give_back();
     }
     Ok(())
 }
 
+/// Unloads the modules of a destroyed context, as the driver does, and gives back what
+/// libraries held in it: they are loaded again when next used in a context.
+pub(crate) fn context_destroyed(ctx: usize) {
+    let mut modules = MODULES.lock();
+    let gone: Vec<usize> =
+        modules.iter().filter(|(_, c)| c.is_some_and(|c| c.ctx == ctx)).map(|(&h, _)| h).collect();
+    for handle in gone {
+        if let Some(Some(charge)) = modules.remove(&handle) {
+            charge.give_back();
+        }
+    }
+    drop(modules);
+    for library in LIBRARIES.lock().values_mut() {
+        if library.charge.is_some_and(|c| c.ctx == ctx) {
+            if let Some(charge) = library.charge.take() {
+                charge.give_back();
+            }
+        }
+    }
+}
+
 pub(crate) fn module_get_function(out: *mut CUfunction, module: CUmodule, name: *const c_char) -> CuResult {
     driver()?;
-    if !MODULES.lock().contains(&(module as usize)) {
+    if !MODULES.lock().contains_key(&(module as usize)) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
     write_out(out, as_function(find_kernel(name)?))
@@ -92,7 +178,7 @@ pub(crate) fn module_get_function(out: *mut CUfunction, module: CUmodule, name: 
 pub(crate) fn module_get_global(module: CUmodule, name: *const c_char) -> CuResult {
     driver()?;
     read_str(name)?;
-    if !MODULES.lock().contains(&(module as usize)) {
+    if !MODULES.lock().contains_key(&(module as usize)) {
         return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
     }
     Err(CUresult::CUDA_ERROR_NOT_FOUND)
@@ -100,12 +186,13 @@ pub(crate) fn module_get_global(module: CUmodule, name: *const c_char) -> CuResu
 
 /// `cuLibraryGetGlobal`: as [`module_get_global`], for a library.
 pub(crate) fn library_get_global(handle: CUlibrary, name: *const c_char) -> CuResult {
-    library(handle)?;
+    loaded(handle)?;
     read_str(name)?;
     Err(CUresult::CUDA_ERROR_NOT_FOUND)
 }
 
-/// `cuLibraryLoadData`: loads any image, like `cuModuleLoadData`, without a context.
+/// `cuLibraryLoadData`: loads any image, like `cuModuleLoadData`, with or without a
+/// context (see [`new_library`]).
 pub(crate) fn library_load_data(out: *mut CUlibrary, image: *const c_void) -> CuResult {
     driver()?;
     if image.is_null() {
@@ -122,37 +209,62 @@ pub(crate) fn library_load_from_file(out: *mut CUlibrary, path: *const c_char) -
     new_library(out)
 }
 
+/// A new library. With a current context it is loaded into it at once and takes
+/// `SIMGPU_MODULE_BYTES` there (`CUDA_ERROR_OUT_OF_MEMORY` if that does not fit); without
+/// one (CUDA 12's context-independent loading) it takes its memory when first used in a
+/// context ([`loaded`]).
 fn new_library(out: *mut CUlibrary) -> CuResult {
     if out.is_null() {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
+    let charge = match context::current() {
+        Ok(ctx) => Some(Charge::take(&ctx)?),
+        Err(_) => None,
+    };
     let (library, module) = (new_handle(), new_handle());
-    MODULES.lock().insert(module);
-    LIBRARIES.lock().insert(library, module);
+    MODULES.lock().insert(module, None);
+    LIBRARIES.lock().insert(library, Library { module, charge });
     write_out(out, library as CUlibrary)
 }
 
 pub(crate) fn library_unload(library: CUlibrary) -> CuResult {
     driver()?;
-    let module = LIBRARIES.lock().remove(&(library as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-    MODULES.lock().remove(&module);
+    let lib = LIBRARIES.lock().remove(&(library as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    MODULES.lock().remove(&lib.module);
+    if let Some(charge) = lib.charge {
+        charge.give_back();
+    }
     Ok(())
 }
 
+/// The module of a loaded library.
 fn library(handle: CUlibrary) -> CuResult<usize> {
     driver()?;
-    LIBRARIES.lock().get(&(handle as usize)).copied().ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+    LIBRARIES.lock().get(&(handle as usize)).map(|l| l.module).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+/// The module of a library being used: a library not yet loaded into a context is
+/// loaded into the current one, if any, and takes its memory there.
+fn loaded(handle: CUlibrary) -> CuResult<usize> {
+    driver()?;
+    let current = context::current().ok();
+    let mut libraries = LIBRARIES.lock();
+    let lib = libraries.get_mut(&(handle as usize)).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    if let (None, Some(ctx)) = (lib.charge, current) {
+        lib.charge = Some(Charge::take(&ctx)?);
+    }
+    Ok(lib.module)
 }
 
 pub(crate) fn library_get_kernel(out: *mut CUkernel, handle: CUlibrary, name: *const c_char) -> CuResult {
-    library(handle)?;
+    loaded(handle)?;
     write_out(out, as_function(find_kernel(name)?).cast())
 }
 
 /// `cuLibraryGetModule`: the library's module in the current context.
 pub(crate) fn library_get_module(out: *mut CUmodule, handle: CUlibrary) -> CuResult {
-    let module = library(handle)?;
     context::current()?;
+    let module = loaded(handle)?;
     write_out(out, module as CUmodule)
 }
 
