@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 
-use gpufrac_common::cuda_sizes::{array_bytes, mipmapped_bytes, Array3DDescriptor, ArrayDescriptor};
+use gpufrac_common::cuda_sizes::{
+    array_bytes, mipmapped_bytes, Array3DDescriptor, Array3DDescriptorV1, ArrayDescriptor, ArrayDescriptorV1,
+};
 
 use crate::driver::call;
 use crate::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
@@ -499,28 +501,6 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
     }
     let path = if mipmapped { Path::Mipmapped } else { Path::Array };
     settle(e, status, charge, handle.map(|h| h as u64), path, Some(id))
-}
-
-/// `CUDA_ARRAY_DESCRIPTOR` of the pre-3.2 `cuArrayCreate`: 32-bit sizes.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct ArrayDescriptorV1 {
-    width: c_uint,
-    height: c_uint,
-    format: c_uint,
-    channels: c_uint,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR` of the pre-3.2 `cuArray3DCreate`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Array3DDescriptorV1 {
-    width: c_uint,
-    height: c_uint,
-    depth: c_uint,
-    format: c_uint,
-    channels: c_uint,
-    flags: c_uint,
 }
 
 pub(crate) fn array_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {

@@ -152,3 +152,48 @@ fn a_primary_context_retained_by_two_threads_at_once_is_charged_once_and_given_b
         mib(LIMIT)
     );
 }
+
+#[test]
+fn a_device_heap_is_charged_and_one_past_the_limit_refused() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // 4 GiB of heap under a 512 MiB limit (PyTorch's and numba's kernels malloc there).
+    let mut child = start(&gpu, "heap", Some(&(4 * GIB).to_string()), &[]);
+    assert_eq!(line(&mut child, "heap"), vec![2], "a 4 GiB heap is refused as out of memory");
+    held_within_limit(&gpu, &mut child, "heap 4 GiB");
+    // 128 MiB of heap (8 MiB by default, in the context's own memory): the 120 MiB more
+    // are the group's.
+    let mut child = start(&gpu, "heap", Some(&(128 * MIB).to_string()), &[]);
+    assert_eq!(line(&mut child, "heap"), vec![0], "a 128 MiB heap fits");
+    let (held, error, _) = held_within_limit(&gpu, &mut child, "heap 128 MiB");
+    assert_eq!(error, 2);
+    let room = LIMIT - 64 * MIB - 120 * MIB;
+    assert!(held <= room && held + CHUNK > room, "held {} beside the context and its heap", mib(held));
+}
+
+#[test]
+fn module_code_and_globals_are_charged() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // 100 modules of 8 MiB: only what the limit leaves loads.
+    let mut child = start(&gpu, "modules", Some("100"), &[("SIMGPU_MODULE_BYTES", "8MiB")]);
+    let modules = line(&mut child, "MODULES");
+    assert_eq!(modules[1], 2, "the module past the limit is refused as out of memory");
+    let loaded = modules[0] as u64;
+    assert_eq!(loaded, (LIMIT - 64 * MIB) / (8 * MIB), "as many modules load as fit beside the context");
+    let (held, _, _) = held_within_limit(&gpu, &mut child, "modules");
+    assert_eq!(held, 0, "nothing is left for allocations");
+}
+
+#[test]
+fn the_pre_3_2_entry_points_are_held_to_the_limit() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    for case in ["v1", "v1procaddr", "v1ctx"] {
+        let mut child = start(&gpu, case, None, &[]);
+        let (held, error, _) = held_within_limit(&gpu, &mut child, case);
+        assert_eq!(error, 2, "{case}: the allocations end in CUDA_ERROR_OUT_OF_MEMORY");
+        let room = LIMIT - 64 * MIB;
+        assert!(held <= room && held + CHUNK > room, "{case}: held {} beside its context", mib(held));
+    }
+}
