@@ -16,6 +16,9 @@ const DEVICE: u64 = 8 * GIB;
 const EXACT: &str = "exact sizes against simgpu's 64 MiB contexts (SIMGPU_CONTEXT_OVERHEAD) and 8 GiB device";
 const LIMIT: u64 = 2 * GIB;
 const OVERHEAD: u64 = 64 * MIB;
+/// The module of built-in kernels the probe loads: its code and globals are device
+/// memory the group is charged for (`SIMGPU_MODULE_BYTES`, 2 MiB by default).
+const MODULE: u64 = 2 * MIB;
 const CHUNK: u64 = 32 * MIB;
 
 fn gpu() -> SimGpu {
@@ -97,7 +100,7 @@ fn cuda_and_nvml_show_the_limit_as_the_device() {
     // cuMemGetInfo, cuDeviceTotalMem and NVML agree (the probe asserts it) on the limit.
     let (out, stdout, stderr) = output(limited(&gpu, probe).arg("slice"));
     assert!(out.status.success(), "{stdout}{stderr}");
-    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + 100 * MIB));
+    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
     // So does an NVML-only tool (nvidia-smi) under the same setting.
     let (out, stdout, stderr) = output(limited(&gpu, probe).arg("nvml-only"));
     assert!(out.status.success(), "{stdout}{stderr}");
@@ -313,7 +316,7 @@ fn from_etc_ld_so_preload_a_limit_alone_is_enforced_too() {
     let probe = env!("CARGO_BIN_EXE_simgpu_probe");
     let (out, stdout, stderr) = output(preloaded_from_etc(&gpu, &scratch, probe).arg("slice"));
     assert!(out.status.success(), "{stdout}{stderr}");
-    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + 100 * MIB));
+    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
 
     assert_eq!(machine_preload(), before, "the machine's /etc/ld.so.preload is untouched");
 }

@@ -29,10 +29,13 @@ fn numbers(child: &mut ChildProcess, word: &str) -> Vec<u64> {
     line.split_whitespace().skip(1).map(|w| w.parse().expect("a number")).collect()
 }
 
-/// Whether `free` is the slice less the context and the graph's memory, less the few
-/// bytes the program's own result buffer takes.
+/// The program's module of built-in kernels (`SIMGPU_MODULE_BYTES`, 2 MiB by default).
+const MODULE: u64 = 2 * MIB;
+
+/// Whether `free` is the slice less the context, the module and the graph's memory, less
+/// the few bytes the program's own result buffer takes.
 fn free_beside_the_graph(free: u64, graph: u64) -> bool {
-    let room = LIMIT - CONTEXT - graph;
+    let room = LIMIT - CONTEXT - MODULE - graph;
     free <= room && free + 4096 >= room
 }
 

@@ -11,6 +11,9 @@ use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu};
 
 const DEVICE: &str = "2GiB";
 const OVERHEAD: u64 = 64 * MIB;
+/// The module of built-in kernels the probe loads: its code and globals are device
+/// memory the group is charged for (`SIMGPU_MODULE_BYTES`, 2 MiB by default).
+const MODULE: u64 = 2 * MIB;
 const REQUEST: u64 = 256 * MIB;
 const LIMIT: u64 = 640 * MIB;
 const CHUNK: u64 = 32 * MIB;
@@ -111,7 +114,7 @@ fn cuda_and_nvml_show_the_slice_even_to_nvml_only_tools() {
     let probe = env!("CARGO_BIN_EXE_simgpu_probe");
     let (out, stdout, stderr) = output(shimmed(&gpu, probe).arg("slice"));
     assert!(out.status.success(), "{stdout}{stderr}");
-    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + 100 * MIB));
+    assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
 
     // A group member holds memory; nvidia-smi-like tools of the group see it, in the slice.
     let mut holder =
@@ -119,7 +122,7 @@ fn cuda_and_nvml_show_the_slice_even_to_nvml_only_tools() {
     holder.ready();
     let (out, stdout, stderr) = output(shimmed(&gpu, probe).env("GPUFRAC_GROUP", "smi").arg("nvml-only"));
     assert!(out.status.success(), "{stdout}{stderr}");
-    assert_eq!(stdout.trim(), format!("NVML {LIMIT} {}", OVERHEAD + 100 * MIB));
+    assert_eq!(stdout.trim(), format!("NVML {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
     holder.close_stdin();
     holder.finish();
 }

@@ -13,8 +13,9 @@ const DEVICE: u64 = 4 * GIB;
 const OVERHEAD: u64 = 64 * MIB;
 /// The captured allocation.
 const GRAPH_BYTES: u64 = 256 * MIB;
-/// The program's own `cuMemAlloc(8)`, as simgpu charges it (512-byte granules).
-const SMALL: u64 = 512;
+/// The program's own `cuMemAlloc(8)`, as simgpu charges it (512-byte granules), and its
+/// module of built-in kernels (`SIMGPU_MODULE_BYTES`, 2 MiB by default).
+const SMALL: u64 = 512 + 2 * MIB;
 const SIMULATOR: &str = "reads what the process holds from simgpu's device state (SIMGPU_STATE)";
 
 /// What the device says `pid` holds on device 0.
