@@ -61,6 +61,9 @@ pub enum EventKind {
     Refused,
     /// An idle parkable process's memory was moved to host RAM.
     Parked,
+    /// A group was found holding memory beyond what its shims counted (the device's own
+    /// count): charged to it.
+    Uncounted,
     /// A parked process's memory came back.
     Woken,
     /// A kind this client does not know (from a newer arbiter).
@@ -81,6 +84,7 @@ impl EventKind {
             EventKind::Refused => "refused",
             EventKind::Parked => "parked",
             EventKind::Woken => "woken",
+            EventKind::Uncounted => "uncounted",
             EventKind::Other => "other",
         }
     }

@@ -81,6 +81,8 @@ pub enum Finding {
         group: String,
         /// Its processes' host PIDs with what NVML shows each using.
         pids: Vec<(u32, u64)>,
+        /// The connection of its largest user (what the event is about).
+        conn: ConnId,
         /// The excess charged.
         bytes: u64,
         /// What NVML shows the group using in all.
@@ -154,9 +156,15 @@ impl Gpu {
             u.last_seen = seen;
             let shown = crate::entitlement::shown_group(name).to_owned();
             if before == 0 && u.charged > 0 {
+                let conn = group
+                    .members
+                    .keys()
+                    .copied()
+                    .max_by_key(|c| peers.get(c).map_or(0, |p| used_by(&p.pid)))
+                    .unwrap_or_default();
                 let pids = pids.iter().map(|pid| (*pid, used_by(pid))).collect();
                 let (bytes, limit) = (u.charged, group.limit);
-                findings.push(Finding::Found { device, group: shown, pids, bytes, used, limit });
+                findings.push(Finding::Found { device, group: shown, pids, conn, bytes, used, limit });
             } else if before > 0 && u.charged == 0 {
                 findings.push(Finding::Cleared { device, group: shown });
             }
@@ -188,9 +196,14 @@ impl Policy {
     /// The processes to end under `--enforce-limits end`: every member (that can be
     /// signalled, and is not in `spared`, being ended already) of each group whose charged
     /// usage has been past its limit for `grace`, once per episode.
-    pub fn over_limit_victims(&mut self, now: Instant, grace: Duration, spared: &[ConnId]) -> Vec<Victim> {
+    pub fn over_limit_victims(
+        &mut self,
+        now: Instant,
+        grace: Duration,
+        spared: &[ConnId],
+    ) -> Vec<(DeviceId, Victim)> {
         let mut victims = Vec::new();
-        for gpu in self.gpus.values_mut() {
+        for (&device, gpu) in self.gpus.iter_mut() {
             for (name, group) in gpu.groups.iter_mut() {
                 let u = &mut group.uncounted;
                 let due = u.over_limit_since.is_some_and(|t| now.saturating_duration_since(t) >= grace);
@@ -209,13 +222,9 @@ impl Policy {
                     if spared.contains(&conn) || !peer.signalable {
                         continue;
                     }
-                    victims.push(Victim {
-                        conn,
-                        pid: peer.pid,
-                        group: crate::entitlement::shown_group(name).to_owned(),
-                        bytes: u.charged,
-                        why: why.clone(),
-                    });
+                    let group = crate::entitlement::shown_group(name).to_owned();
+                    let victim = Victim { conn, pid: peer.pid, group, bytes: u.charged, why: why.clone() };
+                    victims.push((device, victim));
                 }
             }
         }
@@ -381,11 +390,11 @@ mod tests {
         assert!(p.over_limit_victims(t0 + grace / 2, grace, &[]).is_empty(), "within the grace");
         let victims = p.over_limit_victims(t0 + grace, grace, &[3]);
         assert_eq!(
-            victims.iter().map(|v| (v.conn, v.pid)).collect::<Vec<_>>(),
-            [(1, 100)],
+            victims.iter().map(|(d, v)| (*d, v.conn, v.pid)).collect::<Vec<_>>(),
+            [(GPU, 1, 100)],
             "3 is being ended"
         );
-        assert!(victims[0].why.contains("past its limit of 4.00 GiB"), "{}", victims[0].why);
+        assert!(victims[0].1.why.contains("past its limit of 4.00 GiB"), "{}", victims[0].1.why);
         assert!(p.over_limit_victims(t0 + 2 * grace, grace, &[]).is_empty(), "once");
         // Back under its limit, the grace starts over.
         p.observe_processes(GPU, &[(100, 2 * GIB), (101, GIB)], t0);
