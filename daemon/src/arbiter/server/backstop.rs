@@ -52,7 +52,8 @@ impl Shared {
             let detail = format!("--enforce-limits end: {}", v.why);
             self.record(v.conn, v.pid, uuid_string(&device), EventKind::Ended, v.bytes, detail);
             self.end(&mut ending, &v, "over-limit", now);
-            groups.insert(v.group.clone());
+            // One group per GPU, however many processes it had.
+            groups.insert((device, v.group.clone()));
         }
         self.metrics.groups_ended_over_limit.inc_by(groups.len() as u64);
     }
