@@ -61,6 +61,9 @@ pub enum EventKind {
     Refused,
     /// An idle parkable process's memory was moved to host RAM.
     Parked,
+    /// A group was found holding memory beyond what its shims counted (the device's own
+    /// count): charged to it.
+    Uncounted,
     /// A parked process's memory came back.
     Woken,
     /// A kind this client does not know (from a newer arbiter).
@@ -81,6 +84,7 @@ impl EventKind {
             EventKind::Refused => "refused",
             EventKind::Parked => "parked",
             EventKind::Woken => "woken",
+            EventKind::Uncounted => "uncounted",
             EventKind::Other => "other",
         }
     }
@@ -170,6 +174,10 @@ pub struct GpuStatus {
     /// (programs without the shim; after a restart, shims not yet back): never lent.
     #[serde(default)]
     pub outside: u64,
+    /// Memory groups hold beyond what their shims charged, as the device's own count
+    /// shows it (see each process's `uncounted`): charged to those groups, never lent.
+    #[serde(default)]
+    pub uncounted: u64,
     /// Lent memory being taken back because the guarantees need it (a request admitted
     /// while its memory was lent out): nothing is lent until it is back.
     #[serde(default)]
@@ -283,6 +291,11 @@ pub struct ProcessStatus {
     /// The pace its group is held to, per mille of the wall clock; 1000: unpaced.
     #[serde(default)]
     pub compute_pace_pm: u32,
+    /// What its group holds on this GPU beyond what its shims charged, as NVML's
+    /// per-process figures show it (memory taken by a path the shim does not see): charged
+    /// to the group, against its limit and the GPU's room. The same for every member.
+    #[serde(default)]
+    pub uncounted: u64,
     /// What it may have: the entitlement's source (`policy FILE: uid 1000`, `kubelet: ...`),
     /// `not entitled: <why>`, or `unrestricted (no policy)`.
     #[serde(default)]
@@ -413,6 +426,13 @@ impl Status {
             if g.outside > 0 {
                 let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
             }
+            if g.uncounted > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {} held by groups beyond what their shims counted (charged to them, not lent)",
+                    gib(g.uncounted)
+                );
+            }
             if g.compute_requested_pm > 0 || g.compute_outside_pm > 0 {
                 let _ = writeln!(
                     out,
@@ -506,6 +526,14 @@ impl Status {
                         seconds(p.last_park_ms),
                         p.wakes,
                         seconds(p.last_wake_ms)
+                    );
+                }
+                if p.uncounted > 0 {
+                    let _ = writeln!(
+                        out,
+                        "  {:>8}  uncounted: its group holds {} more than its shims counted (the device's count), charged to it",
+                        "",
+                        gib(p.uncounted)
                     );
                 }
                 // What it declared beyond its entitlement: the mismatch, shown.

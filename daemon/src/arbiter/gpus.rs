@@ -85,19 +85,18 @@ impl ProcessList for NvmlProcesses {
             .filter_map(|i| {
                 let dev = self.nvml.device_by_index(i).ok()?;
                 let id = parse_uuid(&dev.uuid().ok()?)?;
-                let mut listed = dev.running_compute_processes().ok()?;
+                let bytes = |list: Vec<nvml_wrapper::struct_wrappers::device::ProcessInfo>| {
+                    list.into_iter()
+                        .map(|p| match p.used_gpu_memory {
+                            nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => (p.pid, bytes),
+                            nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => (p.pid, 0),
+                        })
+                        .collect::<Vec<_>>()
+                };
+                let compute = bytes(dev.running_compute_processes().ok()?);
                 // Graphics contexts hold memory too (a process may be in both lists).
-                listed.extend(dev.running_graphics_processes().unwrap_or_default());
-                let mut used: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
-                for p in listed {
-                    let bytes = match p.used_gpu_memory {
-                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => bytes,
-                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
-                    };
-                    let entry = used.entry(p.pid).or_default();
-                    *entry = (*entry).max(bytes);
-                }
-                Some((id, used.into_iter().collect()))
+                let graphics = bytes(dev.running_graphics_processes().unwrap_or_default());
+                Some((id, merge(&compute, &graphics)))
             })
             .collect()
     }
@@ -137,9 +136,39 @@ impl ProcessList for NvmlProcesses {
     }
 }
 
+/// Each process's memory from NVML's compute and graphics lists: a process listed more
+/// than once in one list (a context per entry: one per copy of the driver it loaded, as a
+/// program that loads a private copy does) uses the sum; one in both lists is the same
+/// memory seen twice, the larger figure.
+pub fn merge(compute: &[(u32, u64)], graphics: &[(u32, u64)]) -> Vec<(u32, u64)> {
+    use std::collections::BTreeMap;
+    let sum = |list: &[(u32, u64)]| {
+        let mut used: BTreeMap<u32, u64> = BTreeMap::new();
+        for &(pid, bytes) in list {
+            let entry = used.entry(pid).or_default();
+            *entry = entry.saturating_add(bytes);
+        }
+        used
+    };
+    let mut used = sum(compute);
+    for (pid, bytes) in sum(graphics) {
+        let entry = used.entry(pid).or_default();
+        *entry = (*entry).max(bytes);
+    }
+    used.into_iter().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_of_one_list_add_up_and_the_two_lists_overlap() {
+        let compute = [(7, 100), (9, 5), (7, 50)];
+        let graphics = [(7, 120), (8, 30), (9, 10)];
+        assert_eq!(merge(&compute, &graphics), [(7, 150), (8, 30), (9, 10)]);
+        assert_eq!(merge(&[(1, u64::MAX), (1, 1)], &[]), [(1, u64::MAX)]);
+    }
 
     #[test]
     fn a_missing_nvml_comes_with_a_hint() {

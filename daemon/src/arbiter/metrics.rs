@@ -67,6 +67,8 @@ pub struct Metrics {
     pub(crate) timeouts: Family<GpuLabel, Counter>,
     pub(crate) refusals: Family<Refusal, Counter>,
     pub(crate) terminations: Family<Refusal, Counter>,
+    /// Groups ended by `--enforce-limits end`.
+    pub(crate) groups_ended_over_limit: Counter,
     swaps: Family<SwapLabel, Counter>,
     swap_bytes: Family<SwapLabel, Counter>,
     swap_seconds: Family<SwapLabel, Histogram>,
@@ -118,7 +120,7 @@ impl Metrics {
         for reason in refusal_reasons {
             let _ = refusals.get_or_create(&Refusal { reason });
         }
-        for reason in ["lower-priority", "idle", "guarantee"] {
+        for reason in ["lower-priority", "idle", "guarantee", "over-limit"] {
             let _ = terminations.get_or_create(&Refusal { reason: reason.into() });
         }
         let swaps = Family::<SwapLabel, Counter>::default();
@@ -138,7 +140,7 @@ impl Metrics {
         );
         registry.register(
             "group_memory_bytes",
-            "A group's request, limit, held and granted bytes, and what it keeps in host RAM (swapped_to_host, parked_to_host)",
+            "A group's request, limit, held and granted bytes, what it keeps in host RAM (swapped_to_host, parked_to_host), and uncounted: what the device's own count shows it holding beyond what its shims counted (charged to it)",
             group_memory.clone(),
         );
         let gpu_compute = Family::<GpuKind, Gauge<f64, AtomicU64>>::default();
@@ -161,8 +163,14 @@ impl Metrics {
         registry.register("refusals", "Registrations and bursts refused", refusals.clone());
         registry.register(
             "terminations",
-            "Processes ended by the arbiter, by reason: lower-priority or idle (priority bursts), guarantee (loans taken back)",
+            "Processes ended by the arbiter, by reason: lower-priority or idle (priority bursts), guarantee (loans taken back), over-limit (past the limit by the device's count, enforce-limits end)",
             terminations.clone(),
+        );
+        let groups_ended_over_limit = Counter::default();
+        registry.register(
+            "groups_ended_over_limit",
+            "Groups ended for being past their limit by the device's own count (memory held beyond what their shims counted) for the grace (arbiter flags enforce-limits end, enforce-grace)",
+            groups_ended_over_limit.clone(),
         );
         registry.register("swaps", "Swaps of burst memory to host RAM (out) and back (in)", swaps.clone());
         registry.register("swap_bytes", "Bytes moved by swaps, by direction", swap_bytes.clone());
@@ -213,6 +221,7 @@ impl Metrics {
             timeouts,
             refusals,
             terminations,
+            groups_ended_over_limit,
             registry,
         }
     }
@@ -268,7 +277,7 @@ impl Metrics {
             // Series are per group as the ledger keys it, so tenants never merge: two users
             // naming one group, a derived group and a host client naming its own group
             // after it, processes that are not entitled (each a group of its own).
-            type Sums = (u64, u64, u64, u64, u64, u64);
+            type Sums = (u64, u64, u64, u64, u64, u64, u64);
             let mut groups: std::collections::BTreeMap<String, (&ProcessStatus, Sums)> = Default::default();
             for p in &g.processes {
                 let key = if p.group_key.is_empty() {
@@ -276,7 +285,8 @@ impl Metrics {
                 } else {
                     p.group_key.clone()
                 };
-                let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0, 0)));
+                // Request, limit and uncounted are the group's, the same for every member.
+                let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0, 0, p.uncounted)));
                 e.1 .2 = e.1 .2.saturating_add(p.held);
                 e.1 .3 = e.1 .3.saturating_add(p.granted);
                 e.1 .4 = e.1 .4.saturating_add(p.host_bytes);
@@ -286,7 +296,7 @@ impl Metrics {
             for (_, (p, _)) in groups.iter() {
                 *keys_of.entry(p.group.as_str()).or_default() += 1;
             }
-            for (key, (p, (request, limit, held, granted, host, parked))) in &groups {
+            for (key, (p, (request, limit, held, granted, host, parked, uncounted))) in &groups {
                 let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
@@ -296,6 +306,7 @@ impl Metrics {
                     ("granted", granted),
                     ("swapped_to_host", host),
                     ("parked_to_host", *parked),
+                    ("uncounted", *uncounted),
                 ] {
                     let labels = GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
                     self.group_memory.get_or_create(&labels).set(gauge(v));

@@ -42,8 +42,10 @@ use crate::entitlement::identity::{self, Pidfd};
 use crate::entitlement::{believe_hello, believe_register, Entitlements, Identity, NoPolicy};
 use crate::status::{Document, Event, EventKind, EventLog, QueuedBurst, Status};
 
+mod backstop;
 mod compute;
 mod parking;
+pub use crate::arbiter::policy::EnforceLimits;
 pub use parking::ParkWith;
 
 /// Longest wait a shim may ask for.
@@ -135,6 +137,12 @@ pub struct Options {
     pub oversubscribe: f64,
     /// How parks move memory (`--park-with`).
     pub park_with: ParkWith,
+    /// What is done about a group the device's count shows past what its shims charged
+    /// (`--enforce-limits`).
+    pub enforce_limits: EnforceLimits,
+    /// How long a group stays past its limit by the device's count before it is ended,
+    /// under `--enforce-limits end` (`--enforce-grace`).
+    pub enforce_grace: Duration,
 }
 
 impl Default for Options {
@@ -151,6 +159,8 @@ impl Default for Options {
             admin_gid: None,
             oversubscribe: 1.0,
             park_with: ParkWith::Auto,
+            enforce_limits: EnforceLimits::Count,
+            enforce_grace: crate::arbiter::policy::DEFAULT_ENFORCE_GRACE,
         }
     }
 }
@@ -802,6 +812,8 @@ impl Shared {
             let answers = self.policy().observe_processes(device, &listed, now);
             self.deliver(answers);
         }
+        // Each look also compared the device's count with the shims'.
+        self.backstop();
     }
 
     /// While bursts wait, holders of grants are asked to give back what they do not use.

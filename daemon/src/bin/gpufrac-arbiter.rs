@@ -61,6 +61,16 @@ struct Args {
     /// `auto` (checkpoint where the driver has it).
     #[arg(long, value_name = "HOW", default_value = "auto")]
     park_with: String,
+    /// What is done about a group the device's own count (NVML, per process) shows
+    /// holding more than its shims counted: `count` charges the excess to the group
+    /// (against its limit and the GPU's room); `end` also ends the group's processes once
+    /// it has been past its limit for --enforce-grace.
+    #[arg(long, value_name = "HOW", default_value = "count")]
+    enforce_limits: String,
+    /// With --enforce-limits end: how long a group may stay past its limit by the
+    /// device's count before its processes are ended.
+    #[arg(long, value_name = "DURATION", default_value = "5s")]
+    enforce_grace: String,
     /// Most connections open at once from one UID (1 to 1048576). Past it, the oldest
     /// connection of that UID that has not said who it is is closed to make room, or
     /// the new one is refused.
@@ -300,6 +310,11 @@ fn run(args: Args) -> Result<()> {
             .park_with
             .parse()
             .map_err(|e| anyhow::anyhow!("--park-with {:?}: {e}", args.park_with))?,
+        enforce_limits: args
+            .enforce_limits
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--enforce-limits {:?}: {e}", args.enforce_limits))?,
+        enforce_grace: gpufrac_common::parse_duration("--enforce-grace", &args.enforce_grace)?,
         ..server::Options::default()
     };
     if args.shares_per_gpu == Some(0) {
@@ -344,6 +359,9 @@ fn run(args: Args) -> Result<()> {
             server::Shared::entitled(&gpus, options, Box::new(server::Signals), processes, entitlements);
         if options.park_with == server::ParkWith::Checkpoint {
             shared.require_checkpoint_api().map_err(anyhow::Error::msg)?;
+        }
+        if options.enforce_limits == server::EnforceLimits::End {
+            tracing::info!(grace = ?options.enforce_grace, "groups past their limit by the device's own count are ended after the grace (--enforce-limits end)");
         }
         if options.oversubscribe > 1.0 {
             tracing::info!(ratio = options.oversubscribe, "parkable groups may oversubscribe each GPU");

@@ -134,6 +134,8 @@ pub struct GpuView {
     pub waiting: usize,
     /// Lent memory being taken back for the guarantees.
     pub reclaiming: u64,
+    /// Held by groups beyond what their shims counted (the device's own count).
+    pub uncounted: u64,
 }
 
 impl GpuView {
@@ -146,6 +148,7 @@ impl GpuView {
             bytes: [g.guaranteed, g.burst, g.swapped.saturating_add(g.parked), g.outside, g.free],
             waiting: g.waiting,
             reclaiming: g.reclaiming,
+            uncounted: g.uncounted,
         }
     }
 
@@ -192,6 +195,9 @@ impl GpuView {
             format!("[{}] {}  {}  waiting {}", self.number, self.uuid, gib(self.total), self.waiting);
         if self.reclaiming > 0 {
             line.push_str(&format!("  taking back {} for guarantees", gib(self.reclaiming)));
+        }
+        if self.uncounted > 0 {
+            line.push_str(&format!("  uncounted {} (charged to its groups)", gib(self.uncounted)));
         }
         line
     }
@@ -352,11 +358,23 @@ impl App {
             gpus: Vec::new(),
             processes: Table {
                 header: vec![
-                    "GPU", "PID", "GROUP", "POD", "REQUEST", "LIMIT", "HELD", "STATE", "PRIO", "RESOLVER",
-                    "WAITS", "SWAPS", "GPU TIME",
+                    "GPU",
+                    "PID",
+                    "GROUP",
+                    "POD",
+                    "REQUEST",
+                    "LIMIT",
+                    "HELD",
+                    "STATE",
+                    "PRIO",
+                    "RESOLVER",
+                    "WAITS",
+                    "SWAPS",
+                    "GPU TIME",
+                    "UNCOUNTED",
                 ],
                 right: vec![
-                    true, true, false, false, true, true, true, false, true, false, true, true, false,
+                    true, true, false, false, true, true, true, false, true, false, true, true, false, true,
                 ],
                 rows: Vec::new(),
             },
@@ -423,6 +441,7 @@ impl App {
                     seconds(p.waited_ms),
                     seconds(p.swapped_ms),
                     compute(p),
+                    if p.uncounted > 0 { gib(p.uncounted) } else { "-".to_owned() },
                 ]
             })
             .collect();
@@ -661,6 +680,7 @@ mod tests {
             bytes: [2 * GIB, 3 * GIB, GIB, GIB, GIB],
             waiting: 0,
             reclaiming: 0,
+            uncounted: 0,
         };
         assert_eq!(gpu.bar_text(16), "████▓▓▓▓▓▓▒▒░░··");
         assert_eq!(gpu.bar(16).iter().map(|(_, n)| n).sum::<usize>(), 16);
@@ -684,6 +704,23 @@ mod tests {
                 "· free 1.00GiB"
             ]
         );
+    }
+
+    #[test]
+    fn memory_held_uncounted_is_shown_per_process_and_per_gpu() {
+        let mut document = document();
+        let gpu = &mut document.status.gpus[0];
+        gpu.uncounted = GIB;
+        gpu.processes[1].uncounted = GIB;
+        let mut app = app();
+        app.update(Ok(document), 1_000);
+        let view = app.view(1_000);
+        let column = view.processes.header.iter().position(|h| *h == "UNCOUNTED").expect("a column");
+        let shown: Vec<(&str, &str)> =
+            view.processes.rows.iter().map(|r| (r[1].as_str(), r[column].as_str())).collect();
+        assert_eq!(shown, [("10", "-"), ("30", "-"), ("20", "1.00GiB")]);
+        assert!(view.gpus[0].heading().contains("uncounted 1.00GiB"), "{}", view.gpus[0].heading());
+        assert!(!view.gpus[1].heading().contains("uncounted"));
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub fn draw(frame: &mut Frame<'_>, view: &View) {
         match row.get(1).map(String::as_str) {
             Some("waited") => Style::default().fg(Color::Yellow),
             Some("swapped out" | "swapped in" | "parked" | "woken") => Style::default().fg(Color::Magenta),
-            Some("ended" | "denied" | "refused") => Style::default().fg(Color::Red),
+            Some("ended" | "denied" | "refused" | "uncounted") => Style::default().fg(Color::Red),
             _ => Style::default(),
         }
     });

@@ -8,10 +8,6 @@ use gpufrac_common::protocol::DeviceId;
 
 use super::{gib, uuid_string, Answer, ConnId, Group, Member, Policy, Residency};
 
-/// Least memory a group's processes may use beyond what it is guaranteed and lent before
-/// the excess counts as used outside gpufrac (or 1/64 of the GPU, if more).
-const OVERUSE_SLACK: u64 = 256 << 20;
-
 impl Policy {
     /// Registers `conn` on a device. A new group is admitted if its request fits beside
     /// the other groups' requests and the memory used outside gpufrac: memory lent out is
@@ -63,13 +59,19 @@ impl Policy {
             .iter()
             .filter(|&&(pid, _)| pid != peer.pid)
             .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes));
-        let outside = if granted == 0 { outside_others } else { 0 };
+        let outside_used = if granted == 0 { outside_others } else { 0 };
+        // Memory groups hold beyond what their shims charged (see [`super::backstop`])
+        // keeps a request out as memory outside gpufrac does.
+        let uncounted = if granted == 0 { gpu.uncounted() } else { 0 };
+        let outside = outside_used.saturating_add(uncounted);
         let refuse = |gpu: &super::Gpu, request: u64| {
-            let used_outside = if outside > 0 {
-                format!(" and {} is used by processes outside gpufrac", gib(outside))
-            } else {
-                String::new()
-            };
+            let mut used_outside = String::new();
+            if outside_used > 0 {
+                used_outside = format!(" and {} is used by processes outside gpufrac", gib(outside_used));
+            }
+            if uncounted > 0 {
+                used_outside.push_str(&format!(" and {} is held uncounted by groups", gib(uncounted)));
+            }
             format!(
                 "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
                 gib(request),
@@ -126,6 +128,7 @@ impl Policy {
                         last_park: std::time::Duration::ZERO,
                         last_wake: std::time::Duration::ZERO,
                         compute: super::compute::GroupCompute { spec: peer.compute, ..Default::default() },
+                        uncounted: Default::default(),
                     },
                 );
             }
@@ -206,7 +209,8 @@ impl Policy {
     }
 
     /// What NVML lists on `device` now, `(pid, bytes used)`: the memory of processes not
-    /// registered here is kept out of what is lent. Returns the bursts that now fit.
+    /// registered here is kept out of what is lent, and what groups use beyond what their
+    /// shims charged is charged to them. Returns the bursts that now fit.
     pub fn observe_processes(
         &mut self,
         device: DeviceId,
@@ -225,32 +229,9 @@ impl Policy {
             .filter(|&&(pid, bytes)| bytes > 0 && !registered.contains(&pid))
             .map(|&(pid, bytes)| (pid, bytes.min(total)))
             .collect();
-        // A group's processes are believed to use what it is guaranteed and lent. What
-        // they use beyond that (a shim holding itself to a larger request than the arbiter
-        // believes, or memory taken past the shim) is outside gpufrac as well: never lent,
-        // and the guarantees are kept despite it. Measurement differs a little between
-        // the shim and NVML (contexts, rounding): only a clear excess counts.
-        let slack = OVERUSE_SLACK.max(total / 64);
-        let peers = &self.peers;
-        let mut over = Vec::new();
-        for group in gpu.groups.values() {
-            let mut pids: Vec<u32> =
-                group.members.keys().filter_map(|c| peers.get(c).map(|p| p.pid)).collect();
-            pids.sort_unstable();
-            pids.dedup();
-            let used_by = |pid: &u32| gpu.seen.get(pid).copied().unwrap_or(0);
-            let used = pids.iter().fold(0u64, |sum, pid| sum.saturating_add(used_by(pid)));
-            // A parked group is believed to hold what it left on the device, no more: a
-            // process that says it parked and keeps its memory is caught here.
-            let believed = group.reserved().saturating_add(group.granted());
-            if used > believed.saturating_add(slack) {
-                // Named after its largest user: that process's own registration does not
-                // count it against itself (see `register`).
-                let pid = pids.iter().copied().max_by_key(used_by).unwrap_or(0);
-                over.push((pid, (used - believed).min(total)));
-            }
-        }
-        gpu.outside.extend(over);
+        // What a group's processes use beyond what its shims can have charged is charged
+        // to the group, never taken for memory outside gpufrac (see [`super::backstop`]).
+        gpu.compare(device, &self.peers, now, &mut self.findings);
         Self::drain(device, gpu, now)
     }
 
@@ -405,27 +386,32 @@ mod tests {
     }
 
     #[test]
-    fn memory_a_group_uses_beyond_its_guarantee_and_loans_counts_as_outside() {
+    fn memory_a_group_uses_beyond_its_guarantee_and_loans_is_charged_to_it() {
         let now = Instant::now();
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);
         // A shim holding itself to 8 GiB of request when the arbiter believes 2 GiB.
         p.hello(1, Peer { pid: 100, ..peer("a", 1000) });
         p.register(1, GPU, 16 * GIB, 2 * GIB, 4 * GIB, 0, 0, 0).unwrap();
         assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
-        // Within its guarantee and loan (and a little measurement slack): nothing outside.
+        // Within its guarantee and loan (and a little measurement slack): nothing charged.
         p.observe_processes(GPU, &[(100, 3 * GIB + 100 * (1 << 20))], now);
-        assert_eq!(p.status().gpus[0].outside, 0);
-        // 8 GiB used: 5 GiB past what it was guaranteed and lent are not lent to anyone.
+        p.observe_processes(GPU, &[(100, 3 * GIB + 100 * (1 << 20))], now);
+        assert_eq!((p.status().gpus[0].outside, p.status().gpus[0].uncounted), (0, 0));
+        // 8 GiB used: 5 GiB past what it was guaranteed and lent are charged to it, and
+        // lent to nobody (seen at two looks).
+        p.observe_processes(GPU, &[(100, 8 * GIB)], now);
         p.observe_processes(GPU, &[(100, 8 * GIB)], now);
         let s = &p.status().gpus[0];
-        assert_eq!((s.outside, s.free), (5 * GIB, 16 * GIB - 2 * GIB - GIB - 5 * GIB));
+        assert_eq!((s.outside, s.uncounted), (0, 5 * GIB));
+        assert_eq!(s.free, 16 * GIB - 2 * GIB - GIB - 5 * GIB);
         // A group's members are counted together.
         p.hello(2, Peer { pid: 200, ..peer("a", 1000) });
         p.register(2, GPU, 16 * GIB, 2 * GIB, 4 * GIB, 0, 0, 0).unwrap();
         p.observe_processes(GPU, &[(100, 2 * GIB), (200, GIB)], now);
-        assert_eq!(p.status().gpus[0].outside, 0);
+        assert_eq!(p.status().gpus[0].uncounted, 0);
         p.observe_processes(GPU, &[(100, 2 * GIB), (200, 2 * GIB)], now);
-        assert_eq!(p.status().gpus[0].outside, GIB);
+        p.observe_processes(GPU, &[(100, 2 * GIB), (200, 2 * GIB)], now);
+        assert_eq!(p.status().gpus[0].uncounted, GIB);
     }
 
     #[test]

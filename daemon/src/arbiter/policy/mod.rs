@@ -21,6 +21,7 @@ use gpufrac_common::{ComputeSpec, Resolver};
 
 use crate::status::{GpuStatus, ProcessStatus, Status};
 
+mod backstop;
 mod compute;
 mod ledger;
 mod park;
@@ -31,6 +32,7 @@ mod reclaim;
 mod swap;
 mod wait;
 
+pub use backstop::{EnforceLimits, Finding, DEFAULT_ENFORCE_GRACE};
 pub use compute::PaceOrder;
 pub use park::{ParkOrder, WakeAnswer, WakeOutcome};
 pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
@@ -215,6 +217,8 @@ struct Group {
     last_wake: Duration,
     /// Its share of the GPU's time and what it uses ([`compute`]).
     compute: compute::GroupCompute,
+    /// What it holds beyond what its shims charged, per the device's count ([`backstop`]).
+    uncounted: backstop::Uncounted,
 }
 
 impl Group {
@@ -225,9 +229,9 @@ impl Group {
     fn range(&self) -> u64 {
         self.limit - self.request
     }
-    /// What it may still borrow.
+    /// What it may still borrow: memory it holds uncounted counts against its limit.
     fn room(&self) -> u64 {
-        self.range().saturating_sub(self.granted())
+        self.range().saturating_sub(self.granted()).saturating_sub(self.uncounted.charged)
     }
     /// Lent bytes its members hold but do not use (as last reported).
     fn unused(&self) -> u64 {
@@ -282,6 +286,8 @@ struct Gpu {
     /// Smoothed share of the GPU's time used by processes of no group with a compute
     /// share (0 to 1).
     compute_outside: f64,
+    /// What a context takes on it, when known: the slack of the [`backstop`]'s comparison.
+    context_bytes: Option<u64>,
 }
 
 /// Bytes of the debts owed to guarantees on a GPU, by how they were paid back.
@@ -316,9 +322,10 @@ impl Gpu {
     }
     /// Memory left to lend; negative when guarantees are owed lent memory (a group was
     /// admitted while its request was lent out) or memory outside gpufrac overcommits the
-    /// GPU: that much has to come back before anything is lent again.
+    /// GPU: that much has to come back before anything is lent again. Memory groups hold
+    /// beyond what their shims charged counts as outside memory does.
     fn room(&self) -> i128 {
-        self.total as i128 - self.guaranteed() as i128 - self.burst() as i128 - self.outside() as i128
+        self.total as i128 - self.guaranteed() as i128 - self.burst() as i128 - self.unaccounted() as i128
     }
     /// What the guarantees are owed: lent memory that must come back. Requests of
     /// resident parkable groups that crowd out other guarantees are not owed by
@@ -389,6 +396,8 @@ pub struct Policy {
     oversubscribe: f64,
     /// Parks use the driver's checkpoint API (the arbiter has it), else the shim's swap.
     checkpoint: bool,
+    /// What the [`backstop`]'s comparisons found, until the server takes it.
+    findings: Vec<Finding>,
 }
 
 pub use gpufrac_common::gpu_uuid::format as uuid_string;
@@ -424,6 +433,7 @@ impl Policy {
                         short_last: 0,
                         repaid: Repaid::default(),
                         compute_outside: 0.0,
+                        context_bytes: None,
                     };
                     (id, gpu)
                 })
@@ -433,6 +443,7 @@ impl Policy {
             reclaim_grace: reclaim::DEFAULT_RECLAIM_GRACE,
             oversubscribe: 1.0,
             checkpoint: false,
+            findings: Vec::new(),
         }
     }
 
@@ -564,6 +575,7 @@ impl Policy {
                             .spec
                             .map_or(0, |_| per_mille(group.compute.allowance)),
                         compute_pace_pm: group.compute.pace_pm().into(),
+                        uncounted: group.uncounted.charged,
                     });
                 }
                 GpuStatus {
@@ -573,6 +585,7 @@ impl Policy {
                     burst: gpu.burst(),
                     free: gpu.free(),
                     outside: gpu.outside(),
+                    uncounted: gpu.uncounted(),
                     reclaiming: gpu.shortfall(),
                     repaid_given_back: gpu.repaid.given_back,
                     repaid_swapped: gpu.repaid.swapped,

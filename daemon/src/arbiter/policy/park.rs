@@ -194,11 +194,11 @@ impl Gpu {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// How far the reserved requests and memory outside gpufrac pass the GPU: what
-    /// parking resident parkable groups must free for the other guarantees.
+    /// How far the reserved requests and memory outside gpufrac (or held uncounted) pass
+    /// the GPU: what parking resident parkable groups must free for the other guarantees.
     pub(super) fn crowding(&self) -> u64 {
-        (self.guaranteed() as i128 + self.outside() as i128 - self.total as i128).clamp(0, u64::MAX as i128)
-            as u64
+        (self.guaranteed() as i128 + self.unaccounted() as i128 - self.total as i128)
+            .clamp(0, u64::MAX as i128) as u64
     }
 
     /// What the parks under way free once answered.
@@ -801,8 +801,8 @@ mod tests {
         // m1 says it parked without being told: ignored, its request stays reserved.
         p.parked(1, GPU, MODEL, 0, now);
         assert_eq!((state(&p, 1).as_str(), p.status().gpus[0].guaranteed), ("running", 3 * MODEL));
-        // Told, it says it parked but NVML shows it still uses its model: that memory
-        // counts as used outside gpufrac, so nothing lends it to anyone.
+        // Told, it says it parked but NVML shows it still uses its model: that memory is
+        // charged to its group as uncounted, so nothing lends it to anyone.
         idle_since(&mut p, now, Duration::from_secs(5));
         p.hello(4, parkable("m4"));
         assert!(p.register(4, GPU, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap());
@@ -813,8 +813,9 @@ mod tests {
             peer.pid = 100 + c as u32;
         }
         p.observe_processes(GPU, &[(100 + conn as u32, MODEL)], now);
+        p.observe_processes(GPU, &[(100 + conn as u32, MODEL)], now);
         let s = &p.status().gpus[0];
-        assert_eq!(s.outside, MODEL, "{s:?}");
+        assert_eq!((s.outside, s.uncounted), (0, MODEL), "{s:?}");
     }
 
     #[test]

@@ -40,9 +40,9 @@ pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
-    /// gpufrac uses.
+    /// gpufrac (nor any group beyond what its shims charged) uses.
     fn lendable(&self) -> u64 {
-        self.total.saturating_sub(self.guaranteed()).saturating_sub(self.outside())
+        self.total.saturating_sub(self.guaranteed()).saturating_sub(self.unaccounted())
     }
 
     /// Why a burst of `bytes` for `group` can never be served, if it cannot: the group is
