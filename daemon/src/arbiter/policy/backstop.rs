@@ -168,7 +168,11 @@ impl Gpu {
             } else if before > 0 && u.charged == 0 {
                 findings.push(Finding::Cleared { device, group: shown });
             }
-            let past = u.charged > 0 && believed.saturating_add(u.charged) > group.limit;
+            // Past its limit by the device's count: found here, or found by its shims
+            // (a shim that sees its process holding more than it charged charges the
+            // excess past the limit and reports holding it).
+            let past = (u.charged > 0 && believed.saturating_add(u.charged) > group.limit)
+                || reported > group.limit.saturating_add(GRANULE);
             if !past {
                 // An episode past the limit is over: a later one has a grace of its own.
                 u.over_limit_since = None;
@@ -405,5 +409,20 @@ mod tests {
         p.observe_processes(GPU, &[(200, 5 * GIB)], t0);
         p.observe_processes(GPU, &[(200, 5 * GIB)], t0);
         assert!(p.over_limit_victims(t0 + 10 * grace, grace, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_group_whose_shims_report_it_past_its_limit_is_ended_too() {
+        let t0 = Instant::now();
+        let grace = Duration::from_secs(5);
+        let mut p = two_groups();
+        // a's shim found 1.5 GiB its hooks did not see and reports holding 5.5 GiB, past
+        // its 4 GiB limit; the device shows the same, so nothing is uncounted here.
+        p.release(1, GPU, 0, 5 * GIB + GIB / 2, t0);
+        p.observe_processes(GPU, &[(100, 5 * GIB + GIB / 2)], t0);
+        p.observe_processes(GPU, &[(100, 5 * GIB + GIB / 2)], t0);
+        assert_eq!(uncounted(&p, "a"), 0);
+        let victims = p.over_limit_victims(t0 + grace, grace, &[]);
+        assert_eq!(victims.iter().map(|(_, v)| v.pid).collect::<Vec<_>>(), [100]);
     }
 }
