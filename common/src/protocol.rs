@@ -17,7 +17,7 @@ use std::io::{self, Read, Write};
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
@@ -157,6 +157,14 @@ pub enum Request {
         /// How long the swap-in took, in microseconds.
         micros: u64,
     },
+    /// A context's size on `device`, measured cleanly (the process's own usage around
+    /// its creation): the arbiter keeps the first one NVML confirms for the GPU.
+    ContextMeasured {
+        /// The device.
+        device: DeviceId,
+        /// Bytes the context took.
+        bytes: u64,
+    },
 }
 
 /// Which way a swap moved memory.
@@ -222,6 +230,9 @@ pub enum Reply {
         /// Admitted parked (a parkable group on an oversubscribed GPU): its first call
         /// waits at its gate until the group is woken.
         parked: bool,
+        /// What a context takes on this GPU, as first measured cleanly by a shim and
+        /// confirmed by NVML (0: not known yet): a new context's first charge.
+        context: u64,
     },
     /// The registration was refused (e.g. the request no longer fits).
     Refused {
@@ -517,6 +528,7 @@ impl Request {
             }
             Request::Wake { seq, device } => Writer::new(9).u64(*seq).device(device),
             Request::Woken { device, held, micros } => Writer::new(10).device(device).u64(*held).u64(*micros),
+            Request::ContextMeasured { device, bytes } => Writer::new(11).device(device).u64(*bytes),
         }
         .finish()
     }
@@ -589,6 +601,13 @@ impl Request {
             },
             9 => Request::Wake { seq: r.u64()?, device: r.device()? },
             10 => Request::Woken { device: r.device()?, held: r.u64()?, micros: r.u64()? },
+            11 => {
+                let (device, bytes) = (r.device()?, r.u64()?);
+                if bytes == 0 {
+                    return Err(ProtocolError::BadValue("context bytes"));
+                }
+                Request::ContextMeasured { device, bytes }
+            }
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -601,8 +620,8 @@ impl Reply {
     pub fn encode(&self) -> Vec<u8> {
         match self {
             Reply::Welcome { version, pid } => Writer::new(0x41).u16(*version).u32(*pid),
-            Reply::Registered { device, request, limit, parked } => {
-                Writer::new(0x42).device(device).u64(*request).u64(*limit).u8(u8::from(*parked))
+            Reply::Registered { device, request, limit, parked, context } => {
+                Writer::new(0x42).device(device).u64(*request).u64(*limit).u8(u8::from(*parked)).u64(*context)
             }
             Reply::Refused { device, reason } => Writer::new(0x43).device(device).string(reason),
             Reply::Granted { seq, bytes } => Writer::new(0x44).u64(*seq).u64(*bytes),
@@ -635,6 +654,7 @@ impl Reply {
                 request: r.u64()?,
                 limit: r.u64()?,
                 parked: flag(r.u8()?, "parked")?,
+                context: r.u64()?,
             },
             0x43 => Reply::Refused { device: r.device()?, reason: r.string()? },
             0x44 => Reply::Granted { seq: r.u64()?, bytes: r.u64()? },
@@ -753,10 +773,26 @@ mod tests {
         });
         round_trip_request(Request::Wake { seq: 11, device: [1; 16] });
         round_trip_request(Request::Woken { device: [1; 16], held: 1 << 30, micros: 700 });
+        round_trip_request(Request::ContextMeasured { device: [1; 16], bytes: 500 << 20 });
+        assert!(
+            Request::decode(&Request::ContextMeasured { device: [1; 16], bytes: 0 }.encode()[4..]).is_err()
+        );
         for reply in [
             Reply::Welcome { version: 1, pid: 4242 },
-            Reply::Registered { device: [2; 16], request: 1 << 30, limit: u64::MAX, parked: false },
-            Reply::Registered { device: [2; 16], request: 1 << 30, limit: 1 << 31, parked: true },
+            Reply::Registered {
+                device: [2; 16],
+                request: 1 << 30,
+                limit: u64::MAX,
+                parked: false,
+                context: 0,
+            },
+            Reply::Registered {
+                device: [2; 16],
+                request: 1 << 30,
+                limit: 1 << 31,
+                parked: true,
+                context: 500 << 20,
+            },
             Reply::Refused { device: [2; 16], reason: "no room".into() },
             Reply::Granted { seq: 3, bytes: 77 },
             Reply::Denied { seq: 4, reason: Denial::Timeout },

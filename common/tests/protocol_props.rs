@@ -74,7 +74,7 @@ impl Rng {
 }
 
 fn request(rng: &mut Rng) -> Request {
-    match rng.below(10) {
+    match rng.below(11) {
         0 => Request::Hello {
             version: rng.next() as u16,
             group: rng.string(MAX_STRING),
@@ -122,6 +122,7 @@ fn request(rng: &mut Rng) -> Request {
         },
         7 => Request::Wake { seq: rng.u64(), device: rng.device() },
         8 => Request::Woken { device: rng.device(), held: rng.u64(), micros: rng.u64() },
+        9 => Request::ContextMeasured { device: rng.device(), bytes: rng.u64().max(1) },
         _ => Request::Swapped {
             device: rng.device(),
             direction: if rng.below(2) == 0 { SwapDirection::Out } else { SwapDirection::In },
@@ -142,6 +143,7 @@ fn reply(rng: &mut Rng) -> Reply {
             request: rng.u64(),
             limit: rng.u64(),
             parked: rng.below(2) == 1,
+            context: rng.u64(),
         },
         2 => Reply::Refused { device: rng.device(), reason: rng.string(MAX_STRING) },
         3 => Reply::Granted { seq: rng.u64(), bytes: rng.u64() },

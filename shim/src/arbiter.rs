@@ -89,6 +89,9 @@ pub(crate) struct Client {
     connected: AtomicBool,
     /// Per device, the request and limit the arbiter believes (its last `Registered`).
     believed: Mutex<HashMap<DeviceId, (u64, u64)>>,
+    /// Per device, what a context takes there as the arbiter learnt it (its last
+    /// `Registered`; absent or 0: not known).
+    contexts: Mutex<HashMap<DeviceId, u64>>,
     /// This process's PID as the arbiter sees it (its `Welcome`), 0 until known.
     seen_pid: AtomicU32,
 }
@@ -125,9 +128,18 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
                 answers += 1;
                 c.seen_pid.store(pid, Ordering::Relaxed);
             }
-            Reply::Registered { device, request, limit, parked } => {
+            Reply::Registered { device, request, limit, parked, context } => {
                 answers += 1;
                 lock(&c.believed).insert(device, (request, limit));
+                lock(&c.contexts).insert(device, context);
+                if context > request {
+                    tracing::warn!(
+                        request,
+                        context,
+                        "gpufrac: GPUFRAC_MEMORY_REQUEST ({request} bytes) is smaller than a context on this GPU ({context} bytes): \
+                         the context alone takes memory above the request, a loan that a guarantee can take back"
+                    );
+                }
                 if parked {
                     crate::park::admitted_parked(device);
                 }
@@ -181,6 +193,7 @@ impl Client {
             next_seq: AtomicU64::new(1),
             connected: AtomicBool::new(false),
             believed: Mutex::new(HashMap::new()),
+            contexts: Mutex::new(HashMap::new()),
             seen_pid: AtomicU32::new(0),
         });
         let first = match handshake(&client) {
@@ -215,6 +228,11 @@ impl Client {
     /// The request and limit the arbiter believes for `device`, once it has registered.
     pub(crate) fn believed(&self, device: &DeviceId) -> Option<(u64, u64)> {
         lock(&self.believed).get(device).copied()
+    }
+
+    /// What a context takes on `device`, if the arbiter knew it at registration.
+    pub(crate) fn context_bytes(&self, device: &DeviceId) -> Option<u64> {
+        lock(&self.contexts).get(device).copied().filter(|&bytes| bytes > 0)
     }
 
     /// Reads replies; reconnects when the arbiter goes away.

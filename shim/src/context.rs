@@ -119,16 +119,18 @@ fn unmeasured_once(ordinal: usize, charged: u64) {
     }
 }
 
-/// What a context never measured on a device is charged until it is: real contexts take
-/// a few hundred MiB (simgpu's default is 256 MiB).
+/// What a context never measured on a device is charged until it is, at most: real
+/// contexts take a few hundred MiB (simgpu's default is 256 MiB).
 const UNMEASURED_CONTEXT: u64 = 256 << 20;
 
 /// What to charge for a new context on ledger device `dev` before creating it: the last
-/// measurement, or (never refused on a guess) the estimate, at most what the limit leaves.
-fn estimate(e: &Enforcer, dev: usize, limit: u64) -> u64 {
+/// measurement (the group's own, or the arbiter's for the GPU), or, never measured, an
+/// estimate within what the request leaves (nothing is asked of the arbiter, nor refused,
+/// on a guess: the measurement settles it).
+fn estimate(e: &Enforcer, dev: usize, request: u64) -> u64 {
     e.ledger
         .context_bytes(dev)
-        .unwrap_or_else(|| UNMEASURED_CONTEXT.min(limit.saturating_sub(e.ledger.held(dev))))
+        .unwrap_or_else(|| UNMEASURED_CONTEXT.min(request.saturating_sub(e.ledger.held(dev))))
 }
 
 /// Charges a context to the group, creates it with `create`, measures it and corrects the
@@ -148,8 +150,8 @@ fn measured(
     }
     let Some(slice) = e.slice(ordinal) else { return create().0 };
     let dev = slice.ledger;
-    let estimate = estimate(e, dev, slice.limit);
-    if let Err(status) = e.charge(ordinal, estimate) {
+    let estimate = estimate(e, dev, slice.request);
+    if let Err(status) = e.charge_owed(ordinal, estimate) {
         tracing::warn!(
             ordinal,
             bytes = estimate,
@@ -170,6 +172,14 @@ fn measured(
         Some(bytes) => {
             if bytes > 0 && e.ledger.context_bytes(dev).is_none_or(|known| known != bytes) {
                 e.ledger.set_context_bytes(dev, bytes);
+                // The arbiter learns the GPU's context size from it (believed once NVML
+                // shows this process using as much), for every group's first context.
+                if let Some(client) = e.arbiter.get() {
+                    client.send(&gpufrac_common::protocol::Request::ContextMeasured {
+                        device: slice.uuid,
+                        bytes,
+                    });
+                }
             }
             bytes
         }
@@ -179,7 +189,7 @@ fn measured(
         }
     };
     if bytes > estimate {
-        if let Err(status) = e.charge(ordinal, bytes - estimate) {
+        if let Err(status) = e.charge_owed(ordinal, bytes - estimate) {
             destroy();
             e.release(dev, estimate);
             tracing::warn!(

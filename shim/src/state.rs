@@ -12,11 +12,12 @@ use gpufrac_common::config::Config;
 use gpufrac_common::protocol::{Reply, Request, VERSION};
 use gpufrac_common::ComputeSpec;
 
-use crate::arbiter::{Client, Registration};
+use crate::arbiter::{Client, NotGranted, Registration};
 use crate::driver::call;
 use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::ledger::Ledger;
 use crate::records::Records;
+use gpufrac_common::protocol::Denial;
 
 /// The least time a guaranteed or granted allocation waits for its memory with an arbiter:
 /// the arbiter's default reclaim grace (5 s) and kill grace (10 s), and some to spare.
@@ -474,6 +475,15 @@ impl Enforcer {
                 (slice.request, slice.limit) = (request, limit);
             }
         }
+        for slice in slices.iter() {
+            // A context's size as the arbiter learnt it on this GPU: the first context's
+            // charge, where the group has measured none itself.
+            if let Some(bytes) = client.context_bytes(&slice.uuid) {
+                if self.ledger.context_bytes(slice.ledger).is_none() {
+                    self.ledger.set_context_bytes(slice.ledger, bytes);
+                }
+            }
+        }
         let _ = self.arbiter.set(client.clone());
         if self.config.resolver == gpufrac_common::Resolver::Swap || crate::park::parkable() {
             crate::swap::start(self, client)?;
@@ -546,7 +556,23 @@ impl Enforcer {
         let cap = self.cap(&slice);
         match self.try_charge(&slice, bytes, cap) {
             Ok(charge) => Ok(charge),
-            Err(over) => self.charge_slow(ordinal, slice, bytes, (cap, over)),
+            Err(over) => self.charge_slow(ordinal, slice, bytes, (cap, over), self.config.wait_timeout),
+        }
+    }
+
+    /// `charge` for memory the driver takes on its own to make a context (or its heap):
+    /// a burst for it waits as long as a guaranteed allocation waits for its memory
+    /// (`GPUFRAC_WAIT_TIMEOUT`, and at least [`OWED_WAIT`]), also for the part above a
+    /// request too small to hold it: a process that cannot make its context cannot work
+    /// at all, where a burst that gives up leaves it to try a smaller one.
+    pub(crate) fn charge_owed(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
+        let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
+        let cap = self.cap(&slice);
+        match self.try_charge(&slice, bytes, cap) {
+            Ok(charge) => Ok(charge),
+            Err(over) => {
+                self.charge_slow(ordinal, slice, bytes, (cap, over), self.config.wait_timeout.max(OWED_WAIT))
+            }
         }
     }
 
@@ -581,8 +607,12 @@ impl Enforcer {
         slice: Slice,
         bytes: u64,
         first: (u64, crate::ledger::OverLimit),
+        wait: std::time::Duration,
     ) -> Result<Charge, Status> {
         let dev = slice.ledger;
+        // The arbiter answers a burst at the group's own GPUFRAC_WAIT_TIMEOUT; a longer
+        // wait asks again until this deadline.
+        let started = std::time::Instant::now();
         let mut pending = None;
         // How far taking back what the process's pools keep has gone (see `reclaim`).
         let mut reclaimed = 0;
@@ -640,6 +670,12 @@ impl Enforcer {
                 false,
             ) {
                 Ok(granted) => self.ledger.add_granted(dev, granted),
+                Err(why @ (NotGranted::Denied(Denial::Timeout) | NotGranted::NoAnswer { .. }))
+                    if started.elapsed() < wait =>
+                {
+                    tracing::debug!(ordinal, need, "{why}: asking again (a context's memory waits longer)");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
                 Err(why) => {
                     tracing::warn!(
                         ordinal,

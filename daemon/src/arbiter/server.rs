@@ -1384,9 +1384,22 @@ fn on_frame(
                     if shared.connection_line(uid).is_some() {
                         tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
                     }
-                    let (request, limit) =
-                        shared.policy().group_of(conn, &device).unwrap_or((request, limit));
-                    reply(out, &Reply::Registered { device, request, limit, parked });
+                    let (request, limit, context, small) = {
+                        let policy = shared.policy();
+                        let (request, limit) = policy.group_of(conn, &device).unwrap_or((request, limit));
+                        (
+                            request,
+                            limit,
+                            policy.context_bytes(&device).unwrap_or(0),
+                            policy.small_request_warning(&device, request),
+                        )
+                    };
+                    if let Some(warning) = small {
+                        if let Some(suppressed) = shared.refusal_line(uid) {
+                            tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "{warning}");
+                        }
+                    }
+                    reply(out, &Reply::Registered { device, request, limit, parked, context });
                     // Its request may be lent out: take it back now (or parked groups
                     // crowd it: park them).
                     shared.reclaim_guarantees();
@@ -1473,6 +1486,7 @@ fn on_frame(
             }
         }
         Request::Woken { device, held, micros } => shared.on_woken((conn, pid), device, held, micros),
+        Request::ContextMeasured { device, bytes } => shared.policy().context_measured(conn, &device, bytes),
         other => return Err(format!("unexpected {other:?} after Hello")),
     }
     Ok(Flow::Continue)

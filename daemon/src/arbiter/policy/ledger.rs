@@ -232,6 +232,9 @@ impl Policy {
         // What a group's processes use beyond what its shims can have charged is charged
         // to the group, never taken for memory outside gpufrac (see [`super::backstop`]).
         gpu.compare(device, &self.peers, now, &mut self.findings);
+        if let Some(bytes) = gpu.confirm_context() {
+            tracing::info!(gpu = %gpufrac_common::gpu_uuid::format(&device), bytes, "learnt what a context takes on this GPU");
+        }
         Self::drain(device, gpu, now)
     }
 

@@ -23,6 +23,7 @@ use crate::status::{GpuStatus, ProcessStatus, Status};
 
 mod backstop;
 mod compute;
+mod contexts;
 mod ledger;
 mod park;
 mod priority;
@@ -286,8 +287,11 @@ struct Gpu {
     /// Smoothed share of the GPU's time used by processes of no group with a compute
     /// share (0 to 1).
     compute_outside: f64,
-    /// What a context takes on it, when known: the slack of the [`backstop`]'s comparison.
+    /// What a context takes on it, when known: the slack of the [`backstop`]'s comparison,
+    /// and every shim's first charge for a context (see [`contexts`]).
     context_bytes: Option<u64>,
+    /// A shim's report of it waiting for NVML's confirmation.
+    context_candidate: Option<contexts::Candidate>,
 }
 
 /// Bytes of the debts owed to guarantees on a GPU, by how they were paid back.
@@ -434,6 +438,7 @@ impl Policy {
                         repaid: Repaid::default(),
                         compute_outside: 0.0,
                         context_bytes: None,
+                        context_candidate: None,
                     };
                     (id, gpu)
                 })
