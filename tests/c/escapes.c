@@ -14,6 +14,9 @@
  *   v1               allocates through the pre-3.2 cuMemAlloc (32-bit addresses), by dlsym
  *   v1procaddr       the same, resolved by cuGetProcAddress for CUDA 2.0
  *   v1ctx            creates a context with the unversioned cuCtxCreate, then allocates
+ *   stack BYTES      asks for a per-thread stack of BYTES (cuCtxSetLimit), then allocates
+ *   arrays FORMAT    creates 4096x4096 arrays of CUarray_format FORMAT (cuArrayCreate_v2,
+ *                    one channel) until one fails; HELD counts them, times <chunk_bytes>
  *   race N           N rounds of: two threads retain the primary context at once, and
  *                    it is released twice (destroyed); then allocates
  *   bypass BYTES     allocates through the shim, then BYTES through a private copy of the
@@ -141,6 +144,28 @@ int main(int argc, char **argv) {
         primary();
         step("heap", set_limit(2 /* CU_LIMIT_MALLOC_HEAP_SIZE */, (size_t)arg));
         fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "stack")) {
+        CUresult (*set_limit)(int, size_t) = sym("cuCtxSetLimit");
+        primary();
+        step("stack", set_limit(0 /* CU_LIMIT_STACK_SIZE */, (size_t)arg));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "arrays")) {
+        struct {
+            size_t width, height;
+            unsigned format, channels;
+        } desc = {4096, 4096, (unsigned)arg, 1};
+        CUresult (*create)(void **, const void *) = sym("cuArrayCreate_v2");
+        primary();
+        unsigned long long made = 0;
+        CUresult r = 0;
+        for (int i = 0; i < 10000; i++) {
+            void *array = NULL;
+            r = create(&array, &desc);
+            if (r != 0) break;
+            made++;
+        }
+        printf("HELD %llu %d\n", made * chunk, r);
+        fflush(stdout);
     } else if (!strcmp(which, "modules")) {
         CUresult (*load)(CUmodule *, const void *) = sym("cuModuleLoadData");
         static const char image[] = "simgpu module";

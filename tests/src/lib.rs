@@ -521,6 +521,8 @@ pub fn compile_c(source_name: &str, defines: &[&str], link_cuda: bool) -> PathBu
 #[derive(Debug, Default)]
 struct StderrBuffer {
     bytes: Mutex<Vec<u8>>,
+    /// The reader reached the end of the pipe: everything the child wrote is in `bytes`.
+    done: std::sync::atomic::AtomicBool,
 }
 
 /// A child process driven through its stdin, stdout and stderr, every wait bounded by a
@@ -591,6 +593,7 @@ impl ChildProcess {
                     }
                 }
             }
+            sink.done.store(true, std::sync::atomic::Ordering::Release);
             let _ = done_tx.send(());
         });
 
@@ -613,8 +616,15 @@ impl ChildProcess {
         self.child.id()
     }
 
-    /// What the child wrote on stderr so far (all of it once it has exited).
+    /// What the child wrote on stderr so far; once it has been reaped ([`ChildProcess::wait`]
+    /// and the `expect_*` that wait), all of it (the reader is given a second to catch up).
     pub fn stderr_text(&self) -> String {
+        if self.status.is_some() {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while !self.stderr.done.load(std::sync::atomic::Ordering::Acquire) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         String::from_utf8_lossy(&self.stderr.bytes.lock().unwrap_or_else(PoisonError::into_inner))
             .into_owned()
     }

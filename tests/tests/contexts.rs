@@ -76,6 +76,11 @@ fn the_arbiter_learns_a_gpus_context_and_warns_of_a_request_smaller_than_it() {
     numbers(&mut b, "HELD");
     let log = logged(&arbiter, "is smaller than a context on this GPU");
     assert!(log.contains("32.00 MiB") && log.contains("64.00 MiB"), "the arbiter names both:\n{log}");
+    for child in [&mut a, &mut b] {
+        child.close_stdin();
+        child.expect_exit_code(0);
+    }
+    // Read once B is gone: its stderr is then all collected.
     let stderr = b.stderr_text();
     assert!(
         stderr.contains("smaller than a context on this GPU")
@@ -83,10 +88,6 @@ fn the_arbiter_learns_a_gpus_context_and_warns_of_a_request_smaller_than_it() {
             && stderr.contains(&(64 * MIB).to_string()),
         "B's shim says so too:\n{stderr}"
     );
-    for mut child in [a, b] {
-        child.close_stdin();
-        child.expect_exit_code(0);
-    }
 }
 
 #[test]

@@ -125,13 +125,14 @@ fn memory_taken_past_every_hook_is_charged_from_the_device_count() {
         mib(LIMIT),
         child.diagnostics()
     );
+    child.close_stdin();
+    child.expect_exit_code(0);
+    // Read once the child is gone: its stderr is then all collected.
     assert!(
         child.stderr_text().contains("more than gpufrac counted"),
         "the shim says it found uncounted memory\n{}",
         child.diagnostics()
     );
-    child.close_stdin();
-    child.expect_exit_code(0);
 }
 
 #[test]
@@ -169,6 +170,45 @@ fn a_device_heap_is_charged_and_one_past_the_limit_refused() {
     assert_eq!(error, 2);
     let room = LIMIT - 64 * MIB - 120 * MIB;
     assert!(held <= room && held + CHUNK > room, "held {} beside the context and its heap", mib(held));
+}
+
+#[test]
+fn a_stack_past_the_limit_is_refused() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // 4 KiB per thread: 3 KiB more than the default for each of the device's resident
+    // threads (simgpu: 132 multiprocessors of 2048), 792 MiB past a 512 MiB limit.
+    let mut child = start(&gpu, "stack", Some("4096"), &[]);
+    assert_eq!(line(&mut child, "stack"), vec![2], "the stack is refused as out of memory");
+    let (held, error, _) = held_within_limit(&gpu, &mut child, "stack");
+    assert_eq!(error, 2);
+    assert!(
+        held + 64 * MIB + CHUNK > LIMIT,
+        "nothing of the refused stack stays charged: held {}",
+        mib(held)
+    );
+}
+
+#[test]
+fn arrays_in_video_and_compressed_formats_are_charged() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // (CUarray_format, bytes of one 4096x4096 array): NV12 (luma and half-size
+    // interleaved chroma), BC7 (16 bytes per 4x4 block), UNORM_INT8X4 (4-byte texels).
+    for (format, bytes) in [(0xb0, 24 * MIB), (0x9d, 16 * MIB), (0xc2, 64 * MIB)] {
+        let mut cmd = gpu.command(compile_c("escapes.c", &[], false));
+        cmd.arg("arrays")
+            .arg(bytes.to_string())
+            .arg(format.to_string())
+            .env("LD_PRELOAD", artifact("libgpufrac.so"))
+            .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
+            .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+        let mut child = ChildProcess::spawn(&mut cmd);
+        let (held, error, _) = held_within_limit(&gpu, &mut child, &format!("arrays of format {format:#x}"));
+        assert_eq!(error, 2, "format {format:#x}: the arrays end in CUDA_ERROR_OUT_OF_MEMORY");
+        let room = LIMIT - 64 * MIB;
+        assert!(held <= room && held + bytes > room, "format {format:#x}: {} of arrays", mib(held));
+    }
 }
 
 #[test]
