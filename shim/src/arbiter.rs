@@ -92,6 +92,9 @@ pub(crate) struct Client {
     /// Per device, what a context takes there as the arbiter learnt it (its last
     /// `Registered`; absent or 0: not known).
     contexts: Mutex<HashMap<DeviceId, u64>>,
+    /// Per device, this process's clean measurement of a context, told to the arbiter at
+    /// once if connected and again at every (re)connection.
+    measured: Mutex<HashMap<DeviceId, u64>>,
     /// This process's PID as the arbiter sees it (its `Welcome`), 0 until known.
     seen_pid: AtomicU32,
 }
@@ -194,6 +197,7 @@ impl Client {
             connected: AtomicBool::new(false),
             believed: Mutex::new(HashMap::new()),
             contexts: Mutex::new(HashMap::new()),
+            measured: Mutex::new(HashMap::new()),
             seen_pid: AtomicU32::new(0),
         });
         let first = match handshake(&client) {
@@ -272,6 +276,9 @@ impl Client {
                     self.write(&w.frame);
                 }
             }
+            for (&device, &bytes) in lock(&self.measured).iter() {
+                self.write(&Request::ContextMeasured { device, bytes }.encode());
+            }
             loop {
                 let body = match read_frame(&mut reader, MAX_FRAME) {
                     Ok(body) => body,
@@ -348,6 +355,14 @@ impl Client {
     /// is rebuilt by the re-registration.
     pub(crate) fn send(&self, request: &Request) -> bool {
         self.is_connected() && self.write(&request.encode())
+    }
+
+    /// Tells the arbiter what a context took on `device` (a clean measurement): now if it
+    /// is connected, and at every connection from now on (a report lost while it was away,
+    /// or made before this client's connection was up, is not lost).
+    pub(crate) fn report_context(&self, device: DeviceId, bytes: u64) {
+        lock(&self.measured).insert(device, bytes);
+        self.send(&Request::ContextMeasured { device, bytes });
     }
 
     /// Sends `request`, waiting for the arbiter to be back if it is away. For messages

@@ -175,10 +175,7 @@ fn measured(
                 // The arbiter learns the GPU's context size from it (believed once NVML
                 // shows this process using as much), for every group's first context.
                 if let Some(client) = e.arbiter.get() {
-                    client.send(&gpufrac_common::protocol::Request::ContextMeasured {
-                        device: slice.uuid,
-                        bytes,
-                    });
+                    client.report_context(slice.uuid, bytes);
                 }
             }
             bytes

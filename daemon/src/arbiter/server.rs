@@ -1486,7 +1486,10 @@ fn on_frame(
             }
         }
         Request::Woken { device, held, micros } => shared.on_woken((conn, pid), device, held, micros),
-        Request::ContextMeasured { device, bytes } => shared.policy().context_measured(conn, &device, bytes),
+        Request::ContextMeasured { device, bytes } => {
+            tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "a context measured");
+            shared.policy().context_measured(conn, &device, bytes);
+        }
         other => return Err(format!("unexpected {other:?} after Hello")),
     }
     Ok(Flow::Continue)

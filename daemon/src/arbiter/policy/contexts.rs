@@ -2,8 +2,9 @@
 //! larger device heap), so it is part of every request in practice, and a shim that has
 //! never measured one on a GPU would otherwise charge a guess for its first. The arbiter
 //! learns the figure from the first clean measurement a shim reports
-//! ([`Policy::context_measured`]), believed only once NVML shows the reporting process
-//! using at least that much (a report alone could inflate every group's first charge and
+//! ([`Policy::context_measured`]; the newest report waits, if several came before a look)
+//! that NVML confirms: believed only once NVML shows the reporting process using at least
+//! that much (a report alone could inflate every group's first charge and
 //! the backstop's slack), and tells every shim at registration. Admission warns when a
 //! request is smaller than the GPU's context: the context alone then lives on a loan.
 
@@ -13,6 +14,11 @@ use super::{ConnId, Gpu, Policy};
 
 /// A report waiting for NVML's confirmation: (the reporter's PID, bytes).
 pub(super) type Candidate = (u32, u64);
+
+/// The most a context is believed to take: real ones take 300 to 600 MiB, more only with
+/// a device heap or stack set large, which is charged to its own group, not to every
+/// group's first context (nor to the backstop's slack).
+pub const MOST_BELIEVED: u64 = 2 << 30;
 
 impl Gpu {
     /// Believes the waiting report if NVML's last look shows its process using at least
@@ -42,7 +48,8 @@ impl Policy {
         }
         let Some(pid) = self.peers.get(&conn).map(|p| p.pid) else { return };
         let Some(gpu) = self.gpus.get_mut(device) else { return };
-        if gpu.context_bytes.is_none() && bytes > 0 && bytes <= gpu.total && gpu.context_candidate.is_none() {
+        // The newest report waits: an older one's process may have gone before NVML saw it.
+        if gpu.context_bytes.is_none() && bytes > 0 && bytes <= gpu.total.min(MOST_BELIEVED) {
             gpu.context_candidate = Some((pid, bytes));
         }
     }
@@ -100,11 +107,13 @@ mod tests {
     }
 
     #[test]
-    fn only_a_member_of_the_gpu_reports_and_never_past_the_gpu() {
+    fn only_a_member_of_the_gpu_reports_and_never_past_the_most_believed() {
         let now = Instant::now();
         let mut p = one_group();
         p.context_measured(9, &GPU, 500 * MIB);
         p.context_measured(1, &GPU, 32 * GIB);
+        p.observe_processes(GPU, &[(100, 16 * GIB)], now);
+        p.context_measured(1, &GPU, 3 * GIB);
         p.observe_processes(GPU, &[(100, 16 * GIB)], now);
         assert_eq!(p.context_bytes(&GPU), None);
     }
