@@ -223,6 +223,10 @@ exports! {
     cuMemGetAllocationPropertiesFromHandle(prop: *mut c_void, h: CUmemGenericAllocationHandle)
         => vmm::get_allocation_properties(prop, h);
     cuMemRetainAllocationHandle(h: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain_allocation_handle(h, addr);
+    cuMemExportToShareableHandle(out: *mut c_void, h: CUmemGenericAllocationHandle, kind: c_uint, flags: c_ulonglong)
+        => vmm::export_to_shareable_handle(out, h, kind, flags);
+    cuMemImportFromShareableHandle(h: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint)
+        => vmm::import_from_shareable_handle(h, os_handle, kind);
 
     // Copies and sets.
     cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::Unified { dst, src, n }, Legacy);
@@ -390,7 +394,7 @@ unsupported! {
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
-    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
+    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle,
     cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
