@@ -59,6 +59,9 @@ pub(crate) struct ObjectRecord {
 #[repr(C)]
 pub(crate) struct ObjectTable {
     next_id: AtomicU64,
+    /// Per device, the bytes of objects no process owns (kept here so that a charge, on
+    /// every allocation, need not walk the records).
+    unowned: [AtomicU64; crate::MAX_DEVICES],
     records: [ObjectRecord; MAX_SHARED_OBJECTS],
 }
 
@@ -123,15 +126,7 @@ impl Machine {
     /// Memory on `device` owned by no process: exported objects that only open exported
     /// descriptors hold. Caller holds the table lock.
     pub(crate) fn unowned_used(&self, device: usize) -> u64 {
-        self.objects()
-            .records
-            .iter()
-            .filter(|r| {
-                r.id.load(Ordering::Acquire) != 0 && r.device.load(Ordering::Relaxed) as usize == device
-            })
-            .filter(|r| r.holders().first() == Some(&EXPORT_HOLDER))
-            .map(|r| r.size.load(Ordering::Relaxed))
-            .sum()
+        self.objects().unowned.get(device).map_or(0, |u| u.load(Ordering::Relaxed))
     }
 
     /// Replaces `r`'s holders by `list`, moving the charge when the owner changes and
@@ -150,6 +145,15 @@ impl Machine {
         let after = list.first().copied();
         let (size, device) = (r.size.load(Ordering::Relaxed), r.device.load(Ordering::Relaxed) as usize);
         if before != after {
+            if let Some(u) = self.objects().unowned.get(device) {
+                if before == Some(EXPORT_HOLDER) {
+                    let _ = u
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(size)));
+                }
+                if after == Some(EXPORT_HOLDER) {
+                    u.fetch_add(size, Ordering::Relaxed);
+                }
+            }
             if let Some(h) = before.filter(|&h| h != EXPORT_HOLDER && Some(h) != gone) {
                 self.take_from(h, device, size);
             }
@@ -343,6 +347,7 @@ pub(crate) fn sweep_table(table: &ObjectTable, state_path: &str) {
 /// Empties the table of a machine being reset whose layout was another's.
 pub(crate) fn clear_table(table: &ObjectTable) {
     table.next_id.store(0, Ordering::Relaxed);
+    table.unowned.iter().for_each(|u| u.store(0, Ordering::Relaxed));
     table.records.iter().for_each(ObjectRecord::free);
 }
 
