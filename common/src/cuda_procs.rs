@@ -154,6 +154,11 @@ procs! {
     "cuMemSetAccess": [10020 => "cuMemSetAccess"];
     "cuMemGetAllocationPropertiesFromHandle": [10020 => "cuMemGetAllocationPropertiesFromHandle"];
     "cuMemRetainAllocationHandle": [11000 => "cuMemRetainAllocationHandle"];
+    "cuMemExportToShareableHandle": [10020 => "cuMemExportToShareableHandle"];
+    "cuMemImportFromShareableHandle": [10020 => "cuMemImportFromShareableHandle"];
+    // Green contexts take device memory as contexts do (CUDA 12.4).
+    "cuGreenCtxCreate": [12040 => "cuGreenCtxCreate"];
+    "cuGreenCtxDestroy": [12040 => "cuGreenCtxDestroy"];
     // Copies and sets.
     "cuMemcpy": [4000 => "cuMemcpy"] ptds "cuMemcpy_ptds";
     "cuMemcpyAsync": [4000 => "cuMemcpyAsync"] ptds "cuMemcpyAsync_ptsz";

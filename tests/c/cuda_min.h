@@ -339,16 +339,79 @@ CUDA_MIN_ASSERT(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, dptr) == 112);
     X(cuDeviceSetGraphMemAttribute, cuDeviceSetGraphMemAttribute,                             \
       (CUdevice device, CUgraphMem_attribute attr, void *value))
 
+/* ---- sharing memory between processes, and green contexts (CUDA 12.4+) ----
+ * cuMemExportToShareableHandle / cuMemImportFromShareableHandle with POSIX file
+ * descriptors (the int is written to / passed as the void*), and the green context API,
+ * laid out as in cuda.h 12.8 (tests/c/vmm_share.c, tests/c/green_ctx.c). */
+typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
+
+typedef enum CUdevResourceType_enum {
+    CU_DEV_RESOURCE_TYPE_INVALID = 0,
+    CU_DEV_RESOURCE_TYPE_SM = 1
+} CUdevResourceType;
+
+typedef enum CUgreenCtxCreate_flags_enum { CU_GREEN_CTX_DEFAULT_STREAM = 0x1 } CUgreenCtxCreate_flags;
+
+typedef enum CUdevSmResourceSplit_flags_enum {
+    CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING = 0x1,
+    CU_DEV_SM_RESOURCE_SPLIT_MAX_POTENTIAL_CLUSTER_SIZE = 0x2
+} CUdevSmResourceSplit_flags;
+
+typedef struct CUdevSmResource_st {
+    unsigned int smCount;
+} CUdevSmResource;
+
+typedef struct CUdevResource_st {
+    CUdevResourceType type;
+    unsigned char _internal_padding[92];
+    union {
+        CUdevSmResource sm;
+        unsigned char _oversize[48];
+    };
+} CUdevResource;
+CUDA_MIN_ASSERT(sizeof(CUdevResource) == 144);
+CUDA_MIN_ASSERT(offsetof(CUdevResource, sm) == 96);
+
+#define CUDA_SHARE_FUNCTIONS(X)                                                               \
+    X(cuMemExportToShareableHandle, cuMemExportToShareableHandle,                             \
+      (void *shareableHandle, CUmemGenericAllocationHandle handle,                            \
+       CUmemAllocationHandleType handleType, unsigned long long flags))                       \
+    X(cuMemImportFromShareableHandle, cuMemImportFromShareableHandle,                         \
+      (CUmemGenericAllocationHandle *handle, void *osHandle,                                  \
+       CUmemAllocationHandleType shHandleType))                                               \
+    X(cuMemGetAllocationPropertiesFromHandle, cuMemGetAllocationPropertiesFromHandle,         \
+      (CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle))                       \
+    X(cuDeviceGetDevResource, cuDeviceGetDevResource,                                         \
+      (CUdevice device, CUdevResource *resource, CUdevResourceType type))                     \
+    X(cuDevSmResourceSplitByCount, cuDevSmResourceSplitByCount,                               \
+      (CUdevResource *result, unsigned int *nbGroups, const CUdevResource *input,             \
+       CUdevResource *remaining, unsigned int useFlags, unsigned int minCount))               \
+    X(cuDevResourceGenerateDesc, cuDevResourceGenerateDesc,                                   \
+      (CUdevResourceDesc *phDesc, CUdevResource *resources, unsigned int nbResources))        \
+    X(cuGreenCtxCreate, cuGreenCtxCreate,                                                     \
+      (CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags))          \
+    X(cuGreenCtxDestroy, cuGreenCtxDestroy, (CUgreenCtx hCtx))                                \
+    X(cuCtxFromGreenCtx, cuCtxFromGreenCtx, (CUcontext *pContext, CUgreenCtx hCtx))           \
+    X(cuGreenCtxGetDevResource, cuGreenCtxGetDevResource,                                     \
+      (CUgreenCtx hCtx, CUdevResource *resource, CUdevResourceType type))                     \
+    X(cuCtxGetDevResource, cuCtxGetDevResource,                                               \
+      (CUcontext hCtx, CUdevResource *resource, CUdevResourceType type))                      \
+    X(cuGreenCtxStreamCreate, cuGreenCtxStreamCreate,                                         \
+      (CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority))
+
 /* Prototypes of the exported symbols, as cuda.h declares them. */
 #define CUDA_MIN_PROTOTYPE(base, symbol, params) CUresult symbol params;
 CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PROTOTYPE)
 CUDA_GRAPH_FUNCTIONS(CUDA_MIN_PROTOTYPE)
+CUDA_SHARE_FUNCTIONS(CUDA_MIN_PROTOTYPE)
 #undef CUDA_MIN_PROTOTYPE
 
 /* Pointer types by base name, as cudaTypedefs.h names them (PFN_cuMemAlloc). */
 #define CUDA_MIN_PFN(base, symbol, params) typedef CUresult (*PFN_##base) params;
 CUDA_DRIVER_FUNCTIONS(CUDA_MIN_PFN)
 CUDA_GRAPH_FUNCTIONS(CUDA_MIN_PFN)
+CUDA_SHARE_FUNCTIONS(CUDA_MIN_PFN)
 #undef CUDA_MIN_PFN
 
 /* The entry point through which everything else can be resolved (CUDA >= 12.5 ABI). */

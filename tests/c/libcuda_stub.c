@@ -14,6 +14,7 @@
     CUresult symbol params { return CUDA_ERROR_UNKNOWN; }
 CUDA_DRIVER_FUNCTIONS(STUB)
 CUDA_GRAPH_FUNCTIONS(STUB)
+CUDA_SHARE_FUNCTIONS(STUB)
 #undef STUB
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,

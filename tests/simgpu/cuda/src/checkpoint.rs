@@ -348,6 +348,11 @@ fn checkpoint() -> CuResult {
         return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
     }
     let d = driver()?;
+    // Memory shared with other processes cannot be taken away from them; NVIDIA's
+    // cuda-checkpoint does not support IPC memory either. Refused before anything moves.
+    if REGISTRY.read().physical.values().any(|p| p.shared.is_some()) {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
     match save(d) {
         Ok(image) => {
             *ops = Some(image);

@@ -20,6 +20,8 @@ pub(crate) struct Context {
     pub device: usize,
     pub flags: AtomicU32,
     pub primary: bool,
+    /// Made by `cuGreenCtxCreate`: destroyed only through `cuGreenCtxDestroy`.
+    pub green: bool,
     pub null_stream: Arc<Stream>,
     pub sticky: Arc<AtomicU32>,
     handle: usize,
@@ -139,6 +141,26 @@ pub(crate) fn current() -> CuResult<Arc<Context>> {
 /// Creates a context; a primary context gets its device's handle (`primary`), another
 /// context its own address.
 fn create(device: usize, flags: c_uint, primary: Option<usize>) -> CuResult<Arc<Context>> {
+    create_context(device, flags, primary, false)
+}
+
+/// Creates the context of a green context (`cuGreenCtxCreate`): it takes device memory as
+/// any context does, and is not made current.
+pub(crate) fn create_green(device: usize) -> CuResult<Arc<Context>> {
+    create_context(device, 0, None, true)
+}
+
+/// Destroys the context of a green context (`cuGreenCtxDestroy`).
+pub(crate) fn destroy_green(ctx: &Arc<Context>) {
+    destroy(ctx);
+}
+
+fn create_context(
+    device: usize,
+    flags: c_uint,
+    primary: Option<usize>,
+    green: bool,
+) -> CuResult<Arc<Context>> {
     let d = driver()?;
     d.slot.charge(device, d.context_overhead).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     d.slot.context_created(device);
@@ -154,6 +176,7 @@ fn create(device: usize, flags: c_uint, primary: Option<usize>) -> CuResult<Arc<
             device,
             flags: AtomicU32::new(flags),
             primary: primary.is_some(),
+            green,
             null_stream: Stream::new(handle, device, sticky.clone(), 0, 0),
             sticky,
             handle,
@@ -269,7 +292,8 @@ pub(crate) fn ctx_create(out: *mut CUcontext, flags: c_uint, device: CUdevice) -
 
 pub(crate) fn ctx_destroy(handle: CUcontext) -> CuResult {
     let ctx = lookup(handle as usize)?;
-    if ctx.primary {
+    // A green context's CUcontext goes with cuGreenCtxDestroy.
+    if ctx.primary || ctx.green {
         return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
     }
     destroy(&ctx);

@@ -184,6 +184,11 @@ pub(crate) fn resident_threads(device: usize) -> u64 {
     sms.max(0) as u64 * threads.max(0) as u64
 }
 
+/// The multiprocessors (SMs) of `device`: its whole SM resource for green contexts.
+pub(crate) fn multiprocessors(device: usize) -> u32 {
+    attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as c_int).max(0) as u32
+}
+
 /// The value of attribute `attrib` of device `index` (0 for those simgpu lacks).
 fn attribute(index: usize, attrib: c_int) -> c_int {
     let table: &[(A, c_int)] = &[

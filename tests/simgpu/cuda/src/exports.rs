@@ -10,6 +10,7 @@ use cudarc::driver::sys::{
     CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUprocessState,
     CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
+use cudarc::driver::sys::{CUdevResource, CUdevResourceDesc, CUgreenCtx};
 use cudarc::driver::sys::{
     CUgraph, CUgraphExec, CUgraphNode, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
@@ -21,7 +22,8 @@ use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
 use crate::{
-    array, checkpoint, context, driver, export_tables, graph, memory, module, pool, procaddr, stream, vmm,
+    array, checkpoint, context, driver, export_tables, graph, green, memory, module, pool, procaddr, stream,
+    vmm,
 };
 
 macro_rules! exports {
@@ -137,6 +139,23 @@ exports! {
     cuCtxGetLimit(value: *mut usize, limit: c_int) => context::ctx_get_limit(value, limit);
     cuCtxSetLimit(limit: c_int, value: usize) => context::ctx_set_limit(limit, value);
 
+    // Green contexts (CUDA 12.4+).
+    cuDeviceGetDevResource(dev: CUdevice, res: *mut CUdevResource, kind: c_uint) => green::device_get_dev_resource(dev, res, kind);
+    cuCtxGetDevResource(ctx: CUcontext, res: *mut CUdevResource, kind: c_uint) => green::ctx_get_dev_resource(ctx, res, kind);
+    cuGreenCtxGetDevResource(g: CUgreenCtx, res: *mut CUdevResource, kind: c_uint)
+        => green::green_ctx_get_dev_resource(g as usize, res, kind);
+    cuDevSmResourceSplitByCount(result: *mut CUdevResource, groups: *mut c_uint, input: *const CUdevResource,
+        remaining: *mut CUdevResource, flags: c_uint, min_count: c_uint)
+        => green::sm_resource_split_by_count(result, groups, input, remaining, flags, min_count);
+    cuDevResourceGenerateDesc(desc: *mut CUdevResourceDesc, res: *const CUdevResource, count: c_uint)
+        => green::resource_generate_desc(desc, res, count);
+    cuGreenCtxCreate(g: *mut CUgreenCtx, desc: CUdevResourceDesc, dev: CUdevice, flags: c_uint)
+        => green::green_ctx_create(g, desc as usize, dev, flags);
+    cuGreenCtxDestroy(g: CUgreenCtx) => green::green_ctx_destroy(g as usize);
+    cuCtxFromGreenCtx(ctx: *mut CUcontext, g: CUgreenCtx) => green::ctx_from_green_ctx(ctx, g as usize);
+    cuGreenCtxStreamCreate(s: *mut CUstream, g: CUgreenCtx, flags: c_uint, priority: c_int)
+        => green::green_ctx_stream_create(s, g as usize, flags, priority);
+
     // Linear memory.
     cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => memory::mem_get_info(free, total);
     cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => memory::mem_alloc(dptr, size);
@@ -223,6 +242,10 @@ exports! {
     cuMemGetAllocationPropertiesFromHandle(prop: *mut c_void, h: CUmemGenericAllocationHandle)
         => vmm::get_allocation_properties(prop, h);
     cuMemRetainAllocationHandle(h: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain_allocation_handle(h, addr);
+    cuMemExportToShareableHandle(out: *mut c_void, h: CUmemGenericAllocationHandle, kind: c_uint, flags: c_ulonglong)
+        => vmm::export_to_shareable_handle(out, h, kind, flags);
+    cuMemImportFromShareableHandle(h: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint)
+        => vmm::import_from_shareable_handle(h, os_handle, kind);
 
     // Copies and sets.
     cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::Unified { dst, src, n }, Legacy);
@@ -390,7 +413,7 @@ unsupported! {
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
     cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
-    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle, cuMemExportToShareableHandle, cuMemImportFromShareableHandle,
+    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle,
     cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,

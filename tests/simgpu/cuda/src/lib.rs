@@ -18,6 +18,7 @@ mod export_tables;
 mod exports;
 mod ffi;
 mod graph;
+mod green;
 mod memory;
 mod module;
 mod pool;

@@ -74,6 +74,11 @@ pub(crate) struct Physical {
     pub refs: u32,
     /// Live mappings; the memory is freed when both counts reach zero.
     pub maps: u32,
+    /// `CUmemAllocationProp::requestedHandleTypes` of the allocation.
+    pub handle_types: u32,
+    /// The machine's id of the memory object once exported or imported: it is then shared
+    /// with other processes, and letting go of it is told to the machine (`vmm`).
+    pub shared: Option<u64>,
 }
 
 /// Everything mapped in this process. Copies and kernels hold it for reading while they

@@ -105,6 +105,14 @@ static SIMGPU_PROCS: &[(&str, &[Version])] = &[
     ("cuKernelGetFunction", &[(12000, "cuKernelGetFunction", None)]),
     ("cuKernelGetAttribute", &[(12000, "cuKernelGetAttribute", None)]),
     ("cuKernelGetName", &[(12030, "cuKernelGetName", None)]),
+    // Green contexts; cuGreenCtxCreate and cuGreenCtxDestroy are in the shared table.
+    ("cuDeviceGetDevResource", &[(12040, "cuDeviceGetDevResource", None)]),
+    ("cuCtxGetDevResource", &[(12040, "cuCtxGetDevResource", None)]),
+    ("cuGreenCtxGetDevResource", &[(12040, "cuGreenCtxGetDevResource", None)]),
+    ("cuDevSmResourceSplitByCount", &[(12040, "cuDevSmResourceSplitByCount", None)]),
+    ("cuDevResourceGenerateDesc", &[(12040, "cuDevResourceGenerateDesc", None)]),
+    ("cuCtxFromGreenCtx", &[(12040, "cuCtxFromGreenCtx", None)]),
+    ("cuGreenCtxStreamCreate", &[(12040, "cuGreenCtxStreamCreate", None)]),
 ];
 
 /// Resolves `name` in [`SIMGPU_PROCS`] as `cuGetProcAddress` does: the newest version

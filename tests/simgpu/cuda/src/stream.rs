@@ -278,8 +278,18 @@ pub(crate) fn stream_create(out: *mut CUstream, flags: c_uint, priority: c_int) 
     if flags & !1 != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let ctx = context::current()?;
-    let stream = Stream::for_context(&ctx, flags, priority.clamp(-5, 0));
+    stream_create_in(&context::current()?, out, flags, priority)
+}
+
+/// Creates a stream of `ctx` (`cuStreamCreate` in the current context, `cuGreenCtxStreamCreate`
+/// in a green context's).
+pub(crate) fn stream_create_in(
+    ctx: &Arc<context::Context>,
+    out: *mut CUstream,
+    flags: c_uint,
+    priority: c_int,
+) -> CuResult {
+    let stream = Stream::for_context(ctx, flags, priority.clamp(-5, 0));
     let handle = Arc::as_ptr(&stream) as usize;
     write_out(out, handle as CUstream)?;
     STREAMS.lock().insert(handle, stream);

@@ -4,9 +4,11 @@
 //! copied out before an unmap and back after a new create and map at the same address is
 //! really the same data, and the program's pointers never change — what swap relies on.
 
-use std::ffi::{c_uint, c_ulonglong, c_void};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::mem::size_of;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd};
+
+use simgpu_state::objects::ObjectError;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
 
@@ -144,13 +146,27 @@ pub(crate) fn mem_create(
     flags: c_ulonglong,
 ) -> CuResult {
     let device = device_of(prop)?;
+    let handle_types = read_in(prop.cast::<AllocPropRaw>())?.handle_types;
     let d = driver()?;
     let size = size as u64;
     if out.is_null() || size == 0 || !aligned(size) || flags != 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
+    // Only POSIX file descriptors can be asked for: the Win32 kinds are not on Linux and
+    // the device has no fabric (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0).
+    if handle_types & !HANDLE_TYPE_POSIX_FD != 0 {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
     d.slot.charge(device, size).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
-    let fd = match memory_object(size) {
+    let fd = if handle_types & HANDLE_TYPE_POSIX_FD != 0 {
+        // Exportable memory is an unnamed file that its first export names, so that other
+        // processes can find out whether exported descriptors of it are still open.
+        simgpu_state::objects::backing_file(d.machine.path(), size)
+            .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    } else {
+        memory_object(size)
+    };
+    let fd = match fd {
         Ok(fd) => fd,
         Err(e) => {
             d.slot.release(device, size);
@@ -160,8 +176,107 @@ pub(crate) fn mem_create(
     let mut reg = REGISTRY.write();
     reg.next_handle += 1;
     let handle = reg.next_handle;
-    reg.physical.insert(handle, Physical { fd, size, device, refs: 1, maps: 0 });
+    reg.physical.insert(handle, Physical { fd, size, device, refs: 1, maps: 0, handle_types, shared: None });
     write_out(out, handle)
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// `CU_MEM_HANDLE_TYPE_WIN32`, `_WIN32_KMT` and `_FABRIC`: real kinds this machine lacks.
+const HANDLE_TYPES_ELSEWHERE: [u32; 3] = [2, 4, 8];
+
+/// `cuMemExportToShareableHandle(void *shareableHandle, handle, handleType, flags)`: a new
+/// file descriptor (an `int` written to `shareableHandle`) for the memory of `handle`,
+/// which the allocation must have asked for (`requestedHandleTypes`). Each call gives a
+/// new descriptor; the memory stays alive while any of them is open.
+pub(crate) fn export_to_shareable_handle(
+    out: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: c_ulonglong,
+) -> CuResult {
+    let d = driver()?;
+    if out.is_null() || flags != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut reg = REGISTRY.write();
+    let p = reg.physical.get_mut(&handle).filter(|p| p.refs > 0).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if handle_type != HANDLE_TYPE_POSIX_FD || p.handle_types & HANDLE_TYPE_POSIX_FD == 0 {
+        // A kind the allocation did not ask for: it cannot be made afterwards.
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let (id, fd) = d
+        .slot
+        .export_object(p.shared, p.fd.as_fd(), p.device, p.size, p.handle_types)
+        .map_err(|e| object_error(&e))?;
+    p.shared = Some(id);
+    write_out(out.cast::<c_int>(), fd.into_raw_fd())
+}
+
+/// `cuMemImportFromShareableHandle(handle *out, void *osHandle, handleType)`: for a POSIX
+/// descriptor, `osHandle` is the descriptor itself cast to a pointer. The handle refers to
+/// the exporter's memory; the caller keeps (and closes) its descriptor.
+pub(crate) fn import_from_shareable_handle(
+    out: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: c_uint,
+) -> CuResult {
+    let d = driver()?;
+    if out.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    if HANDLE_TYPES_ELSEWHERE.contains(&handle_type) {
+        return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let raw = os_handle as isize;
+    if handle_type != HANDLE_TYPE_POSIX_FD || !(0..=i32::MAX as isize).contains(&raw) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: F_GETFD only asks whether the descriptor is open.
+    if unsafe { libc::fcntl(raw as c_int, libc::F_GETFD) } < 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the descriptor is open (checked above) and only used during this call;
+    // closing it meanwhile from another thread would be the program's own race.
+    let fd = unsafe { BorrowedFd::borrow_raw(raw as c_int) };
+    let mut reg = REGISTRY.write();
+    let object = d.slot.import_object(fd).map_err(|e| object_error(&e))?;
+    // Imported again in a process that holds it: the same handle (the documentation
+    // promises no particular one).
+    let held = reg.physical.iter_mut().find(|(_, p)| p.shared == Some(object.id) && p.refs > 0);
+    if let Some((&handle, p)) = held {
+        p.refs += 1;
+        return write_out(out, handle);
+    }
+    let own = match simgpu_state::objects::reopen(fd) {
+        Ok(own) => own,
+        Err(_) => {
+            if !reg.physical.values().any(|p| p.shared == Some(object.id)) {
+                d.slot.leave_object(object.id);
+            }
+            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+    };
+    reg.next_handle += 1;
+    let handle = reg.next_handle;
+    let p = Physical {
+        fd: own,
+        size: object.size,
+        device: object.device,
+        refs: 1,
+        maps: 0,
+        handle_types: object.handle_types,
+        shared: Some(object.id),
+    };
+    reg.physical.insert(handle, p);
+    write_out(out, handle)
+}
+
+fn object_error(e: &ObjectError) -> CUresult {
+    match e {
+        ObjectError::Full => CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ObjectError::Unknown | ObjectError::Io(_) => CUresult::CUDA_ERROR_INVALID_VALUE,
+    }
 }
 
 fn memory_object(size: u64) -> CuResult<OwnedFd> {
@@ -186,7 +301,11 @@ fn free_if_unused(reg: &mut Registry, handle: u64) {
     if reg.physical.get(&handle).is_some_and(|p| p.refs == 0 && p.maps == 0) {
         if let Some(p) = reg.physical.remove(&handle) {
             if let Ok(d) = driver() {
-                d.slot.release(p.device, p.size);
+                match p.shared {
+                    // Other processes may hold it: the machine decides who is charged now.
+                    Some(id) => d.slot.leave_object(id),
+                    None => d.slot.release(p.device, p.size),
+                }
             }
         }
     }
@@ -374,11 +493,15 @@ pub(crate) fn retain_allocation_handle(
 
 pub(crate) fn get_allocation_properties(out: *mut c_void, handle: CUmemGenericAllocationHandle) -> CuResult {
     driver()?;
-    let device =
-        REGISTRY.read().physical.get(&handle).map(|p| p.device).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let (device, handle_types) = REGISTRY
+        .read()
+        .physical
+        .get(&handle)
+        .map(|p| (p.device, p.handle_types))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     let prop = AllocPropRaw {
         alloc_type: 1,
-        handle_types: 0,
+        handle_types,
         location: LocationRaw { kind: 1, id: device as i32 },
         win32_metadata: std::ptr::null_mut(),
         alloc_flags: [0; 8],

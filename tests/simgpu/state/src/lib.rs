@@ -17,6 +17,7 @@
 #![deny(missing_docs)]
 
 pub mod env;
+pub mod objects;
 pub mod sched;
 
 use std::ffi::CString;
@@ -37,7 +38,7 @@ pub const DEFAULT_DEVICES: &str = "16GiB";
 
 /// Bumped whenever the layout of [`Shared`] changes meaning (the size is in the magic too):
 /// a process of another layout resets the file instead of misreading it.
-const LAYOUT_VERSION: u64 = 2;
+const LAYOUT_VERSION: u64 = 3;
 const MAGIC: u64 =
     0x5349_4d47_0000_0000 | (LAYOUT_VERSION << 24) | (std::mem::size_of::<Shared>() as u64 & 0xff_ffff);
 
@@ -184,6 +185,8 @@ struct Shared {
     _pad: AtomicU32,
     devices: [DeviceRecord; MAX_DEVICES],
     processes: [ProcessRecord; MAX_PROCESSES],
+    /// Exported VMM memory, shared between processes ([`objects`]).
+    objects: objects::ObjectTable,
 }
 
 /// One process's share of a device over recent samples, as
@@ -261,6 +264,9 @@ impl Machine {
             let anyone_alive = shm.get().magic.load(Ordering::Acquire) == MAGIC
                 && (0..MAX_PROCESSES).any(|i| shm.slot_alive(i));
             if !anyone_alive {
+                if shm.get().magic.load(Ordering::Acquire) == MAGIC {
+                    objects::sweep_table(&shm.get().objects, path);
+                }
                 reset(shm.get(), devices);
             }
         })
@@ -295,6 +301,8 @@ impl Machine {
         let rec = &self.shared().processes[i];
         self.forget_waits(rec);
         clear_record(rec);
+        // A dead process's slot not yet reaped: its shared objects pass on.
+        self.leave_all_objects(i, true);
         let seq = self.shared().next_token.fetch_add(1, Ordering::Relaxed) % 0x00ff_ffff + 1;
         rec.token.store(seq << 8 | i as u32, Ordering::Relaxed);
         rec.pid.store(driver_pid(), Ordering::Relaxed);
@@ -489,7 +497,7 @@ impl Machine {
             .iter()
             .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
             .filter_map(|p| p.used.get(device).map(|u| u.load(Ordering::Relaxed)))
-            .fold(0u64, u64::saturating_add)
+            .fold(self.unowned_used(device), u64::saturating_add)
     }
 
     /// Forgets the records of processes that are gone. Caller holds the table lock.
@@ -499,8 +507,10 @@ impl Machine {
                 rec.in_use.store(0, Ordering::Release);
                 self.forget_waits(rec);
                 clear_record(rec);
+                self.leave_all_objects(i, true);
             }
         }
+        self.reap_exports();
     }
 
     fn slot_alive(&self, index: usize) -> bool {
@@ -600,6 +610,7 @@ impl Drop for ProcessSlot<'_> {
         rec.in_use.store(0, Ordering::Release);
         self.machine.forget_waits(rec);
         clear_record(rec);
+        self.machine.leave_all_objects(self.index, true);
         let token = rec.token.load(Ordering::Relaxed);
         for dev in &self.machine.shared().devices {
             if dev.owner.compare_exchange(token, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
@@ -628,6 +639,7 @@ fn reset(s: &Shared, devices: &[u64]) {
         p.token.store(0, Ordering::Relaxed);
         clear_record(p);
     }
+    objects::clear_table(&s.objects);
     s.device_count.store(devices.len() as u32, Ordering::Relaxed);
     s.generation.fetch_add(1, Ordering::Relaxed);
     s.magic.store(MAGIC, Ordering::Release);
