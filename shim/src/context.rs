@@ -324,6 +324,51 @@ pub(crate) fn ctx_create_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_in
     create(ctx, dev, || call_real!(cuCtxCreate_v4(ctx, params, flags, dev)))
 }
 
+/// `cuGreenCtxCreate` (CUDA 12.4+): a green context takes device memory like any
+/// context. It is tracked by the `CUcontext` that `cuCtxFromGreenCtx` gives for it, the
+/// handle programs make current and allocate in, so that its allocations go with it.
+pub(crate) fn green_ctx_create(green: *mut Ptr, desc: Ptr, dev: c_int, flags: c_uint) -> Status {
+    let real = || call_real!(cuGreenCtxCreate(green, desc, dev, flags));
+    let _allocating = match crate::park::allocating() {
+        Ok(a) => a,
+        Err(status) => return status,
+    };
+    match enforcer() {
+        Some(e) if dev >= 0 => measured(
+            e,
+            dev as usize,
+            false,
+            || {
+                let status = e.physical(real);
+                (status, read(green).map_or(0, |g| green_context_handle(g)))
+            },
+            || {
+                if let Some(g) = read(green) {
+                    let _ = call_real!(cuGreenCtxDestroy(g));
+                }
+                write(green, std::ptr::null_mut());
+            },
+        ),
+        _ => refused().unwrap_or_else(real),
+    }
+}
+
+/// The `CUcontext` of green context `green` (the green context's own handle if the
+/// driver does not say).
+fn green_context_handle(green: Ptr) -> u64 {
+    let mut ctx: Ptr = std::ptr::null_mut();
+    if call!(cuCtxFromGreenCtx(&mut ctx, green), 801) == SUCCESS && !ctx.is_null() {
+        ctx as u64
+    } else {
+        green as u64
+    }
+}
+
+pub(crate) fn green_ctx_destroy(green: Ptr) -> Status {
+    let ctx = if enforcer().is_some() { green_context_handle(green) } else { 0 };
+    destroyed(ctx as Ptr, call_real!(cuGreenCtxDestroy(green)))
+}
+
 /// The pre-4.0 `cuCtxCreate`, which the real driver still exports.
 pub(crate) fn ctx_create_v1(ctx: *mut Ptr, flags: c_uint, dev: c_int) -> Status {
     create(ctx, dev, || call_real!(cuCtxCreate(ctx, flags, dev)))
@@ -340,7 +385,7 @@ pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
 /// After the driver destroyed context `ctx`: what it held goes back.
 fn destroyed(ctx: Ptr, status: Status) -> Status {
     if let Some(e) = enforcer() {
-        if status == SUCCESS {
+        if status == SUCCESS && !ctx.is_null() {
             let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(id) = e.contexts.find(ctx as u64) {
                 e.teardown_context(id);

@@ -49,6 +49,7 @@ real_fns! {
     Cuda cuDeviceGetMemPool(*mut *mut c_void, c_int);
     Cuda cuDeviceGetDefaultMemPool(*mut *mut c_void, c_int);
     Cuda cuStreamGetCtx(*mut c_void, *mut *mut c_void);
+    Cuda cuCtxFromGreenCtx(*mut *mut c_void, *mut c_void);
     Cuda cuGraphGetNodes(*mut c_void, *mut *mut c_void, *mut usize);
     Cuda cuGraphNodeGetType(*mut c_void, *mut c_uint);
     Cuda cuGraphMemAllocNodeGetParams(*mut c_void, *mut c_void);

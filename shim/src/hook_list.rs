@@ -36,6 +36,8 @@ macro_rules! hook_list {
                 Cuda cuCtxCreate_v3(ctx: *mut Ptr, params: Ptr, count: c_int, flags: c_uint, dev: c_int) => crate::context::ctx_create_v3;
                 Cuda cuCtxCreate_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_int) => crate::context::ctx_create_v4;
                 Cuda cuCtxDestroy_v2(ctx: Ptr) => crate::context::ctx_destroy;
+                Cuda cuGreenCtxCreate(green: *mut Ptr, desc: Ptr, dev: c_int, flags: c_uint) => crate::context::green_ctx_create;
+                Cuda cuGreenCtxDestroy(green: Ptr) => crate::context::green_ctx_destroy;
                 // Memory the driver takes without a size argument.
                 Cuda cuCtxSetLimit(limit: c_int, value: usize) => crate::implicit::ctx_set_limit;
                 Cuda cuModuleLoad(module: *mut Ptr, path: *const c_char) => crate::implicit::module_load;

@@ -17,6 +17,9 @@
  *   stack BYTES      asks for a per-thread stack of BYTES (cuCtxSetLimit), then allocates
  *   arrays FORMAT    creates 4096x4096 arrays of CUarray_format FORMAT (cuArrayCreate_v2,
  *                    one channel) until one fails; HELD counts them, times <chunk_bytes>
+ *   export           rounds of cuMemCreate (exportable to a file descriptor),
+ *                    cuMemExportToShareableHandle (the descriptor kept open) and
+ *                    cuMemRelease, until one fails
  *   race N           N rounds of: two threads retain the primary context at once, and
  *                    it is released twice (destroyed); then allocates
  *   bypass BYTES     allocates through the shim, then BYTES through a private copy of the
@@ -165,6 +168,35 @@ int main(int argc, char **argv) {
             made++;
         }
         printf("HELD %llu %d\n", made * chunk, r);
+        fflush(stdout);
+    } else if (!strcmp(which, "export")) {
+        struct {
+            unsigned type, handle_types, location_type;
+            int location_id;
+            void *win32;
+            unsigned char compression, rdma;
+            unsigned short usage;
+            unsigned char reserved[4];
+        } prop = {1 /* PINNED */, 1 /* POSIX_FILE_DESCRIPTOR */, 1 /* DEVICE */, 0, NULL, 0, 0, 0, {0}};
+        CUresult (*create)(unsigned long long *, size_t, const void *, unsigned long long) = sym("cuMemCreate");
+        CUresult (*export_fd)(void *, unsigned long long, int, unsigned long long) =
+            sym("cuMemExportToShareableHandle");
+        CUresult (*release)(unsigned long long) = sym("cuMemRelease");
+        primary();
+        unsigned long long held = 0;
+        CUresult r = 0;
+        for (int i = 0; i < 10000; i++) {
+            unsigned long long h = 0;
+            int fd = -1;
+            r = create(&h, chunk, &prop, 0);
+            if (r != 0) break;
+            r = export_fd(&fd, h, 1, 0);
+            if (r != 0) break;
+            r = release(h);
+            if (r != 0) break;
+            held += chunk;
+        }
+        printf("HELD %llu %d\n", held, r);
         fflush(stdout);
     } else if (!strcmp(which, "modules")) {
         CUresult (*load)(CUmodule *, const void *) = sym("cuModuleLoadData");

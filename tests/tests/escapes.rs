@@ -237,3 +237,39 @@ fn the_pre_3_2_entry_points_are_held_to_the_limit() {
         assert!(held <= room && held + CHUNK > room, "{case}: held {} beside its context", mib(held));
     }
 }
+
+#[test]
+fn green_contexts_are_charged_like_contexts() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    let mut cmd = gpu.command(compile_c("green_ctx.c", &[], true));
+    cmd.arg("fill")
+        .env("LD_PRELOAD", artifact("libgpufrac.so"))
+        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
+        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+    let mut child = ChildProcess::spawn(&mut cmd);
+    // 64 MiB each: as many as the limit holds, then out of memory.
+    assert_eq!(line(&mut child, "FILLED"), vec![(LIMIT / (64 * MIB)) as i64, 2], "{}", child.diagnostics());
+    child.expect_line(&["DONE"], Duration::from_secs(60));
+    child.expect_exit_code(0);
+}
+
+#[test]
+fn an_export_loop_cannot_take_a_group_past_its_limit() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    // Each round: a VMM allocation made exportable, exported to a file descriptor kept
+    // open (an importer could hold it as well), and released: the memory lives on.
+    let mut child = start(&gpu, "export", None, &[]);
+    let held = line(&mut child, "HELD");
+    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
+        .expect("open simgpu's state");
+    // The device counts exported memory nobody maps under no process: its total is the
+    // figure (the process is the only one on it).
+    let used = machine.used(0);
+    assert!(used <= LIMIT, "the device holds {} for a group limited to {}", mib(used), mib(LIMIT));
+    assert_eq!(held[1], 2, "the loop ends in CUDA_ERROR_OUT_OF_MEMORY");
+    assert!(held[0] as u64 + 64 * MIB + CHUNK > LIMIT, "the loop fills the limit: {}", mib(held[0] as u64));
+    child.close_stdin();
+    child.expect_exit_code(0);
+}
