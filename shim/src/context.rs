@@ -340,7 +340,7 @@ pub(crate) fn green_ctx_create(green: *mut Ptr, desc: Ptr, dev: c_int, flags: c_
             false,
             || {
                 let status = e.physical(real);
-                (status, read(green).map_or(0, |g| green_context_handle(g)))
+                (status, read(green).map_or(0, green_context_handle))
             },
             || {
                 if let Some(g) = read(green) {
