@@ -303,6 +303,26 @@ mod tests {
     }
 
     #[test]
+    fn every_context_id_and_module_record_round_trips() {
+        let t = Records::new(16);
+        // The last id a record names in its word, and the ones past it (the overflow map).
+        for (key, ctx) in
+            [(1u64, 0usize), (2, 63), (3, 64), (4, MAX_RECORD_CONTEXTS - 1), (5, MAX_RECORD_CONTEXTS)]
+        {
+            let r = Record {
+                bytes: 1 << 39,
+                device: 15,
+                context: Some(ctx),
+                path: Path::Module,
+                above_request: false,
+            };
+            t.insert(key, r);
+            assert_eq!(t.get(key), Some(r), "context {ctx}");
+        }
+        assert_eq!(t.drain_where(|r| r.context == Some(64)).len(), 1);
+    }
+
+    #[test]
     fn racing_removers_of_one_key_get_its_record_once() {
         use std::sync::{Arc, Barrier};
         let t = Arc::new(Records::new(16));

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, Arbiter, ChildProcess, SimGpu};
 
 const DEVICE: &str = "4GiB";
 const LIMIT: u64 = 512 * MIB;
@@ -73,6 +73,44 @@ fn a_process_whose_start_was_refused_gets_no_device_memory_on_any_path() {
     let (held, error, figure) = held_within_limit(&gpu, &mut child, "refused");
     assert_eq!((held, error), (0, 3), "every allocation answers cuInit's error");
     assert_eq!(figure, 0, "the device holds nothing for the process");
+}
+
+#[test]
+fn a_process_the_arbiter_refused_gets_no_device_memory_either() {
+    skip_on_real_gpu!(SIMULATED);
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    let arbiter = Arbiter::start(&gpu);
+    let socket = arbiter.socket().to_str().expect("a UTF-8 path").to_owned();
+    let guaranteed = [("GPUFRAC_ARBITER_SOCKET", socket.as_str())];
+    // A is guaranteed 3.5 GiB of the 4 GiB; B's 1 GiB request cannot be admitted.
+    let mut a = start(
+        &gpu,
+        "contexts",
+        Some("1"),
+        &[("GPUFRAC_MEMORY_REQUEST", "3584MiB"), ("GPUFRAC_MEMORY_LIMIT", "3584MiB"), guaranteed[0]],
+    );
+    line(&mut a, "HELD");
+    let mut b = start(
+        &gpu,
+        "refused",
+        None,
+        &[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_MEMORY_LIMIT", "1GiB"), guaranteed[0]],
+    );
+    assert_eq!(
+        line(&mut b, "init"),
+        vec![3],
+        "cuInit answers CUDA_ERROR_NOT_INITIALIZED\n{}",
+        b.diagnostics()
+    );
+    assert_eq!(line(&mut b, "retain"), vec![3], "no context after a refused start");
+    let (held, error, figure) = held_within_limit(&gpu, &mut b, "refused by the arbiter");
+    assert_eq!(
+        (held, error, figure),
+        (0, 3, 0),
+        "every allocation answers cuInit's error; the device holds nothing"
+    );
+    a.close_stdin();
+    a.expect_exit_code(0);
 }
 
 #[test]
