@@ -75,6 +75,10 @@ impl Backstop {
         if last != 0 && !period.is_zero() && at.saturating_sub(last) < period.as_millis() as u64 {
             return;
         }
+        // A context, heap or module being measured (by this thread, which holds the lock
+        // while it asks for the memory the measurement found, or another) is on the
+        // device and not yet charged: looking now would take it for an escape.
+        let Ok(_quiet) = e.contexts.changes.try_lock() else { return };
         if self.last.compare_exchange(last, at, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return; // another thread is looking
         }

@@ -142,6 +142,23 @@ fn measured(
     create: impl FnOnce() -> (Status, u64),
     destroy: impl FnOnce(),
 ) -> Status {
+    let status = measured_serially(e, ordinal, primary, create, destroy);
+    if status == SUCCESS {
+        // Listed by the device from now on, and charged: a look at what it holds beyond
+        // the charges.
+        e.backstop.look(e, ordinal, crate::backstop::PERIOD);
+    }
+    status
+}
+
+/// `measured`, one context change at a time.
+fn measured_serially(
+    e: &Enforcer,
+    ordinal: usize,
+    primary: bool,
+    create: impl FnOnce() -> (Status, u64),
+    destroy: impl FnOnce(),
+) -> Status {
     let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
     // Another thread retained the primary context first (both found it inactive): this
     // retain only counts a reference, and the context keeps the charge it was given.
@@ -218,8 +235,6 @@ fn measured(
         }
     }
     tracing::debug!(ordinal, bytes, primary, "context created");
-    // Listed by the device from now on: a look at what it holds beyond the charges.
-    e.backstop.look(e, ordinal, crate::backstop::PERIOD);
     status
 }
 

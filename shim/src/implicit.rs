@@ -40,9 +40,9 @@ fn measured_call(
 ) -> Result<Change, Status> {
     // One measurement at a time, and none while a context is being created (it would
     // read the other's memory as its own).
+    e.backstop.look(e, cur.ordinal, crate::backstop::PERIOD);
     let _serial = e.contexts.changes.lock().unwrap_or_else(|p| p.into_inner());
     let Some(slice) = e.slice(cur.ordinal) else { return Err(crate::ffi::INVALID_VALUE) };
-    e.backstop.look(e, cur.ordinal, crate::backstop::PERIOD);
     let dev = slice.ledger;
     if let Err(status) = e.charge(cur.ordinal, estimate) {
         tracing::warn!(
