@@ -105,7 +105,7 @@ pub fn real_gpu() -> bool {
     }
 }
 
-/// Returns from the calling test, after printing `skipped on a real GPU: <reason>`, when
+/// Returns from the calling test, after reporting a [`Skip::NeedsSimgpu`] skip, when
 /// the tests run on a real GPU ([`real_gpu`]): for a test that needs simgpu (injected
 /// XIDs, its built-in kernels, its context overhead, a simulated device's exact size, or
 /// several devices). On simgpu it does nothing.
@@ -119,9 +119,128 @@ macro_rules! skip_on_real_gpu {
     };
 }
 
-/// Prints why a test is skipped on a real GPU (what [`skip_on_real_gpu!`] says).
+/// Reports why a test is skipped on a real GPU (what [`skip_on_real_gpu!`] says): a
+/// [`Skip::NeedsSimgpu`] skip, see [`report_skip`].
 pub fn report_skipped_on_real_gpu(reason: &str) {
-    eprintln!("skipped on a real GPU: {reason}");
+    report_skip(Skip::NeedsSimgpu, reason);
+}
+
+/// Why a test skipped all or part of itself, which decides whether CI accepts the skip
+/// (see [`report_skip`] and the `skip_summary` program).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    /// It needs simgpu and the tests run on a real GPU ([`skip_on_real_gpu!`]).
+    NeedsSimgpu,
+    /// It needs a real GPU and the tests run on simgpu.
+    NeedsRealGpu,
+    /// It needs PyTorch, whose CUDA wheels are too large for every machine (CI's included).
+    PyTorch,
+    /// This machine lacks what the test needs (root, a namespace, a cgroup, a tool). CI's
+    /// machine has it all, so CI fails on such a skip.
+    ThisMachine,
+}
+
+impl Skip {
+    const ALL: [Skip; 4] = [Skip::NeedsSimgpu, Skip::NeedsRealGpu, Skip::PyTorch, Skip::ThisMachine];
+
+    /// The word a record of the skip starts with.
+    pub fn label(self) -> &'static str {
+        match self {
+            Skip::NeedsSimgpu => "needs-simgpu",
+            Skip::NeedsRealGpu => "needs-real-gpu",
+            Skip::PyTorch => "pytorch",
+            Skip::ThisMachine => "this-machine",
+        }
+    }
+
+    /// The skip a record's first word names.
+    pub fn from_label(label: &str) -> Option<Skip> {
+        Skip::ALL.into_iter().find(|s| s.label() == label)
+    }
+
+    /// Whether CI's machine (no GPU, root, cgroups, `unshare`, openssl, the test venv) may
+    /// skip it: only tests that need a GPU it lacks or PyTorch.
+    pub fn expected_on_ci(self) -> bool {
+        self != Skip::ThisMachine
+    }
+}
+
+/// One skip a test reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkipRecord {
+    /// Why, which decides whether CI accepts it.
+    pub kind: Skip,
+    /// `<test file>::<test>`, e.g. `runtime_clients::torch_bare`.
+    pub test: String,
+    /// The reason the test gave.
+    pub reason: String,
+}
+
+/// Where tests record their skips: `skipped-tests/` in [`target_dir`], one file per
+/// test, read and emptied by the `skip_summary` program that runs the test command.
+pub fn skipped_tests_dir() -> PathBuf {
+    target_dir().join("skipped-tests")
+}
+
+/// The running test as `<test file>::<test>`: the test binary's name without cargo's
+/// hash, and the test's name, which libtest gives the thread that runs it.
+fn current_test_name() -> String {
+    let exe = std::env::current_exe().ok();
+    let stem = exe.as_deref().and_then(Path::file_stem).map(|s| s.to_string_lossy().into_owned());
+    let stem = stem.unwrap_or_else(|| "unknown".into());
+    let binary = match stem.rsplit_once('-') {
+        Some((name, hash)) if !hash.is_empty() && hash.bytes().all(|b| b.is_ascii_hexdigit()) => name,
+        _ => stem.as_str(),
+    };
+    let thread = std::thread::current();
+    let test = thread.name().filter(|n| *n != "main").unwrap_or("(a test that runs on the main thread)");
+    format!("{binary}::{test}")
+}
+
+/// Says on stderr that the running test skips (all or part of itself) and why, and records
+/// it in [`skipped_tests_dir`] for the summary the test command prints at its end. Call it
+/// from the test's own thread (its name is the test's), then return. Panics if the skip
+/// cannot be recorded: a skip nobody is told of is what this prevents.
+pub fn report_skip(kind: Skip, reason: &str) {
+    let test = current_test_name();
+    let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
+    eprintln!("skipped {test} ({}): {reason}", kind.label());
+    let dir = skipped_tests_dir();
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot record the skip in {}: {e}", dir.display()));
+    let file = dir.join(test.replace('/', "_"));
+    let line = format!("{}\t{test}\t{reason}\n", kind.label());
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&file)
+        .and_then(|mut f| f.write_all(line.as_bytes()))
+        .unwrap_or_else(|e| panic!("cannot record the skip in {}: {e}", file.display()));
+}
+
+/// The skips recorded in `dir` (see [`report_skip`]), sorted by test; a line that is not
+/// a record is an error naming its file.
+pub fn read_skips(dir: &Path) -> Result<Vec<SkipRecord>, String> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot read {}: {e}", dir.display())),
+    };
+    let mut records = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| format!("cannot read {}: {e}", dir.display()))?.path();
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            let mut fields = line.splitn(3, '\t');
+            let (Some(kind), Some(test), Some(reason)) = (fields.next(), fields.next(), fields.next()) else {
+                return Err(format!("{}: not a skip record: {line:?}", path.display()));
+            };
+            let kind =
+                Skip::from_label(kind).ok_or_else(|| format!("{}: unknown kind of skip {kind:?}", path.display()))?;
+            records.push(SkipRecord { kind, test: test.to_owned(), reason: reason.to_owned() });
+        }
+    }
+    records.sort_by(|a, b| (&a.test, &a.reason).cmp(&(&b.test, &b.reason)));
+    Ok(records)
 }
 
 /// How much more than a test sized for simgpu's small contexts (64 or 256 MiB) a process

@@ -7,7 +7,7 @@
 use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, unique, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, report_skip, skip_on_real_gpu, unique, ChildProcess, SimGpu, Skip};
 
 const REQUEST: u64 = GIB;
 const LIMIT: u64 = 2 * GIB;
@@ -89,24 +89,35 @@ fn a_context_is_charged_what_it_took_and_so_are_the_groups_later_contexts() {
     }
     // A member NVML does not list by the PID it knows itself by (its own PID namespace, no
     // arbiter to say its host PID): not measurable, so charged the group's clean
-    // measurement, never the device's change.
-    let unshare = std::path::Path::new("/usr/bin/unshare");
-    if !unshare.exists() {
-        eprintln!("skipped the PID-namespace case: /usr/bin/unshare is missing");
-        return;
+    // measurement, never the device's change. Root makes the namespace; anyone else, in a
+    // user namespace of their own that maps their user to itself (the same ledger folder).
+    let mut why_not = Vec::new();
+    let mut namespace = None;
+    for args in [&["--pid", "--fork"][..], &["--user", "--map-current-user", "--pid", "--fork"]] {
+        match gpu.command("unshare").args(args).arg("true").output() {
+            Ok(out) if out.status.success() => {
+                namespace = Some(args);
+                break;
+            }
+            Ok(out) => why_not.push(format!(
+                "unshare {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => why_not.push(format!("cannot run unshare: {e}")),
+        }
     }
-    let probe = gpu.command(unshare).args(["--pid", "--fork", "true"]).output().expect("run unshare");
-    if !probe.status.success() {
-        eprintln!(
-            "skipped the PID-namespace case: cannot make a PID namespace here ({})",
-            String::from_utf8_lossy(&probe.stderr).trim()
+    let Some(namespace) = namespace else {
+        report_skip(
+            Skip::ThisMachine,
+            &format!("the PID-namespace case: cannot make a PID namespace here ({})", why_not.join("; ")),
         );
         return;
-    }
+    };
     for round in 0..2 {
         let query = slow_context_query(&gpu, &group);
-        let mut cmd = gpu.command(unshare);
-        cmd.args(["--pid", "--fork"]).arg(query.get_program());
+        let mut cmd = gpu.command("unshare");
+        cmd.args(namespace).arg(query.get_program());
         for (name, value) in query.get_envs() {
             match value {
                 Some(value) => cmd.env(name, value),

@@ -673,24 +673,48 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     plugin.kill();
 }
 
-/// A cgroup (v1, `pids` hierarchy, cgroupfs layout) that names a container of the pod
-/// `POD_UID`, as the kubelet makes one: `/kubepods/pod<uid>/<container id>`. Removed when
-/// dropped. `None` where this machine does not let the test make one.
+/// A cgroup (cgroupfs layout) that names a container of the pod `POD_UID`, as the kubelet
+/// makes one: `/kubepods/pod<uid>/<container id>`, in the first hierarchy that lets the test
+/// make it and move a process into it: cgroup v1's `pids`, else cgroup v2 (`/sys/fs/cgroup`
+/// on a unified host, `/sys/fs/cgroup/unified` on a hybrid one). Removed when dropped.
 struct PodCgroup {
     pod_dir: PathBuf,
     container_dir: PathBuf,
 }
 
+/// Where [`PodCgroup::make`] tries, in order.
+const CGROUP_ROOTS: [&str; 3] = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
+
 impl PodCgroup {
-    fn make() -> Option<PodCgroup> {
-        let root = Path::new("/sys/fs/cgroup/pids");
+    /// The pod's cgroup, or why no hierarchy of this machine let the test make it.
+    fn make() -> Result<PodCgroup, String> {
+        let mut why_not = Vec::new();
+        for root in CGROUP_ROOTS {
+            match PodCgroup::make_in(Path::new(root)) {
+                Ok(cgroup) => return Ok(cgroup),
+                Err(why) => why_not.push(format!("{root}: {why}")),
+            }
+        }
+        Err(why_not.join("; "))
+    }
+
+    fn make_in(root: &Path) -> Result<PodCgroup, String> {
         if !root.join("cgroup.procs").exists() {
-            return None;
+            return Err("not a cgroup hierarchy".into());
         }
         let pod_dir = root.join("kubepods").join(format!("pod{POD_UID}"));
         let container_dir = pod_dir.join("c0ffee00".repeat(8));
-        std::fs::create_dir_all(&container_dir).ok()?;
-        Some(PodCgroup { pod_dir, container_dir })
+        std::fs::create_dir_all(&container_dir).map_err(|e| format!("cannot make {}: {e}", container_dir.display()))?;
+        let cgroup = PodCgroup { pod_dir, container_dir };
+        // A process can join it (cgroup v2 also asks for write access to cgroup.procs
+        // where the test's process is).
+        let mut probe = std::process::Command::new("true");
+        cgroup.enter(&mut probe);
+        match probe.status() {
+            Ok(status) if status.success() => Ok(cgroup),
+            Ok(status) => Err(format!("a process in it: {status}")),
+            Err(e) => Err(format!("cannot move a process into it: {e}")),
+        }
     }
 
     /// Makes `cmd`'s process a member before it runs anything.
@@ -735,11 +759,15 @@ impl Drop for PodCgroup {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
     skip_on_real_gpu!(SIMULATED);
-    let Some(cgroup) = PodCgroup::make() else {
-        eprintln!(
-            "SKIPPED: this machine does not let the test make a pod's cgroup under /sys/fs/cgroup/pids"
-        );
-        return;
+    let cgroup = match PodCgroup::make() {
+        Ok(cgroup) => cgroup,
+        Err(why) => {
+            gpufrac_e2e::report_skip(
+                gpufrac_e2e::Skip::ThisMachine,
+                &format!("this machine does not let the test make a pod's cgroup ({why})"),
+            );
+            return;
+        }
     };
     let gpu = SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB");
     let dirs = Dirs::new();

@@ -110,7 +110,10 @@ fn simgpu_command_environment() {
 #[test]
 fn real_gpu_command_environment() {
     if !real_gpu() {
-        eprintln!("runs with {REAL_GPU_VAR}=1 only (simgpu_command_environment is its simgpu counterpart)");
+        gpufrac_e2e::report_skip(
+            gpufrac_e2e::Skip::NeedsRealGpu,
+            &format!("runs with {REAL_GPU_VAR}=1 only (simgpu_command_environment is its simgpu counterpart)"),
+        );
         return;
     }
     std::env::set_var("GPUFRAC_E2E_CANARY", "1");

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{
+    artifact, compile_c, report_skip, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu, Skip,
+};
 
 const DEVICE: u64 = 8 * GIB;
 /// Why the tests here need simgpu: they check sizes to the byte against its 64 MiB contexts
@@ -269,7 +271,8 @@ fn from_etc_ld_so_preload_a_limit_alone_is_enforced_too() {
     let scratch = gpu.lib_dir().join("preload-namespace");
     std::fs::create_dir_all(&scratch).expect("a scratch folder");
 
-    // Can this machine make the namespace? If not, say why and skip this one case.
+    // Can this machine make the namespace (root can: CI runs as root)? If not, say why and
+    // skip this one case.
     let probe = preloaded_from_etc(&gpu, &scratch, "cat").arg("/etc/ld.so.preload").output();
     let why_not = match &probe {
         Err(e) => Some(format!("cannot run unshare: {e}")),
@@ -279,11 +282,11 @@ fn from_etc_ld_so_preload_a_limit_alone_is_enforced_too() {
         Ok(_) => None,
     };
     if let Some(why) = why_not {
-        println!(
-            "SKIPPED from_etc_ld_so_preload_a_limit_alone_is_enforced_too: no private mount namespace \
-             with its own /etc/ld.so.preload could be made here ({why})"
-        );
         assert_eq!(machine_preload(), before, "the machine's /etc/ld.so.preload is untouched");
+        report_skip(
+            Skip::ThisMachine,
+            &format!("no private mount namespace with its own /etc/ld.so.preload could be made here ({why})"),
+        );
         return;
     }
     let out = probe.expect("checked above");

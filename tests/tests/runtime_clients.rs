@@ -14,42 +14,52 @@
 //! this file starts them with the expectations in `CLIENT_*` variables and reads their
 //! verdict.
 //!
-//! PyTorch (`torch_check.py`) is too large for every CI run (6.8 GB installed): its tests
-//! are ignored by default and run on request, from a virtual environment of their own:
+//! PyTorch (`torch_check.py`) is too large for every CI run (6.8 GB of CUDA wheels): its
+//! tests run wherever `torch` is importable in `.venv/torch` (a virtual environment of its
+//! own) or in `.venv`, and elsewhere skip, saying so in the test command's summary:
 //!
 //! ```text
 //! python3 -m venv .venv/torch && .venv/torch/bin/pip install -r tests/requirements-torch.txt
-//! cargo build --workspace && cargo test -p gpufrac-e2e --test runtime_clients -- --ignored
+//! cargo build --workspace && cargo test -p gpufrac-e2e --test runtime_clients torch
 //! ```
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
-use gpufrac_e2e::{skip_on_real_gpu, unique};
+use gpufrac_e2e::clients::{self, gpu, python_with, root, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
+use gpufrac_e2e::{report_skip, skip_on_real_gpu, unique, Skip};
 
 /// What simgpu writes on stderr when the runtime asks for a table or calls a slot it
 /// does not implement (`export_tables.rs`).
 const UNKNOWN_TABLE: &str = "cuGetExportTable asked for the private table";
 const UNKNOWN_SLOT: &str = "which simgpu does not implement";
 
-const INSTALL_TORCH: &str =
-    "python3 -m venv .venv/torch && .venv/torch/bin/pip install -r tests/requirements-torch.txt";
+/// Why the PyTorch tests skip where it is not installed.
+const NO_TORCH: &str = "PyTorch is not installed (6.8 GB of CUDA wheels; see tests/requirements-torch.txt)";
 
-/// The checks' Python for `script`: `.venv/torch` for PyTorch, `.venv` for the others.
-fn python(script: &str) -> PathBuf {
-    if script.starts_with("torch") {
-        python_with(".venv/torch", "torch, numpy", INSTALL_TORCH)
-    } else {
-        python_with(".venv", "nvidia.cuda_runtime, cupy", INSTALL)
-    }
+/// The virtual environments, relative to the repository, where the PyTorch checks look for
+/// `torch` (and `numpy`), in order.
+const TORCH_VENVS: [&str; 2] = [".venv/torch", ".venv"];
+
+/// The Python of the first of [`TORCH_VENVS`] that imports `torch` and `numpy`, if any.
+fn torch_python() -> Option<PathBuf> {
+    TORCH_VENVS.iter().map(|venv| root().join(venv).join("bin/python")).find(|python| {
+        Command::new(python).args(["-c", "import torch, numpy"]).output().is_ok_and(|o| o.status.success())
+    })
 }
 
-/// `script` of `tests/clients/`, bare or under the shim in a group of its own.
-fn client(gpu: &gpufrac_e2e::SimGpu, script: &str, shimmed: bool) -> Command {
+/// `script` of `tests/clients/` run by `python`, bare or under the shim in a group of its
+/// own.
+fn client_with(gpu: &gpufrac_e2e::SimGpu, python: &std::path::Path, script: &str, shimmed: bool) -> Command {
     let group = unique("runtime");
     let under = if shimmed { Under::Shim { group: &group } } else { Under::Bare };
-    clients::client(gpu, &python(script), script, under)
+    clients::client(gpu, python, script, under)
+}
+
+/// `script` of `tests/clients/` run by `.venv`'s Python (it fails the test, saying how to
+/// install them, without the CUDA runtime and CuPy).
+fn client(gpu: &gpufrac_e2e::SimGpu, script: &str, shimmed: bool) -> Command {
+    client_with(gpu, &python_with(".venv", "nvidia.cuda_runtime, cupy", INSTALL), script, shimmed)
 }
 
 /// Runs a client to its end (see [`clients::passes`]); it must never reach a private
@@ -122,21 +132,21 @@ fn cupy_shimmed() {
 }
 
 #[test]
-#[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_bare() {
     skip_on_real_gpu!(clients::EXACT_ROOM);
+    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
     let gpu = gpu();
-    let lines = passes(client(&gpu, "torch_check.py", false));
+    let lines = passes(client_with(&gpu, &python, "torch_check.py", false));
     assert_eq!(value(&lines, "device", "total"), DEVICE);
     filled_the_room(&lines, DEVICE, &["caching-allocator"]);
 }
 
 #[test]
-#[ignore = "PyTorch is not in tests/requirements.txt (6.8 GB); see the module's doc to run it"]
 fn torch_shimmed() {
     skip_on_real_gpu!(clients::EXACT_ROOM);
+    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
     let gpu = gpu();
-    let lines = passes(client(&gpu, "torch_check.py", true));
+    let lines = passes(client_with(&gpu, &python, "torch_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["caching-allocator"]);
     assert!(value(&lines, "caching-allocator", "reserved") <= LIMIT - OVERHEAD);

@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use gpufrac_e2e::size::MIB;
-use gpufrac_e2e::{artifact, compile_c, ledger_path, skip_on_real_gpu, unique, ChildProcess, SimGpu};
+use gpufrac_e2e::{
+    artifact, compile_c, ledger_path, report_skip, skip_on_real_gpu, unique, ChildProcess, SimGpu, Skip,
+};
 
 fn gpu() -> SimGpu {
     SimGpu::new("2GiB").with_context_overhead("64MiB")
@@ -136,7 +138,7 @@ fn a_ledger_folder_that_is_a_link_open_to_all_or_someone_elses_is_refused() {
     // planted folders disturb no other test. Only root can.
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to run a process as another user");
+        report_skip(Skip::ThisMachine, "needs root to run a process as another user");
         return;
     }
     let uid = spare_uid();

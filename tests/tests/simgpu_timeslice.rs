@@ -94,54 +94,14 @@ fn measure(machine: &Machine, pids: &[u32], during: impl FnOnce()) -> Shares {
     Shares { per_pid, device: (machine.busy_ns(0) - device_before) as f64 / wall }
 }
 
-/// When run as the NVML watcher child (`SIMGPU_WATCH_MS` set): polls
-/// `nvmlDeviceGetProcessUtilization` through nvml-wrapper every 100 ms with the last
-/// timestamp seen, as the arbiter does, and prints `WATCH {pid: mean smUtil}`.
-#[test]
-fn nvml_watch_child() {
-    let Ok(ms) = std::env::var("SIMGPU_WATCH_MS") else { return };
-    let ms: u64 = ms.parse().expect("SIMGPU_WATCH_MS");
-    let nvml = nvml_wrapper::Nvml::init().expect("nvmlInit");
-    let device = nvml.device_by_index(0).expect("device 0");
-    // Start from now: the first answer covers the samples since.
-    let mut last =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_micros() as u64;
-    let mut sums: HashMap<u32, (u64, u64)> = HashMap::new();
-    let (mut answers, mut not_found) = (0u32, 0u32);
-    let end = Instant::now() + Duration::from_millis(ms);
-    while Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(100));
-        match device.process_utilization_stats(last) {
-            Ok(samples) => {
-                answers += 1;
-                for s in &samples {
-                    let entry = sums.entry(s.pid).or_default();
-                    entry.0 += u64::from(s.sm_util);
-                    last = last.max(s.timestamp);
-                }
-                // Processes without a sample this time had 0%.
-                for entry in sums.values_mut() {
-                    entry.1 += 1;
-                }
-            }
-            Err(nvml_wrapper::error::NvmlError::NotFound) => not_found += 1,
-            Err(e) => panic!("nvmlDeviceGetProcessUtilization: {e}"),
-        }
-    }
-    let means: HashMap<String, f64> =
-        sums.iter().map(|(pid, (sum, n))| (pid.to_string(), *sum as f64 / (*n).max(1) as f64)).collect();
-    let report = serde_json::json!({ "means": means, "answers": answers, "not_found": not_found });
-    println!("WATCH {report}");
-}
-
-/// Runs the NVML watcher for `ms` on the machine and returns each PID's mean smUtil.
+/// Runs the NVML watcher (`nvml_watch`, as the arbiter polls NVML) for `ms` on the machine
+/// and returns each PID's mean smUtil.
 fn nvml_watch(sim: &SimGpu, ms: u64) -> HashMap<u32, f64> {
     let out = sim
-        .command(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "nvml_watch_child", "--nocapture", "--test-threads=1"])
-        .env("SIMGPU_WATCH_MS", ms.to_string())
+        .command(env!("CARGO_BIN_EXE_nvml_watch"))
+        .arg(ms.to_string())
         .output()
-        .expect("run the NVML watcher");
+        .expect("run the NVML watcher (nvml_watch)");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -272,7 +232,10 @@ fn pynvml_reports_a_utilization_sample_per_busy_process() {
     let has_pynvml =
         Command::new(&python).args(["-c", "import pynvml"]).output().is_ok_and(|o| o.status.success());
     if !has_pynvml {
-        eprintln!("skipped: {} cannot import pynvml (tests/requirements.txt)", python.display());
+        gpufrac_e2e::report_skip(
+            gpufrac_e2e::Skip::ThisMachine,
+            &format!("{} cannot import pynvml (tests/requirements.txt)", python.display()),
+        );
         return;
     }
     let _turn = turn();
