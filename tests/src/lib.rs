@@ -206,7 +206,8 @@ pub fn report_skip(kind: Skip, reason: &str) {
     let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
     eprintln!("skipped {test} ({}): {reason}", kind.label());
     let dir = skipped_tests_dir();
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot record the skip in {}: {e}", dir.display()));
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|e| panic!("cannot record the skip in {}: {e}", dir.display()));
     let file = dir.join(test.replace('/', "_"));
     let line = format!("{}\t{test}\t{reason}\n", kind.label());
     std::fs::OpenOptions::new()
@@ -228,14 +229,15 @@ pub fn read_skips(dir: &Path) -> Result<Vec<SkipRecord>, String> {
     let mut records = Vec::new();
     for entry in entries {
         let path = entry.map_err(|e| format!("cannot read {}: {e}", dir.display()))?.path();
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         for line in text.lines().filter(|l| !l.is_empty()) {
             let mut fields = line.splitn(3, '\t');
             let (Some(kind), Some(test), Some(reason)) = (fields.next(), fields.next(), fields.next()) else {
                 return Err(format!("{}: not a skip record: {line:?}", path.display()));
             };
-            let kind =
-                Skip::from_label(kind).ok_or_else(|| format!("{}: unknown kind of skip {kind:?}", path.display()))?;
+            let kind = Skip::from_label(kind)
+                .ok_or_else(|| format!("{}: unknown kind of skip {kind:?}", path.display()))?;
             records.push(SkipRecord { kind, test: test.to_owned(), reason: reason.to_owned() });
         }
     }
@@ -1205,4 +1207,40 @@ pub fn bursting_server(
         .env("GPUFRAC_WAIT_TIMEOUT", wait)
         .args(["alloc", &(32u64 << 20).to_string(), &upto.to_string()]);
     cmd
+}
+
+#[cfg(test)]
+mod skip_records {
+    use super::{read_skips, Skip, SkipRecord};
+
+    #[test]
+    fn records_read_back_sorted_by_test_and_a_stray_line_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-skip-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(read_skips(&dir), Ok(Vec::new()), "no folder: no skips");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("b::two"), "pytorch\tb::two\tPyTorch is not installed\n").unwrap();
+        std::fs::write(dir.join("a::one"), "this-machine\ta::one\tneeds root\tand a tab\n").unwrap();
+        let read = read_skips(&dir).unwrap();
+        assert_eq!(
+            read,
+            [
+                SkipRecord {
+                    kind: Skip::ThisMachine,
+                    test: "a::one".into(),
+                    reason: "needs root\tand a tab".into()
+                },
+                SkipRecord {
+                    kind: Skip::PyTorch,
+                    test: "b::two".into(),
+                    reason: "PyTorch is not installed".into()
+                },
+            ]
+        );
+        assert!(Skip::PyTorch.expected_on_ci() && !Skip::ThisMachine.expected_on_ci());
+        std::fs::write(dir.join("c::three"), "sometimes\tc::three\twhy\n").unwrap();
+        let err = read_skips(&dir).unwrap_err();
+        assert!(err.contains("unknown kind of skip \"sometimes\""), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -704,7 +704,8 @@ impl PodCgroup {
         }
         let pod_dir = root.join("kubepods").join(format!("pod{POD_UID}"));
         let container_dir = pod_dir.join("c0ffee00".repeat(8));
-        std::fs::create_dir_all(&container_dir).map_err(|e| format!("cannot make {}: {e}", container_dir.display()))?;
+        std::fs::create_dir_all(&container_dir)
+            .map_err(|e| format!("cannot make {}: {e}", container_dir.display()))?;
         let cgroup = PodCgroup { pod_dir, container_dir };
         // A process can join it (cgroup v2 also asks for write access to cgroup.procs
         // where the test's process is).

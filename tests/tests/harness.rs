@@ -112,7 +112,9 @@ fn real_gpu_command_environment() {
     if !real_gpu() {
         gpufrac_e2e::report_skip(
             gpufrac_e2e::Skip::NeedsRealGpu,
-            &format!("runs with {REAL_GPU_VAR}=1 only (simgpu_command_environment is its simgpu counterpart)"),
+            &format!(
+                "runs with {REAL_GPU_VAR}=1 only (simgpu_command_environment is its simgpu counterpart)"
+            ),
         );
         return;
     }

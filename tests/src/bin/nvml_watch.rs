@@ -15,7 +15,8 @@ fn main() {
     let nvml = nvml_wrapper::Nvml::init().expect("nvmlInit");
     let device = nvml.device_by_index(0).expect("device 0");
     // Start from now: the first answer covers the samples since.
-    let mut last = SystemTime::now().duration_since(UNIX_EPOCH).expect("the clock is past 1970").as_micros() as u64;
+    let mut last =
+        SystemTime::now().duration_since(UNIX_EPOCH).expect("the clock is past 1970").as_micros() as u64;
     let mut sums: HashMap<u32, (u64, u64)> = HashMap::new();
     let (mut answers, mut not_found) = (0u32, 0u32);
     let end = Instant::now() + Duration::from_millis(ms);
