@@ -300,7 +300,8 @@ impl Metrics {
             }
             for (key, (p, (request, limit, held, granted, host, parked, uncounted))) in &groups {
                 let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
-                let pod = pod_label(g.processes.iter().filter(|m| group_key(m) == *key).map(|m| m.pod.as_str()));
+                let pod =
+                    pod_label(g.processes.iter().filter(|m| group_key(m) == *key).map(|m| m.pod.as_str()));
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
                     ("request", request),
@@ -311,8 +312,12 @@ impl Metrics {
                     ("parked_to_host", *parked),
                     ("uncounted", *uncounted),
                 ] {
-                    let labels =
-                        GroupKind { gpu: g.uuid.clone(), group: group.clone(), workload_pod: pod.clone(), kind: kind.into() };
+                    let labels = GroupKind {
+                        gpu: g.uuid.clone(),
+                        group: group.clone(),
+                        workload_pod: pod.clone(),
+                        kind: kind.into(),
+                    };
                     self.group_memory.get_or_create(&labels).set(gauge(v));
                 }
                 if p.compute_limit_pm > 0 {
