@@ -70,11 +70,10 @@ fn guarantee(gpu: &SimGpu, arbiter: &Arbiter) -> ChildProcess {
     ChildProcess::spawn(&mut { cmd })
 }
 
-/// When the arbiter logged the first line for which `pick` holds, in seconds on its own
-/// clock (the RFC 3339 timestamp tracing writes first: `2026-11-27T01:42:16.286662Z`).
+/// When the arbiter (or a shim) logged the first line for which `pick` holds, in seconds on
+/// the system clock (the RFC 3339 timestamp tracing writes first: `2026-11-27T01:42:16.286662Z`).
 fn logged_at(log: &str, what: &str, pick: impl Fn(&str) -> bool) -> f64 {
-    let line =
-        log.lines().find(|l| pick(l)).unwrap_or_else(|| panic!("the arbiter never logged {what}:\n{log}"));
+    let line = log.lines().find(|l| pick(l)).unwrap_or_else(|| panic!("{what} was never logged:\n{log}"));
     let stamp = line.split_whitespace().next().unwrap_or_default();
     let parse = || -> Option<f64> {
         let (date, time) = stamp.strip_suffix('Z')?.split_once('T')?;
@@ -85,7 +84,7 @@ fn logged_at(log: &str, what: &str, pick: impl Fn(&str) -> bool) -> f64 {
         // The day of the month is enough: the tests run for minutes, never across a month.
         Some(((day * 24.0 + h) * 60.0 + m) * 60.0 + s)
     };
-    parse().unwrap_or_else(|| panic!("no timestamp on the arbiter's line {line:?}"))
+    parse().unwrap_or_else(|| panic!("no timestamp on the line {line:?}"))
 }
 
 /// The guarantee's registration and the borrower's ending, on the arbiter's clock.
@@ -271,6 +270,13 @@ fn memory_owed_that_never_comes_back_fails_after_at_least_20_s_saying_so() {
     let line = "gpufrac: out of memory: the GPU had no memory free within 20s (GPUFRAC_WAIT_TIMEOUT, at least 20s) \
                 for memory this group is guaranteed or was granted: guarantees and memory used outside gpufrac fill it";
     assert!(stderr.contains(line), "{line:?} missing:\n{}", b.diagnostics());
+    // It waited the 20 s it says: from its registration (the arbiter's log, before any of
+    // its allocations) to that line (the shim's own timestamp), both on the system clock.
+    let registered = logged_at(&arbiter.log_text(), "the guarantee's registration", |l| {
+        l.contains(" registered ") && l.contains(&format!("pid={} ", b.pid()))
+    });
+    let refused = logged_at(&stderr, "the out-of-memory line", |l| l.contains(line));
+    assert!(refused - registered >= 20.0, "refused {:.3} s after registering", refused - registered);
     assert!(arbiter.log_text().contains(ENDING), "the arbiter did end the borrower:\n{}", arbiter.log_text());
     b.finish();
     a.kill();
@@ -352,15 +358,33 @@ fn a_second_arbiter_refuses_the_socket_another_serves_and_leaves_it_alone() {
     let gpu = gpu();
     let first = Arbiter::start(&gpu);
     let inode = std::fs::metadata(first.socket()).expect("the first arbiter's socket").ino();
-    let out = gpu
+    let log = first.socket().with_extension("second.log");
+    let mut second = gpu
         .command(artifact("gpufrac-arbiter"))
         .arg("--socket")
         .arg(first.socket())
         .stdin(Stdio::null())
-        .output()
-        .expect("run a second gpufrac-arbiter");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "the second arbiter exits non-zero:\n{stderr}");
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("the second arbiter's log"))
+        .spawn()
+        .expect("start a second gpufrac-arbiter");
+    let deadline = Instant::now() + TIMEOUT;
+    let exit = loop {
+        if let Some(exit) = second.try_wait().expect("wait for the second arbiter") {
+            break exit;
+        }
+        if Instant::now() >= deadline {
+            let _ = second.kill();
+            let _ = second.wait();
+            panic!(
+                "the second arbiter is still running:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(exit.code(), Some(1), "the second arbiter exits non-zero:\n{stderr}");
     let said = format!("gpufrac-arbiter: error: another arbiter is serving {}", first.socket().display());
     assert!(stderr.contains(&said), "{said:?} missing:\n{stderr}");
     // The first is untouched: the same socket file, still answering.
