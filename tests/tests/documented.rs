@@ -54,7 +54,7 @@ fn shimmed(
 }
 
 /// The borrower: request 512 MiB, limit 3.5 GiB, holding 3 GiB (2.5 GiB of it lent) until
-/// its stdin closes. `cmd` wraps the command (to start it another way).
+/// its stdin closes. `wrap` may start its command another way (through a shell).
 fn borrower(gpu: &SimGpu, arbiter: &Arbiter, wrap: impl FnOnce(Command) -> Command) -> ChildProcess {
     let cmd = shimmed(gpu, arbiter.socket(), &unique("borrower"), ("512MiB", "3584MiB"), "30s", 3 * GIB);
     let mut a = ChildProcess::spawn(&mut wrap(cmd));
