@@ -26,6 +26,12 @@ CHUNK = expected("CHUNK")
 SHIMMED = bool(os.environ.get("LD_PRELOAD"))
 
 
+def pids(variable):
+    """The PIDs the test passes as a comma list in `variable` (CLIENT_OWN_PIDS: the
+    group's own processes, CLIENT_OTHER_PIDS: another tenant's), as a set; empty if unset."""
+    return {int(p) for p in os.environ.get(variable, "").split(",") if p}
+
+
 def report(what, **values):
     """One line the Rust test reads: `OK <what> key=value ...`."""
     fields = " ".join(f"{k}={v}" for k, v in values.items())

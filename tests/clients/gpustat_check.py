@@ -8,11 +8,7 @@ import re
 import subprocess
 import sys
 
-from common import TOTAL, report
-
-
-def pids(variable):
-    return {int(p) for p in os.environ.get(variable, "").split(",") if p}
+from common import TOTAL, pids, report
 
 
 own, others = pids("CLIENT_OWN_PIDS"), pids("CLIENT_OTHER_PIDS")

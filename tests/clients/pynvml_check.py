@@ -7,11 +7,7 @@ import os
 
 import pynvml
 
-from common import TOTAL, report
-
-
-def pids(variable):
-    return {int(p) for p in os.environ.get(variable, "").split(",") if p}
+from common import TOTAL, pids, report
 
 
 own, others = pids("CLIENT_OWN_PIDS"), pids("CLIENT_OTHER_PIDS")

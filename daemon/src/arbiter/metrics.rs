@@ -5,7 +5,9 @@
 //! Every label set is bounded by what is registered: GPU series exist only for the GPUs
 //! the arbiter manages (the server counts nothing for other device IDs), group series
 //! are rebuilt from the ledger at each scrape (a group gone is gone from them), and
-//! refusal and termination reasons are a fixed set.
+//! refusal and termination reasons are a fixed set. A group's series carry the pod its
+//! processes declared (`GPUFRAC_POD`) as a `workload_pod` label: one value per group at each
+//! scrape (see [`pod_label`]), so the label adds no series, only a name to join on.
 
 use gpufrac_common::protocol::Denial;
 use prometheus_client::encoding::text::encode;
@@ -31,6 +33,10 @@ struct GpuKind {
 struct GroupKind {
     gpu: String,
     group: String,
+    /// The pod its processes declared (`GPUFRAC_POD`, see [`pod_label`]). Not `pod`:
+    /// Prometheus's Kubernetes discovery gives every series of a target the label `pod`,
+    /// naming the arbiter's own pod, and would rename ours `exported_pod`.
+    workload_pod: String,
     kind: String,
 }
 
@@ -280,11 +286,7 @@ impl Metrics {
             type Sums = (u64, u64, u64, u64, u64, u64, u64);
             let mut groups: std::collections::BTreeMap<String, (&ProcessStatus, Sums)> = Default::default();
             for p in &g.processes {
-                let key = if p.group_key.is_empty() {
-                    format!("{}/{}", p.uid, p.group)
-                } else {
-                    p.group_key.clone()
-                };
+                let key = group_key(p);
                 // Request, limit and uncounted are the group's, the same for every member.
                 let e = groups.entry(key).or_insert((p, (p.request, p.limit, 0, 0, 0, 0, p.uncounted)));
                 e.1 .2 = e.1 .2.saturating_add(p.held);
@@ -298,6 +300,8 @@ impl Metrics {
             }
             for (key, (p, (request, limit, held, granted, host, parked, uncounted))) in &groups {
                 let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
+                let pod =
+                    pod_label(g.processes.iter().filter(|m| group_key(m) == *key).map(|m| m.pod.as_str()));
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
                 for (kind, v) in [
                     ("request", request),
@@ -308,7 +312,12 @@ impl Metrics {
                     ("parked_to_host", *parked),
                     ("uncounted", *uncounted),
                 ] {
-                    let labels = GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
+                    let labels = GroupKind {
+                        gpu: g.uuid.clone(),
+                        group: group.clone(),
+                        workload_pod: pod.clone(),
+                        kind: kind.into(),
+                    };
                     self.group_memory.get_or_create(&labels).set(gauge(v));
                 }
                 if p.compute_limit_pm > 0 {
@@ -319,8 +328,12 @@ impl Metrics {
                         ("allowance", p.compute_allowance_pm),
                         ("pace", p.compute_pace_pm),
                     ] {
-                        let labels =
-                            GroupKind { gpu: g.uuid.clone(), group: group.clone(), kind: kind.into() };
+                        let labels = GroupKind {
+                            gpu: g.uuid.clone(),
+                            group: group.clone(),
+                            workload_pod: pod.clone(),
+                            kind: kind.into(),
+                        };
                         self.group_compute.get_or_create(&labels).set(ratio(v));
                     }
                 }
@@ -329,6 +342,31 @@ impl Metrics {
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The key a process's group is kept under in the ledger (the status's `group_key`, or
+/// for a status without one, its user and group name).
+fn group_key(p: &ProcessStatus) -> String {
+    if p.group_key.is_empty() {
+        format!("{}/{}", p.uid, p.group)
+    } else {
+        p.group_key.clone()
+    }
+}
+
+/// The `workload_pod` label of a group whose processes declared `pods` (`GPUFRAC_POD`, empty when
+/// unset): the pod they name; empty when none names one (Prometheus reads an empty label
+/// as absent); `(several)` when they name different ones, which a process may do outside
+/// Kubernetes, where the pod is what the process says (a pod has no parentheses, so this
+/// is never a pod's name). One value per group: the label never multiplies its series.
+fn pod_label<'a>(pods: impl Iterator<Item = &'a str>) -> String {
+    let mut named = pods.filter(|pod| !pod.is_empty());
+    let Some(first) = named.next() else { return String::new() };
+    if named.all(|pod| pod == first) {
+        first.to_owned()
+    } else {
+        "(several)".to_owned()
     }
 }
 
@@ -455,13 +493,13 @@ mod tests {
             swap_limit: 0,
         };
         let text = Metrics::new().render(&status);
-        assert!(text.contains(r#"group="g (uid 0)",kind="held"} 1"#), "{text}");
-        assert!(text.contains(r#"group="g (uid 7)",kind="held"} 5"#), "{text}");
+        assert!(text.contains(r#"group="g (uid 0)",workload_pod="",kind="held"} 1"#), "{text}");
+        assert!(text.contains(r#"group="g (uid 7)",workload_pod="",kind="held"} 5"#), "{text}");
         let alone = Status {
             gpus: vec![GpuStatus { processes: vec![p(7, 2)], ..status.gpus[0].clone() }],
             swap_limit: 0,
         };
-        assert!(Metrics::new().render(&alone).contains(r#"group="g",kind="held"} 2"#));
+        assert!(Metrics::new().render(&alone).contains(r#"group="g",workload_pod="",kind="held"} 2"#));
     }
 
     #[test]
@@ -493,13 +531,50 @@ mod tests {
         };
         let text = Metrics::new().render(&status);
         for series in [
-            r#"group="k8s-0f3c-c",kind="held"} 3"#,
-            r#"group="k8s-0f3c-c (uid 0)",kind="held"} 4"#,
-            r#"group="a (uid 1000, pid 41)",kind="held"} 8"#,
-            r#"group="a (uid 1000, pid 42)",kind="held"} 16"#,
-            r#"group="b",kind="held"} 32"#,
+            r#"group="k8s-0f3c-c",workload_pod="",kind="held"} 3"#,
+            r#"group="k8s-0f3c-c (uid 0)",workload_pod="",kind="held"} 4"#,
+            r#"group="a (uid 1000, pid 41)",workload_pod="",kind="held"} 8"#,
+            r#"group="a (uid 1000, pid 42)",workload_pod="",kind="held"} 16"#,
+            r#"group="b",workload_pod="",kind="held"} 32"#,
         ] {
             assert!(text.contains(series), "{series} missing:\n{text}");
         }
+    }
+
+    #[test]
+    fn a_groups_series_name_the_pod_its_processes_declared() {
+        let p = |pid, group: &str, pod: &str| ProcessStatus {
+            pid,
+            group: group.into(),
+            pod: pod.into(),
+            held: 1,
+            ..ProcessStatus::default()
+        };
+        let status = Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                processes: vec![
+                    p(1, "web", "prod/web-0"),
+                    p(2, "web", "prod/web-0"),
+                    p(3, "batch", ""),
+                    p(4, "mixed", "a/one"),
+                    p(5, "mixed", ""),
+                    p(6, "mixed", "b/two"),
+                ],
+                ..GpuStatus::default()
+            }],
+            swap_limit: 0,
+        };
+        let text = Metrics::new().render(&status);
+        for series in [
+            r#"group="web",workload_pod="prod/web-0",kind="held"} 2"#,
+            r#"group="web",workload_pod="prod/web-0",kind="request"} 0"#,
+            r#"group="batch",workload_pod="",kind="held"} 1"#,
+            r#"group="mixed",workload_pod="(several)",kind="held"} 3"#,
+        ] {
+            assert!(text.contains(series), "{series} missing:\n{text}");
+        }
+        // One value per group: the label adds no series.
+        assert_eq!(text.matches(r#"kind="held""#).count(), 3, "{text}");
     }
 }

@@ -375,9 +375,15 @@ fn run(args: Args) -> Result<()> {
             let status_source = shared.clone();
             tokio::spawn(metrics::serve(tcp, shared.metrics.clone(), move || status_source.status()));
         }
-        tracing::info!(socket = %socket.display(), "serving");
-        let shutdown = gpufrac_common::daemon::terminated();
-        server::serve(listener, shared, shutdown).await;
+        // Polled once before saying "serving": its SIGTERM and SIGINT handlers are
+        // installed at its first poll, and until then either signal would end the
+        // arbiter without removing its socket.
+        let mut shutdown = std::pin::pin!(gpufrac_common::daemon::terminated());
+        let stopped = std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(shutdown.as_mut(), cx).is_ready())).await;
+        if !stopped {
+            tracing::info!(socket = %socket.display(), "serving");
+            server::serve(listener, shared, shutdown).await;
+        }
         anyhow::Ok(())
     })?;
     let _ = std::fs::remove_file(&args.socket);
