@@ -997,7 +997,8 @@ impl Arbiter {
         let deadline = Instant::now() + TIMEOUT;
         loop {
             let log = self.log_text();
-            let said = log.lines().filter(|l| l.contains("serving metrics")).find_map(|l| log_field(l, "addr"));
+            let said =
+                log.lines().filter(|l| l.contains("serving metrics")).find_map(|l| log_field(l, "addr"));
             if let Some(addr) = said.and_then(|a| a.parse().ok()) {
                 return addr;
             }

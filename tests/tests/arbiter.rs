@@ -408,7 +408,11 @@ fn priority_never_ends_a_higher_priority_holder() {
     let mut b = server_with(&gpu, &arbiter, &unique("low"), 2 * GIB, "1s", "priority", 0);
     assert!(b.ready()[0] < 2 * GIB, "the lower-priority burst waits and times out");
     let waited = arbiter.denials(b.pid(), "Timeout");
-    assert!(waited.iter().any(|&ms| ms >= 1000), "denied after its 1 s wait: {waited:?}\n{}", arbiter.log_text());
+    assert!(
+        waited.iter().any(|&ms| ms >= 1000),
+        "denied after its 1 s wait: {waited:?}\n{}",
+        arbiter.log_text()
+    );
     assert!(!arbiter.log_text().contains("terminating"), "{}", arbiter.log_text());
     b.close_stdin();
     b.finish();
