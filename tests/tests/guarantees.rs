@@ -352,7 +352,9 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
     assert!(s.gpus[0].guaranteed <= 16 * GIB, "{s:?}");
     for l in &mut load {
         // A borrower may be swapped out or ended for the guarantees, never corrupted.
-        let status = l.wait(Duration::from_secs(120));
+        // Filling and checking 5 GiB bursts on simgpu takes minutes on a loaded machine:
+        // the bound only guards against a hang.
+        let status = l.wait(Duration::from_secs(600));
         assert!(status.code() != Some(4), "a borrower's data came back wrong: {}", l.diagnostics());
         assert!(!l.stderr_text().contains("CORRUPT"), "{}", l.diagnostics());
     }
