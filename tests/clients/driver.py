@@ -2,6 +2,7 @@
 call checked (a failure ends the check with the call's name and status), and a block held
 in the device's primary context."""
 
+import ctypes
 import sys
 
 from cuda.bindings import driver as cu
@@ -30,3 +31,15 @@ def release(held):
     device, pointer = held
     check("cuMemFree", cu.cuMemFree(pointer))
     check("cuDevicePrimaryCtxRelease", cu.cuDevicePrimaryCtxRelease(device))
+
+
+def keep_busy(microseconds):
+    """Runs simgpu's built-in `simgpu_sleep_us` kernel for `microseconds` of device time in
+    the current context and waits for it: the process then has utilization samples (only
+    on simgpu, whose modules all offer its built-in kernels)."""
+    module = check("cuModuleLoadData", cu.cuModuleLoadData(b"simgpu built-in kernels\0"))
+    function = check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"simgpu_sleep_us"))
+    params = ((microseconds,), (ctypes.c_ulonglong,))
+    check("cuLaunchKernel", cu.cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, 0, params, 0))
+    check("cuCtxSynchronize", cu.cuCtxSynchronize())
+    check("cuModuleUnload", cu.cuModuleUnload(module))

@@ -1,7 +1,9 @@
 """nvidia-ml-py (pynvml), as monitoring tools use it: the device and its memory as the shim
 shows them (the slice, with what the group holds as used), and the process lists of every
 version, which show the group's own processes (CLIENT_OWN_PIDS) and, under the shim, none
-of another tenant's (CLIENT_OTHER_PIDS); the same for per-process utilization samples."""
+of another tenant's (CLIENT_OTHER_PIDS); the same for per-process utilization samples,
+which must show the processes of CLIENT_SAMPLED_PIDS (tenants that ran kernels: bare,
+another tenant's among them, so that hiding it under the shim is a check that can fail)."""
 
 import os
 
@@ -11,6 +13,7 @@ from common import TOTAL, pids, report
 
 
 own, others = pids("CLIENT_OWN_PIDS"), pids("CLIENT_OTHER_PIDS")
+must_sample = pids("CLIENT_SAMPLED_PIDS")
 held_at_least = int(os.environ.get("CLIENT_HELD_AT_LEAST", "0"))
 
 pynvml.nvmlInit()
@@ -50,6 +53,8 @@ try:
     sampled = {s.pid for s in pynvml.nvmlDeviceGetProcessUtilization(handle, 0)}
 except pynvml.NVMLError_NotFound:
     sampled = set()
+missing = must_sample - sampled
+assert not missing, f"process utilization: {sorted(missing)} ran kernels but are not in {sorted(sampled)}"
 leaked = sampled & others
 assert not leaked, f"process utilization: another tenant's processes {sorted(leaked)} sampled"
 report("process_utilization", sampled=",".join(map(str, sorted(sampled))))

@@ -1110,6 +1110,57 @@ impl Arbiter {
     }
 }
 
+impl Arbiter {
+    /// The address the arbiter's `--metrics` listener bound, from its `serving metrics
+    /// addr=...` log line: start it with `--metrics 127.0.0.1:0` and the system picks a
+    /// free port, with no race against other programs for it.
+    pub fn metrics_addr(&self) -> std::net::SocketAddr {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let log = self.log_text();
+            let said =
+                log.lines().filter(|l| l.contains("serving metrics")).find_map(|l| log_field(l, "addr"));
+            if let Some(addr) = said.and_then(|a| a.parse().ok()) {
+                return addr;
+            }
+            assert!(Instant::now() < deadline, "the arbiter never said where it serves metrics:\n{log}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// How long, in milliseconds, the arbiter had made each burst of process `pid` wait
+    /// when it denied it for `reason` (`"Timeout"`, `"NeverFits"`...), in order: read from
+    /// its `burst denied` log lines (INFO), the arbiter's own account of a refusal.
+    pub fn denials(&self, pid: u32, reason: &str) -> Vec<u64> {
+        let pid = pid.to_string();
+        self.log_text()
+            .lines()
+            .filter(|l| l.contains("burst denied"))
+            .filter(|l| log_field(l, "pid") == Some(pid.as_str()) && log_field(l, "reason") == Some(reason))
+            .map(|l| {
+                log_field(l, "waited_ms")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("no waited_ms in the arbiter's line {l:?}"))
+            })
+            .collect()
+    }
+}
+
+/// The value of the field `name` in a log line of `name=value` fields (the arbiter's and
+/// the shim's format), without quotes.
+pub fn log_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let prefix = format!("{name}=");
+    line.split_whitespace().find_map(|w| w.strip_prefix(prefix.as_str())).map(|v| v.trim_matches('"'))
+}
+
+/// The words of the shim's line for a burst the arbiter did not grant (on its stderr, at
+/// the default log level): `gpufrac: out of memory: a burst of N bytes above the request
+/// was not granted: <why>`.
+pub const NOT_GRANTED: &str = "above the request was not granted";
+
+/// The reason the shim gives after [`NOT_GRANTED`] for a wait that timed out.
+pub const WAIT_TIMED_OUT: &str = "GPUFRAC_WAIT_TIMEOUT passed while the memory was lent to others";
+
 /// Where the shim keeps the ledger of `group` (as `gpufrac_core::ledger::group_path` says):
 /// in the effective user's folder `/dev/shm/gpufrac-<euid>/`.
 pub fn ledger_path(group: &str) -> PathBuf {

@@ -113,6 +113,10 @@ fn tenants(gpu: &SimGpu) -> Tenants {
     let hold = |group: &str| {
         let mut cmd = client(gpu, "holder.py", Under::Shim { group });
         cmd.env("CLIENT_HOLD", HELD.to_string());
+        if !gpu.is_real() {
+            // Kernels, so that each tenant has utilization samples to show or hide.
+            cmd.env("CLIENT_BUSY_US", "20000");
+        }
         let mut child = ChildProcess::spawn(&mut cmd);
         child.ready();
         child
@@ -132,6 +136,11 @@ fn monitor(script: &str) {
     let mut bare = client(&gpu, script, Under::Bare);
     bare.env("CLIENT_OWN_PIDS", format!("{mine},{theirs}"))
         .env("CLIENT_HELD_AT_LEAST", (2 * HELD).to_string());
+    // Both tenants ran kernels (on simgpu): bare, both have samples, so the shimmed run's
+    // hiding of the other tenant's is a check that can fail.
+    if !gpu.is_real() {
+        bare.env("CLIENT_SAMPLED_PIDS", format!("{mine},{theirs}"));
+    }
     passes(bare);
 
     let mut shimmed = client(&gpu, script, Under::Shim { group: &t.group });
@@ -139,6 +148,9 @@ fn monitor(script: &str) {
         .env("CLIENT_OWN_PIDS", &mine)
         .env("CLIENT_OTHER_PIDS", &theirs)
         .env("CLIENT_HELD_AT_LEAST", HELD.to_string());
+    if !gpu.is_real() {
+        shimmed.env("CLIENT_SAMPLED_PIDS", &mine);
+    }
     passes(shimmed);
 
     for child in [&mut t.mine, &mut t.theirs] {

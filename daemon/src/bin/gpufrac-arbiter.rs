@@ -371,6 +371,9 @@ fn run(args: Args) -> Result<()> {
             let tcp = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding --metrics {addr}"))?;
+            // The address bound, not the one asked for: with port 0 the system picks one,
+            // and this line is how a caller learns it.
+            let addr = tcp.local_addr().with_context(|| format!("the address --metrics {addr} bound"))?;
             tracing::info!(%addr, "serving metrics");
             let status_source = shared.clone();
             tokio::spawn(metrics::serve(tcp, shared.metrics.clone(), move || status_source.status()));
