@@ -408,13 +408,9 @@ fn scrape(port: u16) -> String {
 fn the_pod_a_process_names_is_shown_by_status_and_in_the_metrics() {
     skip_on_real_gpu!(FULL);
     let gpu = gpu();
-    // A port the system just handed out and took back: free, barring a rare race.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let arbiter = Arbiter::start_at(
-        &gpu,
-        gpu.lib_dir().join("arbiter.sock"),
-        &["--metrics", &format!("127.0.0.1:{port}")],
-    );
+    // The arbiter picks the port and says which.
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &["--metrics", "127.0.0.1:0"]);
+    let port = arbiter.metrics_addr().port();
     // One named by `gpufrac run --pod`, one by GPUFRAC_POD, one by nothing.
     let (by_flag, by_env, unnamed) = (unique("by-flag"), unique("by-env"), unique("unnamed"));
     let alloc = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);

@@ -78,14 +78,13 @@ fn check_intact(a: &mut ChildProcess) {
 fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched() {
     skip_on_real_gpu!(KERNELS);
     let gpu = gpu();
-    // A port the system just handed out and took back: free, barring a rare race.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let metrics = format!("127.0.0.1:{port}");
+    // The arbiter picks the port and says which.
     let arbiter = Arbiter::start_at(
         &gpu,
         gpu.lib_dir().join("s.sock"),
-        &["--swap-quantum", "3s", "--metrics", &metrics],
+        &["--swap-quantum", "3s", "--metrics", "127.0.0.1:0"],
     );
+    let metrics = arbiter.metrics_addr().to_string();
     let (ga, gb) = (unique("holder"), unique("burst"));
     let (mut a, ptrs) = holder(&gpu, &arbiter, &ga);
     // A has held its burst for a quantum; it sleeps (reads stdin) from here on.

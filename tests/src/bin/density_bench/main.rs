@@ -53,7 +53,7 @@
 //! `density_bench --svg docs/density.svg`.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{exit, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -339,10 +339,6 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// A free TCP port on the loopback, for the arbiter's metrics.
-fn free_port() -> Option<u16> {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).ok()
-}
-
 /// The arbiter's Prometheus text, or `None` if it does not answer.
 fn fetch_metrics(port: u16) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -416,13 +412,9 @@ fn run(config: &str, o: &Options) -> Outcome {
 
     let context = if o.context == 0 { "0".to_owned() } else { format!("{}MiB", o.context.div_ceil(MIB)) };
     let gpu = SimGpu::new(&format!("{}MiB", o.device.div_ceil(MIB))).with_context_overhead(&context);
-    let metrics_port = free_port();
     let arbiter = (!matches!(config, "static" | "bare")).then(|| {
-        let mut args = Vec::new();
-        let metrics = metrics_port.map(|p| format!("127.0.0.1:{p}"));
-        if let Some(addr) = &metrics {
-            args.extend(["--metrics", addr.as_str()]);
-        }
+        // The arbiter picks the metrics port and says which (`Arbiter::metrics_addr`).
+        let mut args = vec!["--metrics", "127.0.0.1:0"];
         if config == "swap" {
             args.extend(["--swap-quantum", "1s"]);
         }
@@ -531,7 +523,7 @@ fn run(config: &str, o: &Options) -> Outcome {
         out.samples = sampler.finish();
     }
     out.bursts = servers as u64 * u64::from(o.bursts) * u64::from(o.rounds);
-    if let Some(port) = metrics_port.filter(|_| arbiter.is_some()) {
+    if let Some(port) = arbiter.as_ref().map(|a| a.metrics_addr().port()) {
         match fetch_metrics(port) {
             Some(text) => out.notes.push(format!("arbiter: {}", summarize_metrics(&text))),
             None => out.notes.push("arbiter: metrics not available".to_owned()),
