@@ -6,8 +6,9 @@
 //!
 //! Shares are measured by the workloads themselves (`compute_load`: kernels run times
 //! the device time each needs, over the wall time), not by what the arbiter believes.
-//! Tolerances are wider than the benchmark's (docs/benchmarks.md) because the test
-//! machine runs other tests at the same time.
+//! Shares are judged relative to what the same run measured (the two groups' parts of
+//! the time they got together; a group alone against a bare flood alone), so that a busy
+//! machine, whose CPUs take wall time from every flood alike, does not move the verdict.
 
 use std::time::Duration;
 
@@ -93,17 +94,16 @@ fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
     let large_status = gpu_status.processes.iter().find(|p| p.compute_request_pm == 700).unwrap();
     assert_eq!((large_status.compute_limit_pm, large_status.compute_allowance_pm), (1000, 700));
     let got = measured(&mut both);
+    // Each group's part of the time the two got together: a busy machine's CPUs take
+    // wall time from both alike, not from one group's part (time-slicing alone splits
+    // it 50/50, which this excludes).
+    let split = got[0] / (got[0] + got[1]);
     assert!(
-        (got[0] - 0.3).abs() <= 0.08,
-        "the 30% group got {:.1}% (and the 70% one {:.1}%)",
+        (split - 0.3).abs() <= 0.1,
+        "the 30% group got {:.1}% of the time they got together ({:.1}% and {:.1}% of the wall time)",
+        split * 100.0,
         got[0] * 100.0,
         got[1] * 100.0
-    );
-    assert!(
-        (got[1] - 0.7).abs() <= 0.08,
-        "the 70% group got {:.1}% (and the 30% one {:.1}%)",
-        got[1] * 100.0,
-        got[0] * 100.0
     );
     let log = arbiter.log_text();
     assert!(log.contains("pacing a group past its compute allowance"), "{log}");
@@ -114,10 +114,25 @@ fn a_group_alone_uses_the_gpu_up_to_its_compute_limit() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
     let (_turn, gpu) = gpu();
     let arbiter = Arbiter::start(&gpu);
+    // What a flood without compute settings gets alone in this run: the most this
+    // machine, as busy as it is now, lets a flood have.
+    let bare = shares(vec![flood(&gpu, &arbiter, None, 1, 3)]);
     let whole = shares(vec![flood(&gpu, &arbiter, Some(("30%", "100%")), 1, 3)]);
-    assert!(whole[0] >= 0.85, "alone with a limit of 100% it got {:.1}%", whole[0] * 100.0);
+    assert!(
+        whole[0] >= 0.85 * bare[0],
+        "alone with a limit of 100% it got {:.1}%, a bare flood {:.1}%",
+        whole[0] * 100.0,
+        bare[0] * 100.0
+    );
     let capped = shares(vec![flood(&gpu, &arbiter, Some(("20%", "60%")), 3, 4)]);
-    assert!((capped[0] - 0.6).abs() <= 0.08, "alone with a limit of 60% it got {:.1}%", capped[0] * 100.0);
+    let part = capped[0] / bare[0];
+    assert!(
+        (part - 0.6).abs() <= 0.12,
+        "alone with a limit of 60% it got {:.1}% of what a bare flood got ({:.1}% and {:.1}%)",
+        part * 100.0,
+        capped[0] * 100.0,
+        bare[0] * 100.0
+    );
 }
 
 #[test]
@@ -126,7 +141,12 @@ fn groups_without_compute_settings_share_the_gpu_as_its_time_slicing_does() {
     let (_turn, gpu) = gpu();
     let arbiter = Arbiter::start(&gpu);
     let got = shares(vec![flood(&gpu, &arbiter, None, 1, 3), flood(&gpu, &arbiter, None, 1, 3)]);
-    assert!(got.iter().all(|s| (s - 0.5).abs() <= 0.1), "{got:?}");
+    let split = got[0] / (got[0] + got[1]);
+    assert!(
+        (split - 0.5).abs() <= 0.1,
+        "the first got {:.1}% of the time they got together: {got:?}",
+        split * 100.0
+    );
     let status = gpufrac_e2e::status(&arbiter);
     assert_eq!(status.gpus[0].compute_requested_pm, 0);
 }

