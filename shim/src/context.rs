@@ -301,7 +301,27 @@ pub(crate) fn primary_reset_v1(dev: c_int) -> Status {
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset(dev)))
 }
 
-fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status {
+fn create(ctx: *mut Ptr, dev: c_int, real: impl FnMut() -> Status) -> Status {
+    create_tracked(
+        ctx,
+        dev,
+        real,
+        |c| c as u64,
+        |c| {
+            let _ = call_real!(cuCtxDestroy_v2(c));
+        },
+    )
+}
+
+/// A context made by `real` into `*out` on device `dev`, measured and charged; tracked by
+/// `tracked(handle)` (what programs make current), destroyed with `destroy` if refused.
+fn create_tracked(
+    out: *mut Ptr,
+    dev: c_int,
+    mut real: impl FnMut() -> Status,
+    tracked: impl FnOnce(Ptr) -> u64,
+    destroy: impl FnOnce(Ptr),
+) -> Status {
     // A context's own memory is device memory: a parked process waits for its wake.
     let _allocating = match crate::park::allocating() {
         Ok(a) => a,
@@ -314,13 +334,13 @@ fn create(ctx: *mut Ptr, dev: c_int, mut real: impl FnMut() -> Status) -> Status
             false,
             || {
                 let status = e.physical(&mut real);
-                (status, read(ctx).map_or(0, |c| c as u64))
+                (status, read(out).map_or(0, tracked))
             },
             || {
-                if let Some(c) = read(ctx) {
-                    let _ = call_real!(cuCtxDestroy_v2(c));
+                if let Some(c) = read(out) {
+                    destroy(c);
                 }
-                write(ctx, std::ptr::null_mut());
+                write(out, std::ptr::null_mut());
             },
         ),
         _ => refused().unwrap_or_else(real),
@@ -343,29 +363,15 @@ pub(crate) fn ctx_create_v4(ctx: *mut Ptr, params: Ptr, flags: c_uint, dev: c_in
 /// context. It is tracked by the `CUcontext` that `cuCtxFromGreenCtx` gives for it, the
 /// handle programs make current and allocate in, so that its allocations go with it.
 pub(crate) fn green_ctx_create(green: *mut Ptr, desc: Ptr, dev: c_int, flags: c_uint) -> Status {
-    let real = || call_real!(cuGreenCtxCreate(green, desc, dev, flags));
-    let _allocating = match crate::park::allocating() {
-        Ok(a) => a,
-        Err(status) => return status,
-    };
-    match enforcer() {
-        Some(e) if dev >= 0 => measured(
-            e,
-            dev as usize,
-            false,
-            || {
-                let status = e.physical(real);
-                (status, read(green).map_or(0, green_context_handle))
-            },
-            || {
-                if let Some(g) = read(green) {
-                    let _ = call_real!(cuGreenCtxDestroy(g));
-                }
-                write(green, std::ptr::null_mut());
-            },
-        ),
-        _ => refused().unwrap_or_else(real),
-    }
+    create_tracked(
+        green,
+        dev,
+        || call_real!(cuGreenCtxCreate(green, desc, dev, flags)),
+        green_context_handle,
+        |g| {
+            let _ = call_real!(cuGreenCtxDestroy(g));
+        },
+    )
 }
 
 /// The `CUcontext` of green context `green` (the green context's own handle if the
