@@ -1128,6 +1128,21 @@ impl Arbiter {
         }
     }
 
+    /// The body of the arbiter's `GET /metrics` (started with `--metrics 127.0.0.1:0`);
+    /// panics unless it answers 200.
+    pub fn metrics(&self) -> String {
+        use std::io::{Read, Write};
+        let address = self.metrics_addr();
+        let mut http = std::net::TcpStream::connect(address).expect("the arbiter's metrics port");
+        http.set_read_timeout(Some(TIMEOUT)).expect("a read timeout");
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").expect("the metrics request");
+        let mut response = String::new();
+        http.read_to_string(&mut response).expect("the metrics");
+        let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("not HTTP: {response}"));
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        body.to_owned()
+    }
+
     /// How long, in milliseconds, the arbiter had made each burst of process `pid` wait
     /// when it denied it for `reason` (`"Timeout"`, `"NeverFits"`...), in order: read from
     /// its `burst denied` log lines (INFO), the arbiter's own account of a refusal.

@@ -23,7 +23,6 @@
 //! `manifests.rs`); the live test needs the workspace built, as the other end-to-end tests.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -800,29 +799,17 @@ fn assert_the_check_catches_drift(body: &str, exported: &Exported, labels: &BTre
 
 const CHUNK: u64 = 32 * MIB;
 
-fn scrape(address: &str) -> String {
-    let mut http = std::net::TcpStream::connect(address).expect("the metrics port");
-    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut response = String::new();
-    http.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("not HTTP: {response}"));
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_owned()
-}
-
 #[test]
 fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
     skip_on_real_gpu!(
         "the bursts collide on simgpu's 4 GiB device; on a larger real GPU they fit side by side"
     );
     let gpu = SimGpu::new("4GiB").with_context_overhead("64MiB");
-    // A port the system just handed out and took back: free, barring a rare race.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let metrics = format!("127.0.0.1:{port}");
+    // The arbiter picks the metrics port and says which.
     let arbiter = Arbiter::start_at(
         &gpu,
         gpu.lib_dir().join("dashboard.sock"),
-        &["--metrics", &metrics, "--kill-grace", "2s", "--swap-quantum", "0s"],
+        &["--metrics", "127.0.0.1:0", "--kill-grace", "2s", "--swap-quantum", "0s"],
     );
 
     // A grant: A holds 2.5 GiB, 1.5 GiB of it lent.
@@ -890,7 +877,7 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
         s.gpus[0].processes.iter().any(|p| p.group == gh && p.host_bytes >= GIB)
     });
     // Scraped while H is swapped out and R holds its burst: every memory kind has a value.
-    let body = scrape(&metrics);
+    let body = arbiter.metrics();
     r.close_stdin();
     r.finish();
     h.close_stdin();

@@ -10,7 +10,6 @@
 //! Every wait is on an event (a line a program prints, a status field, a log line); the
 //! only durations asserted are lower bounds read from the arbiter's own log clock.
 
-use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -393,24 +392,12 @@ fn a_second_arbiter_refuses_the_socket_another_serves_and_leaves_it_alone() {
     assert!(status(&first).gpus.len() == 1, "the first arbiter still answers");
 }
 
-/// The body of `GET /metrics` on `port`.
-fn scrape(port: u16) -> String {
-    let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics port");
-    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut response = String::new();
-    http.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("not HTTP: {response}"));
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_owned()
-}
-
 #[test]
 fn the_pod_a_process_names_is_shown_by_status_and_in_the_metrics() {
     skip_on_real_gpu!(FULL);
     let gpu = gpu();
     // The arbiter picks the port and says which.
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &["--metrics", "127.0.0.1:0"]);
-    let port = arbiter.metrics_addr().port();
     // One named by `gpufrac run --pod`, one by GPUFRAC_POD, one by nothing.
     let (by_flag, by_env, unnamed) = (unique("by-flag"), unique("by-env"), unique("unnamed"));
     let alloc = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);
@@ -470,7 +457,7 @@ fn the_pod_a_process_names_is_shown_by_status_and_in_the_metrics() {
         assert!(row.split_whitespace().any(|w| w == pod), "{group}'s row shows {pod}:\n{table}");
     }
     // The metrics: each group's series carry its pod.
-    let body = scrape(port);
+    let body = arbiter.metrics();
     for (group, pod) in [(&by_flag, "serving/web-0"), (&by_env, "batch/job-7"), (&unnamed, "")] {
         let series = format!(
             r#"gpufrac_group_memory_bytes{{gpu="{}",group="{group}",workload_pod="{pod}",kind="request"}} {}"#,

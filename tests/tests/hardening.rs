@@ -148,22 +148,12 @@ fn still_serving(gpu: &SimGpu, arbiter: &Arbiter) {
     a.finish();
 }
 
-fn scrape(address: std::net::SocketAddr) -> String {
-    let mut s = std::net::TcpStream::connect(address).expect("connect to --metrics");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).expect("the metrics");
-    body
-}
-
 #[test]
 fn swapped_frames_for_random_devices_leave_memory_and_metrics_bounded() {
     const FRAMES: usize = 100_000;
     let gpu = gpu();
     // Port 0: the arbiter binds one the system picks and says which in its log.
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &["--metrics", "127.0.0.1:0"]);
-    let address = arbiter.metrics_addr();
     let pid = arbiter_pid(&arbiter);
     let before = rss(pid);
     let mut s = UnixStream::connect(arbiter.socket()).unwrap();
@@ -206,7 +196,7 @@ fn swapped_frames_for_random_devices_leave_memory_and_metrics_bounded() {
     assert!(matches!(answer, Reply::Refused { .. }), "{answer:?}");
     let grown = rss(pid).saturating_sub(before);
     assert!(grown < 50 * MIB, "{FRAMES} frames grew the arbiter by {} MiB", grown / MIB);
-    let body = scrape(address);
+    let body = arbiter.metrics();
     assert!(body.len() < 1 << 20, "/metrics is {} bytes", body.len());
     assert!(body.contains("gpufrac_gpu_memory_bytes"), "{body}");
     // Nothing was logged per frame either.

@@ -84,7 +84,6 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
         gpu.lib_dir().join("s.sock"),
         &["--swap-quantum", "3s", "--metrics", "127.0.0.1:0"],
     );
-    let metrics = arbiter.metrics_addr().to_string();
     let (ga, gb) = (unique("holder"), unique("burst"));
     let (mut a, ptrs) = holder(&gpu, &arbiter, &ga);
     // A has held its burst for a quantum; it sleeps (reads stdin) from here on.
@@ -133,7 +132,7 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     a.finish();
     let log = arbiter.log_text();
     assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
-    let body = scrape(&metrics);
+    let body = arbiter.metrics();
     // At least A's swap out and in (B may have taken a turn too if it outlived its quantum).
     for direction in ["out", "in"] {
         let labels = format!("{{gpu=\"{}\",direction=\"{direction}\"}} ", s.gpus[0].uuid);
@@ -145,15 +144,6 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
         assert!(value("gpufrac_swap_bytes_total") >= BURST * BURSTS, "{direction}:\n{body}");
     }
     assert!(body.contains("gpufrac_swap_seconds_bucket{"), "{body}");
-}
-
-fn scrape(address: &str) -> String {
-    use std::io::{Read, Write};
-    let mut http = std::net::TcpStream::connect(address).expect("metrics port");
-    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut body = String::new();
-    http.read_to_string(&mut body).unwrap();
-    body
 }
 
 #[test]
