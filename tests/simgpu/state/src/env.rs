@@ -84,6 +84,21 @@ impl SimGpuDir {
 
 impl Drop for SimGpuDir {
     fn drop(&mut self) {
+        // Exported VMM memory is backed by named files beside the state (in /dev/shm):
+        // what the machine's processes left behind when they ended goes with it.
+        let state = self.state_path();
+        let state = state.to_string_lossy();
+        let first = crate::objects::object_path(&state, 0);
+        if let Some(prefix) = first.strip_suffix('0') {
+            let (dir, name) = prefix.rsplit_once('/').unwrap_or((".", prefix));
+            if let Ok(entries) = std::fs::read_dir(dir) {
+                for entry in entries.flatten() {
+                    if entry.file_name().to_string_lossy().starts_with(name) {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
+                }
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
