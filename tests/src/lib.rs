@@ -25,6 +25,7 @@ pub mod busy;
 pub mod clients;
 pub mod density_chart;
 pub mod device_model;
+pub mod kube_standins;
 pub mod kubernetes_validate;
 pub mod rng;
 

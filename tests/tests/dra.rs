@@ -24,25 +24,18 @@
 //!   claim's shares on one GPU add up to its request.
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use gpufrac_device_plugin::dra::api::registration::registration_client::RegistrationClient;
 use gpufrac_device_plugin::dra::api::registration::{InfoRequest, RegistrationStatus};
 use gpufrac_device_plugin::dra::api::{v1, v1beta1};
 use gpufrac_e2e::{
     artifact, compile_c, kubernetes_validate, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu,
 };
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use gpufrac_e2e::kube_standins::{channel, ApiServer};
 use serde_json::{json, Value};
-use tokio::net::{TcpListener, UnixStream};
-use tonic::transport::{Channel, Endpoint, Uri};
 
 const GIB: u64 = 1 << 30;
 const WAIT: Duration = Duration::from_secs(20);
@@ -52,150 +45,6 @@ const BAD_CLAIM_UID: &str = "0f3c2a9e-9999-4222-8333-444455556666";
 const POD_UID: &str = "7a1b2c3d-0000-4000-8000-000000000001";
 /// Why this needs simgpu: it injects an XID and sizes claims against simgpu's devices.
 const SIMULATED: &str = "injects XIDs into simgpu and sizes claims to its devices";
-
-/// What the API-server stand-in holds: objects by path, and every slice it was sent.
-#[derive(Default)]
-struct Store {
-    objects: BTreeMap<String, Value>,
-    slices_received: Vec<Value>,
-    next_version: u64,
-}
-
-#[derive(Clone, Default)]
-struct ApiServer(Arc<Mutex<Store>>);
-
-const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
-/// Every pod, listed and watched (the arbiter's reflector over its node's pods).
-const PODS: &str = "/api/v1/pods";
-
-fn status(code: u16, reason: &str, message: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-           "message": message, "reason": reason, "code": code})
-}
-
-impl ApiServer {
-    fn put(&self, path: &str, object: Value) {
-        self.0.lock().unwrap().objects.insert(path.to_owned(), object);
-    }
-
-    fn remove(&self, path: &str) {
-        self.0.lock().unwrap().objects.remove(path);
-    }
-
-    fn slice(&self) -> Option<Value> {
-        self.0.lock().unwrap().objects.get(&format!("{SLICES}/{NODE}-gpu.gpufrac.io")).cloned()
-    }
-
-    fn slices_received(&self) -> Vec<Value> {
-        self.0.lock().unwrap().slices_received.clone()
-    }
-
-    fn answer(&self, method: &Method, path: &str, body: &[u8]) -> (StatusCode, Value) {
-        let mut store = self.0.lock().unwrap();
-        let parsed: Option<Value> = serde_json::from_slice(body).ok();
-        match (method, path) {
-            (&Method::GET, PODS) => {
-                let items: Vec<Value> = store
-                    .objects
-                    .iter()
-                    .filter(|(key, _)| key.starts_with("/api/v1/namespaces/") && key.contains("/pods/"))
-                    .map(|(_, pod)| pod.clone())
-                    .collect();
-                (
-                    StatusCode::OK,
-                    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "100"}, "items": items}),
-                )
-            }
-            (&Method::GET, _) => match store.objects.get(path) {
-                Some(object) => (StatusCode::OK, object.clone()),
-                None => (StatusCode::NOT_FOUND, status(404, "NotFound", &format!("{path} not found"))),
-            },
-            (&Method::POST, SLICES) => {
-                let Some(mut slice) = parsed else {
-                    return (StatusCode::BAD_REQUEST, status(400, "BadRequest", "not JSON"));
-                };
-                let name = slice["metadata"]["name"].as_str().unwrap_or_default().to_owned();
-                let key = format!("{SLICES}/{name}");
-                if store.objects.contains_key(&key) {
-                    return (StatusCode::CONFLICT, status(409, "AlreadyExists", "exists"));
-                }
-                store.next_version += 1;
-                slice["metadata"]["resourceVersion"] = json!(store.next_version.to_string());
-                slice["metadata"]["uid"] = json!(format!("slice-uid-{}", store.next_version));
-                store.slices_received.push(slice.clone());
-                store.objects.insert(key, slice.clone());
-                (StatusCode::CREATED, slice)
-            }
-            (&Method::PUT, _) if path.starts_with(SLICES) => {
-                let Some(mut slice) = parsed else {
-                    return (StatusCode::BAD_REQUEST, status(400, "BadRequest", "not JSON"));
-                };
-                let Some(existing) = store.objects.get(path).cloned() else {
-                    return (StatusCode::NOT_FOUND, status(404, "NotFound", "no such slice"));
-                };
-                if existing["metadata"]["resourceVersion"] != slice["metadata"]["resourceVersion"] {
-                    return (StatusCode::CONFLICT, status(409, "Conflict", "resourceVersion changed"));
-                }
-                store.next_version += 1;
-                slice["metadata"]["resourceVersion"] = json!(store.next_version.to_string());
-                slice["metadata"]["uid"] = existing["metadata"]["uid"].clone();
-                store.slices_received.push(slice.clone());
-                store.objects.insert(path.to_owned(), slice.clone());
-                (StatusCode::OK, slice)
-            }
-            (&Method::DELETE, _) if path.starts_with(SLICES) => match store.objects.remove(path) {
-                Some(slice) => (StatusCode::OK, slice),
-                None => (StatusCode::NOT_FOUND, status(404, "NotFound", "no such slice")),
-            },
-            _ => (StatusCode::METHOD_NOT_ALLOWED, status(405, "MethodNotAllowed", "not served here")),
-        }
-    }
-
-    async fn serve(self) -> SocketAddr {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
-                let server = self.clone();
-                tokio::spawn(async move {
-                    let service =
-                        hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
-                            let server = server.clone();
-                            async move {
-                                let method = request.method().clone();
-                                let path = request.uri().path().to_owned();
-                                let watch = request.uri().query().is_some_and(|q| q.contains("watch=true"));
-                                if method == Method::GET && path == PODS && watch {
-                                    // A watch with no news: held open a while, then ended
-                                    // (the client watches again).
-                                    tokio::time::sleep(Duration::from_secs(10)).await;
-                                    return Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())));
-                                }
-                                let body = request
-                                    .into_body()
-                                    .collect()
-                                    .await
-                                    .map(|b| b.to_bytes())
-                                    .unwrap_or_default();
-                                let (code, answer) = server.answer(&method, &path, &body);
-                                let mut response = Response::new(Full::new(Bytes::from(answer.to_string())));
-                                *response.status_mut() = code;
-                                response
-                                    .headers_mut()
-                                    .insert("content-type", "application/json".parse().unwrap());
-                                Ok::<_, Infallible>(response)
-                            }
-                        });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-        address
-    }
-}
 
 /// The pod the claims are reserved for, running on our node.
 fn pod() -> Value {
@@ -319,17 +168,6 @@ async fn wait_until(what: &str, plugin: &mut ChildProcess, mut cond: impl FnMut(
     }
 }
 
-async fn channel(socket: PathBuf) -> Channel {
-    Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let socket = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
-        }))
-        .await
-        .expect("connect to the plugin")
-}
-
 /// What the kubelet's plugin watcher does with a new registration socket: `GetInfo`, then
 /// `NotifyRegistrationStatus`. Returns the DRA endpoint.
 async fn register(dirs: &Dirs) -> String {
@@ -426,8 +264,8 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, arbiter.socket(), &[]);
     wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
     let endpoint = register(&dirs).await;
-    wait_until("a ResourceSlice", &mut plugin, |_| api.slice().is_some()).await;
-    let slice = api.slice().unwrap();
+    wait_until("a ResourceSlice", &mut plugin, |_| api.slice(NODE).is_some()).await;
+    let slice = api.slice(NODE).unwrap();
     let spec = &slice["spec"];
     assert_eq!(spec["driver"], "gpu.gpufrac.io");
     assert_eq!(spec["nodeName"], NODE);
@@ -541,15 +379,15 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     container.kill();
 
     // A GPU with a critical XID leaves the slice.
-    let generation = api.slice().unwrap()["spec"]["pool"]["generation"].as_i64().unwrap();
+    let generation = api.slice(NODE).unwrap()["spec"]["pool"]["generation"].as_i64().unwrap();
     let machine =
         simgpu_state::Machine::open(gpu.state_path().to_str().unwrap(), &[16 * GIB, 8 * GIB]).unwrap();
     assert!(machine.inject_xid(1, 79));
     wait_until("the slice without gpu-1", &mut plugin, |_| {
-        api.slice().is_some_and(|s| s["spec"]["devices"].as_array().is_some_and(|d| d.len() == 1))
+        api.slice(NODE).is_some_and(|s| s["spec"]["devices"].as_array().is_some_and(|d| d.len() == 1))
     })
     .await;
-    let slice = api.slice().unwrap();
+    let slice = api.slice(NODE).unwrap();
     assert_eq!(slice["spec"]["devices"][0]["name"], "gpu-0");
     assert!(slice["spec"]["pool"]["generation"].as_i64().unwrap() > generation, "{slice}");
 
@@ -602,7 +440,7 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert_eq!(unsafe { libc::kill(plugin.pid() as i32, libc::SIGTERM) }, 0);
     let stopped = plugin.wait(WAIT);
     assert!(stopped.success(), "a clean exit: {}", plugin.diagnostics());
-    assert!(api.slice().is_none(), "the slice is deleted at a clean stop");
+    assert!(api.slice(NODE).is_none(), "the slice is deleted at a clean stop");
     assert!(!dirs.registration_socket().exists());
     assert!(!dirs.plugin.join("dra.sock").exists());
 }
@@ -641,8 +479,8 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     let mut plugin = start_plugin(&gpu, &dirs, &kubeconfig, &socket, &["--shares", "4"]);
     wait_until("the registration socket", &mut plugin, |_| dirs.registration_socket().exists()).await;
     let endpoint = register(&dirs).await;
-    wait_until("a ResourceSlice", &mut plugin, |_| api.slice().is_some()).await;
-    let slice = api.slice().unwrap();
+    wait_until("a ResourceSlice", &mut plugin, |_| api.slice(NODE).is_some()).await;
+    let slice = api.slice(NODE).unwrap();
     let devices = slice["spec"]["devices"].as_array().unwrap();
     let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
     assert_eq!(
