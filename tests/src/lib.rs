@@ -1144,6 +1144,21 @@ impl Arbiter {
         body.to_owned()
     }
 
+    /// Waits until the arbiter's log has a line containing `words` and returns that line;
+    /// fails the test after [`TIMEOUT`]. Synchronises a test on what the arbiter did, not on
+    /// a sleep.
+    pub fn wait_for_log(&self, words: &str) -> String {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let log = self.log_text();
+            if let Some(line) = log.lines().find(|l| l.contains(words)) {
+                return line.to_owned();
+            }
+            assert!(Instant::now() < deadline, "the arbiter never logged {words:?}:\n{log}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// How long, in milliseconds, the arbiter had made each burst of process `pid` wait
     /// when it denied it for `reason` (`"Timeout"`, `"NeverFits"`...), in order: read from
     /// its `burst denied` log lines (INFO), the arbiter's own account of a refusal.

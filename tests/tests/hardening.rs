@@ -12,7 +12,7 @@ use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{read_frame, Reply, Request, SwapDirection, MAX_FRAME, VERSION};
+use gpufrac_common::protocol::{read_frame, Denial, Reply, Request, SwapDirection, MAX_FRAME, VERSION};
 use gpufrac_common::Resolver;
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
@@ -129,13 +129,19 @@ fn shim(gpu: &SimGpu, arbiter: &Arbiter) -> ChildProcess {
     ChildProcess::spawn(&mut cmd)
 }
 
-/// `gpufrac status` answers within a second, and a new shim's cuInit is served.
-fn still_serving(gpu: &SimGpu, arbiter: &Arbiter) {
-    let started = Instant::now();
+/// The arbiter closes a connection that has not said who it is after this long
+/// (`hello_timeout`): a crowd of idle connections would free the descriptors by itself then.
+const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+
+/// `gpufrac status` answers (an arbiter without the per-UID cap or the descriptor reserve
+/// gives no answer at all) before the idle connections' own deadline could have made room
+/// (an answer only then would be the crowd timing out, not the arbiter making room), and a
+/// new shim's cuInit is served.
+fn still_serving(gpu: &SimGpu, arbiter: &Arbiter, crowded_at: Instant) {
     let s = gpufrac_daemon::status::fetch(arbiter.socket());
-    let took = started.elapsed();
+    let took = crowded_at.elapsed();
     assert!(s.is_ok(), "gpufrac status: {:?}", s.err());
-    assert!(took < Duration::from_secs(1), "gpufrac status took {took:?}");
+    assert!(took < HELLO_DEADLINE, "gpufrac status answered {took:?} after the crowd came");
     let cli = Command::new(artifact("gpufrac")).args(["status", "--socket"]).arg(arbiter.socket()).output();
     let cli = cli.expect("run gpufrac status");
     assert!(cli.status.success(), "gpufrac status: {}", String::from_utf8_lossy(&cli.stderr));
@@ -212,8 +218,9 @@ fn thousands_of_idle_connections_from_one_uid_leave_status_and_new_shims_served(
     // every descriptor without the per-UID cap.
     limit_descriptors(arbiter_pid(&arbiter), 1024);
     allow_descriptors(4096);
+    let crowded_at = Instant::now();
     let idle = idle_connections(&arbiter, 2000);
-    still_serving(&gpu, &arbiter);
+    still_serving(&gpu, &arbiter, crowded_at);
     drop(idle);
     assert!(arbiter.log_text().contains("--max-connections-per-uid"), "{}", arbiter.log_text());
 }
@@ -227,7 +234,7 @@ fn out_of_descriptors_status_and_new_shims_are_still_served() {
     limit_descriptors(arbiter_pid(&arbiter), 128);
     allow_descriptors(4096);
     let idle = idle_connections(&arbiter, 400);
-    still_serving(&gpu, &arbiter);
+    still_serving(&gpu, &arbiter, started);
     drop(idle);
     let log = arbiter.log_text();
     let accept_lines = log.lines().filter(|l| l.contains("accept failed")).count();
@@ -245,8 +252,10 @@ fn connections_that_never_say_hello_are_closed_after_the_deadline() {
     let mut byte = [0u8; 1];
     let read = s.read(&mut byte);
     let took = started.elapsed();
+    // Closed by the arbiter (within the 20 s read timeout: not left open), never before
+    // the deadline counted from after the connection was made.
     assert!(matches!(read, Ok(0)), "closed by the arbiter: {read:?} after {took:?}");
-    assert!(took >= Duration::from_secs(4) && took < Duration::from_secs(10), "closed after {took:?}");
+    assert!(took >= Duration::from_secs(4), "closed after {took:?}, before the deadline");
     assert!(arbiter.log_text().contains("no Hello or Status within"), "{}", arbiter.log_text());
 }
 
@@ -264,7 +273,7 @@ fn a_flood_of_bad_frames_writes_a_bounded_number_of_log_lines() {
         sent += 1;
     }
     // The line counting what was left out comes once its second is over.
-    std::thread::sleep(Duration::from_millis(1500));
+    arbiter.wait_for_log("left out");
     let log = arbiter.log_text();
     let lines = log.lines().count() - before;
     assert!(sent > 200, "only {sent} bad frames sent");
@@ -340,12 +349,19 @@ fn a_burst_that_can_never_fit_is_refused_at_once_and_delays_nobody() {
     // Two groups guarantee 2 of the 4 GiB: no burst can ever be more than 2 GiB.
     let mut greedy = client(&arbiter, &unique("greedy"), 4 * GIB);
     let mut modest = client(&arbiter, &unique("modest"), 2 * GIB);
-    let (reply, took) = acquire(&mut greedy, device, 1, 3 * GIB);
-    assert!(matches!(reply, Reply::Denied { seq: 1, .. }), "{reply:?}");
-    assert!(took < Duration::from_secs(1), "refused at once, not after a wait: {took:?}");
-    let (reply, took) = acquire(&mut modest, device, 1, 64 * MIB);
+    // The modest group's round trip with nobody else asking: what "not held up" is
+    // judged against, on this machine, in this run.
+    let (reply, quiet) = acquire(&mut modest, device, 1, 64 * MIB);
     assert_eq!(reply, Reply::Granted { seq: 1, bytes: 64 * MIB });
-    assert!(took < Duration::from_secs(1), "a burst that fits is not held up: {took:?}");
+    modest.write_all(&Request::Release { device, bytes: 64 * MIB, held: GIB }.encode()).unwrap();
+    // Refused for what it is (it can never fit), not for a wait that ran out.
+    let (reply, _) = acquire(&mut greedy, device, 1, 3 * GIB);
+    assert_eq!(reply, Reply::Denied { seq: 1, reason: Denial::NeverFits });
+    assert_eq!(status(&arbiter).gpus[0].waiting, 0, "nothing was left waiting");
+    let (reply, took) = acquire(&mut modest, device, 2, 64 * MIB);
+    assert_eq!(reply, Reply::Granted { seq: 2, bytes: 64 * MIB });
+    let bound = quiet * 20 + Duration::from_millis(200);
+    assert!(took < bound, "a burst that fits is not held up: {took:?}, {quiet:?} before (bound {bound:?})");
     assert_eq!(status(&arbiter).gpus[0].waiting, 0);
 }
 

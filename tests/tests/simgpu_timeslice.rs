@@ -128,6 +128,14 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
     let _turn = turn();
     let sim = sim();
     let machine = machine(&sim);
+    // How busy one such flooder alone keeps the device on this machine, in this run: two
+    // must keep it as busy (a device left idle between slices would show here), whatever
+    // the host's load lets one process submit.
+    let solo = flood(&sim, 1000, 4, 1.5);
+    let solo_pid = solo.id();
+    wait_running(&machine, &[solo_pid]);
+    let alone = measure(&machine, &[solo_pid], || std::thread::sleep(Duration::from_millis(600)));
+    report(solo);
     let (a, b) = (flood(&sim, 1000, 4, 2.5), flood(&sim, 1000, 4, 2.5));
     let pids = [a.id(), b.id()];
     wait_running(&machine, &pids);
@@ -148,7 +156,12 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
     // it was, nearly all the time.
     assert!(shares.device <= 1.005, "device busy {:.3} of wall time: kernels overlapped", shares.device);
     assert!(shares.per_pid.iter().sum::<f64>() <= 1.005, "{:?}", shares.per_pid);
-    assert!(shares.device >= 0.85, "device busy only {:.3} of wall time", shares.device);
+    assert!(
+        shares.device >= 0.9 * alone.device,
+        "device busy {:.3} of wall time, {:.3} with one flooder alone",
+        shares.device,
+        alone.device
+    );
     let (ka, kb) = (ra["kernels"].as_f64().unwrap_or(0.0), rb["kernels"].as_f64().unwrap_or(0.0));
     // Both ran (their share of the device is judged by device time above; how many
     // kernels each launched also depends on how the busy host schedules its threads).
@@ -197,19 +210,22 @@ fn a_sleep_kernel_takes_twice_as_long_on_a_device_shared_half_and_half() {
 
 #[test]
 fn a_process_killed_while_it_owns_the_device_does_not_stall_the_others() {
+    const SLICE: Duration = Duration::from_secs(30);
     skip_on_real_gpu!(SIMULATOR);
     let _turn = turn();
     let sim = sim();
     let machine = machine(&sim);
-    // Slices of 10 s: the owner keeps the device while the other waits.
+    // Slices of 30 s: the owner keeps the device while the other waits; a dead owner's
+    // slice left to run out would hold the waiter for tens of seconds, which no load on
+    // this machine makes a healthy hand-over take.
     let mut owner =
-        flood_command(&sim, 5_000_000, 1, 20.0).env("SIMGPU_TIMESLICE", "10s").spawn().expect("start");
+        flood_command(&sim, 5_000_000, 1, 60.0).env("SIMGPU_TIMESLICE", "30s").spawn().expect("start");
     let deadline = Instant::now() + Duration::from_secs(10);
     while machine.device_owner(0) != Some(owner.id()) {
         assert!(Instant::now() < deadline, "the first flooder never took the device");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let waiter = flood_command(&sim, 1000, 1, 1.0).env("SIMGPU_TIMESLICE", "10s").spawn().expect("start");
+    let waiter = flood_command(&sim, 1000, 1, 1.0).env("SIMGPU_TIMESLICE", "30s").spawn().expect("start");
     let waiter_pid = waiter.id();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(machine.device_owner(0), Some(owner.id()), "the owner lost the device within its slice");
@@ -224,9 +240,10 @@ fn a_process_killed_while_it_owns_the_device_does_not_stall_the_others() {
     let max = report["sync_us"]["max"].as_f64().expect("max");
     assert!(max >= 250_000.0, "the first kernel did not wait for the owner: {report}");
     assert!(report["kernels"].as_u64().unwrap_or(0) >= 300, "too few kernels after the kill: {report}");
-    assert!(after_kill < Duration::from_secs(3), "the waiter took {after_kill:?} after the kill");
+    assert!(after_kill < SLICE / 3, "the waiter took {after_kill:?} after the kill");
+    // No kernel after the first waited for a slice to run out.
     let p99 = report["sync_us"]["p99"].as_f64().expect("p99");
-    assert!(p99 < 50_000.0, "kernels stalled after the kill: {report}");
+    assert!(p99 < 1_000_000.0, "kernels stalled after the kill: {report}");
 }
 
 #[test]
