@@ -12,8 +12,9 @@ use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{read_frame, Denial, Reply, Request, SwapDirection, MAX_FRAME, VERSION};
+use gpufrac_common::protocol::{read_frame, Denial, Reply, Request, SwapDirection, MAX_FRAME};
 use gpufrac_common::Resolver;
+use gpufrac_e2e::raw_client::{device_id, hello, register, RawClient};
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
     artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu,
@@ -23,38 +24,12 @@ fn gpu() -> SimGpu {
     SimGpu::new("4GiB").with_context_overhead("64MiB")
 }
 
-fn hello(group: &str, pod: &str) -> Vec<u8> {
-    Request::Hello {
-        version: VERSION,
-        group: group.into(),
-        pod: pod.into(),
-        resolver: Resolver::Wait,
-        priority: 0,
-        wait_timeout_ms: 1000,
-        park_after_ms: 0,
-        compute_request_pm: 0,
-        compute_limit_pm: 0,
-    }
-    .encode()
+fn hello_frame(group: &str, pod: &str) -> Vec<u8> {
+    hello(group, pod, Resolver::Wait, 0, 1000).encode()
 }
 
-fn register(device: [u8; 16]) -> Vec<u8> {
-    Request::Register {
-        device,
-        total: 4 * GIB,
-        request: GIB,
-        limit: 2 * GIB,
-        held: 0,
-        granted: 0,
-        swapped: 0,
-    }
-    .encode()
-}
-
-/// The simulated GPU's ID, as the arbiter knows it.
-fn device(arbiter: &Arbiter) -> [u8; 16] {
-    let uuid = status(arbiter).gpus[0].uuid.clone();
-    gpufrac_common::gpu_uuid::parse(&uuid).expect("a GPU UUID")
+fn register_frame(device: [u8; 16]) -> Vec<u8> {
+    register(device, 4 * GIB, GIB, 2 * GIB).encode()
 }
 
 /// The arbiter's PID, from the kernel (`SO_PEERCRED` on a connection to it).
@@ -163,7 +138,7 @@ fn swapped_frames_for_random_devices_leave_memory_and_metrics_bounded() {
     let pid = arbiter_pid(&arbiter);
     let before = rss(pid);
     let mut s = UnixStream::connect(arbiter.socket()).unwrap();
-    s.write_all(&hello(&unique("flood"), "")).unwrap();
+    s.write_all(&hello_frame(&unique("flood"), "")).unwrap();
     assert!(matches!(Reply::decode(&read_frame(&mut s, MAX_FRAME).unwrap()), Ok(Reply::Welcome { .. })));
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut random = move || {
@@ -196,7 +171,7 @@ fn swapped_frames_for_random_devices_leave_memory_and_metrics_bounded() {
     s.write_all(&batch).unwrap();
     // A registration for a device it does not manage is answered: every frame before it
     // was read.
-    s.write_all(&register([0xee; 16])).unwrap();
+    s.write_all(&register_frame([0xee; 16])).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let answer = Reply::decode(&read_frame(&mut s, MAX_FRAME).expect("an answer to Register")).unwrap();
     assert!(matches!(answer, Reply::Refused { .. }), "{answer:?}");
@@ -286,12 +261,12 @@ fn a_flood_of_bad_frames_writes_a_bounded_number_of_log_lines() {
 fn a_group_name_with_an_escape_sequence_is_refused_and_never_shown() {
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
-    let device = device(&arbiter);
+    let device = device_id(&arbiter);
     for (group, pod) in [("evil\x1b[31mred", ""), ("fine", "ns/pod\nforged line"), ("with space", "")] {
         let mut s = UnixStream::connect(arbiter.socket()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut frames = hello(group, pod);
-        frames.extend(register(device));
+        let mut frames = hello_frame(group, pod);
+        frames.extend(register_frame(device));
         s.write_all(&frames).unwrap();
         // Closed without a welcome.
         let answer = read_frame(&mut s, MAX_FRAME);
@@ -306,38 +281,13 @@ fn a_group_name_with_an_escape_sequence_is_refused_and_never_shown() {
 }
 
 /// A well-behaved client speaking the protocol by hand: said hello and registered (request
-/// 1 GiB, limit 2 GiB, unless `limit` says more) on the arbiter's GPU in group `group`.
-fn client(arbiter: &Arbiter, group: &str, limit: u64) -> UnixStream {
-    let device = device(arbiter);
-    let mut s = UnixStream::connect(arbiter.socket()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut frames = hello(group, "");
-    frames.extend(
-        Request::Register { device, total: 4 * GIB, request: GIB, limit, held: 0, granted: 0, swapped: 0 }
-            .encode(),
-    );
-    s.write_all(&frames).unwrap();
-    for _ in 0..2 {
-        let reply = Reply::decode(&read_frame(&mut s, MAX_FRAME).unwrap()).unwrap();
-        assert!(matches!(reply, Reply::Welcome { .. } | Reply::Registered { .. }), "{reply:?}");
-    }
-    s
-}
-
-/// Asks `bytes` of burst memory and returns the answer with its round-trip time, skipping
-/// pushed commands.
-fn acquire(s: &mut UnixStream, device: [u8; 16], seq: u64, bytes: u64) -> (Reply, Duration) {
-    let started = Instant::now();
-    s.write_all(
-        &Request::Acquire { seq, device, bytes, preferred: bytes, held: GIB, resume: false }.encode(),
-    )
-    .unwrap();
-    loop {
-        let reply = Reply::decode(&read_frame(s, MAX_FRAME).unwrap()).unwrap();
-        if matches!(reply, Reply::Granted { .. } | Reply::Denied { .. }) {
-            return (reply, started.elapsed());
-        }
-    }
+/// 1 GiB, limit `limit`) on the arbiter's GPU in group `group`.
+fn client(arbiter: &Arbiter, group: &str, limit: u64) -> RawClient {
+    let mut raw = RawClient::hello(arbiter, &hello(group, "", Resolver::Wait, 0, 1000));
+    raw.send(&register(device_id(arbiter), 4 * GIB, GIB, limit));
+    let reply = raw.reply();
+    assert!(matches!(reply, Reply::Registered { .. }), "{reply:?}");
+    raw
 }
 
 #[test]
@@ -345,20 +295,20 @@ fn a_burst_that_can_never_fit_is_refused_at_once_and_delays_nobody() {
     skip_on_real_gpu!("two 1 GiB guarantees leave no room for a 3 GiB burst only on simgpu's 4 GiB device");
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
-    let device = device(&arbiter);
+    let device = device_id(&arbiter);
     // Two groups guarantee 2 of the 4 GiB: no burst can ever be more than 2 GiB.
     let mut greedy = client(&arbiter, &unique("greedy"), 4 * GIB);
     let mut modest = client(&arbiter, &unique("modest"), 2 * GIB);
     // The modest group's round trip with nobody else asking: what "not held up" is
     // judged against, on this machine, in this run.
-    let (reply, quiet) = acquire(&mut modest, device, 1, 64 * MIB);
+    let (reply, quiet) = modest.acquire(device, 1, 64 * MIB, GIB);
     assert_eq!(reply, Reply::Granted { seq: 1, bytes: 64 * MIB });
-    modest.write_all(&Request::Release { device, bytes: 64 * MIB, held: GIB }.encode()).unwrap();
+    modest.send(&Request::Release { device, bytes: 64 * MIB, held: GIB });
     // Refused for what it is (it can never fit), not for a wait that ran out.
-    let (reply, _) = acquire(&mut greedy, device, 1, 3 * GIB);
+    let (reply, _) = greedy.acquire(device, 1, 3 * GIB, GIB);
     assert_eq!(reply, Reply::Denied { seq: 1, reason: Denial::NeverFits });
     assert_eq!(status(&arbiter).gpus[0].waiting, 0, "nothing was left waiting");
-    let (reply, took) = acquire(&mut modest, device, 2, 64 * MIB);
+    let (reply, took) = modest.acquire(device, 2, 64 * MIB, GIB);
     assert_eq!(reply, Reply::Granted { seq: 2, bytes: 64 * MIB });
     let bound = quiet * 20 + Duration::from_millis(200);
     assert!(took < bound, "a burst that fits is not held up: {took:?}, {quiet:?} before (bound {bound:?})");
@@ -367,14 +317,14 @@ fn a_burst_that_can_never_fit_is_refused_at_once_and_delays_nobody() {
 
 /// The honest client's grant round trips (64 MiB asked and given back) for `period`,
 /// sorted.
-fn round_trips(honest: &mut UnixStream, device: [u8; 16], seq: &mut u64, period: Duration) -> Vec<Duration> {
+fn round_trips(honest: &mut RawClient, device: [u8; 16], seq: &mut u64, period: Duration) -> Vec<Duration> {
     let mut round_trips = Vec::new();
     let started = Instant::now();
     while started.elapsed() < period {
         *seq += 1;
-        let (reply, took) = acquire(honest, device, *seq, 64 * MIB);
+        let (reply, took) = honest.acquire(device, *seq, 64 * MIB, GIB);
         assert_eq!(reply, Reply::Granted { seq: *seq, bytes: 64 * MIB });
-        honest.write_all(&Request::Release { device, bytes: 64 * MIB, held: GIB }.encode()).unwrap();
+        honest.send(&Request::Release { device, bytes: 64 * MIB, held: GIB });
         round_trips.push(took);
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -395,7 +345,7 @@ fn p99(round_trips: &[Duration]) -> Duration {
 fn a_well_behaved_client_is_served_quickly_through_a_flood_of_bad_frames() {
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
-    let device = device(&arbiter);
+    let device = device_id(&arbiter);
     let mut honest = client(&arbiter, &unique("honest"), 2 * GIB);
     let mut seq = 0;
     let alone = round_trips(&mut honest, device, &mut seq, Duration::from_secs(1));

@@ -9,16 +9,14 @@
 //! outside gpufrac; a connection whose process exited before its `Hello` is not entitled
 //! under a policy; and bad entitlement flags are refused naming the flag.
 
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use gpufrac_common::protocol::{read_frame, Reply, Request, SwapDirection, MAX_FRAME, VERSION};
 use gpufrac_common::Resolver;
 use gpufrac_daemon::status::{ProcessStatus, Status};
+use gpufrac_e2e::raw_client::{device_id, hello, RawClient};
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
     artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu,
@@ -420,65 +418,6 @@ fn status_shows_a_user_only_its_own_processes() {
     a.finish();
 }
 
-/// A raw client of the protocol.
-struct Raw {
-    s: UnixStream,
-}
-
-impl Raw {
-    fn connect(arbiter: &Arbiter) -> Raw {
-        let s = UnixStream::connect(arbiter.socket()).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Raw { s }
-    }
-
-    fn send(&mut self, r: &Request) {
-        self.s.write_all(&r.encode()).expect("send a frame");
-    }
-
-    fn reply(&mut self) -> Reply {
-        Reply::decode(&read_frame(&mut self.s, MAX_FRAME).expect("a reply")).expect("a reply frame")
-    }
-
-    fn hello(arbiter: &Arbiter, group: &str, priority: i32) -> Raw {
-        let mut raw = Raw::connect(arbiter);
-        raw.send(&Request::Hello {
-            version: VERSION,
-            group: group.into(),
-            pod: String::new(),
-            resolver: Resolver::Swap,
-            priority,
-            wait_timeout_ms: 100,
-            park_after_ms: 0,
-            compute_request_pm: 0,
-            compute_limit_pm: 0,
-        });
-        assert!(matches!(raw.reply(), Reply::Welcome { .. }));
-        raw
-    }
-
-    /// Returns once the arbiter has handled every frame sent so far on this connection:
-    /// it handles them in order, so the answer to one more `Acquire` (`seq`, past any
-    /// limit and reporting what the frames before it did: denied at once, granting
-    /// nothing) comes after all of them. Pushed messages meanwhile are skipped.
-    fn handled(&mut self, device: [u8; 16], seq: u64) {
-        self.send(&Request::Acquire {
-            seq,
-            device,
-            bytes: u64::MAX / 2,
-            preferred: u64::MAX,
-            held: u64::MAX,
-            resume: false,
-        });
-        loop {
-            match self.reply() {
-                Reply::Granted { seq: s, .. } | Reply::Denied { seq: s, .. } if s == seq => return,
-                _ => continue,
-            }
-        }
-    }
-}
-
 /// This process's resident and swapped host memory, in bytes, with a margin for growth.
 fn host_memory() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
@@ -490,11 +429,6 @@ fn host_memory() -> u64 {
             .unwrap_or(0)
     };
     (kb("VmRSS:") + kb("VmSwap:")) * 1024 * 2
-}
-
-/// The simulated GPU's ID, as the arbiter knows it.
-fn device(arbiter: &Arbiter) -> [u8; 16] {
-    gpufrac_common::gpu_uuid::parse(&status(arbiter).gpus[0].uuid).expect("a GPU UUID")
 }
 
 /// Frames claiming 2^64-1 of everything, from 8 members of one group and from 4 groups,
@@ -512,12 +446,12 @@ fn overflowing_and_contradictory_reports_stay_within_the_gpu_and_the_entitlement
             vec![]
         };
         let arbiter = arbiter(&gpu, "o.sock", &args);
-        let device = device(&arbiter);
+        let device = device_id(&arbiter);
         let total = 4 * GIB;
         let mut clients = Vec::new();
         for i in 0..12 {
             let group = if i < 8 { "crowd".to_owned() } else { format!("solo{i}") };
-            let mut raw = Raw::hello(&arbiter, &group, 0);
+            let mut raw = RawClient::hello(&arbiter, &hello(&group, "", Resolver::Swap, 0, 100));
             let request = if with_policy { u64::MAX } else { total / 8 };
             raw.send(&Request::Register {
                 device,
@@ -744,7 +678,7 @@ fn a_holder_that_forked_and_exited_is_never_signalled_by_its_reused_pid() {
     skip_on_real_gpu!(COLLIDE);
     let gpu = gpu();
     let arbiter = arbiter(&gpu, "f.sock", &["--kill-grace", "1s"]);
-    let device = device(&arbiter);
+    let device = device_id(&arbiter);
     let group = unique("forked");
     let forked = ForkedHolder::spawn(&arbiter, device, &group);
     let s = wait_for(&arbiter, "the forked holder's grant", |s| s.gpus[0].burst == 1536 * MIB);
@@ -1011,7 +945,7 @@ fn a_connection_whose_process_exited_before_hello_is_not_entitled() {
     let gpu = gpu();
     let file = policy(&gpu, r#"{ "default": { "max_request": "1GiB", "max_limit": "2GiB" } }"#);
     let arbiter = arbiter(&gpu, "n.sock", &["--policy", file.to_str().unwrap()]);
-    let device = device(&arbiter);
+    let device = device_id(&arbiter);
     let orphan_group = unique("orphan");
     let orphan = OrphanedConnection::spawn(&arbiter, device, &orphan_group);
     let replies = &orphan.replies;
@@ -1028,7 +962,7 @@ fn a_connection_whose_process_exited_before_hello_is_not_entitled() {
     assert!(p[0].entitlement.starts_with("not entitled"), "{:?}", p[0]);
     assert_eq!((s.gpus[0].guaranteed, s.gpus[0].burst), (0, 0), "{s:?}");
     // The same user, connecting itself, is entitled by the same policy.
-    let mut raw = Raw::hello(&arbiter, &unique("pinned"), 0);
+    let mut raw = RawClient::hello(&arbiter, &hello(&unique("pinned"), "", Resolver::Swap, 0, 100));
     raw.send(&Request::Register {
         device,
         total: 4 * GIB,
