@@ -506,7 +506,7 @@ impl ApiServer {
                     store
                         .events
                         .iter()
-                        .filter(|e| e.version > after && collections_of(&e.key).iter().any(|c| *c == path))
+                        .filter(|e| e.version > after && collections_of(&e.key).contains(&path))
                         .cloned()
                         .collect()
                 };
@@ -655,7 +655,7 @@ impl Kubelet {
     pub async fn stop_pod(&self, pod_uid: &str, claim: &ClaimName) -> Option<String> {
         let last = {
             let mut prepared = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-            let Some((_, pods)) = prepared.get_mut(claim) else { return None };
+            let (_, pods) = prepared.get_mut(claim)?;
             pods.remove(pod_uid);
             let last = pods.is_empty();
             if last {
