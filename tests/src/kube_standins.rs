@@ -176,7 +176,12 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 
 impl Store {
     fn record(&mut self, kind: &'static str, key: &str, object: &Value) {
-        self.events.push(Event { version: self.next_version, kind, key: key.to_owned(), object: object.clone() });
+        self.events.push(Event {
+            version: self.next_version,
+            kind,
+            key: key.to_owned(),
+            object: object.clone(),
+        });
     }
 
     fn stamp(&mut self, object: &mut Value) -> u64 {
@@ -219,7 +224,13 @@ impl Store {
         object
     }
 
-    fn answer(&mut self, method: &Method, path: &str, query: Option<&str>, body: &[u8]) -> (StatusCode, Value) {
+    fn answer(
+        &mut self,
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        body: &[u8],
+    ) -> (StatusCode, Value) {
         self.requests.push((method.to_string(), path.to_owned()));
         let parsed: Option<Value> = serde_json::from_slice(body).ok();
         let selector = query_value(query, "fieldSelector");
@@ -234,7 +245,9 @@ impl Store {
                 let items: Vec<Value> = self
                     .objects
                     .iter()
-                    .filter(|(k, o)| collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref()))
+                    .filter(|(k, o)| {
+                        collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref())
+                    })
                     .map(|(_, o)| o.clone())
                     .collect();
                 let kind = items.first().and_then(|o| o["kind"].as_str()).map(|k| format!("{k}List"));
@@ -325,7 +338,9 @@ impl Store {
                 let keys: Vec<String> = self
                     .objects
                     .iter()
-                    .filter(|(k, o)| collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref()))
+                    .filter(|(k, o)| {
+                        collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref())
+                    })
                     .map(|(k, _)| k.clone())
                     .collect();
                 let mut items = Vec::new();
@@ -437,10 +452,11 @@ impl ApiServer {
                 let Ok((stream, _)) = listener.accept().await else { return };
                 let server = self.clone();
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
-                        let server = server.clone();
-                        async move { Ok::<_, Infallible>(server.respond(request).await) }
-                    });
+                    let service =
+                        hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                            let server = server.clone();
+                            async move { Ok::<_, Infallible>(server.respond(request).await) }
+                        });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
