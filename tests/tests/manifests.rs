@@ -318,7 +318,10 @@ fn the_certificate_script_makes_a_serving_certificate() {
     );
     assert!(calls.contains("patch mutatingwebhookconfiguration gpufrac-webhook"), "kubectl calls: {calls}");
     // The DRA claims' check is served by the same pods: its caBundle too, when installed.
-    assert!(calls.contains("patch validatingwebhookconfiguration gpufrac-dra-config"), "kubectl calls: {calls}");
+    assert!(
+        calls.contains("patch validatingwebhookconfiguration gpufrac-dra-config"),
+        "kubectl calls: {calls}"
+    );
     // base64 of "-----BEGIN": the CA's PEM goes into caBundle.
     assert!(
         calls.contains("/webhooks/0/clientConfig/caBundle\",\"value\":\"LS0tLS1CRUdJTi"),
