@@ -76,7 +76,7 @@ enum Command {
         #[arg(long)]
         nvidia_cdi: bool,
     },
-    /// Serve the admission webhook (HTTPS, POST /mutate).
+    /// Serve the admission webhook (HTTPS: POST /mutate for pods, POST /validate for DRA claims).
     Webhook {
         /// Address to listen on.
         #[arg(long, default_value = "0.0.0.0:8443")]

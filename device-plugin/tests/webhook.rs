@@ -686,9 +686,11 @@ async fn bad_requests_get_http_errors() {
         (r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{}}"#, "request.uid"),
     ];
     for (body, expected) in bodies {
-        let answer = server.request(Method::POST, "/mutate", json_type, body.to_string()).await;
-        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{body}");
-        assert!(answer.text().contains(expected), "{body}: {}", answer.text());
+        for path in ["/mutate", "/validate"] {
+            let answer = server.request(Method::POST, path, json_type, body.to_string()).await;
+            assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path} {body}");
+            assert!(answer.text().contains(expected), "{path} {body}: {}", answer.text());
+        }
     }
 
     let review = create(pod(json!({}), json!([container("main")]))).to_string();
@@ -705,7 +707,13 @@ async fn bad_requests_get_http_errors() {
     let answer = server.request(Method::GET, "/mutate", None, "").await;
     assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(answer.headers["allow"], "POST");
+    // /validate checks DRA objects; a pod passes it unchanged.
     let answer = server.request(Method::POST, "/validate", json_type, review.clone()).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.text());
+    let answer = server.request(Method::GET, "/validate", None, "").await;
+    assert_eq!(answer.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(answer.headers["allow"], "POST");
+    let answer = server.request(Method::POST, "/validating", json_type, review.clone()).await;
     assert_eq!(answer.status, StatusCode::NOT_FOUND);
     let answer = server.request(Method::GET, "/", None, "").await;
     assert_eq!(answer.status, StatusCode::NOT_FOUND);

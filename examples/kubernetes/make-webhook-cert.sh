@@ -3,7 +3,9 @@
 #   1. a CA (created once, then reused from DIR so that renewals keep caBundle unchanged),
 #   2. a serving certificate for gpufrac-webhook.gpufrac-system.svc signed by it,
 #   3. the Secret gpufrac-webhook-tls (tls.crt, tls.key) in gpufrac-system,
-#   4. the CA as caBundle of the MutatingWebhookConfiguration gpufrac-webhook,
+#   4. the CA as caBundle of the MutatingWebhookConfiguration gpufrac-webhook, and of the
+#      ValidatingWebhookConfiguration gpufrac-dra-config when it is installed
+#      (dra/config-validation.yaml),
 #   5. a restart of the webhook's pods if they already run, so they serve the new one.
 #
 # Usage (after `kubectl apply -f webhook.yaml`, with kubectl pointed at the cluster):
@@ -19,6 +21,7 @@ NAMESPACE=${NAMESPACE:-gpufrac-system}
 SERVICE=${SERVICE:-gpufrac-webhook}
 SECRET=${SECRET:-gpufrac-webhook-tls}
 WEBHOOK_CONFIG=${WEBHOOK_CONFIG:-gpufrac-webhook}
+VALIDATING_CONFIG=${VALIDATING_CONFIG:-gpufrac-dra-config}
 DAYS=${DAYS:-365}
 DIR=${1:-./gpufrac-webhook-certs}
 
@@ -59,6 +62,11 @@ kubectl -n "$NAMESPACE" create secret tls "$SECRET" --cert=tls.crt --key=tls.key
 ca_bundle=$(base64 < ca.crt | tr -d '\n')
 kubectl patch mutatingwebhookconfiguration "$WEBHOOK_CONFIG" --type=json \
     -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$ca_bundle\"}]"
+# The DRA claims' check, served by the same pods (only on clusters that installed it).
+if kubectl get validatingwebhookconfiguration "$VALIDATING_CONFIG" >/dev/null 2>&1; then
+    kubectl patch validatingwebhookconfiguration "$VALIDATING_CONFIG" --type=json \
+        -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$ca_bundle\"}]"
+fi
 
 # Pods read the certificate when they start.
 if kubectl -n "$NAMESPACE" get deployment "$SERVICE" >/dev/null 2>&1; then

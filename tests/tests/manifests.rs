@@ -19,7 +19,9 @@
 //! and the arbiter with `--kubernetes --dra-checkpoint` in the plugin's folder, mounted
 //! read-only; a node runs it or the device plugin's DaemonSet, never both; its RBAC is what
 //! the plugin and the arbiter need; the claim example asks for memory with gpufrac's
-//! `GpuFractionConfig`; and every flag is one the built binaries list in `--help`.
+//! `GpuFractionConfig`; and every flag is one the built binaries list in `--help`. The
+//! claims' admission check calls the webhook's Service at `/validate` for the kinds and
+//! versions the webhook reads, and every example claim, template and class passes it.
 //!
 //! Needs `kubernetes-validate`, installed by the README's test command into the
 //! workspace's virtual environment `.venv/` (`python3 -m venv .venv && .venv/bin/pip
@@ -315,6 +317,11 @@ fn the_certificate_script_makes_a_serving_certificate() {
         "kubectl calls: {calls}"
     );
     assert!(calls.contains("patch mutatingwebhookconfiguration gpufrac-webhook"), "kubectl calls: {calls}");
+    // The DRA claims' check is served by the same pods: its caBundle too, when installed.
+    assert!(
+        calls.contains("patch validatingwebhookconfiguration gpufrac-dra-config"),
+        "kubectl calls: {calls}"
+    );
     // base64 of "-----BEGIN": the CA's PEM goes into caBundle.
     assert!(
         calls.contains("/webhooks/0/clientConfig/caBundle\",\"value\":\"LS0tLS1CRUdJTi"),
@@ -649,8 +656,13 @@ fn every_flag_the_manifests_pass_is_one_the_binaries_take() {
 const DRA_KUBERNETES_VERSIONS: &[&str] = &["1.34", "1.37"];
 
 /// The DRA manifests.
-const DRA_EXPECTED: &[&str] =
-    &["deviceclass.yaml", "rbac-dra.yaml", "daemonset-dra.yaml", "inference-claim.yaml"];
+const DRA_EXPECTED: &[&str] = &[
+    "deviceclass.yaml",
+    "rbac-dra.yaml",
+    "daemonset-dra.yaml",
+    "inference-claim.yaml",
+    "config-validation.yaml",
+];
 
 /// The driver's name (the DeviceClass's, the slices' and the claims' configuration's),
 /// the plugin's folder (its DRA socket and checkpoint) and the checkpoint's file name in
@@ -1061,6 +1073,79 @@ fn every_flag_the_dra_manifests_pass_is_one_the_binaries_take() {
         "the DRA manifests pass flags the built binaries do not take:\n{}",
         problems.join("\n")
     );
+}
+
+/// The ValidatingWebhookConfiguration of the DRA claims' configuration check.
+fn config_validation() -> Value {
+    let docs = dra_documents("config-validation.yaml");
+    resource(&docs, "ValidatingWebhookConfiguration", "gpufrac-dra-config").clone()
+}
+
+#[test]
+fn the_claim_check_calls_the_webhook_for_what_it_reads() {
+    let config = config_validation();
+    let hooks = config["webhooks"].as_array().expect("webhooks");
+    assert_eq!(hooks.len(), 1, "{config}");
+    let hook = &hooks[0];
+    // The webhook's own Service (webhook.yaml), at the route that checks claims.
+    let webhook = documents("webhook.yaml");
+    let service = resource(&webhook, "Service", "gpufrac-webhook");
+    let called = &hook["clientConfig"]["service"];
+    assert_eq!(called["name"], service["metadata"]["name"]);
+    assert_eq!(called["namespace"], service["metadata"]["namespace"]);
+    assert_eq!(called["port"], service["spec"]["ports"][0]["port"]);
+    assert_eq!(called["path"], "/validate");
+    assert_eq!(hook["sideEffects"], "None");
+    assert_eq!(hook["admissionReviewVersions"], json!(["v1"]));
+    // Ignore: the plugin checks again at prepare; an outage must not block every claim.
+    assert_eq!(hook["failurePolicy"], "Ignore");
+    assert!(hook["timeoutSeconds"].as_u64().is_some_and(|t| (1..=10).contains(&t)), "{hook}");
+    // Exactly the kinds and versions the webhook reads, created or updated.
+    let rules = hook["rules"].as_array().expect("rules");
+    assert_eq!(rules.len(), 1, "{hook}");
+    let rule = &rules[0];
+    assert_eq!(rule["apiGroups"], json!([gpufrac_device_plugin::webhook::GROUP]));
+    let mut versions: Vec<&str> =
+        rule["apiVersions"].as_array().expect("apiVersions").iter().filter_map(Value::as_str).collect();
+    versions.sort_unstable();
+    let mut read = gpufrac_device_plugin::webhook::VERSIONS.to_vec();
+    read.sort_unstable();
+    assert_eq!(versions, read);
+    assert_eq!(rule["resources"], json!(["resourceclaims", "resourceclaimtemplates", "deviceclasses"]));
+    assert_eq!(rule["operations"], json!(["CREATE", "UPDATE"]));
+}
+
+#[test]
+fn every_example_claim_passes_the_claim_check() {
+    let mut checked = 0;
+    for file in yaml_files(&dra_dir()) {
+        for object in kubernetes_validate::yaml_documents(&file) {
+            let Some(api_version) = object["apiVersion"].as_str() else { continue };
+            let Some((group, version)) = api_version.split_once('/') else { continue };
+            let kind = object["kind"].as_str().unwrap_or_default();
+            if group != "resource.k8s.io" || kind == "ResourceSlice" {
+                continue;
+            }
+            let review = json!({
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "example",
+                    "kind": {"group": group, "version": version, "kind": kind},
+                    "resource": {"group": group, "version": version, "resource": kind.to_lowercase()},
+                    "operation": "CREATE",
+                    "name": object["metadata"]["name"],
+                    "userInfo": {},
+                    "object": object,
+                }
+            });
+            let answer = gpufrac_device_plugin::webhook::try_validate(&review).expect("a well-formed review");
+            assert_eq!(answer["response"]["allowed"], true, "{}: {kind} refused: {answer}", file.display());
+            checked += 1;
+        }
+    }
+    // The class and the claim example at least.
+    assert!(checked >= 2, "only {checked} DRA objects found in the examples");
 }
 
 /// A ResourceSlice as the contract says the kubelet plugin publishes it, for a node

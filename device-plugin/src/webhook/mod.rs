@@ -4,8 +4,11 @@
 //! - [`review`] / [`try_review`] (`review.rs`): the pure AdmissionReview → answer logic
 //!   on kube's admission types ([`admit`]: `AdmissionRequest` → `AdmissionResponse`),
 //!   with the annotations read in `settings.rs` and the JSON Patch built in `patch.rs`.
+//! - [`try_validate`] / [`validate`] (`validate.rs`): the same for `POST /validate`,
+//!   which refuses a DRA claim, claim template or device class whose `gpu.gpufrac.io`
+//!   configuration the kubelet plugin would refuse, naming the field.
 //! - [`load_tls`] (`tls.rs`): the rustls configuration from PEM files.
-//! - [`serve`] (`server.rs`): HTTPS, `POST /mutate` and `GET /healthz`, on a listener
+//! - [`serve`] (`server.rs`): HTTPS, `POST /mutate`, `POST /validate` and `GET /healthz`, on a listener
 //!   the caller bound, until the caller's shutdown future completes.
 //!
 //! `gpufrac-device-plugin webhook --listen ADDR --tls-cert FILE --tls-key FILE` is
@@ -19,12 +22,14 @@ mod review;
 mod server;
 mod settings;
 mod tls;
+mod validate;
 
 pub use review::{admit, review, try_review, BadReview, API_VERSION};
 pub use server::{
     serve, HANDSHAKE_TIMEOUT, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER, REQUEST_TIMEOUT,
 };
 pub use tls::load_tls;
+pub use validate::{try_validate, validate, GROUP, VERSIONS};
 
 /// Why the webhook's TLS files cannot be used; every variant names the file.
 #[derive(Debug, thiserror::Error)]

@@ -97,7 +97,7 @@ pub fn try_review(body: &Value) -> Result<Value, BadReview> {
 
 /// The request of an AdmissionReview `admission.k8s.io/v1`, read with kube's types; the
 /// envelope is checked first, so that each mistake is named plainly.
-fn parse(body: &Value) -> Result<AdmissionRequest<DynamicObject>, BadReview> {
+pub(super) fn parse(body: &Value) -> Result<AdmissionRequest<DynamicObject>, BadReview> {
     let Some(fields) = body.as_object() else {
         return Err(BadReview(format!("expected a JSON object, got {}", json_type(body))));
     };
@@ -155,7 +155,7 @@ pub fn admit(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
 }
 
 /// `response` refusing with `message` (code 400).
-fn refuse(response: AdmissionResponse, message: &str) -> AdmissionResponse {
+pub(super) fn refuse(response: AdmissionResponse, message: &str) -> AdmissionResponse {
     let mut response = response.deny(message);
     response.result = refusal_status(message);
     response.warnings = None;
@@ -170,7 +170,7 @@ fn refusal_status(message: &str) -> Status {
 /// The AdmissionReview around `response` as the API server reads it: kube serializes the
 /// patch's bytes as an array of numbers (kube-rs/kube#1781), the API server's `[]byte`
 /// is base64.
-fn wire(mut response: AdmissionResponse) -> Value {
+pub(super) fn wire(mut response: AdmissionResponse) -> Value {
     let patch = response.patch.take();
     let mut review = serde_json::to_value(response.into_review()).unwrap_or_else(|e| {
         // Plain strings, numbers and maps: serializing them cannot fail.
@@ -404,7 +404,7 @@ fn names(list: &[String]) -> String {
 }
 
 /// Problems joined with `; `: the first [`WARNINGS_LISTED`], then how many more.
-fn listed(mut problems: Vec<String>, more_of: &str) -> String {
+pub(super) fn listed(mut problems: Vec<String>, more_of: &str) -> String {
     if problems.len() > WARNINGS_LISTED {
         let more = problems.len() - WARNINGS_LISTED;
         problems.truncate(WARNINGS_LISTED);
@@ -434,7 +434,7 @@ fn container_names(containers: &[Value]) -> String {
 }
 
 /// The JSON type of a value, for messages.
-fn json_type(value: &Value) -> &'static str {
+pub(super) fn json_type(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

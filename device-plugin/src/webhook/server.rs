@@ -4,6 +4,7 @@
 //! | route | answer |
 //! | --- | --- |
 //! | `POST /mutate`, `Content-Type: application/json` | 200 and the AdmissionReview answer; 400 for a body that is not JSON or not an AdmissionReview v1; 413 over [`MAX_BODY_BYTES`]; 415 for another content type |
+//! | `POST /validate` (DRA claims, claim templates and device classes) | the same |
 //! | `GET` (or `HEAD`) `/healthz` | 200 `ok` |
 //! | another method on those paths | 405 |
 //! | any other path | 404 |
@@ -45,9 +46,10 @@ use tokio::time::Timeout;
 use tokio_rustls::server::Accept;
 use tokio_rustls::TlsAcceptor;
 
-use super::review::try_review;
+use super::review::{try_review, BadReview};
+use super::validate::try_validate;
 
-/// The largest `/mutate` body read; a bigger one is answered 413. (The API server's own
+/// The largest `/mutate` or `/validate` body read; a bigger one is answered 413. (The API server's own
 /// limit on an object is 1.5 MiB, but a pod near 1 MiB is already absurd.)
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 /// Connections served at once (see the module's doc for what happens past it).
@@ -304,17 +306,22 @@ fn close_at_once(stream: &TcpStream) {
 /// Routes one request.
 async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
     let response = match (request.uri().path(), request.method()) {
-        ("/mutate", &Method::POST) => mutate(request).await,
-        ("/mutate", _) => not_allowed("POST"),
+        ("/mutate", &Method::POST) => answer(request, try_review).await,
+        ("/validate", &Method::POST) => answer(request, try_validate).await,
+        ("/mutate" | "/validate", _) => not_allowed("POST"),
         ("/healthz", &Method::GET | &Method::HEAD) => text(StatusCode::OK, "ok"),
         ("/healthz", _) => not_allowed("GET, HEAD"),
-        _ => text(StatusCode::NOT_FOUND, "not found: the webhook serves POST /mutate"),
+        _ => text(StatusCode::NOT_FOUND, "not found: the webhook serves POST /mutate and POST /validate"),
     };
     Ok(response)
 }
 
-/// `POST /mutate`: reads the AdmissionReview and answers it.
-async fn mutate(request: Request<Incoming>) -> Response<Full<Bytes>> {
+/// `POST /mutate` or `POST /validate`: reads the AdmissionReview and answers it with
+/// `decide` (the route's pure function).
+async fn answer(
+    request: Request<Incoming>,
+    decide: fn(&serde_json::Value) -> Result<serde_json::Value, BadReview>,
+) -> Response<Full<Bytes>> {
     let json = request
         .headers()
         .get(CONTENT_TYPE)
@@ -344,7 +351,7 @@ async fn mutate(request: Request<Incoming>) -> Response<Full<Bytes>> {
         Ok(value) => value,
         Err(e) => return text(StatusCode::BAD_REQUEST, &format!("the request body is not JSON: {e}")),
     };
-    match try_review(&value) {
+    match decide(&value) {
         Ok(answer) => {
             let mut response = Response::new(Full::new(Bytes::from(answer.to_string())));
             response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
