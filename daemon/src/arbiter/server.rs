@@ -193,6 +193,10 @@ pub struct Shared {
     /// Per open connection: the pidfd of the process that connected, if one could be had,
     /// and the way to close the connection.
     conns: Mutex<HashMap<ConnId, ConnHandle>>,
+    /// Descriptors kept open to be given up when a process that said `Hello` cannot be
+    /// pinned for lack of them (a crowd of idle connections took the rest): without its
+    /// pidfd it would be lent nothing for its whole life. Refilled when it can be.
+    pin_reserve: Mutex<Vec<std::fs::File>>,
     /// Verdicts by process (PID, start time), reused while its shim reconnects (never a
     /// failed lookup's).
     verdicts: Mutex<HashMap<(u32, u64), (Instant, crate::entitlement::Verdict)>>,
@@ -311,6 +315,7 @@ impl Shared {
             entitled: entitlements.is_some(),
             entitlements: entitlements.unwrap_or_else(|| Arc::new(NoPolicy)),
             conns: Mutex::new(HashMap::new()),
+            pin_reserve: Mutex::new(pin_reserve()),
             verdicts: Mutex::new(HashMap::new()),
             lookups: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS)),
             uid_lookups: Mutex::new(HashMap::new()),
@@ -423,6 +428,14 @@ impl Shared {
             if entry.open == 0 {
                 uids.remove(&who.uid);
             }
+        }
+    }
+
+    /// Opens the pin reserve again if it was given up (when descriptors allow).
+    fn refill_pin_reserve(&self) {
+        let mut reserve = self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner());
+        if reserve.is_empty() {
+            *reserve = pin_reserve();
         }
     }
 
@@ -546,10 +559,23 @@ impl Shared {
     /// Takes the pidfd of the process that opened `who`'s connection (at `Hello`, not at
     /// accept: a connection that never says who it is costs no second descriptor).
     fn take_pidfd(&self, who: Who, socket: std::os::fd::BorrowedFd<'_>, cred: Option<&identity::Cred>) {
-        let pidfd = match cred {
+        let pin = || match cred {
             Some(cred) => identity::pidfd_of(socket, cred),
             None => Err("no credentials for the socket".into()),
         };
+        let mut pidfd = pin();
+        if pidfd.is_err() {
+            // Out of descriptors (`pidfd_open` and `/proc/<pid>/stat` need one each), most
+            // likely: give up the reserve, make room for later (the oldest connection that
+            // has not said who it is) and try once more. Any other failure fails again.
+            let reserve = std::mem::take(&mut *self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner()));
+            if !reserve.is_empty() {
+                drop(reserve);
+                self.evict_oldest();
+                pidfd = pin();
+                self.refill_pin_reserve();
+            }
+        }
         let pidfd = match pidfd {
             Ok(fd) => Some(Arc::new(fd)),
             Err(why) => {
@@ -892,6 +918,7 @@ pub async fn serve(
                     if spare.is_none() {
                         spare = spare_descriptor();
                     }
+                    shared.refill_pin_reserve();
                 }
                 Err(e) => {
                     let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
@@ -937,6 +964,17 @@ pub async fn serve(
 /// A descriptor to give up when there are no more.
 fn spare_descriptor() -> Option<std::fs::File> {
     std::fs::File::open("/dev/null").ok()
+}
+
+/// The descriptors pinning one process takes (its pidfd, and its `/proc/<pid>/stat` on
+/// kernels without `SO_PEERPIDFD`), to give up for it; empty if they cannot be had now.
+fn pin_reserve() -> Vec<std::fs::File> {
+    let reserve: Vec<std::fs::File> = (0..2).filter_map(|_| spare_descriptor()).collect();
+    if reserve.len() == 2 {
+        reserve
+    } else {
+        Vec::new()
+    }
 }
 
 /// Counts a new connection against its UID and serves it, or closes it at once.
