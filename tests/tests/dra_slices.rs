@@ -92,7 +92,15 @@ impl Node {
         wait_until("the plugin serving", &mut plugin, |p| p.stderr_text().contains("serving the DRA kubelet plugin"))
             .await;
         self.kubelet.register().await;
-        wait_until("a ResourceSlice", &mut plugin, |_| self.api.slice(NODE).is_some()).await;
+        // Settled: the registration's publish done, and the slices watched.
+        wait_until("the slice published at registration, and watched", &mut plugin, |p| {
+            let text = p.stderr_text();
+            let registered = text.rfind("registered: publishing the ResourceSlice again");
+            registered.is_some_and(|at| text[at..].contains("ResourceSlice published"))
+                && text.contains("watching this node's ResourceSlices")
+        })
+        .await;
+        assert!(self.api.slice(NODE).is_some());
         plugin
     }
 

@@ -329,7 +329,10 @@ async fn watched(publisher: &Publisher, event: watcher::Event<ResourceSlice>) ->
             Some(Sync::IfChanged)
         }
         // A (re)listing is complete: what is stored now is known.
-        watcher::Event::InitDone => Some(Sync::IfChanged),
+        watcher::Event::InitDone => {
+            tracing::info!(slice = %ours, "watching this node's ResourceSlices");
+            Some(Sync::IfChanged)
+        }
         watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitApply(_) => None,
     }
 }
