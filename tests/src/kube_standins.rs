@@ -177,7 +177,12 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 
 impl Store {
     fn record(&mut self, kind: &'static str, key: &str, object: &Value) {
-        self.events.push(Event { version: self.next_version, kind, key: key.to_owned(), object: object.clone() });
+        self.events.push(Event {
+            version: self.next_version,
+            kind,
+            key: key.to_owned(),
+            object: object.clone(),
+        });
     }
 
     fn stamp(&mut self, object: &mut Value) -> u64 {
@@ -238,7 +243,13 @@ impl Store {
         Bytes::from(patch.to_string())
     }
 
-    fn answer(&mut self, method: &Method, path: &str, query: Option<&str>, body: &[u8]) -> (StatusCode, Value) {
+    fn answer(
+        &mut self,
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        body: &[u8],
+    ) -> (StatusCode, Value) {
         self.requests.push((method.to_string(), path.to_owned()));
         let parsed: Option<Value> = serde_json::from_slice(body).ok();
         let selector = query_value(query, "fieldSelector");
@@ -253,7 +264,9 @@ impl Store {
                 let items: Vec<Value> = self
                     .objects
                     .iter()
-                    .filter(|(k, o)| collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref()))
+                    .filter(|(k, o)| {
+                        collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref())
+                    })
                     .map(|(_, o)| o.clone())
                     .collect();
                 let kind = items.first().and_then(|o| o["kind"].as_str()).map(|k| format!("{k}List"));
@@ -344,7 +357,9 @@ impl Store {
                 let keys: Vec<String> = self
                     .objects
                     .iter()
-                    .filter(|(k, o)| collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref()))
+                    .filter(|(k, o)| {
+                        collections_of(k).iter().any(|c| c == path) && selected(o, selector.as_deref())
+                    })
                     .map(|(k, _)| k.clone())
                     .collect();
                 let mut items = Vec::new();
@@ -459,10 +474,11 @@ impl ApiServer {
                 let Ok((stream, _)) = listener.accept().await else { return };
                 let server = self.clone();
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
-                        let server = server.clone();
-                        async move { Ok::<_, Infallible>(server.respond(request).await) }
-                    });
+                    let service =
+                        hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                            let server = server.clone();
+                            async move { Ok::<_, Infallible>(server.respond(request).await) }
+                        });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
@@ -488,7 +504,8 @@ impl ApiServer {
             .is_some_and(|t| t.as_bytes().starts_with(b"application/strategic-merge-patch+json"));
         let body = request.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
         let (code, answer) = self.with(|store| {
-            let body = if method == Method::PATCH && strategic { store.strategic(&path, &body) } else { body };
+            let body =
+                if method == Method::PATCH && strategic { store.strategic(&path, &body) } else { body };
             store.answer(&method, &path, query.as_deref(), &body)
         });
         let mut response = Response::new(Full::new(Bytes::from(answer.to_string())).boxed());
@@ -519,7 +536,7 @@ impl ApiServer {
                     store
                         .events
                         .iter()
-                        .filter(|e| e.version > after && collections_of(&e.key).iter().any(|c| *c == path))
+                        .filter(|e| e.version > after && collections_of(&e.key).contains(&path))
                         .cloned()
                         .collect()
                 };
@@ -668,7 +685,7 @@ impl Kubelet {
     pub async fn stop_pod(&self, pod_uid: &str, claim: &ClaimName) -> Option<String> {
         let last = {
             let mut prepared = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-            let Some((_, pods)) = prepared.get_mut(claim) else { return None };
+            let (_, pods) = prepared.get_mut(claim)?;
             pods.remove(pod_uid);
             let last = pods.is_empty();
             if last {

@@ -89,8 +89,10 @@ impl Node {
             .args(extra);
         let mut plugin = ChildProcess::spawn(&mut cmd);
         // (A killed plugin's socket file may still be there: wait for the new one.)
-        wait_until("the plugin serving", &mut plugin, |p| p.stderr_text().contains("serving the DRA kubelet plugin"))
-            .await;
+        wait_until("the plugin serving", &mut plugin, |p| {
+            p.stderr_text().contains("serving the DRA kubelet plugin")
+        })
+        .await;
         self.kubelet.register().await;
         // Settled: the registration's publish done, and the slices watched.
         wait_until("the slice published at registration, and watched", &mut plugin, |p| {
@@ -117,7 +119,8 @@ impl Node {
     /// Marks GPU `index` unhealthy with XID 79 (fallen off the bus).
     fn inject_xid(&self, index: usize) {
         let machine =
-            simgpu_state::Machine::open(self.gpu.state_path().to_str().unwrap(), &[16 * GIB, 8 * GIB]).unwrap();
+            simgpu_state::Machine::open(self.gpu.state_path().to_str().unwrap(), &[16 * GIB, 8 * GIB])
+                .unwrap();
         assert!(machine.inject_xid(index, 79));
     }
 }
@@ -169,7 +172,8 @@ async fn a_kubelet_restart_gets_the_slice_back_at_once() {
     // The kubelet restarts: wipe, then registration.
     let generation = node.generation();
     node.kubelet.restart().await;
-    wait_until("the slice back after a kubelet restart", &mut plugin, |_| node.generation() > generation).await;
+    wait_until("the slice back after a kubelet restart", &mut plugin, |_| node.generation() > generation)
+        .await;
 
     // A stray slice of this driver on this node (an older plugin's) is deleted; another
     // driver's slice is not the plugin's business.
@@ -317,8 +321,10 @@ async fn without_device_taints_an_unhealthy_gpu_leaves_the_slice() {
     let node = Node::new(&[Gate::DeviceTaints]).await;
     let mut plugin = node.start_plugin(&[]).await;
     node.inject_xid(1);
-    wait_until("gpu-1 removed", &mut plugin, |_| node.api.slice(NODE).is_some_and(|s| devices(&s).len() == 1))
-        .await;
+    wait_until("gpu-1 removed", &mut plugin, |_| {
+        node.api.slice(NODE).is_some_and(|s| devices(&s).len() == 1)
+    })
+    .await;
     assert_eq!(devices_of(&node)[0]["name"], "gpu-0");
     let said = "the API server dropped taints from ResourceSlice node-a-gpu.gpufrac.io";
     wait_until("the log line", &mut plugin, |p| p.stderr_text().contains(said)).await;

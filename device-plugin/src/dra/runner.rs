@@ -14,12 +14,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::UnixListener;
 use futures::StreamExt as _;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt as _;
 use kube::{Api, ResourceExt as _};
+use tokio::net::UnixListener;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -168,8 +168,10 @@ pub async fn run(
         )
     };
     let serve_registration = || {
-        let service =
-            RegistrationService { endpoint: dra_socket.display().to_string(), registered: registered.clone() };
+        let service = RegistrationService {
+            endpoint: dra_socket.display().to_string(),
+            registered: registered.clone(),
+        };
         serve(&registration_socket, Server::builder().add_service(RegistrationServer::new(service)))
     };
     // The DRA socket first: the kubelet dials it as soon as it has the registration.

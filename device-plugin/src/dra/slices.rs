@@ -328,7 +328,10 @@ pub fn time_now() -> Time {
     let seconds = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-    Time(k8s_openapi::jiff::Timestamp::from_second(seconds).unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH))
+    Time(
+        k8s_openapi::jiff::Timestamp::from_second(seconds)
+            .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+    )
 }
 
 /// The spec with generation 0: what the slice says, whichever write it came from.
@@ -438,7 +441,15 @@ impl Publisher {
         let mut existing = self.api.get_opt(&name).await?;
         let wanted = |publisher: &Publisher| {
             let how = publisher.unhealthy_shown();
-            slice_showing(&publisher.node, gpus, publisher.sharing, unhealthy, how, 0, publisher.owner.clone())
+            slice_showing(
+                &publisher.node,
+                gpus,
+                publisher.sharing,
+                unhealthy,
+                how,
+                0,
+                publisher.owner.clone(),
+            )
         };
         if !force {
             if let (Some(existing), Some(last)) = (&existing, &self.last) {
@@ -521,11 +532,17 @@ impl Publisher {
             if self.reported.is_some() {
                 tracing::info!(slice = %name, "the API server stores every field of the ResourceSlice again");
             }
-            ("True", "AllFieldsStored", format!("the API server stored ResourceSlice {name} as the plugin sent it"))
+            (
+                "True",
+                "AllFieldsStored",
+                format!("the API server stored ResourceSlice {name} as the plugin sent it"),
+            )
         } else {
             let fields = dropped.iter().map(String::as_str).collect::<Vec<_>>().join(", ");
-            let message =
-                format!("the API server dropped {fields} from ResourceSlice {name}: {}", dropped_meaning(&dropped));
+            let message = format!(
+                "the API server dropped {fields} from ResourceSlice {name}: {}",
+                dropped_meaning(&dropped)
+            );
             tracing::warn!(slice = %name, fields = %fields, "{message}");
             ("False", "FieldsDropped", message)
         };
@@ -551,5 +568,64 @@ impl Publisher {
             Err(kube::Error::Api(status)) if status.code == 404 => {}
             Err(e) => tracing::warn!(slice = %name, "deleting a stray ResourceSlice of this node: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, uuid: &str) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: uuid.into(),
+            product_name: "Sim".into(),
+            memory: 16 << 30,
+            compute_capability: (9, 0),
+            driver_version: "580.0".into(),
+            cuda_version: (13, 0),
+            pci_bus_id: "0000:01:00.0".into(),
+        }
+    }
+
+    #[test]
+    fn an_unhealthy_gpu_is_tainted_or_removed() {
+        let gpus = [gpu(0, "GPU-a"), gpu(1, "GPU-b")];
+        let since = time_now();
+        let unhealthy = BTreeMap::from([("GPU-b".to_owned(), since.clone())]);
+        let tainted = slice_showing("n", &gpus, Sharing::Shares(2), &unhealthy, Unhealthy::Tainted, 1, None);
+        let devices = tainted.spec.devices.unwrap();
+        assert_eq!(devices.len(), 4);
+        assert!(devices[..2].iter().all(|d| d.taints.is_none()));
+        assert!(devices[2..].iter().all(|d| d.taints == Some(vec![unhealthy_taint(&since)])));
+        let removed = slice_showing("n", &gpus, Sharing::Capacity, &unhealthy, Unhealthy::Removed, 1, None);
+        let names: Vec<String> = removed.spec.devices.unwrap().into_iter().map(|d| d.name).collect();
+        assert_eq!(names, ["gpu-0"]);
+    }
+
+    #[test]
+    fn dropped_fields_are_named_and_rewritten_values_are_not() {
+        let gpus = [gpu(0, "GPU-a")];
+        let unhealthy = BTreeMap::from([("GPU-a".to_owned(), time_now())]);
+        let sent = slice_showing("n", &gpus, Sharing::Capacity, &unhealthy, Unhealthy::Tainted, 1, None).spec;
+        assert!(dropped_fields(&sent, &sent).is_empty());
+        let mut stored = sent.clone();
+        for device in stored.devices.iter_mut().flatten() {
+            device.allow_multiple_allocations = None;
+            device.taints = None;
+            for capacity in device.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+                capacity.request_policy = None;
+                // The API server writes quantities its own way: not a dropped field.
+                capacity.value = Quantity("16Gi".into());
+            }
+        }
+        let dropped = dropped_fields(&sent, &stored);
+        assert_eq!(
+            dropped.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["allowMultipleAllocations", "requestPolicy", "taints"]
+        );
+        let meaning = dropped_meaning(&dropped);
+        assert!(meaning.contains("DRAConsumableCapacity") && meaning.contains("--shares N"), "{meaning}");
+        assert!(meaning.contains("DRADeviceTaints"), "{meaning}");
     }
 }
