@@ -4,7 +4,8 @@
 //! - [`ApiServer`]: an HTTP API server over a store of JSON objects by path. It gets,
 //!   lists (filtered by `fieldSelector`), watches (events after a `resourceVersion`, as
 //!   kube-rs's watcher asks), creates (`generateName` too), replaces (with the
-//!   `resourceVersion` check), merge-patches, deletes and deletes collections, and keeps
+//!   `resourceVersion` check), merge-patches (a strategic merge patch merges a status's
+//!   `conditions` by type), deletes and deletes collections, and keeps
 //!   every ResourceSlice it was sent. Like a real API server with a feature gate off, it
 //!   drops the fields of gates the test turns off ([`ApiServer::disable_gate`]) from the
 //!   slices it stores.
@@ -224,6 +225,24 @@ impl Store {
         object
     }
 
+    /// A strategic merge patch as the merge patch it amounts to here: `status.conditions`
+    /// merge by `type` (as a Node's do), instead of replacing the kubelet's conditions.
+    fn strategic(&self, path: &str, body: &Bytes) -> Bytes {
+        let Ok(mut patch) = serde_json::from_slice::<Value>(body) else { return body.clone() };
+        let key = path.strip_suffix("/status").unwrap_or(path);
+        let Some(existing) = self.objects.get(key) else { return body.clone() };
+        let Some(sent) = patch["status"]["conditions"].as_array().cloned() else { return body.clone() };
+        let mut merged: Vec<Value> = existing["status"]["conditions"].as_array().cloned().unwrap_or_default();
+        for condition in sent {
+            match merged.iter_mut().find(|c| c["type"] == condition["type"]) {
+                Some(old) => *old = condition,
+                None => merged.push(condition),
+            }
+        }
+        patch["status"]["conditions"] = Value::Array(merged);
+        Bytes::from(patch.to_string())
+    }
+
     fn answer(
         &mut self,
         method: &Method,
@@ -347,7 +366,10 @@ impl Store {
                 for key in keys {
                     let object = self.objects.remove(&key).expect("listed");
                     self.next_version += 1;
-                    self.record("DELETED", &key, &object);
+                    // A DELETED event carries the deletion's version, as a real one does.
+                    let mut gone = object.clone();
+                    gone["metadata"]["resourceVersion"] = json!(self.next_version.to_string());
+                    self.record("DELETED", &key, &gone);
                     items.push(object);
                 }
                 (StatusCode::OK, json!({"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items}))
@@ -476,8 +498,16 @@ impl ApiServer {
         if method == Method::GET && query_value(query.as_deref(), "watch").as_deref() == Some("true") {
             return self.watch(path, query).await;
         }
+        let strategic = request
+            .headers()
+            .get("content-type")
+            .is_some_and(|t| t.as_bytes().starts_with(b"application/strategic-merge-patch+json"));
         let body = request.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        let (code, answer) = self.with(|store| store.answer(&method, &path, query.as_deref(), &body));
+        let (code, answer) = self.with(|store| {
+            let body =
+                if method == Method::PATCH && strategic { store.strategic(&path, &body) } else { body };
+            store.answer(&method, &path, query.as_deref(), &body)
+        });
         let mut response = Response::new(Full::new(Bytes::from(answer.to_string())).boxed());
         *response.status_mut() = code;
         response.headers_mut().insert("content-type", "application/json".parse().expect("a header value"));

@@ -8,7 +8,7 @@
 //!   that cleans the registry).
 //! - Slices: one device per GPU with its attributes and a shared `memory` capacity; the
 //!   published slices validate against the 1.34 and 1.37 schemas; a GPU with a critical
-//!   XID leaves the slice; a clean stop deletes it.
+//!   XID stays in the slice, tainted; a clean stop leaves it (more in `dra_slices.rs`).
 //! - Claims: preparing writes a CDI spec with the claim's request, limit, resolver and the
 //!   pod's priority, and records the claim in the checkpoint; preparing again (either API
 //!   version, or after a restart) answers the same and writes nothing; a bad configuration
@@ -378,17 +378,18 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert_eq!(process.group, format!("dra-{CLAIM_UID}"), "{process:?}");
     container.kill();
 
-    // A GPU with a critical XID leaves the slice.
+    // A GPU with a critical XID stays in the slice, tainted.
     let generation = api.slice(NODE).unwrap()["spec"]["pool"]["generation"].as_i64().unwrap();
     let machine =
         simgpu_state::Machine::open(gpu.state_path().to_str().unwrap(), &[16 * GIB, 8 * GIB]).unwrap();
     assert!(machine.inject_xid(1, 79));
-    wait_until("the slice without gpu-1", &mut plugin, |_| {
-        api.slice(NODE).is_some_and(|s| s["spec"]["devices"].as_array().is_some_and(|d| d.len() == 1))
+    wait_until("gpu-1 tainted", &mut plugin, |_| {
+        api.slice(NODE).is_some_and(|s| !s["spec"]["devices"][1]["taints"].is_null())
     })
     .await;
     let slice = api.slice(NODE).unwrap();
-    assert_eq!(slice["spec"]["devices"][0]["name"], "gpu-0");
+    assert_eq!(slice["spec"]["devices"][1]["name"], "gpu-1");
+    assert_eq!(slice["spec"]["devices"][1]["taints"][0]["key"], "gpu.gpufrac.io/unhealthy", "{slice}");
     assert!(slice["spec"]["pool"]["generation"].as_i64().unwrap() > generation, "{slice}");
 
     // Every slice the plugin sent is one the API server of 1.34 and of 1.37 accepts.
@@ -435,12 +436,12 @@ async fn the_dra_plugin_serves_the_kubelet_and_the_api_server() {
     assert_eq!(checkpoint["claims"], json!({}), "{checkpoint}");
     assert_eq!(unprepare(&endpoint, "llm-gpu", CLAIM_UID).await, "", "unpreparing twice is fine");
 
-    // A clean stop removes the sockets and the slice.
+    // A clean stop removes the sockets and leaves the slice (a rollout's next plugin).
     // SAFETY: kill(2) on our own child's PID, with a valid signal.
     assert_eq!(unsafe { libc::kill(plugin.pid() as i32, libc::SIGTERM) }, 0);
     let stopped = plugin.wait(WAIT);
     assert!(stopped.success(), "a clean exit: {}", plugin.diagnostics());
-    assert!(api.slice(NODE).is_none(), "the slice is deleted at a clean stop");
+    assert!(api.slice(NODE).is_some(), "the slice stays at a clean stop");
     assert!(!dirs.registration_socket().exists());
     assert!(!dirs.plugin.join("dra.sock").exists());
 }

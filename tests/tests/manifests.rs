@@ -894,6 +894,7 @@ fn the_dra_rbac_grants_the_plugin_and_the_arbiter_what_they_need_and_no_more() {
         ("resource.k8s.io/resourceclaims", &["get", "list", "watch"]),
         ("/pods", &["get", "list", "watch"]),
         ("/nodes", &["get"]),
+        ("/nodes/status", &["patch"]),
     ] {
         expected.extend(verbs.iter().map(|verb| format!("{group_resource}:{verb}")));
     }
@@ -922,6 +923,14 @@ fn the_dra_rbac_grants_the_plugin_and_the_arbiter_what_they_need_and_no_more() {
     assert_eq!(policy["spec"]["failurePolicy"], "Fail");
     let binding = resource(&docs, "ValidatingAdmissionPolicyBinding", "gpufrac-node-dra-resourceslices");
     assert_eq!(binding["spec"]["policyName"], "gpufrac-node-dra-resourceslices");
+    assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+
+    // Its Node status writes held to its own node and its one condition.
+    let policy = resource(&docs, "ValidatingAdmissionPolicy", "gpufrac-node-dra-node-condition");
+    let text = policy.to_string();
+    assert!(text.contains("nodes/status") && text.contains("GpufracDRASliceComplete"), "{text}");
+    assert!(text.contains("authentication.kubernetes.io/node-name"), "{text}");
+    let binding = resource(&docs, "ValidatingAdmissionPolicyBinding", "gpufrac-node-dra-node-condition");
     assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
 }
 

@@ -2,16 +2,25 @@
 //! registration API on `gpu.gpufrac.io-reg.sock` in the kubelet's plugin registry (the
 //! kubelet's plugin watcher finds it there, at once or when the kubelet restarts, and asks
 //! `GetInfo`); serve a socket again if it is removed; publish the ResourceSlice and keep
-//! it current with the GPUs' health; on a clean stop, remove the sockets and the slice
-//! (prepared claims stay in the checkpoint: their pods keep running).
+//! it true: again at every registration, whenever a GPU's health changes, and whenever a
+//! watch of the driver's slices on this node shows it deleted (a kubelet restart wipes
+//! them) or changed; on a clean stop, remove the sockets and leave the slice (a rollout's
+//! new plugin takes it over; the kubelet deletes the slices of a plugin that stays gone),
+//! and prepared claims stay in the checkpoint: their pods keep running.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt as _;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::runtime::watcher;
+use kube::runtime::WatchStreamExt as _;
+use kube::{Api, ResourceExt as _};
 use tokio::net::UnixListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
@@ -22,8 +31,8 @@ use super::cdi::CdiConfig;
 use super::driver::Driver;
 use super::gpus::GpuInfo;
 use super::service::{DraService, RegistrationService};
-use super::slices::{Publisher, Sharing};
-use super::{registration_socket_name, DRA_SOCKET};
+use super::slices::{time_now, Publisher, Sharing};
+use super::{registration_socket_name, DRA_SOCKET, DRIVER};
 use crate::plugin::devices::Gpu;
 
 /// How often the sockets are checked for removal.
@@ -34,7 +43,7 @@ const PUBLISH_RETRY_FIRST: Duration = Duration::from_millis(500);
 /// The longest wait between attempts to publish.
 const PUBLISH_RETRY_AT_MOST: Duration = Duration::from_secs(30);
 
-/// How long a clean stop waits for the API server to delete the slice.
+/// How long a clean stop waits for a publish under way.
 const STOP_WITHIN: Duration = Duration::from_secs(5);
 
 /// Where the DRA plugin lives and what it gives containers.
@@ -137,12 +146,15 @@ pub async fn run(
     let registration_socket = config.registry_dir.join(registration_socket_name());
 
     let (stop_publishing, publishing_stopped) = oneshot::channel::<()>();
+    let registered = Arc::new(Notify::new());
     // Publishing never holds up serving: the API server may be slow or away.
     let publisher = {
-        let (node, sharing) = (config.node_name.clone(), config.sharing);
+        let (node, sharing, registered) = (config.node_name.clone(), config.sharing, registered.clone());
         tokio::spawn(async move {
+            let slices = Api::<ResourceSlice>::all(client.clone());
             let publisher = Publisher::new(client, &node, sharing).await;
-            keep_published(publisher, gpus, health, publishing_stopped).await
+            let triggers = Triggers { health, registered, slices, stopped: publishing_stopped };
+            keep_published(publisher, gpus, triggers).await;
         })
     };
 
@@ -156,7 +168,10 @@ pub async fn run(
         )
     };
     let serve_registration = || {
-        let service = RegistrationService { endpoint: dra_socket.display().to_string() };
+        let service = RegistrationService {
+            endpoint: dra_socket.display().to_string(),
+            registered: registered.clone(),
+        };
         serve(&registration_socket, Server::builder().add_service(RegistrationServer::new(service)))
     };
     // The DRA socket first: the kubelet dials it as soon as it has the registration.
@@ -186,58 +201,140 @@ pub async fn run(
     registration.stop().await;
     dra.stop().await;
     let _ = stop_publishing.send(());
-    // The slice goes with the plugin, unless the API server cannot be reached in time: a
-    // stop is never held up for long.
-    let removed = tokio::time::timeout(STOP_WITHIN, async {
-        match publisher.await {
-            Ok(publisher) => publisher.remove().await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        }
-    })
-    .await;
-    match removed {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!("removing the ResourceSlice at stop: {e}"),
-        Err(_) => tracing::warn!("removing the ResourceSlice at stop: no answer within {STOP_WITHIN:?}"),
+    // The slice stays: a rollout's next plugin takes it over at once, and the kubelet
+    // deletes the slices of a plugin that does not come back.
+    let abort = publisher.abort_handle();
+    if tokio::time::timeout(STOP_WITHIN, publisher).await.is_err() {
+        tracing::warn!("the ResourceSlice publisher did not stop within {STOP_WITHIN:?}");
+        abort.abort();
     }
     tracing::info!("stopped");
     Ok(())
 }
 
-/// Publishes the slice, again whenever a GPU's health changes, retrying failures with a
-/// backoff, until `stopped`; hands the publisher back for the final removal.
-async fn keep_published(
-    mut publisher: Publisher,
-    gpus: Vec<GpuInfo>,
-    mut health: watch::Receiver<Vec<Gpu>>,
-    mut stopped: oneshot::Receiver<()>,
-) -> Publisher {
+/// What makes the publisher look at the slice again.
+struct Triggers {
+    /// The GPUs' health.
+    health: watch::Receiver<Vec<Gpu>>,
+    /// A successful registration with the kubelet.
+    registered: Arc<Notify>,
+    /// The ResourceSlices, watched for this node and driver.
+    slices: Api<ResourceSlice>,
+    /// The plugin stops.
+    stopped: oneshot::Receiver<()>,
+}
+
+/// Why the slice is looked at again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sync {
+    /// Written whatever is stored (start, registration).
+    Force,
+    /// Written if missing or not what the plugin wants.
+    IfChanged,
+}
+
+impl Sync {
+    fn or(self, other: Option<Sync>) -> Sync {
+        if other == Some(Sync::Force) {
+            Sync::Force
+        } else {
+            self
+        }
+    }
+}
+
+/// Keeps the slice true until `stopped`: published at start and at every registration,
+/// synchronised whenever a GPU's health changes or the watch of this node's slices of
+/// this driver shows a change that is not the publisher's own write, retrying failures
+/// with a backoff. Unhealthy GPUs are tainted (or removed where taints are dropped).
+async fn keep_published(mut publisher: Publisher, gpus: Vec<GpuInfo>, triggers: Triggers) {
+    let Triggers { mut health, registered, slices, mut stopped } = triggers;
+    let selector = format!("spec.nodeName={},spec.driver={DRIVER}", publisher.node());
+    let config = watcher::Config::default().fields(&selector);
+    let watch = watcher(slices, config).default_backoff();
+    tokio::pin!(watch);
+    let mut unhealthy = BTreeMap::new();
+    let mut pending = Some(Sync::Force);
     let mut retry = PUBLISH_RETRY_FIRST;
+    // When the next attempt after a failure may be made.
+    let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
-        let healthy: Vec<String> =
-            health.borrow_and_update().iter().filter(|g| g.healthy).map(|g| g.uuid.clone()).collect();
-        let wait = match publisher.publish(&gpus, |uuid| healthy.iter().any(|h| h == uuid)).await {
-            Ok(()) => {
-                retry = PUBLISH_RETRY_FIRST;
-                None
+        // Since when each GPU is unhealthy (the taint's time), kept across writes.
+        let now_healthy: Vec<(String, bool)> =
+            health.borrow_and_update().iter().map(|g| (g.uuid.clone(), g.healthy)).collect();
+        for (uuid, healthy) in now_healthy {
+            if healthy {
+                unhealthy.remove(&uuid);
+            } else {
+                unhealthy.entry(uuid).or_insert_with(time_now);
             }
-            Err(e) => {
-                tracing::warn!("publishing the ResourceSlice: {e}; retrying in {retry:?}");
-                let wait = retry;
-                retry = (retry * 2).min(PUBLISH_RETRY_AT_MOST);
-                Some(wait)
+        }
+        if let Some(sync) = pending.filter(|_| retry_at.is_none()) {
+            match publisher.sync(&gpus, &unhealthy, sync == Sync::Force).await {
+                Ok(_) => {
+                    retry = PUBLISH_RETRY_FIRST;
+                    pending = None;
+                }
+                Err(e) => {
+                    tracing::warn!("publishing the ResourceSlice: {e}; retrying in {retry:?}");
+                    retry_at = Some(tokio::time::Instant::now() + retry);
+                    retry = (retry * 2).min(PUBLISH_RETRY_AT_MOST);
+                }
             }
-        };
+        }
         tokio::select! {
-            _ = &mut stopped => return publisher,
+            _ = &mut stopped => return,
             changed = health.changed() => {
                 if changed.is_err() {
                     // The health watcher is gone: nothing will change again.
                     let _ = (&mut stopped).await;
-                    return publisher;
+                    return;
                 }
+                pending = Some(Sync::IfChanged.or(pending));
             }
-            _ = tokio::time::sleep(wait.unwrap_or(PUBLISH_RETRY_AT_MOST)), if wait.is_some() => {}
+            () = registered.notified() => {
+                tracing::info!("registered: publishing the ResourceSlice again");
+                pending = Some(Sync::Force);
+            }
+            event = watch.next() => match event {
+                Some(Ok(event)) => {
+                    if let Some(sync) = watched(&publisher, event).await {
+                        pending = Some(sync.or(pending));
+                    }
+                }
+                Some(Err(e)) => tracing::warn!("watching this node's ResourceSlices: {e}"),
+                None => {}
+            },
+            _ = tokio::time::sleep_until(retry_at.unwrap_or_else(tokio::time::Instant::now)), if retry_at.is_some() => {
+                retry_at = None;
+            }
         }
+    }
+}
+
+/// What a watch event of this node's slices of this driver asks for.
+async fn watched(publisher: &Publisher, event: watcher::Event<ResourceSlice>) -> Option<Sync> {
+    let ours = publisher.name();
+    match event {
+        watcher::Event::Apply(slice) | watcher::Event::InitApply(slice) if slice.name_any() != ours => {
+            publisher.delete_stray(&slice.name_any()).await;
+            None
+        }
+        // The publisher's own write, seen again.
+        watcher::Event::Apply(slice) if publisher.wrote(&slice) => None,
+        watcher::Event::Apply(_) => {
+            tracing::info!(slice = %ours, "the ResourceSlice was changed by someone else: publishing it again");
+            Some(Sync::IfChanged)
+        }
+        watcher::Event::Delete(slice) if slice.name_any() == ours => {
+            tracing::info!(slice = %ours, "the ResourceSlice was deleted (a kubelet restart wipes them): publishing it again");
+            Some(Sync::IfChanged)
+        }
+        // A (re)listing is complete: what is stored now is known.
+        watcher::Event::InitDone => {
+            tracing::info!(slice = %ours, "watching this node's ResourceSlices");
+            Some(Sync::IfChanged)
+        }
+        watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitApply(_) => None,
     }
 }

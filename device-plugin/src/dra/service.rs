@@ -118,6 +118,9 @@ dra_service!(v1beta1);
 pub struct RegistrationService {
     /// The DRA socket's absolute path, given to the kubelet as the endpoint.
     pub endpoint: String,
+    /// Told of every successful registration: the slice is published again then (a
+    /// kubelet that registers the plugin may just have wiped its node's slices).
+    pub registered: Arc<tokio::sync::Notify>,
 }
 
 #[tonic::async_trait]
@@ -141,6 +144,8 @@ impl registration_server::Registration for RegistrationService {
         let status = request.into_inner();
         if status.plugin_registered {
             tracing::info!(endpoint = %self.endpoint, "registered with the kubelet");
+            // A permit is kept if the publisher is busy: the signal is never lost.
+            self.registered.notify_one();
         } else {
             tracing::error!(error = %status.error, "the kubelet refused the registration");
         }
