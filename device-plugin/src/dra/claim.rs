@@ -8,13 +8,13 @@
 
 use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::dra::PreparedDevice;
-use gpufrac_common::size::{format_size, parse_bytes};
+use gpufrac_common::size::format_size;
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 
 use super::config::{self, ConfigError, FractionConfig};
 use super::gpus::{parse_device_name, GpuInfo};
 use super::slices::Sharing;
-use super::{cdi, DRIVER};
+use super::{cdi, quantity, DRIVER};
 
 /// The device capacity that holds a claim's guarantee.
 pub const MEMORY: &str = "memory";
@@ -87,23 +87,16 @@ pub struct ClaimFraction {
     pub devices: Vec<PreparedDevice>,
 }
 
-/// Reads the bytes of a Kubernetes quantity (`20Gi`, `21474836480`, `20G`, `2e9`).
+/// Reads the bytes of a Kubernetes quantity (`20Gi`, `21474836480`, `20G`, `2e9`,
+/// `1.5Gi`), rounded up to a whole byte.
 pub fn quantity_bytes(quantity: &str) -> Option<u64> {
-    let text = quantity.trim();
-    if let Some((mantissa, exponent)) = text.split_once(['e', 'E']) {
-        let mantissa: u64 = mantissa.parse().ok()?;
-        let exponent: u32 = exponent.parse().ok()?;
-        return mantissa.checked_mul(10u64.checked_pow(exponent)?);
-    }
-    parse_bytes("quantity", text).ok()
+    quantity::ceil_u64(quantity.trim()).ok()
 }
 
-/// Reads a count written as a Kubernetes quantity (`0`, `250`, `1k`, `1e3`).
+/// Reads a count written as a Kubernetes quantity (`0`, `250`, `1k`, `1e3`; `300m` is
+/// 0.3, rounded up to 1).
 pub fn quantity_count(quantity: &str) -> Option<u64> {
-    match quantity.trim() {
-        "0" => Some(0),
-        text => quantity_bytes(text),
-    }
+    quantity::ceil_u64(quantity.trim()).ok()
 }
 
 /// The fraction of this node's GPUs that `claim` holds. `pool` is this node's pool name;
@@ -148,8 +141,8 @@ pub fn fraction(
         // DRAConsumableCapacity) a whole-GPU device is allocated whole: the claim is
         // guaranteed the whole GPU.
         let request = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
-            Some(quantity) => quantity_bytes(&quantity.0)
-                .ok_or_else(|| bad(format!("consumedCapacity.memory {:?} is not a quantity", quantity.0)))?,
+            Some(quantity) => quantity::ceil_u64(quantity.0.trim())
+                .map_err(|e| bad(format!("consumedCapacity.memory: {e}")))?,
             None => sharing.device_memory(gpu.memory),
         };
         if request > gpu.memory {
