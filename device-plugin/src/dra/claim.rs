@@ -234,14 +234,33 @@ pub fn fraction(
     if devices.is_empty() {
         return Err(ClaimError::NoDevice(name));
     }
-    let pods = status
+    Ok(ClaimFraction { pods: reserved_pods(claim), devices })
+}
+
+/// The pods `claim` is reserved for (`status.reservedFor`), by UID and name.
+pub fn reserved_pods(claim: &ResourceClaim) -> Vec<(String, String)> {
+    claim
+        .status
+        .as_ref()
         .and_then(|s| s.reserved_for.as_ref())
         .into_iter()
         .flatten()
         .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
         .map(|r| (r.uid.clone(), r.name.clone()))
-        .collect();
-    Ok(ClaimFraction { pods, devices })
+        .collect()
+}
+
+/// Whether `claim` is allocated a device of this driver in `pool` (this node's).
+pub fn allocated_in(claim: &ResourceClaim, pool: &str) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|r| r.driver == DRIVER && r.pool == pool)
 }
 
 /// The claim's compute share on one device: the request is the `compute` capacity it
