@@ -110,7 +110,15 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Some(Command::Dra { node_name, plugins_registry, plugin_dir, cdi_dir, shares, nvidia_cdi, stale_claims_every }) => {
+        Some(Command::Dra {
+            node_name,
+            plugins_registry,
+            plugin_dir,
+            cdi_dir,
+            shares,
+            nvidia_cdi,
+            stale_claims_every,
+        }) => {
             check_node_name(&node_name)?;
             if stale_claims_every.is_zero() {
                 bail!("--stale-claims-every 0 would check claims without pause; give a duration such as 10m");

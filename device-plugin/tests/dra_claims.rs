@@ -428,7 +428,8 @@ fn quantities_as_the_api_server_writes_them() {
 fn consumed_capacities_read_with_kubernetes_semantics() {
     let per_mille = |compute: &str| {
         let claim = with_compute(claim("gpu-1", Some("20Gi"), json!([])), compute);
-        let prepared = fraction(&claim, NODE, &gpus(), Sharing::Capacity).unwrap_or_else(|e| panic!("{compute}: {e}"));
+        let prepared =
+            fraction(&claim, NODE, &gpus(), Sharing::Capacity).unwrap_or_else(|e| panic!("{compute}: {e}"));
         prepared.devices[0].compute_request_per_mille
     };
     assert_eq!(per_mille("1"), Some(1), "one per mille, not the whole GPU");
@@ -447,7 +448,10 @@ fn consumed_capacities_read_with_kubernetes_semantics() {
     let e = fraction(&claim("gpu-1", Some("20GB"), json!([])), NODE, &gpus(), Sharing::Capacity)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("consumedCapacity.memory") && e.contains("\"20GB\" is not a Kubernetes quantity"), "{e}");
+    assert!(
+        e.contains("consumedCapacity.memory") && e.contains("\"20GB\" is not a Kubernetes quantity"),
+        "{e}"
+    );
 }
 
 #[test]

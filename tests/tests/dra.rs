@@ -31,11 +31,11 @@ use std::time::{Duration, Instant};
 use gpufrac_device_plugin::dra::api::registration::registration_client::RegistrationClient;
 use gpufrac_device_plugin::dra::api::registration::{InfoRequest, RegistrationStatus};
 use gpufrac_device_plugin::dra::api::{v1, v1beta1};
+use gpufrac_e2e::kube_standins::{channel, ApiServer};
+use gpufrac_e2e::pod_cgroup::PodCgroup;
 use gpufrac_e2e::{
     artifact, compile_c, kubernetes_validate, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu,
 };
-use gpufrac_e2e::kube_standins::{channel, ApiServer};
-use gpufrac_e2e::pod_cgroup::PodCgroup;
 use serde_json::{json, Value};
 
 const GIB: u64 = 1 << 30;

@@ -120,7 +120,13 @@ impl Node {
         path
     }
 
-    fn start_plugin(&self, gpu: &SimGpu, kubeconfig: &Path, arbiter_socket: &Path, extra: &[&str]) -> ChildProcess {
+    fn start_plugin(
+        &self,
+        gpu: &SimGpu,
+        kubeconfig: &Path,
+        arbiter_socket: &Path,
+        extra: &[&str],
+    ) -> ChildProcess {
         let shim_dir = artifact("libgpufrac.so").parent().unwrap().to_path_buf();
         let mut cmd = gpu.command(artifact("gpufrac-device-plugin"));
         cmd.env("KUBECONFIG", kubeconfig)
@@ -166,7 +172,8 @@ fn resolvable(dir: &Path, id: &str) -> bool {
     let Ok(entries) = std::fs::read_dir(dir) else { return false };
     entries.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "json")).any(|e| {
         let spec = read_json(&e.path());
-        spec["kind"] == kind && spec["devices"].as_array().is_some_and(|d| d.iter().any(|d| d["name"] == name))
+        spec["kind"] == kind
+            && spec["devices"].as_array().is_some_and(|d| d.iter().any(|d| d["name"] == name))
     })
 }
 
@@ -188,7 +195,10 @@ async fn a_reboot_writes_the_cdi_specs_again_and_specs_declare_what_they_need() 
     let api = ApiServer::default();
     api.put("/api/v1/namespaces/inference/pods/llm-0", pod("llm-0", POD_UID));
     api.put(&format!("{CLAIMS}/llm-gpu"), claim("llm-gpu", CLAIM_UID, "gpu", "2Gi", &[("llm-0", POD_UID)]));
-    api.put(&format!("{CLAIMS}/small"), claim("small", LETTER_UID, "gpu/small", "1Gi", &[("llm-0", POD_UID)]));
+    api.put(
+        &format!("{CLAIMS}/small"),
+        claim("small", LETTER_UID, "gpu/small", "1Gi", &[("llm-0", POD_UID)]),
+    );
     let kubeconfig = node.kubeconfig(api.clone().serve().await);
     let socket = node.root.join("arbiter.sock");
     let mut plugin = node.start_plugin(&gpu, &kubeconfig, &socket, &[]);
@@ -317,7 +327,12 @@ async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not
         s.gpus[0].processes.iter().any(|p| p.pid == pid)
     });
     let process = seen.gpus[0].processes.iter().find(|p| p.pid == pid).unwrap();
-    assert_eq!((process.request, process.limit), (2 * GIB, 4 * GIB), "the claim's: {process:?}\n{}", arbiter.log_text());
+    assert_eq!(
+        (process.request, process.limit),
+        (2 * GIB, 4 * GIB),
+        "the claim's: {process:?}\n{}",
+        arbiter.log_text()
+    );
     assert_eq!(process.group, format!("dra-{CLAIM_UID}"), "{process:?}");
     container.kill();
     let _ = container.wait(WAIT);
@@ -408,7 +423,10 @@ async fn stale_claims_are_unprepared_after_a_second_check() {
         let done = line_of(&log, name, "stale claim unprepared");
         assert!(matches!((first, done), (Some(a), Some(b)) if a < b), "{name}: {first:?} {done:?}\n{log}");
     }
-    assert!(log.contains("no longer allocated to this node") && log.contains("another ResourceClaim"), "{log}");
+    assert!(
+        log.contains("no longer allocated to this node") && log.contains("another ResourceClaim"),
+        "{log}"
+    );
     let (_, kept) = uids[0];
     assert!(node.spec_path(kept).exists(), "the claim still allocated here stays\n{log}");
     assert!(node.checkpoint()["claims"].get(kept).is_some());

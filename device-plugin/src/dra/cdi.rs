@@ -113,24 +113,39 @@ pub fn minimum_version(spec: &Value) -> &'static str {
     let devices = spec["devices"].as_array().map(Vec::as_slice).unwrap_or_default();
     let edits: Vec<&Value> =
         devices.iter().map(|d| &d["containerEdits"]).chain([&spec["containerEdits"]]).collect();
-    let non_empty = |v: &Value| v.as_array().is_some_and(|a| !a.is_empty()) || v.as_object().is_some_and(|o| !o.is_empty());
+    let non_empty = |v: &Value| {
+        v.as_array().is_some_and(|a| !a.is_empty()) || v.as_object().is_some_and(|o| !o.is_empty())
+    };
     if edits.iter().any(|e| non_empty(&e["additionalGids"]) || !e["intelRdt"].is_null()) {
         return "0.7.0";
     }
-    let class_has_dot = spec["kind"].as_str().and_then(|k| k.split_once('/')).is_some_and(|(_, c)| c.contains('.'));
-    if non_empty(&spec["annotations"]) || devices.iter().any(|d| non_empty(&d["annotations"])) || class_has_dot {
+    let class_has_dot =
+        spec["kind"].as_str().and_then(|k| k.split_once('/')).is_some_and(|(_, c)| c.contains('.'));
+    if non_empty(&spec["annotations"])
+        || devices.iter().any(|d| non_empty(&d["annotations"]))
+        || class_has_dot
+    {
         return "0.6.0";
     }
     let starts_with_digit =
         |d: &Value| d["name"].as_str().and_then(|n| n.bytes().next()).is_some_and(|b| b.is_ascii_digit());
     let host_path = |e: &&Value| {
-        e["deviceNodes"].as_array().into_iter().flatten().any(|n| n["hostPath"].as_str().is_some_and(|p| !p.is_empty()))
+        e["deviceNodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n["hostPath"].as_str().is_some_and(|p| !p.is_empty()))
     };
     if devices.iter().any(starts_with_digit) || edits.iter().any(host_path) {
         return "0.5.0";
     }
-    let typed_mount =
-        |e: &&Value| e["mounts"].as_array().into_iter().flatten().any(|m| m["type"].as_str().is_some_and(|t| !t.is_empty()));
+    let typed_mount = |e: &&Value| {
+        e["mounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|m| m["type"].as_str().is_some_and(|t| !t.is_empty()))
+    };
     if edits.iter().any(typed_mount) {
         return "0.4.0";
     }
@@ -200,24 +215,30 @@ mod tests {
         let env = json!({"env": ["A=1"], "mounts": [{"hostPath": "/a", "containerPath": "/a"}]});
         assert_eq!(minimum_version(&with(vec![device("gpu-0", env.clone())])), "0.3.0");
         assert_eq!(
-            minimum_version(&with(vec![device("gpu-0", json!({"mounts": [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]}))])),
+            minimum_version(&with(vec![device(
+                "gpu-0",
+                json!({"mounts": [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]})
+            )])),
             "0.4.0"
         );
         // Ours: device names start with the claim's UID, which may start with a digit.
-        assert_eq!(minimum_version(&with(vec![device("gpu-0", env.clone()), device("0f3c-gpu-0", env.clone())])), "0.5.0");
+        assert_eq!(
+            minimum_version(&with(vec![device("gpu-0", env.clone()), device("0f3c-gpu-0", env.clone())])),
+            "0.5.0"
+        );
         assert_eq!(minimum_version(&with(vec![device("a0f3c-gpu-0", env.clone())])), "0.3.0");
         assert_eq!(
-            minimum_version(&with(vec![device("gpu-0", json!({"deviceNodes": [{"path": "/dev/x", "hostPath": "/dev/y"}]}))])),
+            minimum_version(&with(vec![device(
+                "gpu-0",
+                json!({"deviceNodes": [{"path": "/dev/x", "hostPath": "/dev/y"}]})
+            )])),
             "0.5.0"
         );
         let mut annotated = with(vec![device("gpu-0", env.clone())]);
         annotated["devices"][0]["annotations"] = json!({"a": "b"});
         assert_eq!(minimum_version(&annotated), "0.6.0");
         assert_eq!(minimum_version(&json!({"kind": "gpufrac.io/claim.v2", "devices": []})), "0.6.0");
-        assert_eq!(
-            minimum_version(&with(vec![device("gpu-0", json!({"additionalGids": [44]}))])),
-            "0.7.0"
-        );
+        assert_eq!(minimum_version(&with(vec![device("gpu-0", json!({"additionalGids": [44]}))])), "0.7.0");
     }
 
     #[test]

@@ -1,8 +1,11 @@
 //! Prepare and unprepare: what the kubelet asks of the plugin, recorded in the plugin's
 //! checkpoint (`prepared-claims.json` in its folder) before it is answered. A claim already
-//! in the checkpoint is not prepared again (its pods are brought up to date); unpreparing
-//! reads only the checkpoint, never the API server, because the kubelet unprepares after
-//! the claim may be gone, possibly after a restart of the plugin.
+//! in the checkpoint is not prepared again (its pods are brought up to date, its CDI spec
+//! written again if a reboot emptied the CDI folder); unpreparing reads only the
+//! checkpoint, never the API server, because the kubelet unprepares after the claim may be
+//! gone, possibly after a restart of the plugin. While the plugin runs
+//! ([`Driver::keep_claims`]), missing specs are restored at start, a shared claim's pods
+//! follow its `reservedFor`, and stale claims are unprepared.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -155,7 +158,8 @@ impl Driver {
                         *prepared = next;
                     }
                     let priority = self.pod_priority(&claim.namespace, &pods).await;
-                    self.ensure_spec(&known, priority, false).map_err(|source| self.cdi_error(claim, source))?;
+                    self.ensure_spec(&known, priority, false)
+                        .map_err(|source| self.cdi_error(claim, source))?;
                 }
                 // The API server is away: a missing spec is still written (the pod's
                 // priority unknown: 0, which the arbiter caps by the pod's own anyway).
@@ -225,7 +229,12 @@ impl Driver {
 
     /// Makes the claim's CDI spec say what it should (only when it is missing if
     /// `only_if_missing`), and says so when it was written.
-    fn ensure_spec(&self, entry: &PreparedClaim, pod_priority: i32, only_if_missing: bool) -> std::io::Result<()> {
+    fn ensure_spec(
+        &self,
+        entry: &PreparedClaim,
+        pod_priority: i32,
+        only_if_missing: bool,
+    ) -> std::io::Result<()> {
         if only_if_missing && cdi::spec_path(&self.cdi.dir, &entry.uid).exists() {
             return Ok(());
         }
