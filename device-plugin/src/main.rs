@@ -75,6 +75,12 @@ enum Command {
         /// `nvidia-ctk cdi generate`) besides NVIDIA_VISIBLE_DEVICES.
         #[arg(long)]
         nvidia_cdi: bool,
+        /// How often prepared claims are checked against the API server: one found stale
+        /// (its ResourceClaim deleted, replaced, or no longer allocated to this node) at two
+        /// checks in a row is unprepared (its CDI spec removed, its entry dropped).
+        #[arg(long, value_name = "DURATION", default_value = "10m",
+              value_parser = |v: &str| gpufrac_common::size::parse_duration("--stale-claims-every", v))]
+        stale_claims_every: std::time::Duration,
     },
     /// Serve the admission webhook (HTTPS: POST /mutate for pods, POST /validate for DRA claims).
     Webhook {
@@ -104,8 +110,19 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Some(Command::Dra { node_name, plugins_registry, plugin_dir, cdi_dir, shares, nvidia_cdi }) => {
+        Some(Command::Dra {
+            node_name,
+            plugins_registry,
+            plugin_dir,
+            cdi_dir,
+            shares,
+            nvidia_cdi,
+            stale_claims_every,
+        }) => {
             check_node_name(&node_name)?;
+            if stale_claims_every.is_zero() {
+                bail!("--stale-claims-every 0 would check claims without pause; give a duration such as 10m");
+            }
             for (flag, path) in [
                 ("--plugins-registry", &plugins_registry),
                 ("--plugin-dir", &plugin_dir),
@@ -157,6 +174,7 @@ fn run(cli: Cli) -> Result<()> {
                     arbiter_socket: cli.arbiter_socket,
                     nvidia_cdi,
                 },
+                stale_claims_every,
             };
             let result = runtime.block_on(async {
                 let client = kube::Client::try_default().await.context(

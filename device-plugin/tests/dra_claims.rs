@@ -418,6 +418,40 @@ fn quantities_as_the_api_server_writes_them() {
     assert_eq!(quantity_bytes("1536Mi"), Some(1536 << 20));
     assert_eq!(quantity_bytes("2e9"), Some(2_000_000_000));
     assert_eq!(quantity_bytes("lots"), None);
+    assert_eq!(quantity_bytes("1.5Gi"), Some(3 * GIB / 2));
+    assert_eq!(quantity_count("300m"), Some(1));
+}
+
+/// A consumed capacity is a Kubernetes quantity: `compute` counts per mille (`"1"` is one
+/// per mille, `300m` rounds up to one), a lowercase `m` is milli, `1.5Gi` is exact.
+#[test]
+fn consumed_capacities_read_with_kubernetes_semantics() {
+    let per_mille = |compute: &str| {
+        let claim = with_compute(claim("gpu-1", Some("20Gi"), json!([])), compute);
+        let prepared =
+            fraction(&claim, NODE, &gpus(), Sharing::Capacity).unwrap_or_else(|e| panic!("{compute}: {e}"));
+        prepared.devices[0].compute_request_per_mille
+    };
+    assert_eq!(per_mille("1"), Some(1), "one per mille, not the whole GPU");
+    assert_eq!(per_mille("300m"), Some(1), "0.3 per mille, rounded up");
+    assert_eq!(per_mille("250"), Some(250));
+    assert_eq!(per_mille("1e3"), Some(1000));
+    let bytes = |memory: &str| {
+        let prepared = fraction(&claim("gpu-1", Some(memory), json!([])), NODE, &gpus(), Sharing::Capacity)
+            .unwrap_or_else(|e| panic!("{memory}: {e}"));
+        prepared.devices[0].request_bytes
+    };
+    assert_eq!(bytes("1.5Gi"), 3 * GIB / 2);
+    assert_eq!(bytes("20M"), 20_000_000, "M is mega");
+    assert_eq!(bytes("1500m"), 2, "m is milli, rounded up to a byte");
+    assert_eq!(bytes("4e9"), 4_000_000_000);
+    let e = fraction(&claim("gpu-1", Some("20GB"), json!([])), NODE, &gpus(), Sharing::Capacity)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("consumedCapacity.memory") && e.contains("\"20GB\" is not a Kubernetes quantity"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -27,6 +27,7 @@ pub mod density_chart;
 pub mod device_model;
 pub mod kube_standins;
 pub mod kubernetes_validate;
+pub mod pod_cgroup;
 pub mod raw_client;
 pub mod rng;
 

@@ -32,6 +32,7 @@ use gpufrac_device_plugin::dra::api::registration::registration_client::Registra
 use gpufrac_device_plugin::dra::api::registration::{InfoRequest, RegistrationStatus};
 use gpufrac_device_plugin::dra::api::{v1, v1beta1};
 use gpufrac_e2e::kube_standins::{channel, ApiServer};
+use gpufrac_e2e::pod_cgroup::PodCgroup;
 use gpufrac_e2e::{
     artifact, compile_c, kubernetes_validate, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu,
 };
@@ -512,94 +513,10 @@ async fn without_consumable_capacity_gpus_are_published_as_shares() {
     plugin.kill();
 }
 
-/// A cgroup (cgroupfs layout) that names a container of the pod `POD_UID`, as the kubelet
-/// makes one: `/kubepods/pod<uid>/<container id>`, in the first hierarchy that lets the test
-/// make it and move a process into it: cgroup v1's `pids`, else cgroup v2 (`/sys/fs/cgroup`
-/// on a unified host, `/sys/fs/cgroup/unified` on a hybrid one). Removed when dropped.
-struct PodCgroup {
-    pod_dir: PathBuf,
-    container_dir: PathBuf,
-}
-
-/// Where [`PodCgroup::make`] tries, in order.
-const CGROUP_ROOTS: [&str; 3] = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
-
-impl PodCgroup {
-    /// The pod's cgroup, or why no hierarchy of this machine let the test make it.
-    fn make() -> Result<PodCgroup, String> {
-        let mut why_not = Vec::new();
-        for root in CGROUP_ROOTS {
-            match PodCgroup::make_in(Path::new(root)) {
-                Ok(cgroup) => return Ok(cgroup),
-                Err(why) => why_not.push(format!("{root}: {why}")),
-            }
-        }
-        Err(why_not.join("; "))
-    }
-
-    fn make_in(root: &Path) -> Result<PodCgroup, String> {
-        if !root.join("cgroup.procs").exists() {
-            return Err("not a cgroup hierarchy".into());
-        }
-        let pod_dir = root.join("kubepods").join(format!("pod{POD_UID}"));
-        let container_dir = pod_dir.join("c0ffee00".repeat(8));
-        std::fs::create_dir_all(&container_dir)
-            .map_err(|e| format!("cannot make {}: {e}", container_dir.display()))?;
-        let cgroup = PodCgroup { pod_dir, container_dir };
-        // A process can join it (cgroup v2 also asks for write access to cgroup.procs
-        // where the test's process is).
-        let mut probe = std::process::Command::new("true");
-        cgroup.enter(&mut probe);
-        match probe.status() {
-            Ok(status) if status.success() => Ok(cgroup),
-            Ok(status) => Err(format!("a process in it: {status}")),
-            Err(e) => Err(format!("cannot move a process into it: {e}")),
-        }
-    }
-
-    /// Makes `cmd`'s process a member before it runs anything.
-    fn enter(&self, cmd: &mut std::process::Command) {
-        use std::os::unix::process::CommandExt as _;
-        let procs = std::ffi::CString::new(
-            self.container_dir.join("cgroup.procs").into_os_string().into_encoded_bytes(),
-        )
-        .unwrap();
-        // SAFETY: between fork and exec only async-signal-safe calls are made: open, write
-        // and close on a path and buffer prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let written = libc::write(fd, b"0\n".as_ptr().cast(), 2);
-                libc::close(fd);
-                if written != 2 {
-                    return Err(std::io::Error::other("cannot join the pod's cgroup"));
-                }
-                Ok(())
-            });
-        }
-    }
-}
-
-impl Drop for PodCgroup {
-    fn drop(&mut self) {
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.container_dir).is_ok() || !self.container_dir.exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = std::fs::remove_dir(&self.pod_dir);
-        let _ = std::fs::remove_dir(self.pod_dir.parent().unwrap());
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
     skip_on_real_gpu!(SIMULATED);
-    let cgroup = match PodCgroup::make() {
+    let cgroup = match PodCgroup::make(POD_UID) {
         Ok(cgroup) => cgroup,
         Err(why) => {
             gpufrac_e2e::report_skip(

@@ -8,13 +8,13 @@
 
 use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::dra::PreparedDevice;
-use gpufrac_common::size::{format_size, parse_bytes};
+use gpufrac_common::size::format_size;
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 
 use super::config::{self, ConfigError, FractionConfig};
 use super::gpus::{parse_device_name, GpuInfo};
 use super::slices::Sharing;
-use super::{cdi, DRIVER};
+use super::{cdi, quantity, DRIVER};
 
 /// The device capacity that holds a claim's guarantee.
 pub const MEMORY: &str = "memory";
@@ -87,23 +87,16 @@ pub struct ClaimFraction {
     pub devices: Vec<PreparedDevice>,
 }
 
-/// Reads the bytes of a Kubernetes quantity (`20Gi`, `21474836480`, `20G`, `2e9`).
+/// Reads the bytes of a Kubernetes quantity (`20Gi`, `21474836480`, `20G`, `2e9`,
+/// `1.5Gi`), rounded up to a whole byte.
 pub fn quantity_bytes(quantity: &str) -> Option<u64> {
-    let text = quantity.trim();
-    if let Some((mantissa, exponent)) = text.split_once(['e', 'E']) {
-        let mantissa: u64 = mantissa.parse().ok()?;
-        let exponent: u32 = exponent.parse().ok()?;
-        return mantissa.checked_mul(10u64.checked_pow(exponent)?);
-    }
-    parse_bytes("quantity", text).ok()
+    quantity::ceil_u64(quantity.trim()).ok()
 }
 
-/// Reads a count written as a Kubernetes quantity (`0`, `250`, `1k`, `1e3`).
+/// Reads a count written as a Kubernetes quantity (`0`, `250`, `1k`, `1e3`; `300m` is
+/// 0.3, rounded up to 1).
 pub fn quantity_count(quantity: &str) -> Option<u64> {
-    match quantity.trim() {
-        "0" => Some(0),
-        text => quantity_bytes(text),
-    }
+    quantity::ceil_u64(quantity.trim()).ok()
 }
 
 /// The fraction of this node's GPUs that `claim` holds. `pool` is this node's pool name;
@@ -148,8 +141,8 @@ pub fn fraction(
         // DRAConsumableCapacity) a whole-GPU device is allocated whole: the claim is
         // guaranteed the whole GPU.
         let request = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
-            Some(quantity) => quantity_bytes(&quantity.0)
-                .ok_or_else(|| bad(format!("consumedCapacity.memory {:?} is not a quantity", quantity.0)))?,
+            Some(quantity) => quantity::ceil_u64(quantity.0.trim())
+                .map_err(|e| bad(format!("consumedCapacity.memory: {e}")))?,
             None => sharing.device_memory(gpu.memory),
         };
         if request > gpu.memory {
@@ -241,14 +234,33 @@ pub fn fraction(
     if devices.is_empty() {
         return Err(ClaimError::NoDevice(name));
     }
-    let pods = status
+    Ok(ClaimFraction { pods: reserved_pods(claim), devices })
+}
+
+/// The pods `claim` is reserved for (`status.reservedFor`), by UID and name.
+pub fn reserved_pods(claim: &ResourceClaim) -> Vec<(String, String)> {
+    claim
+        .status
+        .as_ref()
         .and_then(|s| s.reserved_for.as_ref())
         .into_iter()
         .flatten()
         .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
         .map(|r| (r.uid.clone(), r.name.clone()))
-        .collect();
-    Ok(ClaimFraction { pods, devices })
+        .collect()
+}
+
+/// Whether `claim` is allocated a device of this driver in `pool` (this node's).
+pub fn allocated_in(claim: &ResourceClaim, pool: &str) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|r| r.driver == DRIVER && r.pool == pool)
 }
 
 /// The claim's compute share on one device: the request is the `compute` capacity it

@@ -1,10 +1,15 @@
 //! Prepare and unprepare: what the kubelet asks of the plugin, recorded in the plugin's
 //! checkpoint (`prepared-claims.json` in its folder) before it is answered. A claim already
-//! in the checkpoint is not prepared again (its pods are brought up to date); unpreparing
-//! reads only the checkpoint, never the API server, because the kubelet unprepares after
-//! the claim may be gone, possibly after a restart of the plugin.
+//! in the checkpoint is not prepared again (its pods are brought up to date, its CDI spec
+//! written again if a reboot emptied the CDI folder); unpreparing reads only the
+//! checkpoint, never the API server, because the kubelet unprepares after the claim may be
+//! gone, possibly after a restart of the plugin. While the plugin runs
+//! ([`Driver::keep_claims`]), missing specs are restored at start, a shared claim's pods
+//! follow its `reservedFor`, and stale claims are unprepared.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use gpufrac_common::dra::{Checkpoint, PreparedClaim, PreparedDevice};
 use k8s_openapi::api::core::v1::Pod;
@@ -26,6 +31,13 @@ pub struct ClaimRef {
     pub uid: String,
     /// Its name.
     pub name: String,
+}
+
+impl ClaimRef {
+    /// The claim a checkpoint entry records.
+    pub fn of(entry: &PreparedClaim) -> ClaimRef {
+        ClaimRef { namespace: entry.namespace.clone(), uid: entry.uid.clone(), name: entry.name.clone() }
+    }
 }
 
 impl std::fmt::Display for ClaimRef {
@@ -128,26 +140,36 @@ impl Driver {
         check_ref(claim)?;
         let object = self.read_claim(claim).await;
         let mut prepared = self.prepared.lock().await;
-        if let Some(known) = prepared.claims.get(&claim.uid) {
-            // Prepared already (another pod sharing the claim, a kubelet retry, or a
-            // restart): the same devices; only the pods it is reserved for may have grown.
-            let devices = known.devices.clone();
-            let pods = match &object {
-                Ok(object) => claim::fraction(object, &self.pool, &self.gpus, self.sharing)
-                    .map(|f| f.pods.into_iter().map(|(uid, _)| uid).collect::<Vec<_>>())
-                    .ok(),
-                Err(_) => None,
-            };
-            if let Some(pods) = pods.filter(|pods| *pods != known.pod_uids) {
-                let mut next = prepared.clone();
-                if let Some(entry) = next.claims.get_mut(&claim.uid) {
-                    entry.pod_uids = pods;
+        if let Some(known) = prepared.claims.get(&claim.uid).cloned() {
+            // Prepared already (a kubelet retry, a restart of the plugin or of the node):
+            // the same devices, the pods it is reserved for brought up to date, and its
+            // CDI spec written again if it is missing (a reboot empties the CDI folder)
+            // or says something else.
+            match &object {
+                Ok(object) => {
+                    let pods = claim::reserved_pods(object);
+                    let uids: Vec<String> = pods.iter().map(|(uid, _)| uid.clone()).collect();
+                    if uids != known.pod_uids {
+                        let mut next = prepared.clone();
+                        if let Some(entry) = next.claims.get_mut(&claim.uid) {
+                            entry.pod_uids = uids;
+                        }
+                        next.store(&self.checkpoint_path)?;
+                        *prepared = next;
+                    }
+                    let priority = self.pod_priority(&claim.namespace, &pods).await;
+                    self.ensure_spec(&known, priority, false)
+                        .map_err(|source| self.cdi_error(claim, source))?;
                 }
-                next.store(&self.checkpoint_path)?;
-                *prepared = next;
+                // The API server is away: a missing spec is still written (the pod's
+                // priority unknown: 0, which the arbiter caps by the pod's own anyway).
+                Err(e) => {
+                    tracing::warn!(%claim, "answering from the checkpoint: {e}");
+                    self.ensure_spec(&known, 0, true).map_err(|source| self.cdi_error(claim, source))?;
+                }
             }
             tracing::debug!(%claim, "claim already prepared");
-            return Ok(devices);
+            return Ok(known.devices);
         }
         let object = object?;
         let fraction = claim::fraction(&object, &self.pool, &self.gpus, self.sharing)?;
@@ -159,9 +181,7 @@ impl Driver {
             pod_uids: fraction.pods.iter().map(|(uid, _)| uid.clone()).collect(),
             devices: fraction.devices,
         };
-        let cdi_error =
-            |source| PrepareError::Cdi { claim: claim.clone(), dir: self.cdi.dir.clone(), source };
-        cdi::write(&self.cdi, &entry, pod_priority).map_err(cdi_error)?;
+        cdi::write(&self.cdi, &entry, pod_priority).map_err(|source| self.cdi_error(claim, source))?;
         let mut next = prepared.clone();
         next.claims.insert(claim.uid.clone(), entry.clone());
         if let Err(e) = next.store(&self.checkpoint_path) {
@@ -201,6 +221,163 @@ impl Driver {
         *prepared = next;
         tracing::info!(%claim, "claim unprepared");
         Ok(())
+    }
+
+    fn cdi_error(&self, claim: &ClaimRef, source: std::io::Error) -> PrepareError {
+        PrepareError::Cdi { claim: claim.clone(), dir: self.cdi.dir.clone(), source }
+    }
+
+    /// Makes the claim's CDI spec say what it should (only when it is missing if
+    /// `only_if_missing`), and says so when it was written.
+    fn ensure_spec(
+        &self,
+        entry: &PreparedClaim,
+        pod_priority: i32,
+        only_if_missing: bool,
+    ) -> std::io::Result<()> {
+        if only_if_missing && cdi::spec_path(&self.cdi.dir, &entry.uid).exists() {
+            return Ok(());
+        }
+        if cdi::ensure(&self.cdi, entry, pod_priority)? == cdi::Written::Written {
+            let claim = ClaimRef::of(entry);
+            tracing::info!(%claim, "CDI spec written again from the checkpoint (it was missing or different)");
+        }
+        Ok(())
+    }
+
+    /// Keeps the prepared claims true while the plugin runs: every checkpointed claim's
+    /// missing CDI spec written again at once (after a reboot), each prepared claim's pods
+    /// kept equal to its `reservedFor` (pods join and leave a shared claim without the
+    /// kubelet asking the plugin), and stale claims unprepared (checked every
+    /// `check_every`).
+    pub async fn keep_claims(self: Arc<Self>, check_every: Duration) {
+        self.restore_specs().await;
+        tokio::join!(self.follow_claims(), self.clean_stale_claims(check_every));
+    }
+
+    /// Writes the spec of every checkpointed claim whose spec is missing (the CDI folder is
+    /// a tmpfs: a reboot empties it, the checkpoint survives), before the kubelet asks.
+    pub async fn restore_specs(&self) {
+        let claims: Vec<PreparedClaim> = self.prepared.lock().await.claims.values().cloned().collect();
+        for entry in claims {
+            if cdi::spec_path(&self.cdi.dir, &entry.uid).exists() {
+                continue;
+            }
+            let claim = ClaimRef::of(&entry);
+            let priority = match self.read_claim(&claim).await {
+                Ok(object) => self.pod_priority(&claim.namespace, &claim::reserved_pods(&object)).await,
+                Err(e) => {
+                    tracing::warn!(%claim, "the pod's priority for the restored CDI spec: {e}; using 0");
+                    0
+                }
+            };
+            // Under the lock: the claim may have been unprepared, or its spec written by a
+            // prepare, meanwhile.
+            let prepared = self.prepared.lock().await;
+            let Some(entry) = prepared.claims.get(&claim.uid) else { continue };
+            if let Err(e) = self.ensure_spec(entry, priority, true) {
+                tracing::error!(%claim, "writing the claim's CDI spec again: {}", self.cdi_error(&claim, e));
+            }
+        }
+    }
+
+    /// Watches ResourceClaims (all namespaces; only the pods of those prepared here are
+    /// kept, in the checkpoint) and rewrites the checkpoint when a prepared claim's
+    /// `reservedFor` changes: the kubelet prepares a shared claim once per node, and the
+    /// arbiter entitles exactly the pods the checkpoint lists.
+    async fn follow_claims(&self) {
+        use futures::StreamExt as _;
+        use kube::runtime::{watcher, WatchStreamExt as _};
+        let api: Api<ResourceClaim> = Api::all(self.client.clone());
+        let events = watcher(api, watcher::Config::default()).default_backoff();
+        let mut events = std::pin::pin!(events);
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) => {
+                    if let Err(e) = self.reserved_for_changed(&object).await {
+                        tracing::error!("recording a shared claim's pods: {e}");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("watching ResourceClaims: {e}"),
+            }
+        }
+    }
+
+    /// Brings the checkpointed pods of `object`, if it is prepared here, up to its
+    /// `reservedFor`.
+    async fn reserved_for_changed(&self, object: &ResourceClaim) -> Result<(), PrepareError> {
+        let Some(uid) = object.metadata.uid.as_deref() else { return Ok(()) };
+        let mut prepared = self.prepared.lock().await;
+        let Some(known) = prepared.claims.get(uid) else { return Ok(()) };
+        let pods: Vec<String> = claim::reserved_pods(object).into_iter().map(|(uid, _)| uid).collect();
+        if pods == known.pod_uids {
+            return Ok(());
+        }
+        let claim = ClaimRef::of(known);
+        let mut next = prepared.clone();
+        if let Some(entry) = next.claims.get_mut(uid) {
+            entry.pod_uids = pods.clone();
+        }
+        next.store(&self.checkpoint_path)?;
+        *prepared = next;
+        tracing::info!(%claim, pods = ?pods, "the claim's pods changed: the checkpoint follows its reservedFor");
+        Ok(())
+    }
+
+    /// Every `every`, checks each checkpointed claim against the API server; one found
+    /// stale (its ResourceClaim gone, replaced by another UID, or no longer allocated to
+    /// this node) on two checks in a row is unprepared: the kubelet, which unprepares
+    /// claims itself, missed it (a pod deleted while the node was down, a kubelet whose
+    /// state was lost). An API error is never taken for staleness.
+    async fn clean_stale_claims(&self, every: Duration) {
+        let mut suspects = std::collections::BTreeSet::new();
+        loop {
+            tokio::time::sleep(every).await;
+            suspects = self.check_stale(&suspects).await;
+        }
+    }
+
+    /// One check: unprepares the claims of `suspects` that are still stale; returns the
+    /// claims stale now for the first time (and suspects the API server did not answer for).
+    async fn check_stale(
+        &self,
+        suspects: &std::collections::BTreeSet<String>,
+    ) -> std::collections::BTreeSet<String> {
+        let claims: Vec<PreparedClaim> = self.prepared.lock().await.claims.values().cloned().collect();
+        let mut next = std::collections::BTreeSet::new();
+        for entry in claims {
+            let claim = ClaimRef::of(&entry);
+            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
+            let why = match api.get_opt(&claim.name).await {
+                Ok(None) => "its ResourceClaim is gone from the API server".to_owned(),
+                Ok(Some(object)) if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) => format!(
+                    "the API server has another ResourceClaim under its name (uid {})",
+                    object.metadata.uid.as_deref().unwrap_or("none")
+                ),
+                Ok(Some(object)) if !claim::allocated_in(&object, &self.pool) => {
+                    "its ResourceClaim is no longer allocated to this node".to_owned()
+                }
+                Ok(Some(_)) => continue,
+                Err(e) => {
+                    tracing::debug!(%claim, "checking whether the claim is stale: {e}");
+                    if suspects.contains(&claim.uid) {
+                        next.insert(claim.uid);
+                    }
+                    continue;
+                }
+            };
+            if !suspects.contains(&claim.uid) {
+                tracing::info!(%claim, "prepared claim looks stale ({why}): unprepared if it still is at the next check");
+                next.insert(claim.uid);
+                continue;
+            }
+            match self.unprepare(&claim).await {
+                Ok(()) => tracing::info!(%claim, "stale claim unprepared ({why})"),
+                Err(e) => tracing::error!(%claim, "unpreparing a stale claim: {e}"),
+            }
+        }
+        next
     }
 
     /// The CDI device IDs of a prepared device.

@@ -6,6 +6,7 @@
 //! - `slices`: the ResourceSlice that advertises them, each GPU one device whose `memory`
 //!   and `compute` capacities many claims share, and its publisher;
 //! - `config`: a claim's opaque `gpufrac.io/v1` configuration, validated;
+//! - `quantity`: Kubernetes quantities read as the API server reads them;
 //! - `claim`: an allocated ResourceClaim → the fraction it holds of each GPU;
 //! - `cdi`: the CDI spec that makes the container (the shim, its settings, the GPU);
 //! - `driver`: prepare and unprepare, recorded in the checkpoint;
@@ -36,6 +37,7 @@ pub mod claim;
 pub mod config;
 pub mod driver;
 pub mod gpus;
+pub mod quantity;
 pub mod runner;
 pub mod service;
 pub mod slices;

@@ -59,6 +59,8 @@ pub struct DraConfig {
     pub sharing: Sharing,
     /// What prepared claims' containers get.
     pub cdi: CdiConfig,
+    /// How often prepared claims are checked for staleness against the API server.
+    pub stale_claims_every: Duration,
 }
 
 /// Why the plugin could not start or stopped.
@@ -142,6 +144,8 @@ pub async fn run(
         config.cdi.clone(),
         checkpoint,
     )?);
+    // Prepared claims kept true (specs after a reboot, shared claims' pods, stale claims).
+    let keeping_claims = tokio::spawn(driver.clone().keep_claims(config.stale_claims_every));
     let dra_socket = config.plugin_dir.join(DRA_SOCKET);
     let registration_socket = config.registry_dir.join(registration_socket_name());
 
@@ -200,6 +204,7 @@ pub async fn run(
     }
     registration.stop().await;
     dra.stop().await;
+    keeping_claims.abort();
     let _ = stop_publishing.send(());
     // The slice stays: a rollout's next plugin takes it over at once, and the kubelet
     // deletes the slices of a plugin that does not come back.

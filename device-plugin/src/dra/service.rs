@@ -50,7 +50,7 @@ macro_rules! dra_service {
                                 })
                                 .map(|(d, name)| {
                                     let mut device = Device {
-                                        request_names: d.request_names.clone(),
+                                        request_names: parent_requests(&d.request_names),
                                         pool_name: d.pool.clone(),
                                         device_name: name,
                                         cdi_device_ids: self.driver.cdi_device_ids(d),
@@ -93,6 +93,20 @@ macro_rules! dra_service {
             }
         }
     };
+}
+
+/// The requests a device answers for, as containers name them: a sub-request of a
+/// `firstAvailable` request (`gpu/small`) is named by its parent (`gpu`), as the kubelet
+/// matches a container's claim `request` against these names.
+pub fn parent_requests(names: &[String]) -> Vec<String> {
+    let mut parents: Vec<String> = Vec::with_capacity(names.len());
+    for name in names {
+        let parent = name.split_once('/').map_or(name.as_str(), |(parent, _)| parent);
+        if !parents.iter().any(|p| p == parent) {
+            parents.push(parent.to_owned());
+        }
+    }
+    parents
 }
 
 /// The allocation's share ID, which only `v1` answers with.
@@ -150,5 +164,18 @@ impl registration_server::Registration for RegistrationService {
             tracing::error!(error = %status.error, "the kubelet refused the registration");
         }
         Ok(Response::new(registration::RegistrationStatusResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parent_requests;
+
+    #[test]
+    fn sub_requests_are_named_by_their_parent() {
+        let names = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(parent_requests(&names(&["gpu/small"])), names(&["gpu"]));
+        assert_eq!(parent_requests(&names(&["gpu/small", "gpu/large", "nic"])), names(&["gpu", "nic"]));
+        assert_eq!(parent_requests(&names(&["gpu"])), names(&["gpu"]));
     }
 }
