@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::size::{GIB, MIB};
-use crate::{artifact, ChildProcess, SimGpu};
+use crate::{ChildProcess, ShimSettings, SimGpu};
 
 /// The simulated device, bare.
 pub const DEVICE: u64 = 16 * GIB;
@@ -107,10 +107,7 @@ pub fn client_launched(
     let total = match under {
         Under::Bare => gpu.device_total(0),
         Under::Shim { group } => {
-            cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
-                .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
-                .env("GPUFRAC_GROUP", group);
+            cmd.preload_shim().memory_request(REQUEST).memory_limit(LIMIT.to_string()).group(group);
             LIMIT
         }
     };

@@ -10,7 +10,10 @@
 //! - [`ChildProcess`] runs a program that speaks the line protocol of the test programs
 //!   (`READY ...` once it holds what it was asked to, then waits for its stdin to close),
 //!   with a timeout on every wait, so a broken program fails its test instead of hanging it;
-//! - [`clients`] runs the checks of `tests/clients/` (clients from PyPI) bare or shimmed.
+//! - [`clients`] runs the checks of `tests/clients/` (clients from PyPI) bare or shimmed;
+//! - [`SimGpu::shimmed`] is a command for the simulated GPU with the shim preloaded, and
+//!   [`ShimSettings`] ([`shim`]) sets the shim's variables on it by name
+//!   (`.memory_request("1GiB").group(&g)`), so a test writes only the settings it uses.
 //!
 //! The simulated libraries must have been built beforehand (`cargo build --workspace`):
 //! cargo cannot build a `cdylib` as a dependency of a test.
@@ -30,6 +33,9 @@ pub mod kubernetes_validate;
 pub mod pod_cgroup;
 pub mod raw_client;
 pub mod rng;
+pub mod shim;
+
+pub use shim::ShimSettings;
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
@@ -497,6 +503,15 @@ impl SimGpu {
                 cmd.env_remove(name);
             }
         }
+        cmd
+    }
+
+    /// [`SimGpu::command`] for `program` with the shim preloaded (`LD_PRELOAD` is the built
+    /// `libgpufrac.so`) and none of its settings: add them with [`ShimSettings`]. With no
+    /// `GPUFRAC_MEMORY_REQUEST` nor `GPUFRAC_MEMORY_LIMIT` the shim passes every call through.
+    pub fn shimmed(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = self.command(program);
+        cmd.preload_shim();
         cmd
     }
 }
@@ -1280,15 +1295,14 @@ pub fn bursting_server(
     resolver: &str,
     priority: i32,
 ) -> Command {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-        .env("GPUFRAC_RESOLVER", resolver)
-        .env("GPUFRAC_PRIORITY", priority.to_string())
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("1GiB")
+        .memory_limit("3GiB")
+        .resolver(resolver)
+        .priority(priority.to_string())
+        .arbiter_socket(arbiter.socket())
+        .group(group)
+        .wait_timeout(wait)
         .args(["alloc", &(32u64 << 20).to_string(), &upto.to_string()]);
     cmd
 }

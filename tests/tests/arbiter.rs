@@ -12,7 +12,7 @@ use gpufrac_daemon::status::Status;
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
     artifact, bursting_server, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess,
-    SimGpu, NOT_GRANTED, TIMEOUT, WAIT_TIMED_OUT,
+    ShimSettings, SimGpu, NOT_GRANTED, TIMEOUT, WAIT_TIMED_OUT,
 };
 
 const CHUNK: u64 = 32 * MIB;
@@ -41,7 +41,7 @@ fn server_with(
     priority: i32,
 ) -> ChildProcess {
     let mut cmd = bursting_server(gpu, arbiter, group, upto, wait, resolver, priority);
-    cmd.env("GPUFRAC_LOG", "debug");
+    cmd.log("debug");
     ChildProcess::spawn(&mut cmd)
 }
 
@@ -306,11 +306,10 @@ fn a_request_that_does_not_fit_is_refused_at_cuinit() {
     let arbiter = Arbiter::start(&gpu);
     let mut a = server(&gpu, &arbiter, &unique("a"), 512 * MIB, "30s");
     a.ready();
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "3584MiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", unique("big"))
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("3584MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("big"))
         .args(["alloc", "1048576"]);
     let out = cmd.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

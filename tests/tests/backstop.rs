@@ -13,8 +13,8 @@ use std::time::Duration;
 use gpufrac_daemon::status::Status;
 use gpufrac_e2e::size::MIB;
 use gpufrac_e2e::{
-    artifact, bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu,
-    SIMGPU_CUDA, TIMEOUT,
+    artifact, bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess,
+    ShimSettings, SimGpu, SIMGPU_CUDA, TIMEOUT,
 };
 
 /// Why these tests need simgpu: the private copy of the driver is simgpu's.
@@ -32,11 +32,10 @@ fn gpu() -> SimGpu {
 
 /// `private_driver` under the shim in group `group` (request = limit = 1 GiB).
 fn escaper(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("private_driver.c", &[], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
+    let mut cmd = gpu.shimmed(compile_c("private_driver.c", &[], false));
+    cmd.memory_request("1GiB")
+        .arbiter_socket(arbiter.socket())
+        .group(group)
         .arg(artifact(SIMGPU_CUDA))
         .arg(COUNTED.to_string())
         .arg(PRIVATE_BYTES.to_string());
@@ -113,7 +112,7 @@ fn memory_taken_past_the_shim_is_charged_to_the_group_and_others_see_the_room_go
     // 4096 - 2240 - 64 MiB free), and in the ledger had the escape gone unseen (4 GiB less
     // 2.5 GiB of requests), but not beside what the escaper holds uncounted.
     let mut b = bursting_server(&gpu, &arbiter, &unique("b"), 1536 * MIB, "1s", "wait", 0);
-    b.env("GPUFRAC_MEMORY_REQUEST", "512MiB").env("GPUFRAC_MEMORY_LIMIT", "2GiB");
+    b.memory_request("512MiB").memory_limit("2GiB");
     let mut b = ChildProcess::spawn(&mut b);
     let held = b.ready()[0];
     let room = 4096 * MIB - 2560 * MIB - (used - 1024 * MIB);

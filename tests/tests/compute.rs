@@ -12,7 +12,9 @@
 
 use std::time::Duration;
 
-use gpufrac_e2e::{artifact, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{
+    artifact, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
+};
 
 const KERNEL_US: u64 = 1000;
 const SIMGPU_KERNELS: &str = "compute_load runs simgpu's built-in sleep kernel";
@@ -35,15 +37,14 @@ fn flood(
     warmup: u32,
     seconds: u32,
 ) -> ChildProcess {
-    let mut cmd = gpu.command(artifact("compute_load"));
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
     cmd.args(["flood", "--kernel-us", &KERNEL_US.to_string(), "--depth", "16"])
         .args(["--warmup", &warmup.to_string(), "--seconds", &seconds.to_string()])
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "512MiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", unique("compute"));
+        .memory_request("512MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("compute"));
     if let Some((request, limit)) = share {
-        cmd.env("GPUFRAC_COMPUTE_REQUEST", request).env("GPUFRAC_COMPUTE_LIMIT", limit);
+        cmd.compute_request(request).compute_limit(limit);
     }
     let mut child = ChildProcess::spawn(&mut cmd);
     child.expect_line(&["ready"], Duration::from_secs(30));
@@ -157,24 +158,22 @@ fn compute_requests_past_the_gpu_and_shares_without_an_arbiter_are_refused_namin
     let (_turn, gpu) = gpu();
     let arbiter = Arbiter::start(&gpu);
     let mut first = flood(&gpu, &arbiter, Some(("60%", "100%")), 0, 30);
-    let mut cmd = gpu.command(artifact("compute_load"));
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
     cmd.args(["flood", "--kernel-us", "1000", "--seconds", "1", "--now"])
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "512MiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", unique("compute"))
-        .env("GPUFRAC_COMPUTE_REQUEST", "50%");
+        .memory_request("512MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("compute"))
+        .compute_request("50%");
     let mut refused = ChildProcess::spawn(&mut cmd);
     refused.expect_exit_code(1);
     let text = refused.stderr_text();
     assert!(text.contains("GPUFRAC_COMPUTE_REQUEST (50%) does not fit") && text.contains("60%"), "{text}");
     first.kill();
 
-    let mut cmd = gpu.command(artifact("compute_load"));
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
     cmd.args(["flood", "--kernel-us", "1000", "--seconds", "1", "--now"])
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "512MiB")
-        .env("GPUFRAC_COMPUTE_LIMIT", "50%");
+        .memory_request("512MiB")
+        .compute_limit("50%");
     let mut alone = ChildProcess::spawn(&mut cmd);
     alone.expect_exit_code(1);
     let text = alone.stderr_text();

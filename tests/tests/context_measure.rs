@@ -7,7 +7,9 @@
 use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, report_skip, skip_on_real_gpu, unique, ChildProcess, SimGpu, Skip};
+use gpufrac_e2e::{
+    artifact, compile_c, report_skip, skip_on_real_gpu, unique, ChildProcess, ShimSettings, SimGpu, Skip,
+};
 
 const REQUEST: u64 = GIB;
 const LIMIT: u64 = 2 * GIB;
@@ -29,11 +31,10 @@ fn churning_neighbour(gpu: &SimGpu) -> ChildProcess {
 
 /// `query.c` under the shim in `group`, its context taking 300 ms to create.
 fn slow_context_query(gpu: &SimGpu, group: &str) -> Command {
-    let mut cmd = gpu.command(compile_c("query.c", &[], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", REQUEST.to_string())
-        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
-        .env("GPUFRAC_GROUP", group)
+    let mut cmd = gpu.shimmed(compile_c("query.c", &[], false));
+    cmd.memory_request(REQUEST.to_string())
+        .memory_limit(LIMIT.to_string())
+        .group(group)
         .env("SIMGPU_CONTEXT_CREATE_TIME", "300ms");
     cmd
 }
@@ -71,13 +72,12 @@ fn a_context_is_charged_what_it_took_and_so_are_the_groups_later_contexts() {
     let group = unique("ctx-group");
     // A member that stays: its context, measured before anyone allocates, is the group's
     // clean measurement.
-    let mut keeper = gpu.command(artifact("simgpu_probe"));
+    let mut keeper = gpu.shimmed(artifact("simgpu_probe"));
     keeper
         .args(["hold", &(16 * MIB).to_string()])
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", REQUEST.to_string())
-        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string())
-        .env("GPUFRAC_GROUP", &group);
+        .memory_request(REQUEST.to_string())
+        .memory_limit(LIMIT.to_string())
+        .group(&group);
     let mut keeper = ChildProcess::spawn(&mut keeper);
     keeper.expect_line(&["READY"], std::time::Duration::from_secs(30));
 

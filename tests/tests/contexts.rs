@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpufrac_e2e::size::{mib, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, Arbiter, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{compile_c, skip_on_real_gpu, Arbiter, ChildProcess, ShimSettings, SimGpu, TIMEOUT};
 
 const SIMULATED: &str = "sizes simgpu's 64 MiB contexts on its 4 GiB device";
 
@@ -27,16 +27,12 @@ fn shimmed(
     request: &str,
     limit: &str,
 ) -> Command {
-    let mut cmd = gpu.command(compile_c("escapes.c", &[], false));
+    let mut cmd = gpu.shimmed(compile_c("escapes.c", &[], false));
     cmd.arg(case).arg((16 * MIB).to_string());
     if let Some(arg) = arg {
         cmd.arg(arg);
     }
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", request)
-        .env("GPUFRAC_MEMORY_LIMIT", limit)
-        .env("GPUFRAC_WAIT_TIMEOUT", "1s")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket());
+    cmd.memory_request(request).memory_limit(limit).wait_timeout("1s").arbiter_socket(arbiter.socket());
     cmd
 }
 

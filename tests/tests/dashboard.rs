@@ -28,8 +28,8 @@ use std::process::Command;
 
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
-    artifact, bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu,
-    TIMEOUT,
+    bursting_server, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings,
+    SimGpu, TIMEOUT,
 };
 use serde_json::Value;
 
@@ -836,11 +836,10 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
     assert_eq!(b.ready()[0], 2 * GIB, "the priority burst is served");
     assert!(!a.wait(TIMEOUT).success(), "A was ended");
     // A refusal: a request that does not fit beside B's.
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "3584MiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", unique("big"))
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("3584MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("big"))
         .args(["alloc", "1048576"]);
     assert!(!cmd.output().unwrap().status.success(), "a request that does not fit is refused");
     // A timeout: C waits 1 s for memory B holds.
@@ -853,22 +852,21 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
     b.finish();
     // Swaps: H holds bursts and sleeps; R's burst swaps them out (a quantum of 0 s).
     let swap_env = |cmd: &mut Command, group: &str| {
-        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-            .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-            .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-            .env("GPUFRAC_RESOLVER", "swap")
-            .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-            .env("GPUFRAC_GROUP", group)
-            .env("GPUFRAC_WAIT_TIMEOUT", "30s");
+        cmd.memory_request("1GiB")
+            .memory_limit("3GiB")
+            .resolver("swap")
+            .arbiter_socket(arbiter.socket())
+            .group(group)
+            .wait_timeout("30s");
     };
     let (gh, gr) = (unique("holder"), unique("burst"));
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    let mut cmd = gpu.shimmed(env!("CARGO_BIN_EXE_simgpu_probe"));
     swap_env(&mut cmd, &gh);
     cmd.args(["hold-bursts", &GIB.to_string(), &(256 * MIB).to_string(), "4"]);
     let mut h = ChildProcess::spawn(&mut cmd);
     h.expect_line(&["PTRS"], TIMEOUT);
     h.ready();
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     swap_env(&mut cmd, &gr);
     cmd.args(["alloc", &CHUNK.to_string(), &(2560 * MIB).to_string()]);
     let mut r = ChildProcess::spawn(&mut cmd);

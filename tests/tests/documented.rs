@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
     artifact, bursting_server, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess,
-    SimGpu, TIMEOUT,
+    ShimSettings, SimGpu, TIMEOUT,
 };
 
 const CHUNK: u64 = 32 * MIB;
@@ -41,13 +41,12 @@ fn shimmed(
     wait: &str,
     upto: u64,
 ) -> Command {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", request)
-        .env("GPUFRAC_MEMORY_LIMIT", limit)
-        .env("GPUFRAC_ARBITER_SOCKET", socket)
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request(request)
+        .memory_limit(limit)
+        .arbiter_socket(socket)
+        .group(group)
+        .wait_timeout(wait)
         .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
     cmd
 }
@@ -223,11 +222,8 @@ fn the_limit_reached_is_said_at_debug_and_nothing_at_the_default_level() {
     let gpu = gpu();
     let line = "gpufrac: out of memory: GPUFRAC_MEMORY_LIMIT reached";
     for (log, said) in [("debug", true), ("warn", false)] {
-        let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-            .env("GPUFRAC_MEMORY_LIMIT", "512MiB")
-            .env("GPUFRAC_LOG", log)
-            .args(["alloc", &CHUNK.to_string()]);
+        let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+        cmd.memory_limit("512MiB").log(log).args(["alloc", &CHUNK.to_string()]);
         let mut p = ChildProcess::spawn(&mut cmd);
         assert_eq!(p.ready()[0], 512 * MIB - 64 * MIB, "the limit less the context");
         p.finish();
@@ -418,7 +414,7 @@ fn the_pod_a_process_names_is_shown_by_status_and_in_the_metrics() {
     .args(["alloc", &CHUNK.to_string(), &CHUNK.to_string()]);
     let mut flagged = ChildProcess::spawn(&mut cmd);
     let mut cmd = shimmed(&gpu, arbiter.socket(), &by_env, ("256MiB", "256MiB"), "30s", CHUNK);
-    cmd.env("GPUFRAC_POD", "batch/job-7");
+    cmd.pod("batch/job-7");
     let mut envied = ChildProcess::spawn(&mut cmd);
     let mut plain = ChildProcess::spawn(&mut shimmed(
         &gpu,

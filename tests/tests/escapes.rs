@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, Arbiter, ChildProcess, ShimSettings, SimGpu};
 
 const DEVICE: &str = "4GiB";
 const LIMIT: u64 = 512 * MIB;
@@ -24,14 +24,12 @@ fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
 /// Starts `escapes CASE CHUNK [ARG]` under the shim with a 256 MiB request and a 512 MiB
 /// limit, plus `env`.
 fn start(gpu: &SimGpu, case: &str, arg: Option<&str>, env: &[(&str, &str)]) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("escapes.c", &[], false));
+    let mut cmd = gpu.shimmed(compile_c("escapes.c", &[], false));
     cmd.arg(case).arg(CHUNK.to_string());
     if let Some(arg) = arg {
         cmd.arg(arg);
     }
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+    cmd.memory_request("256MiB").memory_limit(LIMIT.to_string());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -234,13 +232,12 @@ fn arrays_in_video_and_compressed_formats_are_charged() {
     // (CUarray_format, bytes of one 4096x4096 array): NV12 (luma and half-size
     // interleaved chroma), BC7 (16 bytes per 4x4 block), UNORM_INT8X4 (4-byte texels).
     for (format, bytes) in [(0xb0, 24 * MIB), (0x9d, 16 * MIB), (0xc2, 64 * MIB)] {
-        let mut cmd = gpu.command(compile_c("escapes.c", &[], false));
+        let mut cmd = gpu.shimmed(compile_c("escapes.c", &[], false));
         cmd.arg("arrays")
             .arg(bytes.to_string())
             .arg(format.to_string())
-            .env("LD_PRELOAD", artifact("libgpufrac.so"))
-            .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-            .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+            .memory_request("256MiB")
+            .memory_limit(LIMIT.to_string());
         let mut child = ChildProcess::spawn(&mut cmd);
         let (held, error, _) = held_within_limit(&gpu, &mut child, &format!("arrays of format {format:#x}"));
         assert_eq!(error, 2, "format {format:#x}: the arrays end in CUDA_ERROR_OUT_OF_MEMORY");
@@ -280,11 +277,8 @@ fn the_pre_3_2_entry_points_are_held_to_the_limit() {
 fn green_contexts_are_charged_like_contexts() {
     skip_on_real_gpu!(SIMULATED);
     let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
-    let mut cmd = gpu.command(compile_c("green_ctx.c", &[], true));
-    cmd.arg("fill")
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+    let mut cmd = gpu.shimmed(compile_c("green_ctx.c", &[], true));
+    cmd.arg("fill").memory_request("256MiB").memory_limit(LIMIT.to_string());
     let mut child = ChildProcess::spawn(&mut cmd);
     // 64 MiB each: as many as the limit holds, then out of memory.
     assert_eq!(line(&mut child, "FILLED"), vec![(LIMIT / (64 * MIB)) as i64, 2], "{}", child.diagnostics());

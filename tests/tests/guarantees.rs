@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use gpufrac_daemon::status::{ProcessStatus, Status};
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, describe_status, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess,
-    SimGpu, TIMEOUT,
+    compile_c, describe_status, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess,
+    ShimSettings, SimGpu, TIMEOUT,
 };
 
 /// These tests take turns: two of them run dozens of processes and measure waits, and on a
@@ -36,7 +36,7 @@ fn heavy() -> std::sync::MutexGuard<'static, ()> {
     HEAVY.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The shim's settings for a process of `group`.
+/// The shim's settings for a process of `group` (a command of [`SimGpu::shimmed`]).
 fn shim(
     cmd: &mut std::process::Command,
     arbiter: &Arbiter,
@@ -45,14 +45,13 @@ fn shim(
     limit: &str,
     resolver: &str,
 ) {
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", request)
-        .env("GPUFRAC_MEMORY_LIMIT", limit)
-        .env("GPUFRAC_RESOLVER", resolver)
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", "60s")
-        .env("GPUFRAC_LOG", "info");
+    cmd.memory_request(request)
+        .memory_limit(limit)
+        .resolver(resolver)
+        .arbiter_socket(arbiter.socket())
+        .group(group)
+        .wait_timeout("60s")
+        .log("info");
 }
 
 fn process<'a>(s: &'a Status, group: &str) -> Option<&'a ProcessStatus> {
@@ -62,7 +61,7 @@ fn process<'a>(s: &'a Status, group: &str) -> Option<&'a ProcessStatus> {
 /// B: guaranteed 2 GiB (limit 2 GiB) and allocating all of it beside its 64 MiB context,
 /// in 32 MiB steps.
 fn guaranteed_2gib(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     shim(&mut cmd, arbiter, group, "2GiB", "2GiB", "wait");
     cmd.args(["alloc", &(32 * MIB).to_string(), &(1984 * MIB).to_string()]);
     ChildProcess::spawn(&mut cmd)
@@ -79,7 +78,7 @@ fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_d
     let (ga, gb) = (unique("lender"), unique("guaranteed"));
     // A: guaranteed 512 MiB, limit 3.5 GiB; holds its request and borrows 2.5 GiB, which
     // it fills with data, then sleeps.
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    let mut cmd = gpu.shimmed(env!("CARGO_BIN_EXE_simgpu_probe"));
     shim(&mut cmd, &arbiter, &ga, "512MiB", "3584MiB", "swap");
     cmd.args(["hold-bursts", &(448 * MIB).to_string(), &(256 * MIB).to_string(), "10"]);
     let mut a = ChildProcess::spawn(&mut cmd);
@@ -116,7 +115,7 @@ fn a_request_is_served_at_once_while_its_memory_is_lent_to_a_swap_holder_whose_d
 
 /// A (resolver wait): guaranteed 512 MiB, holding 3 GiB with its context, most of it lent.
 fn lender_holding_3gib(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     shim(&mut cmd, arbiter, group, "512MiB", "3584MiB", "wait");
     cmd.args(["alloc", &(32 * MIB).to_string(), &(3008 * MIB).to_string()]);
     let mut a = ChildProcess::spawn(&mut cmd);
@@ -216,10 +215,10 @@ fn bursty(
     t: &Trace,
     seed: u64,
 ) -> ChildProcess {
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_bursty_server"));
+    let mut cmd = gpu.shimmed(env!("CARGO_BIN_EXE_bursty_server"));
     shim(&mut cmd, arbiter, group, share.0, share.1, share.2);
     let numbers = [t.step_ms.to_string(), t.hold_ms.to_string(), t.bursts.to_string(), seed.to_string()];
-    cmd.env("GPUFRAC_LOG", "warn").args(["--base", t.base, "--burst", t.burst, "--step", "64MiB"]).args([
+    cmd.log("warn").args(["--base", t.base, "--burst", t.burst, "--step", "64MiB"]).args([
         "--step-ms",
         &numbers[0],
         "--hold",
@@ -369,7 +368,7 @@ fn a_swap_burst_beside_an_idle_holder_does_not_wait_out_the_quantum() {
     // B being served at all.
     let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("q.sock"), &["--swap-quantum", QUANTUM]);
     let (ga, gb) = (unique("sleepy"), unique("burst"));
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
+    let mut cmd = gpu.shimmed(env!("CARGO_BIN_EXE_simgpu_probe"));
     shim(&mut cmd, &arbiter, &ga, "1GiB", "3GiB", "swap");
     cmd.args(["hold-bursts", &GIB.to_string(), &(256 * MIB).to_string(), "4"]);
     let mut a = ChildProcess::spawn(&mut cmd);
@@ -378,7 +377,7 @@ fn a_swap_burst_beside_an_idle_holder_does_not_wait_out_the_quantum() {
     // A touches nothing for three seconds.
     std::thread::sleep(Duration::from_secs(3));
     let started = Instant::now();
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
     shim(&mut cmd, &arbiter, &gb, "1GiB", "3GiB", "swap");
     cmd.args(["alloc", &(32 * MIB).to_string(), &(2560 * MIB).to_string()]);
     let mut b = ChildProcess::spawn(&mut cmd);

@@ -17,7 +17,8 @@ use gpufrac_common::Resolver;
 use gpufrac_e2e::raw_client::{device_id, hello, register, RawClient};
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu,
+    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, ShimSettings,
+    SimGpu,
 };
 
 fn gpu() -> SimGpu {
@@ -93,13 +94,12 @@ fn idle_connections(arbiter: &Arbiter, n: usize) -> Vec<UnixStream> {
 
 /// `alloc_paths alloc` under the shim, allocating 1.5 GiB in a 1 GiB request.
 fn shim(gpu: &SimGpu, arbiter: &Arbiter) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", unique("shim"))
-        .env("GPUFRAC_WAIT_TIMEOUT", "10s")
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("1GiB")
+        .memory_limit("3GiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("shim"))
+        .wait_timeout("10s")
         .args(["alloc", &(32 * MIB).to_string(), &(1536 * MIB).to_string()]);
     ChildProcess::spawn(&mut cmd)
 }

@@ -12,18 +12,18 @@ use std::process::Command;
 use std::sync::{Mutex, PoisonError};
 
 use gpufrac_e2e::size::MIB;
-use gpufrac_e2e::{artifact, compile_c, ledger_path, unique, ChildProcess, SimGpu};
+use gpufrac_e2e::{compile_c, ledger_path, unique, ChildProcess, ShimSettings, SimGpu};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// `alloc_paths` under the shim in `group`, holding 16 MiB until its stdin closes.
 fn member(gpu: &SimGpu, group: &str) -> Command {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("512MiB"))
-        .env("GPUFRAC_GROUP", group)
-        .args(["alloc", &(16 * MIB).to_string(), &(16 * MIB).to_string()]);
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("256MiB").memory_limit(gpu.plus_real_context("512MiB")).group(group).args([
+        "alloc",
+        &(16 * MIB).to_string(),
+        &(16 * MIB).to_string(),
+    ]);
     cmd
 }
 
@@ -81,9 +81,9 @@ fn a_ledger_whose_members_were_killed_goes_at_the_next_first_cuda_call() {
 
     // A process under the shim that never calls CUDA does nothing, sweeping included.
     let status = Command::new("/bin/true")
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_GROUP", unique("idle"))
+        .preload_shim()
+        .memory_request("256MiB")
+        .group(unique("idle"))
         .status()
         .expect("run /bin/true");
     assert!(status.success());

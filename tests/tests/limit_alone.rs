@@ -9,7 +9,8 @@ use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, report_skip, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu, Skip,
+    artifact, compile_c, report_skip, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, ShimSettings,
+    SimGpu, Skip,
 };
 
 const DEVICE: u64 = 8 * GIB;
@@ -29,8 +30,8 @@ fn gpu() -> SimGpu {
 
 /// `program` with the shim preloaded and only `GPUFRAC_MEMORY_LIMIT=2GiB` set.
 fn limited(gpu: &SimGpu, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let mut cmd = gpu.command(program);
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so")).env("GPUFRAC_MEMORY_LIMIT", "2GiB");
+    let mut cmd = gpu.shimmed(program);
+    cmd.memory_limit("2GiB");
     cmd
 }
 
@@ -108,9 +109,7 @@ fn cuda_and_nvml_show_the_limit_as_the_device() {
     assert!(out.status.success(), "{stdout}{stderr}");
     assert_eq!(stdout.trim(), format!("NVML {LIMIT} 0"));
     // Without the limit, the same probe sees the whole device: the test is not vacuous.
-    let mut bare = gpu.command(probe);
-    bare.env("LD_PRELOAD", artifact("libgpufrac.so"));
-    let (out, stdout, stderr) = output(bare.arg("nvml-only"));
+    let (out, stdout, stderr) = output(gpu.shimmed(probe).arg("nvml-only"));
     assert!(out.status.success(), "{stdout}{stderr}");
     assert_eq!(stdout.trim(), format!("NVML {DEVICE} 0"));
 }
@@ -179,7 +178,7 @@ fn with_an_arbiter_all_it_holds_is_a_burst_the_arbiter_lent() {
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
     let mut cmd = limited(&gpu, alloc_paths("dlsym"));
-    cmd.env("GPUFRAC_ARBITER_SOCKET", arbiter.socket()).args(["alloc", &CHUNK.to_string()]);
+    cmd.arbiter_socket(arbiter.socket()).args(["alloc", &CHUNK.to_string()]);
     let mut child = ChildProcess::spawn(&mut cmd);
     let v = child.ready();
     let (held, total) = (v[0], v[2]);
@@ -254,7 +253,7 @@ fn preloaded_from_etc(gpu: &SimGpu, scratch: &Path, program: impl AsRef<std::ffi
         .arg(artifact("libgpufrac.so"))
         .arg(scratch)
         .arg(program)
-        .env("GPUFRAC_MEMORY_LIMIT", "2GiB");
+        .memory_limit("2GiB");
     cmd
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpufrac_e2e::rng::Rng;
 use gpufrac_e2e::{
-    artifact, compile_c, log_field, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess,
+    compile_c, log_field, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, ShimSettings,
     SimGpu, TIMEOUT,
 };
 
@@ -29,21 +29,24 @@ fn arbiter(gpu: &SimGpu, park_with: &str) -> Arbiter {
     Arbiter::start_at(gpu, socket, &["--oversubscribe", "3", "--park-with", park_with])
 }
 
-fn shim_env<'a>(cmd: &'a mut Command, arbiter: &Arbiter, group: &str) -> &'a mut Command {
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_LOG", "info")
+/// `program` under the shim in `group`, served by `arbiter`.
+fn member(gpu: &SimGpu, program: impl AsRef<std::ffi::OsStr>, arbiter: &Arbiter, group: &str) -> Command {
+    let mut cmd = gpu.shimmed(program);
+    cmd.arbiter_socket(arbiter.socket()).group(group).log("info");
+    cmd
 }
 
 /// A parkable model, idle after 300 ms, waiting up to `wait` for its wakes.
 fn model(gpu: &SimGpu, arbiter: &Arbiter, group: &str, seed: usize, wait: &str) -> ChildProcess {
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_parkable_model"));
-    shim_env(&mut cmd, arbiter, group)
-        .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
-        .env("GPUFRAC_PARK_AFTER", "300ms")
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .args(["--model", "1GiB", "--chunk", "256MiB", "--seed", &seed.to_string()]);
+    let mut cmd = member(gpu, env!("CARGO_BIN_EXE_parkable_model"), arbiter, group);
+    cmd.memory_request(REQUEST).park_after("300ms").wait_timeout(wait).args([
+        "--model",
+        "1GiB",
+        "--chunk",
+        "256MiB",
+        "--seed",
+        &seed.to_string(),
+    ]);
     ChildProcess::spawn(&mut cmd)
 }
 
@@ -123,11 +126,12 @@ fn a_firm_request_is_never_parked_nor_kept_out_by_parkable_models() {
         m.expect_line(&["READY"], TIMEOUT);
     }
     let firm = unique("firm");
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    shim_env(&mut cmd, &arbiter, &firm)
-        .env("GPUFRAC_MEMORY_REQUEST", "2GiB")
-        .env("GPUFRAC_WAIT_TIMEOUT", "2s")
-        .args(["alloc", &(64u64 << 20).to_string(), &(1792u64 << 20).to_string()]);
+    let mut cmd = member(&gpu, compile_c("alloc_paths.c", &["MODE_DLSYM"], false), &arbiter, &firm);
+    cmd.memory_request("2GiB").wait_timeout("2s").args([
+        "alloc",
+        &(64u64 << 20).to_string(),
+        &(1792u64 << 20).to_string(),
+    ]);
     let mut f = ChildProcess::spawn(&mut cmd);
     let got = f.ready();
     assert_eq!(got[0], 1792 << 20, "the firm group got its memory");
@@ -166,11 +170,9 @@ fn a_wake_that_finds_no_room_fails_its_call_after_the_wait_timeout() {
     // Three models that never idle long enough: parked only after 1 hour.
     let busy: Vec<ChildProcess> = (0..3)
         .map(|i| {
-            let mut cmd = gpu.command(env!("CARGO_BIN_EXE_parkable_model"));
-            shim_env(&mut cmd, &arbiter, &unique(&format!("busy{i}")))
-                .env("GPUFRAC_MEMORY_REQUEST", REQUEST)
-                .env("GPUFRAC_PARK_AFTER", "1h")
-                .args(["--model", "1GiB", "--seed", &i.to_string()]);
+            let mut cmd =
+                member(&gpu, env!("CARGO_BIN_EXE_parkable_model"), &arbiter, &unique(&format!("busy{i}")));
+            cmd.memory_request(REQUEST).park_after("1h").args(["--model", "1GiB", "--seed", &i.to_string()]);
             ChildProcess::spawn(&mut cmd)
         })
         .collect();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use gpufrac_e2e::size::MIB;
 use gpufrac_e2e::{
-    artifact, compile_c, ledger_path, report_skip, skip_on_real_gpu, unique, ChildProcess, SimGpu, Skip,
+    compile_c, ledger_path, report_skip, skip_on_real_gpu, unique, ChildProcess, ShimSettings, SimGpu, Skip,
 };
 
 fn gpu() -> SimGpu {
@@ -23,12 +23,12 @@ fn gpu() -> SimGpu {
 /// `alloc_paths` under the shim in `group`: 256 MiB request, 640 MiB limit, holding
 /// 32 MiB.
 fn member(gpu: &SimGpu, group: &str) -> Command {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", gpu.plus_real_context("640MiB"))
-        .env("GPUFRAC_GROUP", group)
-        .args(["alloc", &(32 * MIB).to_string(), &(32 * MIB).to_string()]);
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.memory_request("256MiB").memory_limit(gpu.plus_real_context("640MiB")).group(group).args([
+        "alloc",
+        &(32 * MIB).to_string(),
+        &(32 * MIB).to_string(),
+    ]);
     cmd
 }
 
@@ -221,12 +221,12 @@ fn a_context_larger_than_the_limit_is_refused_and_holds_nothing() {
     let gpu = SimGpu::new("2GiB").with_context_overhead("256MiB");
     let group = unique("big-context");
     let small = |group: &str, limit: &str| {
-        let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_LINKED"], true));
-        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-            .env("GPUFRAC_MEMORY_REQUEST", "64MiB")
-            .env("GPUFRAC_MEMORY_LIMIT", limit)
-            .env("GPUFRAC_GROUP", group)
-            .args(["alloc", &(32 * MIB).to_string(), &(64 * MIB).to_string()]);
+        let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_LINKED"], true));
+        cmd.memory_request("64MiB").memory_limit(limit).group(group).args([
+            "alloc",
+            &(32 * MIB).to_string(),
+            &(64 * MIB).to_string(),
+        ]);
         cmd
     };
     // The first context anyone makes on the device: measured, destroyed, refused.

@@ -8,19 +8,15 @@
 use std::time::Duration;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu};
+use gpufrac_e2e::{compile_c, skip_on_real_gpu, ChildProcess, ShimSettings, SimGpu};
 
 const LIMIT: u64 = 512 * MIB;
 const CONTEXT: u64 = 64 * MIB;
 const SIMULATED: &str = "sizes a 4 GiB simulated device with 64 MiB contexts";
 
 fn start(gpu: &SimGpu, bytes: u64) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("graph_pool.c", &[], true));
-    cmd.arg("pool")
-        .arg(bytes.to_string())
-        .env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "256MiB")
-        .env("GPUFRAC_MEMORY_LIMIT", LIMIT.to_string());
+    let mut cmd = gpu.shimmed(compile_c("graph_pool.c", &[], true));
+    cmd.arg("pool").arg(bytes.to_string()).memory_request("256MiB").memory_limit(LIMIT.to_string());
     ChildProcess::spawn(&mut cmd)
 }
 

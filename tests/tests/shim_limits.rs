@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, ShimSettings, SimGpu};
 
 const DEVICE: &str = "2GiB";
 const OVERHEAD: u64 = 64 * MIB;
@@ -26,10 +26,8 @@ fn gpu() -> SimGpu {
 
 /// A command under the shim with a 256 MiB request and a 640 MiB limit.
 fn shimmed(gpu: &SimGpu, program: impl Into<PathBuf>) -> Command {
-    let mut cmd = gpu.command(program.into());
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", REQUEST.to_string())
-        .env("GPUFRAC_MEMORY_LIMIT", "640MiB");
+    let mut cmd = gpu.shimmed(program.into());
+    cmd.memory_request(REQUEST.to_string()).memory_limit("640MiB");
     cmd
 }
 
@@ -95,8 +93,8 @@ fn output(cmd: &mut Command) -> (Output, String, String) {
 fn without_a_request_the_shim_passes_everything_through() {
     skip_on_real_gpu!(EXACT);
     let gpu = gpu();
-    let mut cmd = gpu.command(program("dlsym"));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so")).args(["alloc", &CHUNK.to_string()]);
+    let mut cmd = gpu.shimmed(program("dlsym"));
+    cmd.args(["alloc", &CHUNK.to_string()]);
     let mut child = ChildProcess::spawn(&mut cmd);
     let v = child.ready();
     assert_eq!(v[2], 2 * GIB, "the whole device is visible");
@@ -117,10 +115,9 @@ fn cuda_and_nvml_show_the_slice_even_to_nvml_only_tools() {
     assert_eq!(stdout.trim(), format!("SLICE {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
 
     // A group member holds memory; nvidia-smi-like tools of the group see it, in the slice.
-    let mut holder =
-        ChildProcess::spawn(shimmed(&gpu, probe).env("GPUFRAC_GROUP", "smi").args(["hold", "104857600"]));
+    let mut holder = ChildProcess::spawn(shimmed(&gpu, probe).group("smi").args(["hold", "104857600"]));
     holder.ready();
-    let (out, stdout, stderr) = output(shimmed(&gpu, probe).env("GPUFRAC_GROUP", "smi").arg("nvml-only"));
+    let (out, stdout, stderr) = output(shimmed(&gpu, probe).group("smi").arg("nvml-only"));
     assert!(out.status.success(), "{stdout}{stderr}");
     assert_eq!(stdout.trim(), format!("NVML {LIMIT} {}", OVERHEAD + MODULE + 100 * MIB));
     holder.close_stdin();
@@ -129,7 +126,7 @@ fn cuda_and_nvml_show_the_slice_even_to_nvml_only_tools() {
 
 fn group_member(gpu: &SimGpu, group: &str, limit_bytes: Option<u64>) -> ChildProcess {
     let mut cmd = shimmed(gpu, program("linked"));
-    cmd.env("GPUFRAC_GROUP", group).arg("alloc").arg(CHUNK.to_string());
+    cmd.group(group).arg("alloc").arg(CHUNK.to_string());
     if let Some(limit) = limit_bytes {
         cmd.arg(limit.to_string());
     }

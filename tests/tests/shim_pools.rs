@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, ChildProcess, SimGpu, TIMEOUT};
+use gpufrac_e2e::{compile_c, skip_on_real_gpu, ChildProcess, ShimSettings, SimGpu, TIMEOUT};
 
 const LIMIT: u64 = 4 * GIB;
 const OVERHEAD: u64 = 64 * MIB;
@@ -54,11 +54,8 @@ fn run(scenario: &str, devices: usize) {
     skip_on_real_gpu!("reads what the process holds from simgpu's device state (SIMGPU_STATE), on one or two simulated 16 GiB devices with 64 MiB contexts");
     let gpu = SimGpu::new(if devices == 2 { "16GiB,16GiB" } else { "16GiB" }).with_context_overhead("64MiB");
     let (stop, watcher) = watch(&gpu, devices);
-    let mut cmd = gpu.command(compile_c("pool_limits.c", &[], false));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "4GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "4GiB")
-        .args([scenario, &CHUNK.to_string(), &COUNT.to_string()]);
+    let mut cmd = gpu.shimmed(compile_c("pool_limits.c", &[], false));
+    cmd.memory_request("4GiB").memory_limit("4GiB").args([scenario, &CHUNK.to_string(), &COUNT.to_string()]);
     let mut child = ChildProcess::spawn(&mut cmd);
     let mut lines: HashMap<String, i64> = HashMap::new();
     loop {

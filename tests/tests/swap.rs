@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, ShimSettings,
+    SimGpu, TIMEOUT,
 };
 
 const BURST: u64 = 256 * MIB;
@@ -22,15 +23,24 @@ fn gpu() -> SimGpu {
     SimGpu::new("4GiB").with_context_overhead("64MiB")
 }
 
-fn shim_env(cmd: &mut std::process::Command, arbiter: &Arbiter, group: &str, wait: &str) {
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", "1GiB")
-        .env("GPUFRAC_MEMORY_LIMIT", "3GiB")
-        .env("GPUFRAC_RESOLVER", "swap")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", wait)
-        .env("GPUFRAC_LOG", "info");
+/// `program` under the shim in `group`: 1 GiB request, 3 GiB limit, the swap resolver,
+/// waiting up to `wait`.
+fn swapper(
+    gpu: &SimGpu,
+    program: impl AsRef<std::ffi::OsStr>,
+    arbiter: &Arbiter,
+    group: &str,
+    wait: &str,
+) -> std::process::Command {
+    let mut cmd = gpu.shimmed(program);
+    cmd.memory_request("1GiB")
+        .memory_limit("3GiB")
+        .resolver("swap")
+        .arbiter_socket(arbiter.socket())
+        .group(group)
+        .wait_timeout(wait)
+        .log("info");
+    cmd
 }
 
 /// A: its request held by a plain allocation, then 1 GiB of bursts (VMM-backed).
@@ -40,8 +50,7 @@ fn holder(gpu: &SimGpu, arbiter: &Arbiter, group: &str) -> (ChildProcess, String
 
 /// `holder` with its `GPUFRAC_WAIT_TIMEOUT`.
 fn holder_waiting(gpu: &SimGpu, arbiter: &Arbiter, group: &str, wait: &str) -> (ChildProcess, String) {
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
-    shim_env(&mut cmd, arbiter, group, wait);
+    let mut cmd = swapper(gpu, env!("CARGO_BIN_EXE_simgpu_probe"), arbiter, group, wait);
     cmd.args(["hold-bursts", &GIB.to_string(), &BURST.to_string(), &BURSTS.to_string()]);
     let mut a = ChildProcess::spawn(&mut cmd);
     let ptrs = a.expect_line(&["PTRS"], TIMEOUT);
@@ -51,8 +60,7 @@ fn holder_waiting(gpu: &SimGpu, arbiter: &Arbiter, group: &str, wait: &str) -> (
 
 /// B: allocates 2.5 GiB in 32 MiB steps; its burst only fits if A's is swapped out.
 fn requester(gpu: &SimGpu, arbiter: &Arbiter, group: &str, wait: &str) -> ChildProcess {
-    let mut cmd = gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
-    shim_env(&mut cmd, arbiter, group, wait);
+    let mut cmd = swapper(gpu, compile_c("alloc_paths.c", &["MODE_DLSYM"], false), arbiter, group, wait);
     cmd.args(["alloc", &(32 * MIB).to_string(), &(2560 * MIB).to_string()]);
     ChildProcess::spawn(&mut cmd)
 }

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
-    artifact, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu, TIMEOUT,
+    artifact, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
+    TIMEOUT,
 };
 
 /// Why the tests here need simgpu: the sizes and the collision are made for its two
@@ -137,15 +138,14 @@ impl Drop for Terminal {
 
 /// `simgpu_probe` with the shim, held to `request` and `limit` in `group` (resolver wait).
 fn shimmed(gpu: &SimGpu, arbiter: &Arbiter, group: &str, request: u64, limit: u64) -> Command {
-    let mut cmd = gpu.command(env!("CARGO_BIN_EXE_simgpu_probe"));
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", request.to_string())
-        .env("GPUFRAC_MEMORY_LIMIT", limit.to_string())
-        .env("GPUFRAC_RESOLVER", "wait")
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", group)
-        .env("GPUFRAC_WAIT_TIMEOUT", "60s")
-        .env("GPUFRAC_LOG", "info");
+    let mut cmd = gpu.shimmed(env!("CARGO_BIN_EXE_simgpu_probe"));
+    cmd.memory_request(request.to_string())
+        .memory_limit(limit.to_string())
+        .resolver("wait")
+        .arbiter_socket(arbiter.socket())
+        .group(group)
+        .wait_timeout("60s")
+        .log("info");
     cmd
 }
 

@@ -19,8 +19,8 @@ use gpufrac_daemon::status::{ProcessStatus, Status};
 use gpufrac_e2e::raw_client::{device_id, hello, RawClient};
 use gpufrac_e2e::size::{GIB, MIB};
 use gpufrac_e2e::{
-    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, SimGpu,
-    NOT_GRANTED, WAIT_TIMED_OUT,
+    artifact, compile_c, skip_on_real_gpu, status, unique, wait_for, Arbiter, ChildProcess, ShimSettings,
+    SimGpu, NOT_GRANTED, WAIT_TIMED_OUT,
 };
 
 /// The other user: `nobody` on most systems.
@@ -106,15 +106,15 @@ impl Default for Declared<'_> {
 fn shim(gpu: &SimGpu, arbiter: &Arbiter, d: &Declared, upto: u64) -> ChildProcess {
     let program = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);
     let mut cmd = command_as(gpu, d.uid, &program);
-    cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-        .env("GPUFRAC_MEMORY_REQUEST", d.request)
-        .env("GPUFRAC_MEMORY_LIMIT", d.limit)
-        .env("GPUFRAC_RESOLVER", d.resolver)
-        .env("GPUFRAC_PRIORITY", d.priority.to_string())
-        .env("GPUFRAC_ARBITER_SOCKET", arbiter.socket())
-        .env("GPUFRAC_GROUP", d.group)
-        .env("GPUFRAC_WAIT_TIMEOUT", d.wait)
-        .env("GPUFRAC_LOG", "info")
+    cmd.preload_shim()
+        .memory_request(d.request)
+        .memory_limit(d.limit)
+        .resolver(d.resolver)
+        .priority(d.priority.to_string())
+        .arbiter_socket(arbiter.socket())
+        .group(d.group)
+        .wait_timeout(d.wait)
+        .log("info")
         .args(["alloc", &CHUNK.to_string(), &upto.to_string()]);
     ChildProcess::spawn(&mut cmd)
 }
