@@ -24,6 +24,8 @@ pub const MAX_FRAME: usize = 4096;
 pub const MAX_STATUS_FRAME: usize = 16 << 20;
 /// Longest string field.
 pub const MAX_STRING: usize = 512;
+/// Most GPUs a `Welcome` lists.
+pub const MAX_GPUS: usize = 128;
 
 /// A device, by its UUID bytes.
 pub type DeviceId = [u8; 16];
@@ -217,6 +219,10 @@ pub enum Reply {
         /// the client runs in a PID namespace of its own (a container), which is the PID
         /// NVML reports for it.
         pid: u32,
+        /// The memory the arbiter manages on each of its GPUs (`gpufrac-arbiter
+        /// --gpu-memory`; else the whole GPU as NVML reports it), at most [`MAX_GPUS`]:
+        /// a shim's fractions are of it, and its device is never shown larger.
+        managed: Vec<(DeviceId, u64)>,
     },
     /// The device is registered; the group's request is guaranteed.
     Registered {
@@ -619,7 +625,13 @@ impl Reply {
     /// The frame (length prefix included).
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Reply::Welcome { version, pid } => Writer::new(0x41).u16(*version).u32(*pid),
+            Reply::Welcome { version, pid, managed } => {
+                let managed = &managed[..managed.len().min(MAX_GPUS)];
+                managed.iter().fold(
+                    Writer::new(0x41).u16(*version).u32(*pid).u16(managed.len() as u16),
+                    |w, (d, bytes)| w.device(d).u64(*bytes),
+                )
+            }
             Reply::Registered { device, request, limit, parked, context } => {
                 Writer::new(0x42).device(device).u64(*request).u64(*limit).u8(u8::from(*parked)).u64(*context)
             }
@@ -648,7 +660,15 @@ impl Reply {
     pub fn decode(body: &[u8]) -> Result<Reply, ProtocolError> {
         let mut r = Reader(body);
         let reply = match r.u8().map_err(|_| ProtocolError::Empty)? {
-            0x41 => Reply::Welcome { version: r.u16()?, pid: r.u32()? },
+            0x41 => {
+                let (version, pid, count) = (r.u16()?, r.u32()?, r.u16()? as usize);
+                if count > MAX_GPUS {
+                    return Err(ProtocolError::BadValue("managed"));
+                }
+                let managed =
+                    (0..count).map(|_| Ok((r.device()?, r.u64()?))).collect::<Result<_, ProtocolError>>()?;
+                Reply::Welcome { version, pid, managed }
+            }
             0x42 => Reply::Registered {
                 device: r.device()?,
                 request: r.u64()?,
@@ -778,7 +798,8 @@ mod tests {
             Request::decode(&Request::ContextMeasured { device: [1; 16], bytes: 0 }.encode()[4..]).is_err()
         );
         for reply in [
-            Reply::Welcome { version: 1, pid: 4242 },
+            Reply::Welcome { version: 1, pid: 4242, managed: vec![] },
+            Reply::Welcome { version: 1, pid: 4242, managed: vec![([2; 16], 16 << 30), ([3; 16], 1)] },
             Reply::Registered {
                 device: [2; 16],
                 request: 1 << 30,

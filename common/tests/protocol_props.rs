@@ -137,7 +137,11 @@ fn request(rng: &mut Rng) -> Request {
 
 fn reply(rng: &mut Rng) -> Reply {
     match rng.below(11) {
-        0 => Reply::Welcome { version: rng.next() as u16, pid: rng.next() as u32 },
+        0 => Reply::Welcome {
+            version: rng.next() as u16,
+            pid: rng.next() as u32,
+            managed: (0..rng.below(4)).map(|_| (rng.device(), rng.u64())).collect(),
+        },
         1 => Reply::Registered {
             device: rng.device(),
             request: rng.u64(),

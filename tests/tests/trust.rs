@@ -567,6 +567,10 @@ impl ForkedHolder {
             }
             .encode(),
         );
+        // The replies' length: Welcome (one GPU), Registered, Granted.
+        let replies_len = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }.encode().len()
+            + Reply::Registered { device, request: 0, limit: 0, parked: false, context: 0 }.encode().len()
+            + Reply::Granted { seq: 1, bytes: 0 }.encode().len();
         let path = std::ffi::CString::new(arbiter.socket().as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a zeroed sockaddr_un is valid; the path fits (checked below).
         let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -598,8 +602,7 @@ impl ForkedHolder {
                 let mut buf = [0u8; 512];
                 let mut got = 0usize;
                 let deadline = libc::time(std::ptr::null_mut()) + 30;
-                // Frames: Welcome (4+3), Registered (4+1+16+16), Granted (4+1+16).
-                while got < 7 + 37 + 21 && libc::time(std::ptr::null_mut()) < deadline {
+                while got < replies_len && libc::time(std::ptr::null_mut()) < deadline {
                     let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), buf.len() - got);
                     if n <= 0 {
                         libc::_exit(12);
@@ -820,6 +823,10 @@ impl OrphanedConnection {
         // `go`: the test tells the holder the connecting process is reaped; `back`: the
         // holder's PID, then what it read.
         let (mut go, mut back) = ([0; 2], [0; 2]);
+        // Welcome (one GPU) and Registered, and the start of the answer to the burst.
+        let first_replies = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }.encode().len()
+            + Reply::Registered { device, request: 0, limit: 0, parked: false, context: 0 }.encode().len()
+            + 8;
         // SAFETY: each array holds two descriptors.
         assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
         // SAFETY: as above.
@@ -853,11 +860,11 @@ impl OrphanedConnection {
                 if libc::write(fd, frames.as_ptr().cast(), frames.len()) != frames.len() as isize {
                     libc::_exit(12);
                 }
-                // Welcome (4+3), Registered (4+1+16+16), then the answer to the burst.
+                // Welcome, Registered, then the answer to the burst.
                 let mut buf = [0u8; 512];
                 let mut got = 0usize;
                 let deadline = libc::time(std::ptr::null_mut()) + 20;
-                while got < 7 + 37 + 8 && libc::time(std::ptr::null_mut()) < deadline {
+                while got < first_replies && libc::time(std::ptr::null_mut()) < deadline {
                     let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), buf.len() - got);
                     if n <= 0 {
                         break;

@@ -1334,7 +1334,9 @@ fn on_frame(
                 // shim allows is accepted.
                 check_group(&group)?;
                 check_pod(&pod)?;
-                reply(out, &Reply::Welcome { version: VERSION, pid });
+                // What it manages of each GPU: the shim's fractions are of it.
+                let managed = shared.policy().totals();
+                reply(out, &Reply::Welcome { version: VERSION, pid, managed });
                 if version != VERSION {
                     return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
                 }

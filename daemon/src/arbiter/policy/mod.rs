@@ -487,6 +487,11 @@ impl Policy {
         self.gpus.get(device).map(|g| g.total)
     }
 
+    /// The memory the arbiter manages on each GPU (what a `Welcome` tells the shims).
+    pub fn totals(&self) -> Vec<(DeviceId, u64)> {
+        self.gpus.iter().map(|(id, g)| (*id, g.total)).collect()
+    }
+
     /// The request and limit of the group `conn` is a member of on `device`.
     pub fn group_of(&self, conn: ConnId, device: &DeviceId) -> Option<(u64, u64)> {
         let peer = self.peers.get(&conn)?;
