@@ -174,6 +174,11 @@ pub struct GpuStatus {
     /// (programs without the shim; after a restart, shims not yet back): never lent.
     #[serde(default)]
     pub outside: u64,
+    /// The part of the GPU gpufrac does not manage (`gpufrac-arbiter --gpu-memory`):
+    /// processes outside gpufrac may use it without taking from `total`, which is what
+    /// gpufrac manages.
+    #[serde(default)]
+    pub headroom: u64,
     /// Memory groups hold beyond what their shims charged, as the device's own count
     /// shows it (see each process's `uncounted`): charged to those groups, never lent.
     #[serde(default)]
@@ -423,6 +428,13 @@ impl Status {
                 g.waiting,
                 gib(g.swapped)
             );
+            if g.headroom > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {} more on the GPU left to processes outside gpufrac (--gpu-memory)",
+                    gib(g.headroom)
+                );
+            }
             if g.outside > 0 {
                 let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
             }

@@ -3,6 +3,8 @@
 use gpufrac_common::protocol::DeviceId;
 
 pub use gpufrac_common::gpu_uuid::parse as parse_uuid;
+use gpufrac_common::size::format_size;
+use gpufrac_common::SizeSpec;
 
 /// Every GPU NVML reports, with its memory.
 pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {
@@ -15,6 +17,29 @@ pub fn discover() -> Result<Vec<(DeviceId, u64)>, String> {
             let id = parse_uuid(&uuid).ok_or_else(|| format!("NVML device {i}: unreadable UUID {uuid:?}"))?;
             let total = dev.memory_info().map_err(|e| format!("NVML device {i} memory: {e}"))?.total;
             Ok((id, total))
+        })
+        .collect()
+}
+
+/// How much of each GPU `(uuid, memory)` gpufrac manages under `--gpu-memory` `spec`:
+/// `(uuid, managed bytes)`; refused, naming the flag, when it is more than a GPU has or
+/// comes to nothing.
+pub fn managed(spec: SizeSpec, gpus: &[(DeviceId, u64)]) -> Result<Vec<(DeviceId, u64)>, String> {
+    gpus.iter()
+        .map(|&(id, total)| {
+            let managed = spec.resolve(total);
+            let gpu = crate::arbiter::policy::uuid_string(&id);
+            if managed > total {
+                return Err(format!(
+                    "--gpu-memory {}: more than GPU {gpu} has ({}); give at most its size, or a fraction such as 0.5",
+                    format_size(managed),
+                    format_size(total)
+                ));
+            }
+            if managed == 0 {
+                return Err(format!("--gpu-memory: nothing of GPU {gpu} ({})", format_size(total)));
+            }
+            Ok((id, managed))
         })
         .collect()
 }
@@ -168,6 +193,16 @@ mod tests {
         let graphics = [(7, 120), (8, 30), (9, 10)];
         assert_eq!(merge(&compute, &graphics), [(7, 150), (8, 30), (9, 10)]);
         assert_eq!(merge(&[(1, u64::MAX), (1, 1)], &[]), [(1, u64::MAX)]);
+    }
+
+    #[test]
+    fn a_managed_size_is_of_each_gpu_and_never_more() {
+        let gpus = [([1; 16], 64 << 30), ([2; 16], 16 << 30)];
+        assert_eq!(managed(SizeSpec::Fraction(0.25), &gpus).unwrap(), [([1; 16], 16 << 30), ([2; 16], 4 << 30)]);
+        assert_eq!(managed(SizeSpec::Bytes(16 << 30), &gpus).unwrap(), [([1; 16], 16 << 30), ([2; 16], 16 << 30)]);
+        let more = managed(SizeSpec::Bytes(20 << 30), &gpus).unwrap_err();
+        assert!(more.starts_with("--gpu-memory 20.00 GiB: more than GPU ") && more.contains("(16.00 GiB)"), "{more}");
+        assert!(managed(SizeSpec::Fraction(1e-12), &gpus).unwrap_err().starts_with("--gpu-memory: nothing of GPU"));
     }
 
     #[test]

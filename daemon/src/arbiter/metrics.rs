@@ -136,7 +136,7 @@ impl Metrics {
         });
         registry.register(
             "gpu_memory_bytes",
-            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), reclaiming (lent memory being taken back for the guarantees), parkable_requests (requests of parkable groups, parked or not); swapped_to_host and parked_to_host are in host RAM",
+            "GPU memory: total, guaranteed, burst, free, outside (used by processes not registered), headroom (the rest of the GPU, left unmanaged to processes outside gpufrac), reclaiming (lent memory being taken back for the guarantees), parkable_requests (requests of parkable groups, parked or not); swapped_to_host and parked_to_host are in host RAM",
             gpu_memory.clone(),
         );
         registry.register(
@@ -261,6 +261,7 @@ impl Metrics {
                 ("burst", g.burst),
                 ("free", g.free),
                 ("outside", g.outside),
+                ("headroom", g.headroom),
                 ("reclaiming", g.reclaiming),
                 ("swapped_to_host", g.swapped),
                 ("parked_to_host", g.parked),

@@ -143,6 +143,9 @@ pub struct Options {
     /// How long a group stays past its limit by the device's count before it is ended,
     /// under `--enforce-limits end` (`--enforce-grace`).
     pub enforce_grace: Duration,
+    /// How much of each GPU gpufrac manages (`--gpu-memory`; checked against the GPUs
+    /// by [`crate::arbiter::gpus::managed`]); `None`: all of it.
+    pub gpu_memory: Option<gpufrac_common::SizeSpec>,
 }
 
 impl Default for Options {
@@ -161,6 +164,7 @@ impl Default for Options {
             park_with: ParkWith::Auto,
             enforce_limits: EnforceLimits::Count,
             enforce_grace: crate::arbiter::policy::DEFAULT_ENFORCE_GRACE,
+            gpu_memory: None,
         }
     }
 }
@@ -308,6 +312,9 @@ impl Shared {
         policy.set_swap_limit(options.swap_limit);
         policy.set_reclaim_grace(options.reclaim_grace);
         policy.set_oversubscribe(options.oversubscribe);
+        if let Some(spec) = options.gpu_memory {
+            policy.set_managed(&gpus.iter().map(|&(id, total)| (id, spec.resolve(total))).collect::<Vec<_>>());
+        }
         Arc::new(Shared {
             processes,
             options,

@@ -71,6 +71,11 @@ struct Args {
     /// device's count before its processes are ended.
     #[arg(long, value_name = "DURATION", default_value = "5s")]
     enforce_grace: String,
+    /// Manage only this much of each GPU: a size (16GiB) or a fraction of each GPU (0.5,
+    /// 50%); the rest is headroom for processes outside gpufrac. Shims' fractions and
+    /// virtual devices are of the managed size. Default: all of each GPU.
+    #[arg(long, value_name = "SIZE|FRACTION")]
+    gpu_memory: Option<String>,
     /// Most connections open at once from one UID (1 to 1048576). Past it, the oldest
     /// connection of that UID that has not said who it is is closed to make room, or
     /// the new one is refused.
@@ -315,6 +320,7 @@ fn run(args: Args) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("--enforce-limits {:?}: {e}", args.enforce_limits))?,
         enforce_grace: gpufrac_common::parse_duration("--enforce-grace", &args.enforce_grace)?,
+        gpu_memory: args.gpu_memory.as_deref().map(|size| gpufrac_common::parse_size("--gpu-memory", size)).transpose()?,
         ..server::Options::default()
     };
     if args.shares_per_gpu == Some(0) {
@@ -330,10 +336,16 @@ fn run(args: Args) -> Result<()> {
     if gpus.is_empty() {
         bail!("NVML reports no GPU on this node");
     }
-    for (id, total) in &gpus {
+    let managed = match options.gpu_memory {
+        Some(spec) => gpus::managed(spec, &gpus).map_err(anyhow::Error::msg)?,
+        None => gpus.clone(),
+    };
+    for ((id, total), (_, managed)) in gpus.iter().zip(&managed) {
         tracing::info!(
             gpu = %gpufrac_daemon::arbiter::policy::uuid_string(id),
             total = %gpufrac_common::size::format_size(*total),
+            managed = %gpufrac_common::size::format_size(*managed),
+            headroom = %gpufrac_common::size::format_size(total - managed),
             "managing GPU"
         );
     }

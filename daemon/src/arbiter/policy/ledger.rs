@@ -37,6 +37,17 @@ impl Policy {
         if limit < request {
             return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
         }
+        if gpu.headroom > 0 && request > gpu.total {
+            // A shim that learnt the managed size refuses this itself; one that registers
+            // it anyway (it could not reach the arbiter at its start) is refused as a
+            // request larger than the GPU is.
+            return Err(format!(
+                "GPUFRAC_MEMORY_REQUEST ({}) is more than the {} gpufrac manages of GPU {} (gpufrac-arbiter --gpu-memory)",
+                gib(request),
+                gib(gpu.total),
+                uuid_string(&device)
+            ));
+        }
         // Nothing is larger than the GPU: reports past it (from a shim that sees another
         // total, or a broken one) cannot overflow the ledger's sums.
         let (request, limit, held) = (request.min(gpu.total), limit.min(gpu.total), held.min(gpu.total));
@@ -54,11 +65,13 @@ impl Policy {
         // outside gpufrac would free nothing (and that memory may be its peers coming back
         // too); its request must still fit beside the other requests, or no guarantee could
         // be kept.
-        let outside_others: u64 = gpu
-            .outside
-            .iter()
-            .filter(|&&(pid, _)| pid != peer.pid)
-            .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes));
+        // Within the headroom (`--gpu-memory`), it takes nothing from the managed memory.
+        let outside_others: u64 = gpu.beyond_headroom(
+            gpu.outside
+                .iter()
+                .filter(|&&(pid, _)| pid != peer.pid)
+                .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes)),
+        );
         let outside_used = if granted == 0 { outside_others } else { 0 };
         // Memory groups hold beyond what their shims charged (see [`super::backstop`])
         // keeps a request out as memory outside gpufrac does.
@@ -67,7 +80,8 @@ impl Policy {
         let refuse = |gpu: &super::Gpu, request: u64| {
             let mut used_outside = String::new();
             if outside_used > 0 {
-                used_outside = format!(" and {} is used by processes outside gpufrac", gib(outside_used));
+                let past = if gpu.headroom > 0 { " past the headroom --gpu-memory leaves" } else { "" };
+                used_outside = format!(" and {} is used by processes outside gpufrac{past}", gib(outside_used));
             }
             if uncounted > 0 {
                 used_outside.push_str(&format!(" and {} is held uncounted by groups", gib(uncounted)));
@@ -220,8 +234,9 @@ impl Policy {
         let Some(gpu) = self.gpus.get_mut(&device) else { return Vec::new() };
         let registered: HashSet<u32> =
             gpu.members().filter_map(|(_, conn, _)| self.peers.get(&conn).map(|p| p.pid)).collect();
-        // No process uses more than the GPU has (nor can a bad listing overflow the sums).
-        let total = gpu.total;
+        // No process uses more than the GPU has (nor can a bad listing overflow the sums);
+        // outside gpufrac, its headroom too.
+        let total = gpu.total.saturating_add(gpu.headroom);
         gpu.observed = true;
         gpu.seen = listed.iter().map(|&(pid, bytes)| (pid, bytes.min(total))).collect();
         gpu.outside = listed
@@ -341,6 +356,30 @@ mod tests {
         assert!(err.contains("10.00 GiB is used by processes outside gpufrac"), "{err}");
         p.register(1, GPU, 16 * GIB, 6 * GIB, 6 * GIB, 0, 0, 0).unwrap();
         assert_eq!(p.status().gpus[0].outside, 10 * GIB);
+    }
+
+    #[test]
+    fn a_managed_size_leaves_headroom_to_memory_outside_gpufrac() {
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 64 * GIB)]);
+        p.set_managed(&[(GPU, 16 * GIB)]);
+        // 40 GiB used outside gpufrac fits in the 48 GiB of headroom: all 16 are there.
+        p.observe_processes(GPU, &[(200, 40 * GIB)], now);
+        p.hello(1, peer("a", 1000));
+        let err = p.register(1, GPU, 16 * GIB, 20 * GIB, 20 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("(20.00 GiB) is more than the 16.00 GiB gpufrac manages"), "{err}");
+        assert!(err.contains("--gpu-memory"), "{err}");
+        p.register(1, GPU, 16 * GIB, 16 * GIB, 16 * GIB, 0, 0, 0).unwrap();
+        let s = &p.status().gpus[0];
+        assert_eq!((s.total, s.headroom, s.outside, s.guaranteed, s.free), (16 * GIB, 48 * GIB, 40 * GIB, 16 * GIB, 0));
+        p.disconnect(1, now);
+        // Past the headroom, the rest is taken from the managed memory.
+        p.observe_processes(GPU, &[(200, 52 * GIB)], now);
+        p.hello(2, peer("b", 1000));
+        let err = p.register(2, GPU, 16 * GIB, 13 * GIB, 13 * GIB, 0, 0, 0).unwrap_err();
+        assert!(err.contains("4.00 GiB is used by processes outside gpufrac past the headroom"), "{err}");
+        p.register(2, GPU, 16 * GIB, 12 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.status().gpus[0].free, 0);
     }
 
     #[test]

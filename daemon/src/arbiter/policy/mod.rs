@@ -258,7 +258,11 @@ struct Waiter {
 /// One GPU's ledger.
 #[derive(Debug, Clone)]
 struct Gpu {
+    /// What gpufrac manages of the GPU: all of it, or `--gpu-memory`.
     total: u64,
+    /// The rest of the GPU (`--gpu-memory`): memory processes outside gpufrac may use
+    /// without taking any from what gpufrac manages.
+    headroom: u64,
     groups: BTreeMap<String, Group>,
     queue: VecDeque<Waiter>,
     /// Parked members whose wake waits for room, in order.
@@ -318,8 +322,18 @@ impl Gpu {
     fn burst(&self) -> u64 {
         self.groups.values().fold(0u64, |sum, g| sum.saturating_add(g.granted()))
     }
+    /// Memory used outside gpufrac beyond the headroom: what it takes from the managed
+    /// memory.
     fn outside(&self) -> u64 {
+        self.beyond_headroom(self.outside_seen())
+    }
+    /// Memory NVML shows used by processes outside gpufrac, all of it.
+    fn outside_seen(&self) -> u64 {
         self.outside.iter().fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes))
+    }
+    /// What of `outside` (bytes used outside gpufrac) the headroom does not hold.
+    fn beyond_headroom(&self, outside: u64) -> u64 {
+        outside.saturating_sub(self.headroom)
     }
     fn free(&self) -> u64 {
         self.room().max(0) as u64
@@ -425,6 +439,7 @@ impl Policy {
                 .map(|&(id, total)| {
                     let gpu = Gpu {
                         total,
+                        headroom: 0,
                         groups: BTreeMap::new(),
                         queue: VecDeque::new(),
                         wakers: VecDeque::new(),
@@ -485,6 +500,19 @@ impl Policy {
     /// The memory of a GPU the arbiter manages.
     pub fn total(&self, device: &DeviceId) -> Option<u64> {
         self.gpus.get(device).map(|g| g.total)
+    }
+
+    /// Manages only `managed` bytes of each GPU (`--gpu-memory`; at most the GPU, as
+    /// [`crate::arbiter::gpus::managed`] checks): the rest is headroom for processes
+    /// outside gpufrac, whose memory takes from the managed memory only past it.
+    pub fn set_managed(&mut self, managed: &[(DeviceId, u64)]) {
+        for (id, bytes) in managed {
+            if let Some(gpu) = self.gpus.get_mut(id) {
+                let physical = gpu.total.saturating_add(gpu.headroom);
+                gpu.total = (*bytes).min(physical);
+                gpu.headroom = physical - gpu.total;
+            }
+        }
     }
 
     /// The memory the arbiter manages on each GPU (what a `Welcome` tells the shims).
@@ -594,7 +622,8 @@ impl Policy {
                     guaranteed: gpu.guaranteed(),
                     burst: gpu.burst(),
                     free: gpu.free(),
-                    outside: gpu.outside(),
+                    outside: gpu.outside_seen(),
+                    headroom: gpu.headroom,
                     uncounted: gpu.uncounted(),
                     reclaiming: gpu.shortfall(),
                     repaid_given_back: gpu.repaid.given_back,
