@@ -11,7 +11,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{read_frame, Denial, DeviceId, Reply, Request, MAX_FRAME};
@@ -77,7 +77,13 @@ struct Waiting {
 pub(crate) struct Client {
     path: PathBuf,
     hello: Request,
-    registrations: Vec<Registration>,
+    /// Set once, after the first `Welcome` (fractions are of the memory it says the
+    /// arbiter manages) or without one.
+    registrations: OnceLock<Vec<Registration>>,
+    /// The connection greeted at the start, until the registrations go on it.
+    greeted: Mutex<Option<UnixStream>>,
+    /// Per device, the memory the arbiter manages (its first `Welcome`).
+    managed: Mutex<HashMap<DeviceId, u64>>,
     usage: UsageFn,
     pushed: PushFn,
     /// Devices someone waits on, until when.
@@ -103,13 +109,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Connects and registers every device; the answers come back synchronously.
+/// Connects, says who the process is and registers every device.
 fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
+    register(c, greet(c)?)
+}
+
+/// Connects and says who the process is; the `Welcome` says the PID the arbiter sees and,
+/// the first time, the memory it manages of each GPU.
+fn greet(c: &Client) -> Result<UnixStream, Handshake> {
     let mut stream = UnixStream::connect(&c.path).map_err(|e| Handshake::Unreachable(e.to_string()))?;
     let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
     stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
     stream.write_all(&c.hello.encode()).map_err(io)?;
-    for r in &c.registrations {
+    let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+    match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
+        Reply::Welcome { pid, managed, .. } => {
+            c.seen_pid.store(pid, Ordering::Relaxed);
+            // The slices were resolved against the first arbiter's sizes and stay so: a
+            // restarted one with another --gpu-memory holds them to its own.
+            let mut known = lock(&c.managed);
+            if known.is_empty() {
+                known.extend(managed);
+            }
+        }
+        other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
+    }
+    Ok(stream)
+}
+
+/// Registers every device on a greeted connection; the answers come back synchronously.
+fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake> {
+    let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
+    let registrations = c.registrations.get().map_or(&[][..], Vec::as_slice);
+    for r in registrations {
         let (held, granted, swapped) = (c.usage)(&r.device);
         let frame = Request::Register {
             device: r.device,
@@ -124,13 +156,9 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
         stream.write_all(&frame).map_err(io)?;
     }
     let mut answers = 0;
-    while answers < c.registrations.len() + 1 {
+    while answers < registrations.len() {
         let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
         match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
-            Reply::Welcome { pid, .. } => {
-                answers += 1;
-                c.seen_pid.store(pid, Ordering::Relaxed);
-            }
             Reply::Registered { device, request, limit, parked, context } => {
                 answers += 1;
                 lock(&c.believed).insert(device, (request, limit));
@@ -148,7 +176,7 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
                 }
                 // The arbiter believes what this process's entitlement allows (docs/security.md):
                 // say so at each registration, so that a cut request or limit is no mystery.
-                let declared = c.registrations.iter().find(|r| r.device == device);
+                let declared = registrations.iter().find(|r| r.device == device);
                 if let Some(r) = declared.filter(|r| request < r.request || limit < r.limit) {
                     tracing::warn!(
                         declared_request = r.request,
@@ -167,26 +195,41 @@ fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
     Ok(stream)
 }
 
+/// The memory the arbiter at `path` manages of each GPU, asked with `hello` on a
+/// connection of its own that registers nothing (for a process that reads NVML without
+/// `cuInit`); empty when it cannot be reached.
+pub(crate) fn managed_sizes(path: &Path, hello: Request) -> HashMap<DeviceId, u64> {
+    let ask = || -> Result<HashMap<DeviceId, u64>, String> {
+        let mut stream = UnixStream::connect(path).map_err(|e| e.to_string())?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
+        stream.write_all(&hello.encode()).map_err(|e| e.to_string())?;
+        match Reply::decode(&read_frame(&mut stream, MAX_FRAME).map_err(|e| e.to_string())?) {
+            Ok(Reply::Welcome { managed, .. }) => Ok(managed.into_iter().collect()),
+            other => Err(format!("unexpected {other:?}")),
+        }
+    };
+    ask().unwrap_or_else(|why| {
+        tracing::warn!(socket = %path.display(), "cannot ask the arbiter what it manages of each GPU ({why}): NVML shows slices of the whole GPU");
+        HashMap::new()
+    })
+}
+
 enum Handshake {
     Unreachable(String),
     Refused(String),
 }
 
 impl Client {
-    /// Connects to the arbiter at `path` and registers `registrations`. A refusal is an
-    /// error (for `cuInit`); an arbiter that cannot be reached is not: the client keeps
-    /// trying in the background.
-    pub(crate) fn start(
-        path: &Path,
-        hello: Request,
-        registrations: Vec<Registration>,
-        usage: UsageFn,
-        pushed: PushFn,
-    ) -> Result<Arc<Client>, String> {
+    /// Connects to the arbiter at `path` and says who the process is, to learn the
+    /// memory it manages ([`Client::managed`]) before the process's slices are decided;
+    /// [`Client::start`] registers them. An arbiter that cannot be reached is no error.
+    pub(crate) fn connect(path: &Path, hello: Request, usage: UsageFn, pushed: PushFn) -> Arc<Client> {
         let client = Arc::new(Client {
             path: path.to_owned(),
             hello,
-            registrations,
+            registrations: OnceLock::new(),
+            greeted: Mutex::new(None),
+            managed: Mutex::new(HashMap::new()),
             usage,
             pushed,
             contended: Mutex::new(HashMap::new()),
@@ -200,12 +243,35 @@ impl Client {
             measured: Mutex::new(HashMap::new()),
             seen_pid: AtomicU32::new(0),
         });
-        let first = match handshake(&client) {
-            Ok(stream) => Some(stream),
-            Err(Handshake::Refused(reason)) => {
+        match greet(&client) {
+            Ok(stream) => *lock(&client.greeted) = Some(stream),
+            Err(Handshake::Unreachable(why) | Handshake::Refused(why)) => {
+                tracing::warn!(socket = %path.display(), "arbiter unreachable ({why}); bursts wait for it");
+            }
+        }
+        client
+    }
+
+    /// The memory the arbiter manages of `device`, if it said (its first `Welcome`).
+    pub(crate) fn managed(&self, device: &DeviceId) -> Option<u64> {
+        lock(&self.managed).get(device).copied()
+    }
+
+    /// Registers `registrations` (on the connection [`Client::connect`] greeted, if it
+    /// was) and starts the client's threads. A refusal is an error (for `cuInit`); an
+    /// arbiter that cannot be reached is not: the client keeps trying in the background.
+    pub(crate) fn start(self: &Arc<Client>, registrations: Vec<Registration>) -> Result<(), String> {
+        let path = &self.path;
+        let client = self.clone();
+        let _ = client.registrations.set(registrations);
+        let greeted = lock(&client.greeted).take();
+        let first = match greeted.map(|stream| register(&client, stream)) {
+            None => None,
+            Some(Ok(stream)) => Some(stream),
+            Some(Err(Handshake::Refused(reason))) => {
                 return Err(format!("gpufrac: the arbiter refused this process: {reason}"))
             }
-            Err(Handshake::Unreachable(why)) => {
+            Some(Err(Handshake::Unreachable(why))) => {
                 tracing::warn!(socket = %path.display(), "arbiter unreachable ({why}); bursts wait for it");
                 None
             }
@@ -220,7 +286,7 @@ impl Client {
             .name("gpufrac-activity".into())
             .spawn(move || reporter.report_activity())
             .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
-        Ok(client)
+        Ok(())
     }
 
     /// This process's PID as the arbiter sees it (the host's, in a container), once the

@@ -9,7 +9,8 @@ use crate::ffi::{read, write, Status, SUCCESS};
 use crate::hooks::call_real;
 use crate::state::enforcer_any;
 
-/// The group's (limit, held) on the NVML device, given its physical `total`.
+/// The group's (limit, held) on the NVML device, given its physical `total`: the slice
+/// `cuInit` set up, else one resolved here (of what the arbiter manages, if less).
 fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
     let e = enforcer_any()?;
     let mut name = [0 as c_char; 96];
@@ -18,7 +19,7 @@ fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
     }
     let text = crate::ffi::c_str(name.as_ptr())?;
     let uuid = parse_uuid(text)?;
-    let slice = e.slice_for(None, &uuid, total).ok()?;
+    let slice = e.slice_for_nvml(&uuid, total).ok()?;
     e.pools.reconcile(e, Some(slice.ledger), false);
     Some((slice.limit, e.ledger.held(slice.ledger)))
 }

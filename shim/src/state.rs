@@ -137,7 +137,8 @@ pub struct Slice {
     pub request: u64,
     /// Most bytes the group may hold.
     pub limit: u64,
-    /// The device's physical memory.
+    /// The device's memory as the group's fractions see it: physical, or what the
+    /// arbiter manages of it (`gpufrac-arbiter --gpu-memory`) when that is less.
     pub total: u64,
     /// The device's UUID.
     pub uuid: [u8; 16],
@@ -278,6 +279,9 @@ pub(crate) struct Enforcer {
     pub graphs: crate::graphs::GraphBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
+    /// Per device, the memory the arbiter manages, asked once by a process that reads
+    /// NVML before (or without) `cuInit`.
+    managed_for_nvml: OnceLock<std::collections::HashMap<[u8; 16], u64>>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
     /// grant that arrives for them is not "unused" and is not given back on reclaim.
     pending: [AtomicU64; crate::ledger::MAX_DEVICES],
@@ -328,21 +332,31 @@ impl Enforcer {
             backstop: Default::default(),
             graphs: Default::default(),
             arbiter: OnceLock::new(),
+            managed_for_nvml: OnceLock::new(),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
     }
 
-    /// The group's share of a device with `uuid` and `total` bytes.
+    /// The group's share of a device with `uuid` and `total` bytes (`managed`: what the
+    /// arbiter manages of it, less than the device).
     pub(crate) fn slice_for(
         &self,
         ordinal: Option<usize>,
         uuid: &[u8; 16],
         total: u64,
+        managed: bool,
     ) -> Result<Slice, String> {
         use gpufrac_common::size::format_size;
         let which = ordinal.map_or_else(|| crate::driver::uuid_string(uuid), |o| format!("device {o}"));
         let request = self.config.request.resolve(total);
         let limit = self.config.limit.resolve(total).min(total);
+        if request > total && managed {
+            return Err(format!(
+                "gpufrac: GPUFRAC_MEMORY_REQUEST={} is more than the arbiter manages of {which} ({}; gpufrac-arbiter --gpu-memory)",
+                format_size(request),
+                format_size(total)
+            ));
+        }
         if request > total {
             return Err(format!(
                 "gpufrac: GPUFRAC_MEMORY_REQUEST={} is more than {which} has ({})",
@@ -383,7 +397,7 @@ impl Enforcer {
                     if !ok {
                         return Err(format!("gpufrac: cannot read device {ordinal}'s UUID and memory"));
                     }
-                    let slice = self.slice_for(Some(ordinal as usize), &uuid, total as u64)?;
+                    let slice = self.slice_for(Some(ordinal as usize), &uuid, total as u64, false)?;
                     tracing::info!(
                         ordinal,
                         request = slice.request,
@@ -401,6 +415,46 @@ impl Enforcer {
         })
     }
 
+    /// The `Hello` this process says to the arbiter.
+    fn hello(&self) -> Request {
+        let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
+        Request::Hello {
+                version: VERSION,
+                group,
+                pod: self.config.pod.clone().unwrap_or_default(),
+                resolver: self.config.resolver,
+                priority: self.config.priority,
+                wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
+                // 0 means never: a parkable group says at least 1 ms.
+                park_after_ms: self
+                    .config
+                    .park_after
+                    .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
+                compute_request_pm: ComputeSpec::to_wire(self.config.compute).0,
+                compute_limit_pm: ComputeSpec::to_wire(self.config.compute).1,
+        }
+    }
+
+    /// What the arbiter manages of device `uuid` when that is less than its `total`, for
+    /// NVML's view in a process that has not set its devices up at `cuInit` (asked once).
+    fn managed_for_nvml(&self, uuid: &[u8; 16], total: u64) -> Option<u64> {
+        let socket = self.config.arbiter_socket.as_ref()?;
+        let managed = self.managed_for_nvml.get_or_init(|| crate::arbiter::managed_sizes(socket, self.hello()));
+        managed.get(uuid).copied().filter(|&managed| managed < total)
+    }
+
+    /// The group's share of NVML's device `uuid` of `total` bytes: the slice set up at
+    /// `cuInit`, else one of what the arbiter manages of it (or of all of it).
+    pub(crate) fn slice_for_nvml(&self, uuid: &[u8; 16], total: u64) -> Result<Slice, String> {
+        if let Some(slice) = self.slice_by_uuid(uuid) {
+            return Ok(slice);
+        }
+        match self.managed_for_nvml(uuid, total) {
+            Some(managed) => self.slice_for(None, uuid, managed, true),
+            None => self.slice_for(None, uuid, total, false),
+        }
+    }
+
     /// Registers with the arbiter, if one is configured; a refusal fails `cuInit`. The
     /// slices take the request and limit the arbiter believes (what this process is
     /// entitled to, when that is less than it declared): the process sees and keeps to
@@ -409,30 +463,11 @@ impl Enforcer {
     /// arbiter still refuses bursts past the entitlement).
     fn connect_arbiter(&'static self, slices: &mut [Slice]) -> Result<(), String> {
         let Some(socket) = &self.config.arbiter_socket else { return Ok(()) };
-        let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
-        let hello = Request::Hello {
-            version: VERSION,
-            group,
-            pod: self.config.pod.clone().unwrap_or_default(),
-            resolver: self.config.resolver,
-            priority: self.config.priority,
-            wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
-            // 0 means never: a parkable group says at least 1 ms.
-            park_after_ms: self
-                .config
-                .park_after
-                .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
-            compute_request_pm: ComputeSpec::to_wire(self.config.compute).0,
-            compute_limit_pm: ComputeSpec::to_wire(self.config.compute).1,
-        };
+        let hello = self.hello();
         if self.config.park_after.is_some() {
             // Before the handshake: an admission parked closes the gate at once.
             crate::park::enable();
         }
-        let registrations = slices
-            .iter()
-            .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
-            .collect();
         let ledger_of: Vec<([u8; 16], usize)> = slices.iter().map(|s| (s.uuid, s.ledger)).collect();
         let usage = Box::new(move |device: &[u8; 16]| {
             ledger_of.iter().find(|(u, _)| u == device).map_or((0, 0, 0), |&(_, dev)| {
@@ -453,7 +488,26 @@ impl Enforcer {
             Reply::Unparked { device } => crate::swap::unpark_pushed(*device),
             _ => {}
         });
-        let client = Client::start(socket, hello, registrations, usage, pushed)?;
+        let client = Client::connect(socket, hello, usage, pushed);
+        // The group's fractions are of what the arbiter manages of each GPU, and its
+        // device is no larger (`gpufrac-arbiter --gpu-memory`).
+        for (ordinal, slice) in slices.iter_mut().enumerate() {
+            if let Some(managed) = client.managed(&slice.uuid).filter(|&managed| managed < slice.total) {
+                *slice = self.slice_for(Some(ordinal), &slice.uuid, managed, true)?;
+                tracing::info!(
+                    ordinal,
+                    request = slice.request,
+                    limit = slice.limit,
+                    managed,
+                    "device slice of the memory the arbiter manages"
+                );
+            }
+        }
+        let registrations = slices
+            .iter()
+            .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
+            .collect();
+        client.start(registrations)?;
         if let Some(pid) = client.seen_pid() {
             self.ledger.set_host_pid(pid);
         }
