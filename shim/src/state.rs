@@ -419,19 +419,19 @@ impl Enforcer {
     fn hello(&self) -> Request {
         let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
         Request::Hello {
-                version: VERSION,
-                group,
-                pod: self.config.pod.clone().unwrap_or_default(),
-                resolver: self.config.resolver,
-                priority: self.config.priority,
-                wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
-                // 0 means never: a parkable group says at least 1 ms.
-                park_after_ms: self
-                    .config
-                    .park_after
-                    .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
-                compute_request_pm: ComputeSpec::to_wire(self.config.compute).0,
-                compute_limit_pm: ComputeSpec::to_wire(self.config.compute).1,
+            version: VERSION,
+            group,
+            pod: self.config.pod.clone().unwrap_or_default(),
+            resolver: self.config.resolver,
+            priority: self.config.priority,
+            wait_timeout_ms: self.config.wait_timeout.as_millis().min(u64::MAX as u128) as u64,
+            // 0 means never: a parkable group says at least 1 ms.
+            park_after_ms: self
+                .config
+                .park_after
+                .map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64),
+            compute_request_pm: ComputeSpec::to_wire(self.config.compute).0,
+            compute_limit_pm: ComputeSpec::to_wire(self.config.compute).1,
         }
     }
 
@@ -439,7 +439,8 @@ impl Enforcer {
     /// NVML's view in a process that has not set its devices up at `cuInit` (asked once).
     fn managed_for_nvml(&self, uuid: &[u8; 16], total: u64) -> Option<u64> {
         let socket = self.config.arbiter_socket.as_ref()?;
-        let managed = self.managed_for_nvml.get_or_init(|| crate::arbiter::managed_sizes(socket, self.hello()));
+        let managed =
+            self.managed_for_nvml.get_or_init(|| crate::arbiter::managed_sizes(socket, self.hello()));
         managed.get(uuid).copied().filter(|&managed| managed < total)
     }
 

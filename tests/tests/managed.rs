@@ -55,7 +55,12 @@ fn bursts_collide_on_the_managed_size_of_a_larger_gpu() {
     assert_eq!(s.gpus[0].total, MANAGED, "status shows what is managed: {s:?}");
     assert_eq!(s.gpus[0].headroom, gpu.device_total(0) - MANAGED);
     let table = String::from_utf8(
-        Command::new(artifact("gpufrac")).args(["status", "--socket"]).arg(arbiter.socket()).output().unwrap().stdout,
+        Command::new(artifact("gpufrac"))
+            .args(["status", "--socket"])
+            .arg(arbiter.socket())
+            .output()
+            .unwrap()
+            .stdout,
     )
     .unwrap();
     assert!(table.contains("memory 16.00GiB"), "{table}");
@@ -101,7 +106,8 @@ fn shown_totals(gpu: &SimGpu, gpu_memory: Option<&str>) -> [u64; 3] {
         let out = half(gpu, &arbiter, probe).arg(sub).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-        let line = text.lines().find(|l| l.starts_with(word)).unwrap_or_else(|| panic!("no {word} in {text}"));
+        let line =
+            text.lines().find(|l| l.starts_with(word)).unwrap_or_else(|| panic!("no {word} in {text}"));
         line.split_whitespace().nth(1).and_then(|t| t.parse::<u64>().ok()).expect("a total")
     };
     [cuda, total("slice", "SLICE"), total("nvml-only", "NVML")]

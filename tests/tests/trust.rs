@@ -568,7 +568,9 @@ impl ForkedHolder {
             .encode(),
         );
         // The replies' length: Welcome (one GPU), Registered, Granted.
-        let replies_len = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }.encode().len()
+        let replies_len = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }
+            .encode()
+            .len()
             + Reply::Registered { device, request: 0, limit: 0, parked: false, context: 0 }.encode().len()
             + Reply::Granted { seq: 1, bytes: 0 }.encode().len();
         let path = std::ffi::CString::new(arbiter.socket().as_os_str().as_encoded_bytes()).unwrap();
@@ -824,7 +826,9 @@ impl OrphanedConnection {
         // holder's PID, then what it read.
         let (mut go, mut back) = ([0; 2], [0; 2]);
         // Welcome (one GPU) and Registered, and the start of the answer to the burst.
-        let first_replies = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }.encode().len()
+        let first_replies = Reply::Welcome { version: VERSION, pid: 0, managed: vec![(device, 0)] }
+            .encode()
+            .len()
             + Reply::Registered { device, request: 0, limit: 0, parked: false, context: 0 }.encode().len()
             + 8;
         // SAFETY: each array holds two descriptors.

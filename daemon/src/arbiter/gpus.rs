@@ -198,11 +198,22 @@ mod tests {
     #[test]
     fn a_managed_size_is_of_each_gpu_and_never_more() {
         let gpus = [([1; 16], 64 << 30), ([2; 16], 16 << 30)];
-        assert_eq!(managed(SizeSpec::Fraction(0.25), &gpus).unwrap(), [([1; 16], 16 << 30), ([2; 16], 4 << 30)]);
-        assert_eq!(managed(SizeSpec::Bytes(16 << 30), &gpus).unwrap(), [([1; 16], 16 << 30), ([2; 16], 16 << 30)]);
+        assert_eq!(
+            managed(SizeSpec::Fraction(0.25), &gpus).unwrap(),
+            [([1; 16], 16 << 30), ([2; 16], 4 << 30)]
+        );
+        assert_eq!(
+            managed(SizeSpec::Bytes(16 << 30), &gpus).unwrap(),
+            [([1; 16], 16 << 30), ([2; 16], 16 << 30)]
+        );
         let more = managed(SizeSpec::Bytes(20 << 30), &gpus).unwrap_err();
-        assert!(more.starts_with("--gpu-memory 20.00 GiB: more than GPU ") && more.contains("(16.00 GiB)"), "{more}");
-        assert!(managed(SizeSpec::Fraction(1e-12), &gpus).unwrap_err().starts_with("--gpu-memory: nothing of GPU"));
+        assert!(
+            more.starts_with("--gpu-memory 20.00 GiB: more than GPU ") && more.contains("(16.00 GiB)"),
+            "{more}"
+        );
+        assert!(managed(SizeSpec::Fraction(1e-12), &gpus)
+            .unwrap_err()
+            .starts_with("--gpu-memory: nothing of GPU"));
     }
 
     #[test]

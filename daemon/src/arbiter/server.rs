@@ -313,7 +313,8 @@ impl Shared {
         policy.set_reclaim_grace(options.reclaim_grace);
         policy.set_oversubscribe(options.oversubscribe);
         if let Some(spec) = options.gpu_memory {
-            policy.set_managed(&gpus.iter().map(|&(id, total)| (id, spec.resolve(total))).collect::<Vec<_>>());
+            policy
+                .set_managed(&gpus.iter().map(|&(id, total)| (id, spec.resolve(total))).collect::<Vec<_>>());
         }
         Arc::new(Shared {
             processes,

@@ -320,7 +320,11 @@ fn run(args: Args) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("--enforce-limits {:?}: {e}", args.enforce_limits))?,
         enforce_grace: gpufrac_common::parse_duration("--enforce-grace", &args.enforce_grace)?,
-        gpu_memory: args.gpu_memory.as_deref().map(|size| gpufrac_common::parse_size("--gpu-memory", size)).transpose()?,
+        gpu_memory: args
+            .gpu_memory
+            .as_deref()
+            .map(|size| gpufrac_common::parse_size("--gpu-memory", size))
+            .transpose()?,
         ..server::Options::default()
     };
     if args.shares_per_gpu == Some(0) {

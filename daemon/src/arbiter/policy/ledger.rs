@@ -81,7 +81,8 @@ impl Policy {
             let mut used_outside = String::new();
             if outside_used > 0 {
                 let past = if gpu.headroom > 0 { " past the headroom --gpu-memory leaves" } else { "" };
-                used_outside = format!(" and {} is used by processes outside gpufrac{past}", gib(outside_used));
+                used_outside =
+                    format!(" and {} is used by processes outside gpufrac{past}", gib(outside_used));
             }
             if uncounted > 0 {
                 used_outside.push_str(&format!(" and {} is held uncounted by groups", gib(uncounted)));
@@ -371,7 +372,10 @@ mod tests {
         assert!(err.contains("--gpu-memory"), "{err}");
         p.register(1, GPU, 16 * GIB, 16 * GIB, 16 * GIB, 0, 0, 0).unwrap();
         let s = &p.status().gpus[0];
-        assert_eq!((s.total, s.headroom, s.outside, s.guaranteed, s.free), (16 * GIB, 48 * GIB, 40 * GIB, 16 * GIB, 0));
+        assert_eq!(
+            (s.total, s.headroom, s.outside, s.guaranteed, s.free),
+            (16 * GIB, 48 * GIB, 40 * GIB, 16 * GIB, 0)
+        );
         p.disconnect(1, now);
         // Past the headroom, the rest is taken from the managed memory.
         p.observe_processes(GPU, &[(200, 52 * GIB)], now);
