@@ -17,7 +17,7 @@ use std::io::{self, Read, Write};
 use crate::Resolver;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 /// Largest frame a shim may send, and the arbiter may send a shim.
 pub const MAX_FRAME: usize = 4096;
 /// Largest status document the arbiter sends the CLI.
