@@ -100,6 +100,7 @@ class Proc:
         )
         self.lines = queue.Queue()
         self.all = []
+        self.eof = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
@@ -114,10 +115,16 @@ class Proc:
         return self.p.pid
 
     def next(self, timeout):
+        """The next line, or None at the end of output (every call after it too) or at
+        the timeout."""
+        if self.eof:
+            return None
         try:
-            return self.lines.get(timeout=timeout)
+            line = self.lines.get(timeout=timeout)
         except queue.Empty:
             return None
+        self.eof = line is None
+        return line
 
     def expect(self, prefix, timeout):
         """The next line starting with `prefix`, or None at exit or timeout."""
@@ -605,83 +612,103 @@ def collisions(run, s):
         srv.close()
         srv.wait(10)
 
+    # The priority and swap scenarios: a filler holds most of the managed size within its
+    # request, so that a burst of `data` collides with a holder's `data`. (Only the
+    # holder's data is written: on simgpu device memory is this machine's RAM.)
+    data = swap_data(run)
+    small = ctx + 256 * MIB
+    filler_request = MANAGED - 2 * small - data
+
+    def filler(arb):
+        shim = {"MEMORY_REQUEST": filler_request, "ARBITER_SOCKET": arb.socket, "GROUP": "filler"}
+        argv = [os.path.join(HERE, "workload.py"), "hold", "--bytes", str(filler_request - ctx), "--no-fill"]
+        f = run.py("filler", argv, run.env(shim))
+        if not f.expect("READY", 120):
+            raise RuntimeError(f"the filler did not start: {f.stderr()}")
+        return f
+
     # --- priority: a higher-priority burst ends the lower-priority holder.
     arb = run.arbiter("priority", "--kill-grace", "2s")
-    big = MANAGED - 2 * (ctx + 256 * MIB) - 2 * GIB
+    filler(arb)
     low_shim = {
-        "MEMORY_REQUEST": ctx + 256 * MIB,
-        "MEMORY_LIMIT": ctx + 256 * MIB + big,
+        "MEMORY_REQUEST": small,
+        "MEMORY_LIMIT": small + data,
         "RESOLVER": "priority",
         "PRIORITY": 0,
         "ARBITER_SOCKET": arb.socket,
         "GROUP": "low",
     }
-    low = run.py("priority-low", [os.path.join(HERE, "workload.py"), "hold", "--bytes", str(big), "--seed", "3"], run.env(low_shim))
+    argv = [os.path.join(HERE, "workload.py"), "hold", "--bytes", str(data), "--no-fill"]
+    low = run.py("priority-low", argv, run.env(low_shim))
     ready = low.expect("READY", 120)
     high_shim = dict(low_shim, PRIORITY=10, GROUP="high")
     argv = [os.path.join(HERE, "workload.py"), "bursty", "--backend", kind, "--base", str(64 * MIB)]
-    argv += ["--burst", str(big), "--step", str(256 * MIB), "--hold-ms", "100", "--bursts", "1", "--gap-ms", "0-1"]
+    argv += ["--burst", str(data), "--step", str(256 * MIB), "--hold-ms", "100", "--bursts", "1", "--gap-ms", "0-1"]
     start = time.monotonic()
     high = run.py("priority-high", argv, run.env(high_shim))
     served = high.expect("BURST", 90)
+    served_ms = round((time.monotonic() - start) * 1000)
     low_code = low.wait(30)
     ok = bool(ready) and bool(served) and " ok " in served and low_code is not None and low_code < 0
     s.check(
         "priority: a higher-priority burst ends the lower-priority holder",
         ok,
         "" if ok else f"holder {ready!r}, burst {served!r}, holder exit {low_code}; {high.stderr(300)}",
-        burst=big,
-        served_after_ms=round((time.monotonic() - start) * 1000),
+        burst=data,
+        served_after_ms=served_ms,
         holder_exit=low_code if low_code is not None else "still running",
     )
-    high.close()
-    high.wait(20)
+    run.stop_all()
 
     # --- swap: a burst swaps an idle holder out; its data comes back intact.
     arb = run.arbiter("swap", "--swap-quantum", "1s")
-    data = swap_data(run)
+    filler(arb)
     holder_shim = {
-        "MEMORY_REQUEST": ctx + 256 * MIB,
-        "MEMORY_LIMIT": ctx + 256 * MIB + data,
+        "MEMORY_REQUEST": small,
+        "MEMORY_LIMIT": small + data,
         "RESOLVER": "swap",
         "ARBITER_SOCKET": arb.socket,
         "GROUP": "swap-holder",
         "WAIT_TIMEOUT": "120s",
     }
-    holder = run.py("swap-holder", [os.path.join(HERE, "workload.py"), "hold", "--bytes", str(data), "--seed", "5"], run.env(holder_shim))
+    argv = [os.path.join(HERE, "workload.py"), "hold", "--bytes", str(data), "--seed", "5"]
+    holder = run.py("swap-holder", argv, run.env(holder_shim))
     ready = holder.expect("READY", 120)
     pinned_ms = numbers_of(ready).get("pinned_ms", -1)
-    time.sleep(1.5)  # past the holder's quantum
-    burst = MANAGED - 2 * (ctx + 256 * MIB) - data // 2
-    burster_shim = dict(holder_shim, MEMORY_LIMIT=ctx + 256 * MIB + burst, GROUP="swap-burster")
+    time.sleep(3)  # idle for 2 s: a swap burst may take its memory at once
+    burster_shim = dict(holder_shim, GROUP="swap-burster")
     argv = [os.path.join(HERE, "workload.py"), "bursty", "--backend", "driver", "--base", str(64 * MIB)]
-    argv += ["--burst", str(burst), "--step", str(256 * MIB), "--hold-ms", "500", "--bursts", "1", "--gap-ms", "0-1"]
+    argv += ["--burst", str(data), "--step", str(256 * MIB), "--hold-ms", "500", "--bursts", "1", "--gap-ms", "0-1"]
     burster = run.py("swap-burster", argv, run.env(burster_shim))
     served = burster.expect("BURST", 120)
-    swapped = 0
-    try:
-        swapped = run.status(arb).get("gpus", [{}])[0].get("swapped", 0)
-    except (ValueError, IndexError, OSError, subprocess.SubprocessError):
-        pass
     burster.expect("DONE", 60)
     burster.close()
     burster.wait(20)
     holder.send("check\n")
     back = holder.expect("INTACT", 120) if ready else None
-    n = numbers_of(back)
-    ok = bool(served) and " ok " in served and back is not None and swapped > 0
+    out_ms, in_ms = log_ms(arb, "swapped out", holder.pid), log_ms(arb, "swapped in", holder.pid)
+    ok = bool(served) and " ok " in served and back is not None and out_ms >= 0 and in_ms >= 0
     s.check(
         "swap: a burst swaps an idle holder out, its data back intact",
         ok,
-        "" if ok else f"burst {served!r}, swapped {swapped}, holder {back!r}; {holder.stderr(300)}",
+        "" if ok else f"burst {served!r}, swapped out in {out_ms} ms, in in {in_ms} ms, holder {back!r}; {holder.stderr(300)}",
         data=data,
-        swapped_bytes=swapped,
-        swap_out_ms=numbers_of(served).get("wait_ms", -1),
-        swap_in_ms=n.get("first_ms", -1),
+        burst_wait_ms=numbers_of(served).get("wait_ms", -1),
+        swap_out_ms=out_ms,
+        swap_in_ms=in_ms,
         pinned_copy_ms=pinned_ms,
+        swap_out_over_pinned=round(out_ms / pinned_ms, 2) if pinned_ms > 0 and out_ms >= 0 else -1,
+        swap_in_over_pinned=round(in_ms / pinned_ms, 2) if pinned_ms > 0 and in_ms >= 0 else -1,
     )
-    holder.close()
-    holder.wait(20)
+
+
+def log_ms(arbiter, phrase, pid):
+    """The `ms=` of the arbiter's first log line with `phrase` about `pid` (-1 if none)."""
+    with open(arbiter.log_path, errors="replace") as f:
+        for line in f:
+            if phrase in line and f"pid={pid} " in line:
+                return numbers_of(line).get("ms", -1)
+    return -1
 
 
 def swap_data(run):
@@ -729,7 +756,9 @@ def parking(run, s):
     other.wait(30)
     model.send("check\n")
     back = model.expect("INTACT", 150) if ready else None
-    how = "checkpoint" if "checkpoint" in open(arb.log_path, errors="replace").read() else "shim swap"
+    with open(arb.log_path, errors="replace") as f:
+        how = "the driver's checkpoint" if "parks use the driver's checkpoint API" in f.read() else "the shim's swap"
+    park_ms, wake_ms = log_ms(arb, "parked by", model.pid), log_ms(arb, "woke a parked", model.pid)
     n = numbers_of(back)
     ok = bool(ready) and bool(got_room) and parked > 0 and back is not None
     s.check(
@@ -739,8 +768,11 @@ def parking(run, s):
         data=data,
         parked_bytes=parked,
         room_made_ms=round(room_ms),
-        wake_ms=n.get("first_ms", -1),
+        park_ms=park_ms,
+        wake_ms=wake_ms,
+        first_call_after_wake_ms=n.get("first_ms", -1),
         pinned_copy_ms=pinned_ms,
+        wake_over_pinned=round(wake_ms / pinned_ms, 2) if pinned_ms > 0 and wake_ms >= 0 else -1,
     )
     model.close()
     model.wait(20)

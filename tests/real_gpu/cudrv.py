@@ -86,8 +86,9 @@ class Driver:
     def host_free(self, ptr):
         self.call("cuMemFreeHost", ctypes.c_void_p(ptr))
 
-    def to_device(self, dst, src_host, size):
-        self.call("cuMemcpyHtoD_v2", ctypes.c_uint64(dst), ctypes.c_void_p(src_host), ctypes.c_size_t(size))
+    def to_device(self, dst, data, size):
+        """Copies `size` bytes of `data` (bytes) to device address `dst`."""
+        self.call("cuMemcpyHtoD_v2", ctypes.c_uint64(dst), ctypes.c_char_p(data), ctypes.c_size_t(size))
 
     def to_host(self, dst_host, src, size):
         self.call("cuMemcpyDtoH_v2", ctypes.c_void_p(dst_host), ctypes.c_uint64(src), ctypes.c_size_t(size))

@@ -4,12 +4,12 @@ simgpu) or, for the bursty server, through PyTorch's caching allocator:
 
     workload.py bursty --backend driver|torch --base BYTES --burst BYTES --step BYTES
                        --step-ms MS --hold-ms MS --bursts N --gap-ms MIN-MAX --seed N
-    workload.py hold --bytes BYTES --seed N
+    workload.py hold --bytes BYTES --seed N [--no-fill]
     workload.py cost --pairs N --launches N
 
 bursty: `READY`, then per burst `BURST <i> ok wait_ms=<ms>` or `BURST <i> oom <error>`
 (what it got is freed), then `DONE bursts=<n> ok=<k> oom=<m>`.
-hold: holds BYTES in 256 MiB blocks written with a pattern, times a copy of them all into
+hold (--no-fill: only holds the memory, says READY, and waits for the end of input): holds BYTES in 256 MiB blocks written with a pattern, times a copy of them all into
 pinned host memory (the yardstick for a swap or a wake), prints `READY pinned_ms=<ms>`,
 then obeys stdin: `check` reads everything back (`INTACT first_ms=<ms> all_ms=<ms>`, the
 first call's time including any wake or swap-in, or `CORRUPT <block>`); end of input
@@ -124,6 +124,10 @@ def hold(a):
             n = min(BLOCK, left)
             blocks.append((d.alloc(n), n))
             left -= n
+        if a.no_fill:
+            out(f"READY bytes={a.bytes}")
+            sys.stdin.read()
+            return
         pinned = d.host_alloc(BLOCK)
         for j, (p, n) in enumerate(blocks):
             data = cudrv.pattern_block(a.seed + j, n)
@@ -203,6 +207,7 @@ def main():
     h = sub.add_parser("hold")
     h.add_argument("--bytes", type=int, required=True)
     h.add_argument("--seed", type=int, default=1)
+    h.add_argument("--no-fill", action="store_true", help="only hold the memory (no data, no checks)")
     c = sub.add_parser("cost")
     c.add_argument("--pairs", type=int, default=20000)
     c.add_argument("--launches", type=int, default=20000)
