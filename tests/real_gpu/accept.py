@@ -11,7 +11,6 @@ never stop the run: one that fails or raises is recorded, and the next one runs.
 """
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -189,6 +188,10 @@ def numbers_of(line):
 class Run:
     def __init__(self, args):
         self.mode, self.bin, self.python = args.mode, os.path.abspath(args.bin), args.python
+        # A rehearsal runs on simgpu but takes every choice the real-GPU run takes (the
+        # frameworks run wherever they are installed).
+        self.rehearse = args.rehearse
+        self.simulated_only = self.mode == "simgpu" and not self.rehearse
         self.out = os.path.abspath(args.out)
         os.makedirs(self.out, exist_ok=True)
         self.work = tempfile.mkdtemp(prefix="gpufrac-accept-")
@@ -351,13 +354,13 @@ def client_checks(run, s):
         ("cuda-bindings", "cuda.bindings.driver", "cuda_bindings_check.py", "from cuda.bindings import driver as cu; cu.cuInit(0); d=cu.cuDeviceGet(0)[1]; c=cu.cuDevicePrimaryCtxRetain(d)[1]; cu.cuCtxSetCurrent(c)"),
         ("CuPy", "cupy", "cupy_check.py", "import cupy; cupy.cuda.runtime.memGetInfo()"),
         ("numba", "numba.cuda", "numba_check.py", "from numba import cuda; cuda.current_context()"),
-        ("libcudart", "nvidia.cuda_runtime", "cudart_check.py", "import cudrv; cudrv.Driver().init()"),
+        ("libcudart", CUDART, "cudart_check.py", "import cudrv; cudrv.Driver().init()"),
     ]
     limit = 4 * GIB
     chunk = 256 * MIB
     for name, module, script, context_code in clients:
         if not run.importable(module):
-            s.skip(name, f"{module} is not installed for {run.python}")
+            s.skip(name, f"{'libcudart (a wheel of nvidia-cuda-runtime)' if module == CUDART else module} is not installed for {run.python}")
             continue
         try:
             context = run.context_of(name, context_code)
@@ -383,6 +386,10 @@ def client_checks(run, s):
             room=limit - context,
             **{f"filled_{k}": int(v) for k, v in fills.items() if v is not None},
         )
+
+
+# What `importable` runs to learn whether cudart_check.py finds a runtime (its own search).
+CUDART = "nvidia, glob, os; assert [h for b in nvidia.__path__ for c in ('cuda_runtime/lib/libcudart.so.12', 'cu13/lib/libcudart.so.13', '*/lib/libcudart.so.1[2-9]') for h in glob.glob(os.path.join(b, c))]"
 
 
 def limits(run, s):
@@ -418,7 +425,7 @@ def limits(run, s):
 
 
 def framework_section(run, s, name, module, script, extra):
-    if run.mode == "simgpu":
+    if run.simulated_only:
         installed = run.importable(module)
         why = f"{name}'s kernels do not run on simgpu" if installed else f"{name} is not installed here"
         s.why = why
@@ -779,7 +786,7 @@ def parking(run, s):
 
 
 def compute(run, s):
-    if run.mode == "simgpu":
+    if run.simulated_only:
         bench = run.binary("compute_bench")
         if not bench:
             s.why = f"compute_bench is missing from {run.bin} (cargo build --workspace builds it)"
@@ -845,8 +852,8 @@ def cost(run, s):
         launch_shim_ns=m["launch_ns"],
         launch_added_ns=round(m["launch_ns"] - b["launch_ns"]),
     )
-    if run.mode == "simgpu" or not run.importable("torch, transformers"):
-        why = "PyTorch's kernels do not run on simgpu" if run.mode == "simgpu" else "transformers or PyTorch is not installed"
+    if run.simulated_only or not run.importable("torch, transformers"):
+        why = "PyTorch's kernels do not run on simgpu" if run.simulated_only else f"transformers or PyTorch is not installed for {run.python}"
         s.skip("causal LM tokens/s, bare and under the shim", why)
         return
     rates = {}
@@ -882,7 +889,7 @@ RUNNERS = {
 
 def write_report(run, sections, started):
     doc = {
-        "mode": run.mode,
+        "mode": "rehearsal on simgpu" if run.rehearse else run.mode,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": getattr(run, "gpu_name", "unknown"),
         "driver": getattr(run, "driver", "unknown"),
@@ -898,7 +905,7 @@ def write_report(run, sections, started):
     with open(os.path.join(run.out, "report.json"), "w") as f:
         json.dump(doc, f, indent=2)
     md = [
-        f"# gpufrac acceptance run ({run.mode})",
+        f"# gpufrac acceptance run ({doc['mode']})",
         "",
         f"{doc['date']}: {doc['gpu']} ({mib(doc['gpu_memory'])}), driver {doc['driver']}, CUDA {doc['cuda']}; "
         f"a context measured at {mib(doc['context_bytes'])}; contended sections on a managed {mib(MANAGED)}"
@@ -925,6 +932,7 @@ def main():
     p.add_argument("--bin", required=True)
     p.add_argument("--python", required=True)
     p.add_argument("--only", default=",".join(SECTIONS), help="comma list of sections")
+    p.add_argument("--rehearse", action="store_true", help="simgpu, with the real-GPU run's paths and choices")
     p.add_argument("out")
     args = p.parse_args()
     only = [x for x in args.only.split(",") if x]

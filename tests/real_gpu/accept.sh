@@ -57,5 +57,7 @@ fi
 
 driver_mode=real
 [ "$mode" = real ] || driver_mode=simgpu
+rehearse=
+[ "$mode" = rehearse ] && rehearse=--rehearse
 exec python3 tests/real_gpu/accept.py --mode "$driver_mode" --bin "$bin" --python "$python" \
-    ${only:+--only "$only"} "$out"
+    ${only:+--only "$only"} $rehearse "$out"
