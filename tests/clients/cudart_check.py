@@ -6,13 +6,20 @@ both ways (synchronous, on streams, device to device), times with events, and co
 after cudaDeviceReset."""
 
 import ctypes
+import glob
 import os
 
-import nvidia.cuda_runtime
+import nvidia
 
 from common import CHUNK, MIB, ROOM, TOTAL, fill, pattern, report
 
-LIB = os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib", "libcudart.so.12")
+# The wheel's runtime: nvidia/cuda_runtime/lib/libcudart.so.12 (CUDA 12, pinned in
+# tests/requirements.txt), or nvidia/cu13/lib/libcudart.so.13 where CUDA 13's wheel is
+# installed instead (the GPU image of the acceptance run).
+CANDIDATES = ["cuda_runtime/lib/libcudart.so.12", "cu13/lib/libcudart.so.13", "*/lib/libcudart.so.1[2-9]"]
+FOUND = [hit for base in nvidia.__path__ for c in CANDIDATES for hit in sorted(glob.glob(os.path.join(base, c)))]
+assert FOUND, f"no libcudart under {list(nvidia.__path__)}"
+LIB = FOUND[0]
 rt = ctypes.CDLL(LIB)
 rt.cudaGetErrorName.restype = ctypes.c_char_p
 rt.cudaGetErrorString.restype = ctypes.c_char_p

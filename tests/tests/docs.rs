@@ -222,6 +222,8 @@ const NOT_RUN: &[(&str, &str, &str)] = &[
     ("README.md", "cargo build --release --workspace\n", "needs an NVIDIA GPU and YOUR-CUDA-PROGRAM"),
     ("README.md", "cargo build --workspace && GPUFRAC_E2E_REAL_GPU=1", "needs an NVIDIA GPU"),
     ("docs/testing.md", "cargo build --workspace && GPUFRAC_E2E_REAL_GPU=1", "needs an NVIDIA GPU"),
+    ("docs/testing.md", "cargo build --workspace && tests/real_gpu/accept.sh --simgpu", "the acceptance run on simgpu: .ci/run runs it after the test command"),
+    ("docs/testing.md", "cargo build --release --workspace && tests/real_gpu/pack.sh", "a release build (several GiB) for the GPU machine, done by hand before a GPU session"),
     ("docs/testing.md", "python3 -m venv .venv/torch", "downloads PyTorch's CUDA wheel (about 2.5 GB), kept out of CI"),
     ("docs/arbiter.md", "gpufrac-arbiter --socket /run/gpufrac/arbiter.sock", "a synopsis of the flags, not a command; the arbiter runs in most end-to-end tests"),
     ("docs/interface.md", "gpufrac-arbiter [--socket PATH]", "a synopsis of the flags, not a command"),
