@@ -64,11 +64,11 @@ impl Bench {
             .filter(|p| p.compute_limit_pm > 0)
             .map(|p| {
                 format!(
-                    "request {} used {} allowed {} pace {}",
+                    "request {} held {} planned {} {}",
                     p.compute_request_pm as f64 / 10.0,
-                    p.compute_used_pm as f64 / 10.0,
+                    p.compute_held_pm as f64 / 10.0,
                     p.compute_allowance_pm as f64 / 10.0,
-                    p.compute_pace_pm as f64 / 10.0
+                    p.compute_state
                 )
             })
             .collect();
