@@ -51,6 +51,9 @@ const DRAIN_AT_MOST: Duration = Duration::from_millis(200);
 /// How long a waiting call sleeps before it looks again (a wake-up is never lost for
 /// longer than this).
 const WAIT_SLICE: Duration = Duration::from_millis(2);
+/// How long a `Want` goes unanswered before it is said again (a message lost with a
+/// connection, a late answer the arbiter set aside).
+const WANT_AGAIN: Duration = Duration::from_secs(1);
 /// Streams watched for the drain; more are not watched (their drain is not measured).
 const STREAM_SLOTS: usize = 8;
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the default streams' special handles.
@@ -91,7 +94,8 @@ enum Local {
     Held { lease: u32, until: Instant, calls: u64, idle: bool },
     /// The lease ended (at `ended`); its work is finishing.
     Draining { lease: u32, ended: Instant },
-    Wait { wanted: bool },
+    /// Since when it told the arbiter it wants the GPU, if it did.
+    Wait { wanted: Option<Instant> },
 }
 
 struct Leases {
@@ -124,7 +128,7 @@ pub(crate) fn start(client: Arc<Client>, devices: &[DeviceId]) -> Result<(), Str
         let mut leases = lock(&LEASES);
         for &device in devices {
             if !leases.devices.iter().any(|(d, _)| *d == device) {
-                leases.devices.push((device, Local::Wait { wanted: false }));
+                leases.devices.push((device, Local::Wait { wanted: None }));
             }
         }
         publish(&leases);
@@ -161,7 +165,7 @@ pub(crate) fn told(device: DeviceId, state: LeaseState) {
         }
         (Local::Held { lease, .. } | Local::Open { lease }, LeaseState::Wait) => Local::Draining { lease, ended: now },
         (Local::Draining { .. }, LeaseState::Wait) => before,
-        (Local::Free | Local::Wait { .. }, LeaseState::Wait) => Local::Wait { wanted: false },
+        (Local::Free | Local::Wait { .. }, LeaseState::Wait) => Local::Wait { wanted: None },
     };
     if matches!(entry.1, Local::Held { .. } | Local::Open { .. }) {
         // What waited passes now; a later waiting call wants again.
@@ -187,7 +191,7 @@ pub(crate) fn rejoin() {
     let mut leases = lock(&LEASES);
     for entry in leases.devices.iter_mut() {
         if entry.1 == Local::Free {
-            entry.1 = Local::Wait { wanted: false };
+            entry.1 = Local::Wait { wanted: None };
         }
     }
     publish(&leases);
@@ -391,7 +395,7 @@ fn run() {
                     let count = crate::gate::activity();
                     if was_idle && count == calls && !wanted {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
-                        *local = Local::Wait { wanted: false };
+                        *local = Local::Wait { wanted: None };
                         changed = true;
                         continue;
                     }
@@ -404,16 +408,24 @@ fn run() {
                         let drain_us = (late.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
                         let more = WANT.swap(false, SeqCst);
                         sends.push(Request::LeaseDone { device, lease, drain_us, more });
-                        *local = Local::Wait { wanted: more };
+                        *local = Local::Wait { wanted: more.then_some(now) };
                         changed = true;
                     } else {
                         soon(now + LOOK_EVERY);
                     }
                 }
-                Local::Wait { wanted: false } if wanted => {
+                Local::Wait { wanted: None } if wanted => {
                     WANT.store(false, SeqCst);
                     sends.push(Request::Want { device });
-                    *local = Local::Wait { wanted: true };
+                    *local = Local::Wait { wanted: Some(now) };
+                }
+                Local::Wait { wanted: Some(since) } if wanted => {
+                    if now.saturating_duration_since(since) >= WANT_AGAIN {
+                        sends.push(Request::Want { device });
+                        *local = Local::Wait { wanted: Some(now) };
+                    } else {
+                        soon(since + WANT_AGAIN);
+                    }
                 }
                 Local::Free | Local::Open { .. } | Local::Wait { .. } => {}
             }
@@ -432,7 +444,7 @@ fn run() {
             continue;
         }
         let timeout = wake.map_or(Duration::from_secs(1), |w| w.saturating_duration_since(Instant::now()));
-        if WANT.load(SeqCst) && leases.devices.iter().any(|(_, l)| *l == Local::Wait { wanted: false }) {
+        if WANT.load(SeqCst) && leases.devices.iter().any(|(_, l)| *l == Local::Wait { wanted: None }) {
             continue;
         }
         leases = THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
@@ -490,7 +502,7 @@ mod tests {
         let device = [7; 16];
         {
             let mut leases = lock(&LEASES);
-            leases.devices.push((device, Local::Wait { wanted: false }));
+            leases.devices.push((device, Local::Wait { wanted: None }));
             publish(&leases);
         }
         assert!(!PASS.load(SeqCst));

@@ -147,8 +147,8 @@ pub struct LeaseBook {
     groups: BTreeMap<String, Contender>,
     holder: Option<Holder>,
     last_lease: u32,
-    /// Whether the GPU was open at the last step (for the log).
-    was_open: bool,
+    /// Whether the GPU was last said open (true) or leased (false), for the log.
+    shown_open: Option<bool>,
 }
 
 impl LeaseBook {
@@ -156,7 +156,7 @@ impl LeaseBook {
     pub fn sync(&mut self, groups: &[(String, ComputeSpec)], now: Instant) {
         self.groups.retain(|name, _| groups.iter().any(|(g, _)| g == name));
         for (name, spec) in groups {
-            let vt = self.virtual_time(now, None);
+            let vt = self.virtual_time(None);
             let c = self.groups.entry(name.clone()).or_insert_with(|| Contender {
                 spec: *spec,
                 wanting: false,
@@ -174,19 +174,15 @@ impl LeaseBook {
         }
     }
 
-    /// The lowest pass among the groups that want or hold the GPU (the holder's with
-    /// what it has held so far), leaving out `except`; 0 if none.
-    fn virtual_time(&self, now: Instant, except: Option<&str>) -> f64 {
+    /// The lowest pass among the groups that want or hold the GPU (the holder's as it was
+    /// at its lease's start), leaving out `except`; 0 if none.
+    fn virtual_time(&self, except: Option<&str>) -> f64 {
         let holder = self.holder.as_ref();
         self.groups
             .iter()
             .filter(|(n, _)| Some(n.as_str()) != except)
-            .filter_map(|(n, c)| match holder {
-                Some(h) if &h.group == n => {
-                    Some(c.pass + now.saturating_duration_since(h.since).as_secs_f64() / c.weight())
-                }
-                _ => c.wanting.then_some(c.pass),
-            })
+            .filter(|(n, c)| c.wanting || holder.is_some_and(|h| &h.group == *n))
+            .map(|(_, c)| c.pass)
             .min_by(f64::total_cmp)
             .unwrap_or(0.0)
     }
@@ -212,7 +208,7 @@ impl LeaseBook {
             return false;
         }
         let planned = self.planned(group);
-        let vt = self.virtual_time(now, Some(group));
+        let vt = self.virtual_time(Some(group));
         let Some(c) = self.groups.get_mut(group) else { return false };
         if c.wanting {
             return false;
@@ -230,10 +226,8 @@ impl LeaseBook {
         let holder = &self.groups[&h.group];
         let running = holder.pass + now.saturating_duration_since(h.since).as_secs_f64() / holder.weight();
         if h.open {
-            // Open: from now on it holds a lease like everyone else (a new one, so that it
-            // is told), cut at once for a group owed its turn.
-            self.last_lease = self.last_lease.wrapping_add(1).max(1);
-            h.lease = self.last_lease;
+            // Open: from now on its turn is a lease like everyone else's (the same number,
+            // which its shim answers), cut at once for a group owed its turn.
             h.open = false;
             h.until = now + PERIOD;
         }
@@ -499,6 +493,11 @@ impl Policy {
     ) {
         let Some((gpu, name)) = self.member_gpu(conn, &device) else { return };
         if gpu.leases.lease_of(&name) != Some(lease) {
+            // A late answer (the lease was taken back meanwhile): what it still wants
+            // counts.
+            if more {
+                gpu.leases.want(&name, now);
+            }
             return;
         }
         let group = gpu.groups.get_mut(&name).expect("member_gpu found the group");
@@ -535,9 +534,9 @@ impl Policy {
             if let Some(at) = gpu.leases.step(now) {
                 next = Some(next.map_or(at, |n| n.min(at)));
             }
-            let open = gpu.leases.open();
-            if open != gpu.leases.was_open {
-                gpu.leases.was_open = open;
+            let mode = gpu.leases.holder.as_ref().map(|h| h.open);
+            if let Some(open) = mode.filter(|&m| Some(m) != gpu.leases.shown_open) {
+                gpu.leases.shown_open = Some(open);
                 let holder = gpu.leases.holder.as_ref().map(|h| crate::entitlement::shown_group(&h.group).to_owned());
                 if open {
                     tracing::info!(gpu = %uuid_string(device), group = holder.unwrap_or_default(),
