@@ -71,7 +71,8 @@ static UNTIL_NS: AtomicU64 = AtomicU64::new(u64::MAX);
 /// A call waits and the lease thread has not said `Want` for it yet.
 static WANT: AtomicBool = AtomicBool::new(false);
 /// Streams used by calls while a lease ran (null: free slot).
-static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; STREAM_SLOTS];
+static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; STREAM_SLOTS];
 /// The context of the legacy default stream used in a lease (null: none).
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 /// Real driver functions, resolved at `start` (never on the launch path).
@@ -90,12 +91,24 @@ type ExchangeCaptureMode = unsafe extern "C" fn(*mut u32) -> Status;
 enum Local {
     /// Not leased (the arbiter is away): calls pass.
     Free,
-    Open { lease: u32 },
-    Held { lease: u32, until: Instant, calls: u64, idle: bool },
+    Open {
+        lease: u32,
+    },
+    Held {
+        lease: u32,
+        until: Instant,
+        calls: u64,
+        idle: bool,
+    },
     /// The lease ended (at `ended`); its work is finishing.
-    Draining { lease: u32, ended: Instant },
+    Draining {
+        lease: u32,
+        ended: Instant,
+    },
     /// Since when it told the arbiter it wants the GPU, if it did.
-    Wait { wanted: Option<Instant> },
+    Wait {
+        wanted: Option<Instant>,
+    },
 }
 
 struct Leases {
@@ -157,13 +170,21 @@ pub(crate) fn told(device: DeviceId, state: LeaseState) {
             // The same lease told again: keep its end.
             match before {
                 Local::Held { .. } => before,
-                _ => Local::Held { lease, until: now + Duration::from_micros(micros.into()), calls: 0, idle: false },
+                _ => Local::Held {
+                    lease,
+                    until: now + Duration::from_micros(micros.into()),
+                    calls: 0,
+                    idle: false,
+                },
             }
         }
-        (Local::Draining { .. }, LeaseState::Held { lease, micros }) | (_, LeaseState::Held { lease, micros }) => {
+        (Local::Draining { .. }, LeaseState::Held { lease, micros })
+        | (_, LeaseState::Held { lease, micros }) => {
             Local::Held { lease, until: now + Duration::from_micros(micros.into()), calls: 0, idle: false }
         }
-        (Local::Held { lease, .. } | Local::Open { lease }, LeaseState::Wait) => Local::Draining { lease, ended: now },
+        (Local::Held { lease, .. } | Local::Open { lease }, LeaseState::Wait) => {
+            Local::Draining { lease, ended: now }
+        }
         (Local::Draining { .. }, LeaseState::Wait) => before,
         (Local::Free | Local::Wait { .. }, LeaseState::Wait) => Local::Wait { wanted: None },
     };
@@ -370,8 +391,8 @@ fn run() {
         (!query.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, StreamQuery>(query) });
     let set_current = resolve(Lib::Cuda, "cuCtxSetCurrent");
     // SAFETY: as above.
-    let set_current: Option<CtxSetCurrent> =
-        (!set_current.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
+    let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
+        .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
     let idle = || query.is_none_or(|q| streams_idle(q, set_current));
     let mut leases = lock(&LEASES);
     loop {
@@ -447,7 +468,8 @@ fn run() {
         if WANT.load(SeqCst) && leases.devices.iter().any(|(_, l)| *l == Local::Wait { wanted: None }) {
             continue;
         }
-        leases = THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        leases =
+            THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
     }
 }
 
@@ -539,12 +561,8 @@ mod tests {
             attrs: *mut c_void,
             count: u32,
         }
-        let config = Config {
-            dims: [1; 7],
-            stream: 0x1234 as *mut c_void,
-            attrs: std::ptr::null_mut(),
-            count: 0,
-        };
+        let config =
+            Config { dims: [1; 7], stream: 0x1234 as *mut c_void, attrs: std::ptr::null_mut(), count: 0 };
         assert_eq!(config_stream((&config as *const Config).cast()), 0x1234 as *mut c_void);
         assert_eq!(per_thread(std::ptr::null_mut()), PER_THREAD as *mut c_void);
     }

@@ -59,17 +59,38 @@ fn load(gpu: &SimGpu, arbiter: &Arbiter, share: Option<(&str, &str)>, args: &[&s
 }
 
 /// A flood of 1 ms kernels, 16 queued at a time, measured for `seconds` after `warmup`.
-fn flood(gpu: &SimGpu, arbiter: &Arbiter, share: Option<(&str, &str)>, warmup: u32, seconds: u32) -> ChildProcess {
+fn flood(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    share: Option<(&str, &str)>,
+    warmup: u32,
+    seconds: u32,
+) -> ChildProcess {
     let (kernel, warmup, seconds) = (KERNEL_US.to_string(), warmup.to_string(), seconds.to_string());
     let args = ["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", &warmup, "--seconds", &seconds];
     load(gpu, arbiter, share, &args)
 }
 
 /// A server answering Poisson requests of one 2 ms kernel, 8 ms apart on average.
-fn server(gpu: &SimGpu, arbiter: &Arbiter, share: Option<(&str, &str)>, warmup: u32, seconds: u32) -> ChildProcess {
+fn server(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    share: Option<(&str, &str)>,
+    warmup: u32,
+    seconds: u32,
+) -> ChildProcess {
     let (warmup, seconds) = (warmup.to_string(), seconds.to_string());
     let args = [
-        "requests", "--kernel-us", "2000", "--mean-gap-us", "8000", "--seed", "7", "--warmup", &warmup, "--seconds",
+        "requests",
+        "--kernel-us",
+        "2000",
+        "--mean-gap-us",
+        "8000",
+        "--seed",
+        "7",
+        "--warmup",
+        &warmup,
+        "--seconds",
         &seconds,
     ];
     load(gpu, arbiter, share, &args)
@@ -116,8 +137,10 @@ fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
     // The same flood alone, bare, in this run: what each flood's throughput is measured
     // against.
     let alone = run(vec![flood(&gpu, &arbiter, None, 1, 4)])[0];
-    let mut both =
-        vec![flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 6), flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 6)];
+    let mut both = vec![
+        flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 6),
+        flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 6),
+    ];
     go(&mut both);
     // While they run, both hold the GPU by turns; the arbiter says so.
     let status = wait_for(&arbiter, "both groups holding leases", |s| {
@@ -149,7 +172,10 @@ fn a_group_alone_uses_the_gpu_up_to_its_compute_limit() {
     let arbiter = arbiter(&gpu);
     let bare = run(vec![flood(&gpu, &arbiter, None, 1, 3)])[0];
     let whole = run(vec![flood(&gpu, &arbiter, Some(("30%", "100%")), 1, 3)])[0];
-    assert!(whole >= 0.95 * bare, "alone with a limit of 100% it did {whole:.0} kernels/s, a bare flood {bare:.0}");
+    assert!(
+        whole >= 0.95 * bare,
+        "alone with a limit of 100% it did {whole:.0} kernels/s, a bare flood {bare:.0}"
+    );
     assert!(arbiter.log_text().contains("GPU open"), "{}", arbiter.log_text());
     let half = run(vec![flood(&gpu, &arbiter, Some(("20%", "50%")), 2, 5)])[0];
     let part = half / bare;
@@ -170,12 +196,17 @@ fn a_latency_server_beside_a_flood_keeps_its_queueing() {
     let mut alone = vec![server(&gpu, &arbiter, Some(("50%", "100%")), 1, 6)];
     go(&mut alone);
     let alone = p99_ms(&reports(&mut alone)[0]);
-    let mut both =
-        vec![server(&gpu, &arbiter, Some(("50%", "100%")), 2, 6), flood(&gpu, &arbiter, Some(("50%", "100%")), 2, 6)];
+    let mut both = vec![
+        server(&gpu, &arbiter, Some(("50%", "100%")), 2, 6),
+        flood(&gpu, &arbiter, Some(("50%", "100%")), 2, 6),
+    ];
     go(&mut both);
     let got = reports(&mut both);
     let beside = p99_ms(&got[0]);
-    eprintln!("queueing p99 alone {alone:.2} ms, beside a flood {beside:.2} ms, flood {:.0}/s", throughput(&got[1]));
+    eprintln!(
+        "queueing p99 alone {alone:.2} ms, beside a flood {beside:.2} ms, flood {:.0}/s",
+        throughput(&got[1])
+    );
     assert!(
         beside <= 2.0 * alone,
         "queueing p99 {beside:.2} ms beside a flood, {alone:.2} ms alone (the flood did {:.0} kernels/s)",

@@ -249,7 +249,9 @@ impl Metrics {
         let ratio = |per_mille: u32| f64::from(per_mille) / 1000.0;
         for g in &status.gpus {
             if g.compute_requested_pm > 0 || g.processes.iter().any(|p| p.compute_limit_pm > 0) {
-                for (kind, v) in [("requested", g.compute_requested_pm), ("open", u32::from(g.compute_open) * 1000)] {
+                for (kind, v) in
+                    [("requested", g.compute_requested_pm), ("open", u32::from(g.compute_open) * 1000)]
+                {
                     self.gpu_compute
                         .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                         .set(ratio(v));

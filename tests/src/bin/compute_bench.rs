@@ -193,7 +193,10 @@ fn main() {
         let whole = throughput(&bench.run(vec![bench.flood(Some(("30%", "100%")))])[0]) / reference;
         println!("| one flood alone, request 30%, limit 100% (the GPU open) | normalized {whole:.3} |");
         let half = throughput(&bench.run(vec![bench.flood(Some(("20%", "50%")))])[0]) / reference;
-        println!("| one flood alone, request 20%, limit 50% | normalized {half:.3} (off by {:+.1} points) |", (half - 0.5) * 100.0);
+        println!(
+            "| one flood alone, request 20%, limit 50% | normalized {half:.3} (off by {:+.1} points) |",
+            (half - 0.5) * 100.0
+        );
     }
     if wanted("latency") {
         let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);

@@ -312,7 +312,8 @@ impl LeaseBook {
                 return None;
             }
         }
-        let wanting: Vec<String> = self.groups.iter().filter(|(_, c)| c.wanting).map(|(n, _)| n.clone()).collect();
+        let wanting: Vec<String> =
+            self.groups.iter().filter(|(_, c)| c.wanting).map(|(n, _)| n.clone()).collect();
         if wanting.is_empty() {
             return None;
         }
@@ -320,7 +321,8 @@ impl LeaseBook {
             self.last_lease = self.last_lease.wrapping_add(1).max(1);
             let lease = self.last_lease;
             self.granted(&wanting[0], lease, None, now);
-            self.holder = Some(Holder { group: wanting[0].clone(), lease, open: true, since: now, until: now });
+            self.holder =
+                Some(Holder { group: wanting[0].clone(), lease, open: true, since: now, until: now });
             return None;
         }
         // The lowest pass among those whose limit lets them hold a lease now; groups short
@@ -537,7 +539,8 @@ impl Policy {
             let mode = gpu.leases.holder.as_ref().map(|h| h.open);
             if let Some(open) = mode.filter(|&m| Some(m) != gpu.leases.shown_open) {
                 gpu.leases.shown_open = Some(open);
-                let holder = gpu.leases.holder.as_ref().map(|h| crate::entitlement::shown_group(&h.group).to_owned());
+                let holder =
+                    gpu.leases.holder.as_ref().map(|h| crate::entitlement::shown_group(&h.group).to_owned());
                 if open {
                     tracing::info!(gpu = %uuid_string(device), group = holder.unwrap_or_default(),
                         "GPU open: one group with a compute share wants it, its limit the whole GPU; no leases");
@@ -626,7 +629,12 @@ mod tests {
     /// each holder using the GPU for its whole lease plus `drain` (its work running past the
     /// end), answering `LeaseDone` then. Returns the time each group held over `run`, and
     /// the GPU's idle time.
-    fn simulate(book: &mut LeaseBook, busy: &[(&str, bool)], drain: Duration, run: Duration) -> (Vec<f64>, f64) {
+    fn simulate(
+        book: &mut LeaseBook,
+        busy: &[(&str, bool)],
+        drain: Duration,
+        run: Duration,
+    ) -> (Vec<f64>, f64) {
         let start = Instant::now();
         let mut now = start;
         let mut held = vec![0.0; busy.len()];
@@ -667,21 +675,27 @@ mod tests {
         let now = Instant::now();
         let mut book = LeaseBook::default();
         book.sync(&[("a".into(), spec(300, 1000)), ("b".into(), spec(700, 1000))], now);
-        let (held, idle) = simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
+        let (held, idle) =
+            simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
         let split = held[0] / (held[0] + held[1]);
         assert!((split - 0.3).abs() < 0.01 && idle < 0.01, "{held:?} idle {idle}");
         // Drains are charged: a group whose work runs 5 ms past each lease still gets its
         // request's part of the time, not more.
         let mut book = LeaseBook::default();
         book.sync(&[("a".into(), spec(300, 1000)), ("b".into(), spec(700, 1000))], now);
-        let (held, _) =
-            simulate(&mut book, &[("a", true), ("b", true)], Duration::from_millis(5), Duration::from_secs(10));
+        let (held, _) = simulate(
+            &mut book,
+            &[("a", true), ("b", true)],
+            Duration::from_millis(5),
+            Duration::from_secs(10),
+        );
         let split = held[0] / (held[0] + held[1]);
         assert!((split - 0.3).abs() < 0.01, "{held:?}");
         // Requests of 10% and 20% leave 70% unrequested: shared 1:2 as well.
         let mut book = LeaseBook::default();
         book.sync(&[("a".into(), spec(100, 1000)), ("b".into(), spec(200, 1000))], now);
-        let (held, idle) = simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
+        let (held, idle) =
+            simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
         let split = held[0] / (held[0] + held[1]);
         assert!((split - 1.0 / 3.0).abs() < 0.01 && idle < 0.01, "{held:?} idle {idle}");
     }
@@ -703,13 +717,15 @@ mod tests {
         // Its drains count against the limit too.
         let mut book = LeaseBook::default();
         book.sync(&[("a".into(), spec(200, 500))], now);
-        let (held, _) = simulate(&mut book, &[("a", true)], Duration::from_millis(3), Duration::from_secs(10));
+        let (held, _) =
+            simulate(&mut book, &[("a", true)], Duration::from_millis(3), Duration::from_secs(10));
         assert!((held[0] / 10.0 - 0.5).abs() < 0.02, "{held:?}");
         // Beside a busy neighbour, a limit of 20% with a request of 20% gets 20%, the
         // neighbour the rest.
         let mut book = LeaseBook::default();
         book.sync(&[("a".into(), spec(200, 200)), ("b".into(), spec(200, 1000))], now);
-        let (held, idle) = simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
+        let (held, idle) =
+            simulate(&mut book, &[("a", true), ("b", true)], Duration::ZERO, Duration::from_secs(10));
         assert!((held[0] / 10.0 - 0.2).abs() < 0.01 && idle < 0.05, "{held:?} {idle}");
     }
 
@@ -764,7 +780,10 @@ mod tests {
         assert_eq!(book.grant("server", until), Grant::Wait);
         book.step(until + DRAIN_GRACE);
         assert!(!book.holds("server"));
-        assert!(matches!(book.grant("flood", until + DRAIN_GRACE), Grant::Open { .. }), "the flood alone wants it");
+        assert!(
+            matches!(book.grant("flood", until + DRAIN_GRACE), Grant::Open { .. }),
+            "the flood alone wants it"
+        );
     }
 
     #[test]

@@ -33,7 +33,14 @@ impl Shared {
     }
 
     /// A shim is done with its lease: the next one goes at once.
-    pub(super) fn on_lease_done(&self, conn: ConnId, device: DeviceId, lease: u32, drain_us: u32, more: bool) {
+    pub(super) fn on_lease_done(
+        &self,
+        conn: ConnId,
+        device: DeviceId,
+        lease: u32,
+        drain_us: u32,
+        more: bool,
+    ) {
         self.policy().compute_done(conn, device, lease, drain_us, more, Instant::now());
         self.lease_step();
         self.leases_changed.notify_one();
