@@ -241,12 +241,12 @@ impl LeaseBook {
     /// `group` is done with `lease` (its work finished after the lease's end, or it gave
     /// the lease back early); `more`: it wants the GPU again. False if that is not the lease
     /// it holds (a late answer).
-    pub fn done(&mut self, group: &str, lease: u32, more: bool, now: Instant) -> bool {
+    pub fn done(&mut self, group: &str, lease: u32, drain: Duration, more: bool, now: Instant) -> bool {
         match &self.holder {
             Some(h) if h.group == group && h.lease == lease => {}
             _ => return false,
         }
-        self.release(now);
+        self.release(now, Some(drain));
         if let Some(c) = self.groups.get_mut(group) {
             if more {
                 c.wanting = true;
@@ -270,11 +270,17 @@ impl LeaseBook {
         }
     }
 
-    /// Ends the holder's turn and charges it from its start to `now`.
-    fn release(&mut self, now: Instant) {
+    /// Ends the holder's turn and charges it from its start to `now` at most.
+    /// A lease that ran to its end is charged its length and the drain its shim measured,
+    /// not the answer's way back (time the GPU was idle, lost to every group alike).
+    fn release(&mut self, now: Instant, drain: Option<Duration>) {
         let Some(h) = self.holder.take() else { return };
         let Some(c) = self.groups.get_mut(&h.group) else { return };
-        let held = now.saturating_duration_since(h.since).as_secs_f64();
+        let mut held = now.saturating_duration_since(h.since);
+        if let Some(drain) = drain.filter(|_| !h.open && now > h.until) {
+            held = held.min(h.until.saturating_duration_since(h.since) + drain);
+        }
+        let held = held.as_secs_f64();
         c.pass += held / c.weight();
         // Charged first, then filled for the time it held (a holder's bucket is not
         // filled meanwhile, so nothing accrued during the lease is lost to the cap).
@@ -305,7 +311,7 @@ impl LeaseBook {
                 }
                 tracing::warn!(group = %crate::entitlement::shown_group(&h.group), lease = h.lease,
                     "a lease's holder did not say it was done {} ms after its end: the lease is taken back", DRAIN_GRACE.as_millis());
-                self.release(now);
+                self.release(now, None);
             } else if self.groups.iter().any(|(n, c)| c.wanting && *n != h.group) {
                 // `want` turns an open GPU into leases; nothing to do here.
             } else {
@@ -513,7 +519,8 @@ impl Policy {
             let more = c.more;
             c.done.clear();
             c.more = false;
-            if gpu.leases.done(&name, lease, more, now) {
+            let drain = Duration::from_micros(c.last_drain_us.into());
+            if gpu.leases.done(&name, lease, drain, more, now) {
                 tracing::debug!(gpu = %uuid_string(&device), group = %crate::entitlement::shown_group(&name),
                     lease, drain_us = c.last_drain_us, more, "lease done");
             }
@@ -658,7 +665,7 @@ mod tests {
                     let end = h.until + drain;
                     held[i] += (end - now).as_secs_f64();
                     now = end;
-                    assert!(book.done(&h.group, h.lease, busy[i].1, now));
+                    assert!(book.done(&h.group, h.lease, drain, busy[i].1, now));
                 }
                 None => {
                     let to = next.unwrap_or(start + run).min(start + run);
@@ -742,13 +749,13 @@ mod tests {
         assert_eq!(book.grant("b", now), Grant::Wait);
         // a is done after 2 ms with nothing more: b holds at once.
         let t = now + Duration::from_millis(2);
-        assert!(book.done("a", lease, false, t));
-        assert!(!book.done("a", lease, false, t), "a lease is done once");
+        assert!(book.done("a", lease, Duration::ZERO, false, t));
+        assert!(!book.done("a", lease, Duration::ZERO, false, t), "a lease is done once");
         book.step(t);
         // Alone wanting, b's limit is the whole GPU: open.
         assert!(matches!(book.grant("b", t), Grant::Open { .. }));
         // A late answer for an old lease changes nothing.
-        assert!(!book.done("b", lease, false, t));
+        assert!(!book.done("b", lease, Duration::ZERO, false, t));
         assert!(matches!(book.grant("b", t), Grant::Open { .. }));
     }
 
@@ -770,7 +777,7 @@ mod tests {
         let flood_lease = book.holder.as_ref().unwrap().lease;
         // Its drain done 3 ms later, the server holds: within one period of its want.
         let t2 = t + Duration::from_millis(3);
-        assert!(book.done("flood", flood_lease, true, t2));
+        assert!(book.done("flood", flood_lease, Duration::ZERO, true, t2));
         book.step(t2);
         assert!(matches!(book.grant("server", t2), Grant::Held { .. }));
         // The flood, wanting again at once, does not cut the server.
@@ -784,6 +791,23 @@ mod tests {
             matches!(book.grant("flood", until + DRAIN_GRACE), Grant::Open { .. }),
             "the flood alone wants it"
         );
+    }
+
+    #[test]
+    fn a_lease_is_charged_its_length_and_its_drain_not_a_late_answer() {
+        let now = Instant::now();
+        let mut book = LeaseBook::default();
+        book.sync(&[("a".into(), spec(500, 1000)), ("b".into(), spec(500, 1000))], now);
+        book.want("a", now);
+        book.want("b", now);
+        book.step(now);
+        let Grant::Held { lease, until } = book.grant("a", now) else { panic!("{book:?}") };
+        let before = book.groups["a"].pass;
+        // Its drain took 2 ms; its answer arrived 10 ms after the end.
+        assert!(book.done("a", lease, Duration::from_millis(2), true, until + Duration::from_millis(10)));
+        let charged = (book.groups["a"].pass - before) * 0.5;
+        let expected = (until - now + Duration::from_millis(2)).as_secs_f64();
+        assert!((charged - expected).abs() < 1e-9, "charged {charged} s, expected {expected} s");
     }
 
     #[test]
