@@ -167,6 +167,56 @@ pub enum Request {
         /// Bytes the context took.
         bytes: u64,
     },
+    /// A process of a group with a compute share has work to start on `device` and no
+    /// lease there: its calls wait at its gate until the arbiter answers `Lease`.
+    Want {
+        /// The device.
+        device: DeviceId,
+    },
+    /// The process is done with lease `lease` on `device`: its gate is closed and the work
+    /// it started has finished (or it had nothing to run, and gives the lease back early).
+    /// `drain_us` is how long its work ran on past the lease's end; `more`: calls wait at
+    /// its gate already (a `Want` in the same breath).
+    LeaseDone {
+        /// The device.
+        device: DeviceId,
+        /// The lease's number, from its `Lease` (`Held`).
+        lease: u32,
+        /// Microseconds its work ran past the lease's end (0: done before it), at most
+        /// [`MAX_DRAIN_US`].
+        drain_us: u32,
+        /// It has more to run.
+        more: bool,
+    },
+}
+
+/// Longest lease the arbiter gives, in microseconds (10 s).
+pub const MAX_LEASE_US: u32 = 10_000_000;
+/// Longest drain a shim reports, in microseconds (60 s: a shim that measured more says
+/// this much).
+pub const MAX_DRAIN_US: u32 = 60_000_000;
+
+/// What a process of a group with a compute share may do on a GPU now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseState {
+    /// The GPU is open to it: its calls pass without a deadline (it is the only group
+    /// that wants the GPU and its limit is the whole GPU), until told otherwise; a `Wait`
+    /// then ends it like a lease's end (answered `LeaseDone` for `lease`).
+    Open {
+        /// The turn's number (echoed in `LeaseDone`), above 0.
+        lease: u32,
+    },
+    /// Its group holds the GPU for `micros` from now: calls pass until then; then its gate
+    /// closes, and it answers `LeaseDone` once its work has finished.
+    Held {
+        /// The lease's number (echoed in `LeaseDone`), above 0.
+        lease: u32,
+        /// How long it holds the GPU, 1 to [`MAX_LEASE_US`].
+        micros: u32,
+    },
+    /// Its calls wait (a lease held now ends: close the gate, answer `LeaseDone` once the
+    /// work finished); the first waiting call says `Want`.
+    Wait,
 }
 
 /// Which way a swap moved memory.
@@ -299,14 +349,13 @@ pub enum Reply {
         /// The device.
         device: DeviceId,
     },
-    /// Pushed to a group with a compute share: how much of the wall clock its work on the
-    /// device may keep the GPU busy, per mille (1000: unpaced, it may use idle time up to
-    /// its limit as the GPU's own scheduler gives it).
-    Pace {
+    /// Pushed to every process of a group with a compute share, whenever what it may do
+    /// on the device changes.
+    Lease {
         /// The device.
         device: DeviceId,
-        /// The pace, 1 to 1000.
-        pace_pm: u16,
+        /// What it may do now.
+        state: LeaseState,
     },
 }
 
@@ -535,6 +584,10 @@ impl Request {
             Request::Wake { seq, device } => Writer::new(9).u64(*seq).device(device),
             Request::Woken { device, held, micros } => Writer::new(10).device(device).u64(*held).u64(*micros),
             Request::ContextMeasured { device, bytes } => Writer::new(11).device(device).u64(*bytes),
+            Request::Want { device } => Writer::new(12).device(device),
+            Request::LeaseDone { device, lease, drain_us, more } => {
+                Writer::new(13).device(device).u32(*lease).u32(*drain_us).u8(u8::from(*more))
+            }
         }
         .finish()
     }
@@ -614,6 +667,17 @@ impl Request {
                 }
                 Request::ContextMeasured { device, bytes }
             }
+            12 => Request::Want { device: r.device()? },
+            13 => {
+                let (device, lease, drain_us) = (r.device()?, r.u32()?, r.u32()?);
+                if lease == 0 {
+                    return Err(ProtocolError::BadValue("lease"));
+                }
+                if drain_us > MAX_DRAIN_US {
+                    return Err(ProtocolError::BadValue("drain"));
+                }
+                Request::LeaseDone { device, lease, drain_us, more: flag(r.u8()?, "more")? }
+            }
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
         r.end()?;
@@ -651,7 +715,14 @@ impl Reply {
             Reply::Resume { device } => Writer::new(0x82).device(device),
             Reply::Park { device, checkpoint } => Writer::new(0x83).device(device).u8(u8::from(*checkpoint)),
             Reply::Unparked { device } => Writer::new(0x84).device(device),
-            Reply::Pace { device, pace_pm } => Writer::new(0x85).device(device).u16(*pace_pm),
+            Reply::Lease { device, state } => {
+                let w = Writer::new(0x85).device(device);
+                match state {
+                    LeaseState::Open { lease } => w.u8(0).u32(*lease),
+                    LeaseState::Held { lease, micros } => w.u8(1).u32(*lease).u32(*micros),
+                    LeaseState::Wait => w.u8(2),
+                }
+            }
         }
         .finish()
     }
@@ -697,11 +768,26 @@ impl Reply {
             0x83 => Reply::Park { device: r.device()?, checkpoint: flag(r.u8()?, "checkpoint")? },
             0x84 => Reply::Unparked { device: r.device()? },
             0x85 => {
-                let (device, pace_pm) = (r.device()?, r.u16()?);
-                if pace_pm == 0 || pace_pm > 1000 {
-                    return Err(ProtocolError::BadValue("pace"));
-                }
-                Reply::Pace { device, pace_pm }
+                let device = r.device()?;
+                let state = match r.u8()? {
+                    0 => match r.u32()? {
+                        0 => return Err(ProtocolError::BadValue("lease")),
+                        lease => LeaseState::Open { lease },
+                    },
+                    1 => {
+                        let (lease, micros) = (r.u32()?, r.u32()?);
+                        if lease == 0 {
+                            return Err(ProtocolError::BadValue("lease"));
+                        }
+                        if micros == 0 || micros > MAX_LEASE_US {
+                            return Err(ProtocolError::BadValue("lease length"));
+                        }
+                        LeaseState::Held { lease, micros }
+                    }
+                    2 => LeaseState::Wait,
+                    _ => return Err(ProtocolError::BadValue("lease state")),
+                };
+                Reply::Lease { device, state }
             }
             tag => return Err(ProtocolError::UnknownTag(tag)),
         };
@@ -794,6 +880,9 @@ mod tests {
         round_trip_request(Request::Wake { seq: 11, device: [1; 16] });
         round_trip_request(Request::Woken { device: [1; 16], held: 1 << 30, micros: 700 });
         round_trip_request(Request::ContextMeasured { device: [1; 16], bytes: 500 << 20 });
+        round_trip_request(Request::Want { device: [1; 16] });
+        round_trip_request(Request::LeaseDone { device: [1; 16], lease: 7, drain_us: 1500, more: true });
+        round_trip_request(Request::LeaseDone { device: [1; 16], lease: 8, drain_us: 0, more: false });
         assert!(
             Request::decode(&Request::ContextMeasured { device: [1; 16], bytes: 0 }.encode()[4..]).is_err()
         );
@@ -829,7 +918,9 @@ mod tests {
             Reply::Park { device: [8; 16], checkpoint: true },
             Reply::Park { device: [8; 16], checkpoint: false },
             Reply::Unparked { device: [9; 16] },
-            Reply::Pace { device: [9; 16], pace_pm: 300 },
+            Reply::Lease { device: [9; 16], state: LeaseState::Open { lease: 2 } },
+            Reply::Lease { device: [9; 16], state: LeaseState::Held { lease: 3, micros: 12_000 } },
+            Reply::Lease { device: [9; 16], state: LeaseState::Wait },
         ] {
             let frame = reply.encode();
             let body = read_frame(&mut &frame[..], MAX_STATUS_FRAME).unwrap();
@@ -877,10 +968,25 @@ mod tests {
             Request::decode(&bad_share[4..]),
             Err(ProtocolError::BadValue("compute request/limit"))
         ));
-        let mut pace = Reply::Pace { device: [1; 16], pace_pm: 1 }.encode();
-        let n = pace.len();
-        pace[n - 2..].copy_from_slice(&[0, 0]);
-        assert!(matches!(Reply::decode(&pace[4..]), Err(ProtocolError::BadValue("pace"))));
+        let held = |lease: u32, micros: u32| {
+            Reply::Lease { device: [1; 16], state: LeaseState::Held { lease, micros } }.encode()
+        };
+        assert!(matches!(Reply::decode(&held(1, 0)[4..]), Err(ProtocolError::BadValue("lease length"))));
+        let long = held(1, MAX_LEASE_US + 1);
+        assert!(matches!(Reply::decode(&long[4..]), Err(ProtocolError::BadValue("lease length"))));
+        assert!(matches!(Reply::decode(&held(0, 5)[4..]), Err(ProtocolError::BadValue("lease"))));
+        let mut state = Reply::Lease { device: [1; 16], state: LeaseState::Wait }.encode();
+        *state.last_mut().unwrap() = 3;
+        assert!(matches!(Reply::decode(&state[4..]), Err(ProtocolError::BadValue("lease state"))));
+        let done = |lease: u32, drain_us: u32| {
+            Request::LeaseDone { device: [1; 16], lease, drain_us, more: false }.encode()
+        };
+        assert!(matches!(Request::decode(&done(0, 1)[4..]), Err(ProtocolError::BadValue("lease"))));
+        let slow = done(1, MAX_DRAIN_US + 1);
+        assert!(matches!(Request::decode(&slow[4..]), Err(ProtocolError::BadValue("drain"))));
+        let mut more = done(1, 1);
+        *more.last_mut().unwrap() = 2;
+        assert!(matches!(Request::decode(&more[4..]), Err(ProtocolError::BadValue("more"))));
         hello[9] = 0xff; // the group's single byte (after length, tag, version, string length)
         assert!(matches!(Request::decode(&hello[4..]), Err(ProtocolError::BadString)));
         let mut denied = Reply::Denied { seq: 1, reason: Denial::NotSwapped }.encode();

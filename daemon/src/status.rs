@@ -215,9 +215,10 @@ pub struct GpuStatus {
     /// Sum of the compute requests of the groups on it, per mille of its time.
     #[serde(default)]
     pub compute_requested_pm: u32,
-    /// Its time used by processes of no group with a compute share (smoothed), per mille.
+    /// The GPU is open to one group with a compute share (the only one that wants it, its
+    /// limit the whole GPU): no leases now.
     #[serde(default)]
-    pub compute_outside_pm: u32,
+    pub compute_open: bool,
     /// Every registered process, or the first of them when there are very many.
     pub processes: Vec<ProcessStatus>,
     /// Registered processes not listed in `processes` (the document stays small).
@@ -286,16 +287,19 @@ pub struct ProcessStatus {
     /// See `compute_request_pm`.
     #[serde(default)]
     pub compute_limit_pm: u32,
-    /// The GPU's time its group used lately (smoothed, from NVML), per mille.
+    /// The share of the last second its group held the GPU (its leases, their drains
+    /// included, and time the GPU was open to it), per mille.
     #[serde(default)]
-    pub compute_used_pm: u32,
-    /// What its group may use now (its request beside other active groups, up to its
-    /// limit alone), per mille.
+    pub compute_held_pm: u32,
+    /// The part of a lease period its group is planned now (its request's part among the
+    /// groups that want the GPU, up to its limit), per mille.
     #[serde(default)]
     pub compute_allowance_pm: u32,
-    /// The pace its group is held to, per mille of the wall clock; 1000: unpaced.
+    /// Its group's lease on the GPU: `open` (the GPU is open to it), `holding`,
+    /// `draining` (its lease ended, its work still runs), `waiting` or `idle`; empty
+    /// without a compute share.
     #[serde(default)]
-    pub compute_pace_pm: u32,
+    pub compute_state: String,
     /// What its group holds on this GPU beyond what its shims charged, as NVML's
     /// per-process figures show it (memory taken by a path the shim does not see): charged
     /// to the group, against its limit and the GPU's room. The same for every member.
@@ -445,12 +449,12 @@ impl Status {
                     gib(g.uncounted)
                 );
             }
-            if g.compute_requested_pm > 0 || g.compute_outside_pm > 0 {
+            if g.compute_requested_pm > 0 {
                 let _ = writeln!(
                     out,
-                    "  compute requested {} of the GPU's time, {} used by processes without a compute share",
+                    "  compute requested {} of the GPU's time, {}",
                     share(g.compute_requested_pm),
-                    share(g.compute_outside_pm)
+                    if g.compute_open { "open to one group now (no leases)" } else { "leased by turns" }
                 );
             }
             if g.parkable_requests > 0 {
@@ -515,17 +519,13 @@ impl Status {
                 if p.compute_limit_pm > 0 {
                     let _ = writeln!(
                         out,
-                        "  {:>8}  compute: request {}, limit {}, used {}, allowed {}, {}",
+                        "  {:>8}  compute: request {}, limit {}, held {} of the last second, planned {}, {}",
                         "",
                         share(p.compute_request_pm),
                         share(p.compute_limit_pm),
-                        share(p.compute_used_pm),
+                        share(p.compute_held_pm),
                         share(p.compute_allowance_pm),
-                        if p.compute_pace_pm >= 1000 {
-                            "unpaced".to_owned()
-                        } else {
-                            format!("paced to {}", share(p.compute_pace_pm))
-                        }
+                        printable(&p.compute_state)
                     );
                 }
                 if p.park_after_ms > 0 && (p.parks > 0 || p.wakes > 0) {

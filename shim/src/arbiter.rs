@@ -188,6 +188,8 @@ fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake>
                 }
             }
             Reply::Refused { reason, .. } => return Err(Handshake::Refused(reason)),
+            // The arbiter may tell a registered device's lease before the last answer.
+            Reply::Lease { device, state } => crate::compute::told(device, state),
             other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
         }
     }
@@ -315,6 +317,7 @@ impl Client {
                 match handshake(&self) {
                     Ok(s) => {
                         tracing::info!(socket = %self.path.display(), "reconnected to the arbiter");
+                        crate::compute::rejoin();
                         backoff = Duration::from_millis(50);
                         stream = Some(s);
                     }
@@ -389,7 +392,7 @@ impl Client {
                         | Reply::Park { .. }
                         | Reply::Unparked { .. }),
                     ) => (self.pushed)(&command),
-                    Ok(Reply::Pace { device, pace_pm }) => crate::compute::set_pace(device, pace_pm),
+                    Ok(Reply::Lease { device, state }) => crate::compute::told(device, state),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -399,7 +402,7 @@ impl Client {
             }
             self.connected.store(false, Ordering::Release);
             *lock(&self.writer) = None;
-            crate::compute::forget_paces();
+            crate::compute::forget();
         }
     }
 

@@ -1,112 +1,499 @@
-//! Compute pacing: a group past its compute allowance (policy in the arbiter,
-//! daemon/src/arbiter/policy/compute.rs) is told a *pace*, the share of the wall clock
-//! in which its calls may start work on the GPU. Launches, copies and sets of a paced
-//! process pass the gate (gate.rs) only inside its windows: each [`PERIOD`] opens for
-//! `pace` of it, at a phase of the process's own (so that paced processes do not all open
-//! together). Before a paced call passes, the work the process submitted earlier must have
-//! finished (`cuCtxSynchronize`): a paced process keeps at most one call's work queued on
-//! the GPU, so a neighbour's kernel waits behind one of its calls, never behind a queue.
+//! Compute shares, the shim's side of time leases (the rule is the arbiter's,
+//! daemon/src/arbiter/policy/compute.rs). A process whose group has a compute share may
+//! start work on a GPU only while its group holds that GPU's lease, or while the GPU is
+//! open to it. Its launches, copies and sets (and graph launches, cooperative launches,
+//! `cuLaunchKernelEx`) wait at the gate (gate.rs) otherwise; the first waiting call makes
+//! the lease thread say `Want`.
 //!
-//! The pace is a knob, not a measurement: the arbiter corrects it from what NVML reports
-//! the group used, so that the group converges on its allowance whatever its kernels and
-//! CPU gaps look like. A process that is not paced pays one relaxed load at its gate.
+//! The lease thread (`gpufrac-lease`, started with the arbiter's connection, in the
+//! relaxed stream-capture mode so that nothing it calls can invalidate a capture on
+//! another thread) keeps each lease:
+//! - at the lease's end the gate closes (the calls check the end themselves: no call
+//!   passes late because the thread woke late);
+//! - then it waits for the work the process started to finish, polling the streams its
+//!   calls used during leases with `cuStreamQuery` (a small fixed array filled with
+//!   atomics on the launch path), and says `LeaseDone` with the drain, how long that work
+//!   ran past the end: the arbiter charges it, and hands the GPU on only then, so a drain
+//!   is the holder's alone;
+//! - while the lease runs, a process with nothing to run gives it back: its streams were
+//!   idle at one look and no call came by the next.
 //!
-//! Nothing here allocates or takes a lock on the launch path: the pace is an atomic, the
-//! real `cuCtxSynchronize` is resolved when the first pace arrives.
+//! Streams are polled rather than marked with events recorded at the lease's end: with
+//! the gate closed a stream's queue can only shrink, so "idle" is the end of the drain, and
+//! polling needs no event per stream or context of its own. Nothing is gated or watched on
+//! a stream that is being captured into a graph (its calls record, they run nothing), and
+//! nothing here synchronizes a context or a stream, which a capture forbids. Work on a
+//! thread's per-thread default stream cannot be polled from another thread: its drain is
+//! not measured (its held time still is).
+//!
+//! A process without compute settings never gets here: its gate is one relaxed load.
+//! A process whose GPU is open to it is not gated either: its gate's slow bit is clear.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU16, AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::atomic::{
+    AtomicBool, AtomicPtr, AtomicU64,
+    Ordering::{Relaxed, SeqCst},
+};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::DeviceId;
+use gpufrac_common::protocol::{DeviceId, LeaseState, Request, MAX_DRAIN_US};
 
-use crate::ffi::Status;
+use crate::arbiter::Client;
+use crate::ffi::{Status, SUCCESS};
 use crate::real::{resolve, Lib};
 
-/// The pacing window: short enough that a neighbour never waits long for the GPU, long
-/// enough that the windows cost little (a sleep and a synchronize per window at least).
-pub(crate) const PERIOD: Duration = Duration::from_millis(4);
+/// How often the lease thread looks at the streams while a lease runs or drains.
+const LOOK_EVERY: Duration = Duration::from_micros(250);
+/// Longest the lease thread waits for a drain before it says done anyway (the arbiter
+/// takes the lease back a little later).
+const DRAIN_AT_MOST: Duration = Duration::from_millis(200);
+/// How long a waiting call sleeps before it looks again (a wake-up is never lost for
+/// longer than this).
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+/// How long a `Want` goes unanswered before it is said again (a message lost with a
+/// connection, a late answer the arbiter set aside).
+const WANT_AGAIN: Duration = Duration::from_secs(1);
+/// Streams watched for the drain; more are not watched (their drain is not measured).
+const STREAM_SLOTS: usize = 8;
+/// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the default streams' special handles.
+const LEGACY: usize = 0x1;
+const PER_THREAD: usize = 0x2;
+/// `CUDA_ERROR_NOT_READY`.
+const NOT_READY: Status = 600;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: u32 = 2;
 
-/// The process's pace in per mille (1000: unpaced): the smallest of its GPUs' paces.
-static PACE_PM: AtomicU16 = AtomicU16::new(1000);
-/// This process's offset in the period, in ns: spread by PID (set with the first pace),
-/// so that paced processes' windows do not all open together.
-static PHASE_NS: AtomicU64 = AtomicU64::new(0);
-/// The real `cuCtxSynchronize`, once a pace arrived.
-static CTX_SYNCHRONIZE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-/// A synchronize failed (most likely a CUDA graph being captured, where synchronizing is
-/// illegal): from then on paced calls only wait for their window.
-static SYNC_FAILED: AtomicBool = AtomicBool::new(false);
-/// Each GPU's pace as the arbiter last said it (cold: written when a pace arrives).
-static PACES: Mutex<Vec<(DeviceId, u16)>> = Mutex::new(Vec::new());
+/// Calls may pass now (every compute device open or held).
+static PASS: AtomicBool = AtomicBool::new(true);
+/// The end of the shortest lease held, in monotonic ns (`u64::MAX`: open).
+static UNTIL_NS: AtomicU64 = AtomicU64::new(u64::MAX);
+/// A call waits and the lease thread has not said `Want` for it yet.
+static WANT: AtomicBool = AtomicBool::new(false);
+/// Streams used by calls while a lease ran (null: free slot).
+static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; STREAM_SLOTS];
+/// The context of the legacy default stream used in a lease (null: none).
+static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// Real driver functions, resolved at `start` (never on the launch path).
+static IS_CAPTURING: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static IS_CAPTURING_PTSZ: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static CTX_GET_CURRENT: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 
-type CtxSynchronize = unsafe extern "C" fn() -> Status;
+type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut u32) -> Status;
+type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> Status;
+type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> Status;
+type StreamQuery = unsafe extern "C" fn(*mut c_void) -> Status;
+type ExchangeCaptureMode = unsafe extern "C" fn(*mut u32) -> Status;
 
-/// The arbiter's new pace for `device` (per mille, 1 to 1000).
-pub(crate) fn set_pace(device: DeviceId, pace_pm: u16) {
-    if CTX_SYNCHRONIZE.load(Relaxed).is_null() {
-        CTX_SYNCHRONIZE.store(resolve(Lib::Cuda, "cuCtxSynchronize"), Relaxed);
-        // SAFETY: getpid has no preconditions.
-        let pid = unsafe { libc::getpid() } as u64;
-        // Fibonacci hashing spreads neighbouring PIDs over the period.
-        PHASE_NS.store(pid.wrapping_mul(0x9e37_79b9_7f4a_7c15) % PERIOD.as_nanos() as u64, Relaxed);
-    }
-    let mut paces = PACES.lock().unwrap_or_else(|p| p.into_inner());
-    match paces.iter_mut().find(|(d, _)| *d == device) {
-        Some(entry) => entry.1 = pace_pm,
-        None => paces.push((device, pace_pm)),
-    }
-    let pace = paces.iter().map(|&(_, p)| p).min().unwrap_or(1000).clamp(1, 1000);
-    let before = PACE_PM.swap(pace, Relaxed);
-    crate::gate::set_paced(pace < 1000);
-    if (before < 1000) != (pace < 1000) {
-        tracing::info!(
-            pace = format!("{:.1}%", f64::from(pace) / 10.0),
-            "{}",
-            if pace < 1000 {
-                "the arbiter paces this group: it used more of the GPU's time than its compute share allows while others want theirs"
-            } else {
-                "the arbiter lifted this group's compute pace"
+/// A device's lease as this process keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Local {
+    /// Not leased (the arbiter is away): calls pass.
+    Free,
+    Open {
+        lease: u32,
+    },
+    Held {
+        lease: u32,
+        until: Instant,
+        calls: u64,
+        idle: bool,
+    },
+    /// The lease ended (at `ended`); its work is finishing.
+    Draining {
+        lease: u32,
+        ended: Instant,
+    },
+    /// Since when it told the arbiter it wants the GPU, if it did.
+    Wait {
+        wanted: Option<Instant>,
+    },
+}
+
+struct Leases {
+    devices: Vec<(DeviceId, Local)>,
+}
+
+static LEASES: Mutex<Leases> = Mutex::new(Leases { devices: Vec::new() });
+/// Wakes the lease thread.
+static THREAD_WAKE: Condvar = Condvar::new();
+/// Wakes the calls waiting at the gate (with [`GATE_LOCK`]).
+static GATE_LOCK: Mutex<()> = Mutex::new(());
+static GATE_OPENED: Condvar = Condvar::new();
+static CLIENT: OnceLock<Arc<Client>> = OnceLock::new();
+/// Serializes watching the streams with `cuStreamDestroy` (a destroyed handle is never
+/// polled).
+static STREAMS_LOCK: Mutex<()> = Mutex::new(());
+
+fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Starts leases for a process whose group has a compute share on `devices`: its calls
+/// wait for a lease from now on, and the lease thread runs.
+pub(crate) fn start(client: Arc<Client>, devices: &[DeviceId]) -> Result<(), String> {
+    IS_CAPTURING.store(resolve(Lib::Cuda, "cuStreamIsCapturing"), Relaxed);
+    IS_CAPTURING_PTSZ.store(resolve(Lib::Cuda, "cuStreamIsCapturing_ptsz"), Relaxed);
+    CTX_GET_CURRENT.store(resolve(Lib::Cuda, "cuCtxGetCurrent"), Relaxed);
+    let _ = CLIENT.set(client);
+    {
+        let mut leases = lock(&LEASES);
+        for &device in devices {
+            if !leases.devices.iter().any(|(d, _)| *d == device) {
+                leases.devices.push((device, Local::Wait { wanted: None }));
             }
-        );
+        }
+        publish(&leases);
     }
+    std::thread::Builder::new()
+        .name("gpufrac-lease".into())
+        .spawn(run)
+        .map(|_| ())
+        .map_err(|e| format!("gpufrac: cannot start the lease thread: {e}"))
 }
 
-/// The arbiter is gone: nobody measures, so nothing is paced until it is back.
-pub(crate) fn forget_paces() {
-    PACES.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    PACE_PM.store(1000, Relaxed);
-    crate::gate::set_paced(false);
-}
-
-/// The slow path of a paced call: waits for the process's earlier work, then for its
-/// window.
-pub(crate) fn pace() {
-    let pace = PACE_PM.load(Relaxed);
-    if pace >= 1000 {
+/// The arbiter told `state` for `device`.
+pub(crate) fn told(device: DeviceId, state: LeaseState) {
+    let now = Instant::now();
+    let mut leases = lock(&LEASES);
+    let Some(entry) = leases.devices.iter_mut().find(|(d, _)| *d == device) else {
+        tracing::debug!(?state, "a lease for a device without a compute share here");
         return;
+    };
+    let before = entry.1;
+    entry.1 = match (before, state) {
+        (_, LeaseState::Open { lease }) => Local::Open { lease },
+        (Local::Held { lease: old, .. } | Local::Open { lease: old }, LeaseState::Held { lease, micros })
+            if old == lease =>
+        {
+            // The same lease told again: keep its end.
+            match before {
+                Local::Held { .. } => before,
+                _ => Local::Held {
+                    lease,
+                    until: now + Duration::from_micros(micros.into()),
+                    calls: 0,
+                    idle: false,
+                },
+            }
+        }
+        (Local::Draining { .. }, LeaseState::Held { lease, micros })
+        | (_, LeaseState::Held { lease, micros }) => {
+            Local::Held { lease, until: now + Duration::from_micros(micros.into()), calls: 0, idle: false }
+        }
+        (Local::Held { lease, .. } | Local::Open { lease }, LeaseState::Wait) => {
+            Local::Draining { lease, ended: now }
+        }
+        (Local::Draining { .. }, LeaseState::Wait) => before,
+        (Local::Free | Local::Wait { .. }, LeaseState::Wait) => Local::Wait { wanted: None },
+    };
+    if matches!(entry.1, Local::Held { .. } | Local::Open { .. }) {
+        // What waited passes now; a later waiting call wants again.
+        WANT.store(false, SeqCst);
     }
-    let sync = CTX_SYNCHRONIZE.load(Relaxed);
-    if !sync.is_null() && !SYNC_FAILED.load(Relaxed) {
-        // SAFETY: the real driver's cuCtxSynchronize (no arguments).
-        let status = unsafe { std::mem::transmute::<*mut c_void, CtxSynchronize>(sync)() };
-        // No current context is the caller's own call's to report; anything else (a stream
-        // being captured into a graph) means synchronizing here is not safe: stop.
-        const INVALID_CONTEXT: Status = 201;
-        if status != crate::ffi::SUCCESS && status != INVALID_CONTEXT && !SYNC_FAILED.swap(true, Relaxed) {
-            tracing::warn!(status, "compute pacing: cuCtxSynchronize failed (a CUDA graph being captured?); paced calls no longer wait for earlier work, only for their window");
+    tracing::debug!(?before, after = ?entry.1, "lease");
+    publish(&leases);
+    drop(leases);
+    THREAD_WAKE.notify_all();
+}
+
+/// The arbiter is gone: nobody hands out leases, so calls pass until it is back.
+pub(crate) fn forget() {
+    let mut leases = lock(&LEASES);
+    for entry in leases.devices.iter_mut() {
+        entry.1 = Local::Free;
+    }
+    publish(&leases);
+}
+
+/// The arbiter is back (registered again): calls wait for its leases.
+pub(crate) fn rejoin() {
+    let mut leases = lock(&LEASES);
+    for entry in leases.devices.iter_mut() {
+        if entry.1 == Local::Free {
+            entry.1 = Local::Wait { wanted: None };
         }
     }
-    let period = PERIOD.as_nanos() as u64;
-    let open = period * u64::from(pace) / 1000;
-    let at = (monotonic_ns() + PHASE_NS.load(Relaxed)) % period;
-    if at >= open {
-        // Until the next window opens. Once: a sleep overshoots by tens of microseconds,
-        // more than a small pace's whole window, so the call goes at the wake-up whether
-        // or not it landed inside (a late start, never a missed one).
-        std::thread::sleep(Duration::from_nanos(period - at));
+    publish(&leases);
+    drop(leases);
+    THREAD_WAKE.notify_all();
+}
+
+/// Sets what the gate reads from the devices' leases, and wakes waiting calls if they
+/// may pass.
+fn publish(leases: &Leases) {
+    let mut pass = true;
+    let mut until = u64::MAX;
+    let mut gated = false;
+    for (_, local) in &leases.devices {
+        match *local {
+            Local::Free | Local::Open { .. } => {}
+            Local::Held { until: end, .. } => {
+                gated = true;
+                until = until.min(instant_ns(end));
+            }
+            Local::Draining { .. } | Local::Wait { .. } => {
+                gated = true;
+                pass = false;
+            }
+        }
     }
+    UNTIL_NS.store(until, SeqCst);
+    PASS.store(pass, SeqCst);
+    crate::gate::set_leased(gated);
+    if pass {
+        let _guard = lock(&GATE_LOCK);
+        GATE_OPENED.notify_all();
+    }
+}
+
+/// The slow path of a gated call in a leased process: returns once it may start its
+/// work on `stream` (at once on a stream being captured).
+pub(crate) fn wait_for_lease(stream: *mut c_void) {
+    if capturing(stream) {
+        return;
+    }
+    loop {
+        if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
+            watch(stream);
+            return;
+        }
+        if !WANT.swap(true, SeqCst) {
+            THREAD_WAKE.notify_all();
+        }
+        let guard = lock(&GATE_LOCK);
+        if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
+            continue;
+        }
+        let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
+    }
+}
+
+/// Whether `stream` is being captured into a graph (its calls only record).
+fn capturing(stream: *mut c_void) -> bool {
+    let per_thread = stream as usize == PER_THREAD;
+    let f = if per_thread { IS_CAPTURING_PTSZ.load(Relaxed) } else { IS_CAPTURING.load(Relaxed) };
+    if f.is_null() {
+        return false;
+    }
+    let mut status = 0u32;
+    let handle = if per_thread { std::ptr::null_mut() } else { stream };
+    // SAFETY: the real cuStreamIsCapturing(_ptsz), given the caller's stream (which the
+    // caller's own call is about to use) and a live out-parameter.
+    let result = unsafe { std::mem::transmute::<*mut c_void, IsCapturing>(f)(handle, &mut status) };
+    // Active (1) or invalidated (2) both mean a capture owns the stream.
+    result == SUCCESS && status != 0
+}
+
+/// Remembers `stream` for the drain (atomics only; a full array leaves it unwatched).
+fn watch(stream: *mut c_void) {
+    let handle = stream as usize;
+    if handle == PER_THREAD {
+        return;
+    }
+    if handle == 0 || handle == LEGACY {
+        if LEGACY_CTX.load(Relaxed).is_null() {
+            let f = CTX_GET_CURRENT.load(Relaxed);
+            if !f.is_null() {
+                let mut ctx = std::ptr::null_mut();
+                // SAFETY: the real cuCtxGetCurrent with a live out-parameter.
+                if unsafe { std::mem::transmute::<*mut c_void, CtxGetCurrent>(f)(&mut ctx) } == SUCCESS {
+                    LEGACY_CTX.store(ctx, Relaxed);
+                }
+            }
+        }
+        return;
+    }
+    if STREAMS.iter().any(|s| s.load(Relaxed) == stream) {
+        return;
+    }
+    for slot in &STREAMS {
+        if slot.compare_exchange(std::ptr::null_mut(), stream, Relaxed, Relaxed).is_ok() {
+            return;
+        }
+    }
+}
+
+/// `cuStreamDestroy`: the stream is no longer watched (before it is destroyed: the lease
+/// thread never polls a destroyed handle).
+pub(crate) fn stream_destroy(stream: *mut c_void) -> Status {
+    {
+        let _guard = lock(&STREAMS_LOCK);
+        for slot in &STREAMS {
+            let _ = slot.compare_exchange(stream, std::ptr::null_mut(), Relaxed, Relaxed);
+        }
+    }
+    crate::hooks::call_real!(cuStreamDestroy_v2(stream))
+}
+
+/// A context is destroyed or reset: its streams die with it, so none is watched any more
+/// (streams still used are watched again at their next call).
+pub(crate) fn forget_streams() {
+    let _guard = lock(&STREAMS_LOCK);
+    for slot in &STREAMS {
+        slot.store(std::ptr::null_mut(), Relaxed);
+    }
+    LEGACY_CTX.store(std::ptr::null_mut(), Relaxed);
+}
+
+/// Whether every watched stream has finished its work.
+fn streams_idle(query: StreamQuery, set_current: Option<CtxSetCurrent>) -> bool {
+    let _guard = lock(&STREAMS_LOCK);
+    let mut idle = true;
+    for slot in &STREAMS {
+        let stream = slot.load(Relaxed);
+        if stream.is_null() || capturing(stream) {
+            continue;
+        }
+        // SAFETY: a stream a call of this process used, not destroyed (cuStreamDestroy
+        // clears its slot under the lock held here).
+        match unsafe { query(stream) } {
+            SUCCESS => {}
+            NOT_READY => idle = false,
+            // Gone (destroyed through a path not hooked, its context destroyed): unwatched.
+            _ => slot.store(std::ptr::null_mut(), Relaxed),
+        }
+    }
+    let ctx = LEGACY_CTX.load(Relaxed);
+    if let (false, Some(set_current)) = (ctx.is_null(), set_current) {
+        // SAFETY: a context a call of this process used, not destroyed (cuCtxDestroy
+        // clears it under the lock held here); made current on this thread only.
+        let legacy = unsafe {
+            if set_current(ctx) == SUCCESS && !capturing(std::ptr::null_mut()) {
+                query(std::ptr::null_mut())
+            } else {
+                SUCCESS
+            }
+        };
+        if legacy == NOT_READY {
+            idle = false;
+        }
+    }
+    idle
+}
+
+/// The lease thread.
+fn run() {
+    let relax = resolve(Lib::Cuda, "cuThreadExchangeStreamCaptureMode");
+    if !relax.is_null() {
+        let mut mode = CAPTURE_MODE_RELAXED;
+        // SAFETY: the real cuThreadExchangeStreamCaptureMode with a live in/out value; it
+        // changes this thread's mode only.
+        unsafe { std::mem::transmute::<*mut c_void, ExchangeCaptureMode>(relax)(&mut mode) };
+    }
+    let query = resolve(Lib::Cuda, "cuStreamQuery");
+    if query.is_null() {
+        tracing::error!("compute shares: the driver has no cuStreamQuery; drains are not measured");
+    }
+    // SAFETY: the real functions of these names and signatures (or null, checked).
+    let query: Option<StreamQuery> =
+        (!query.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, StreamQuery>(query) });
+    let set_current = resolve(Lib::Cuda, "cuCtxSetCurrent");
+    // SAFETY: as above.
+    let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
+        .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
+    let idle = || query.is_none_or(|q| streams_idle(q, set_current));
+    let mut leases = lock(&LEASES);
+    loop {
+        let now = Instant::now();
+        let wanted = WANT.load(SeqCst);
+        let mut sends: Vec<Request> = Vec::new();
+        let mut changed = false;
+        let mut wake: Option<Instant> = None;
+        let mut soon = |at: Instant| wake = Some(wake.map_or(at, |w: Instant| w.min(at)));
+        for (device, local) in leases.devices.iter_mut() {
+            let device = *device;
+            match *local {
+                Local::Held { lease, until, calls, idle: was_idle } => {
+                    if now >= until {
+                        *local = Local::Draining { lease, ended: until };
+                        changed = true;
+                        soon(now);
+                        continue;
+                    }
+                    // Nothing to run: idle at the last look, and no call since.
+                    let count = crate::gate::activity();
+                    if was_idle && count == calls && !wanted {
+                        sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
+                        *local = Local::Wait { wanted: None };
+                        changed = true;
+                        continue;
+                    }
+                    *local = Local::Held { lease, until, calls: count, idle: idle() };
+                    soon((now + LOOK_EVERY).min(until));
+                }
+                Local::Draining { lease, ended } => {
+                    let late = now.saturating_duration_since(ended);
+                    if idle() || late >= DRAIN_AT_MOST {
+                        let drain_us = (late.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
+                        let more = WANT.swap(false, SeqCst);
+                        sends.push(Request::LeaseDone { device, lease, drain_us, more });
+                        *local = Local::Wait { wanted: more.then_some(now) };
+                        changed = true;
+                    } else {
+                        soon(now + LOOK_EVERY);
+                    }
+                }
+                Local::Wait { wanted: None } if wanted => {
+                    WANT.store(false, SeqCst);
+                    sends.push(Request::Want { device });
+                    *local = Local::Wait { wanted: Some(now) };
+                }
+                Local::Wait { wanted: Some(since) } if wanted => {
+                    if now.saturating_duration_since(since) >= WANT_AGAIN {
+                        sends.push(Request::Want { device });
+                        *local = Local::Wait { wanted: Some(now) };
+                    } else {
+                        soon(since + WANT_AGAIN);
+                    }
+                }
+                Local::Free | Local::Open { .. } | Local::Wait { .. } => {}
+            }
+        }
+        if changed {
+            publish(&leases);
+        }
+        if !sends.is_empty() {
+            drop(leases);
+            if let Some(client) = CLIENT.get() {
+                for request in &sends {
+                    client.send(request);
+                }
+            }
+            leases = lock(&LEASES);
+            continue;
+        }
+        let timeout = wake.map_or(Duration::from_secs(1), |w| w.saturating_duration_since(Instant::now()));
+        if WANT.load(SeqCst) && leases.devices.iter().any(|(_, l)| *l == Local::Wait { wanted: None }) {
+            continue;
+        }
+        leases =
+            THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+    }
+}
+
+/// The stream of a per-thread call (`_ptsz`, `_ptds`): its null stream is the calling
+/// thread's per-thread default stream.
+#[inline(always)]
+pub(crate) fn per_thread(stream: *mut c_void) -> *mut c_void {
+    if stream.is_null() {
+        PER_THREAD as *mut c_void
+    } else {
+        stream
+    }
+}
+
+/// The stream of `cuLaunchKernelEx`'s launch configuration (`CUlaunchConfig`: seven
+/// 32-bit sizes, then the stream at offset 32).
+#[inline(always)]
+pub(crate) fn config_stream(config: *const c_void) -> *mut c_void {
+    if config.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's CUlaunchConfig, which the driver reads too; hStream is the
+    // pointer-aligned field after gridDim[XYZ], blockDim[XYZ] and sharedMemBytes.
+    unsafe { config.cast::<u8>().add(32).cast::<*mut c_void>().read() }
 }
 
 fn monotonic_ns() -> u64 {
@@ -116,52 +503,67 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// `at` on the monotonic clock, in ns (Instant is CLOCK_MONOTONIC on Linux).
+fn instant_ns(at: Instant) -> u64 {
+    let now = Instant::now();
+    let base = monotonic_ns();
+    if at >= now {
+        base.saturating_add((at - now).as_nanos() as u64)
+    } else {
+        base.saturating_sub((now - at).as_nanos() as u64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
     #[test]
-    fn a_paced_process_passes_only_in_its_windows_and_the_slowest_gpu_sets_the_pace() {
-        set_pace([1; 16], 300);
-        set_pace([2; 16], 800);
-        assert_eq!(PACE_PM.load(Relaxed), 300);
-        // Calls of 0.2 ms each, back to back for 300 ms: paced at 30%, they start only in
-        // the open 30% of each period, so they keep the "GPU" busy about a third of the
-        // time (the open part plus the last call's overrun), where unpaced they would keep it
-        // busy nearly all the time.
-        let work = Duration::from_micros(200);
-        let started = Instant::now();
-        let mut busy = Duration::ZERO;
-        while started.elapsed() < Duration::from_millis(300) {
-            pace();
-            let call = Instant::now();
-            while call.elapsed() < work {}
-            busy += call.elapsed();
+    fn a_leased_process_passes_only_while_it_holds_and_a_waiting_call_wants() {
+        let _turn = crate::gate::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+        let device = [7; 16];
+        {
+            let mut leases = lock(&LEASES);
+            leases.devices.push((device, Local::Wait { wanted: None }));
+            publish(&leases);
         }
-        let share = busy.as_secs_f64() / started.elapsed().as_secs_f64();
-        let overrun = work.as_secs_f64() / PERIOD.as_secs_f64();
-        assert!(
-            share > 0.15 && share < 0.3 + overrun + 0.1,
-            "calls kept {:.0}% busy at a 30% pace",
-            share * 100.0
-        );
-        // The smallest pace opens 4 µs a period, less than a sleep overshoots: every call
-        // still goes within about a period (a real H200 run once hung here, the window
-        // missed again and again).
-        set_pace([1; 16], 1);
-        let started = Instant::now();
-        for _ in 0..20 {
-            pace();
+        assert!(!PASS.load(SeqCst));
+        let passed = Arc::new(AtomicBool::new(false));
+        let caller = {
+            let passed = passed.clone();
+            std::thread::spawn(move || {
+                wait_for_lease(std::ptr::null_mut());
+                passed.store(true, SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!passed.load(SeqCst), "a call passed without a lease");
+        assert!(WANT.load(SeqCst), "the waiting call wants the GPU");
+        told(device, LeaseState::Held { lease: 1, micros: 50_000 });
+        caller.join().unwrap();
+        assert!(passed.load(SeqCst));
+        // After the lease's end a call waits again, whatever the thread did.
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(monotonic_ns() >= UNTIL_NS.load(SeqCst));
+        told(device, LeaseState::Open { lease: 2 });
+        wait_for_lease(std::ptr::null_mut());
+        forget();
+        assert!(PASS.load(SeqCst));
+        lock(&LEASES).devices.clear();
+    }
+
+    #[test]
+    fn the_stream_of_a_launch_config_is_read_at_its_offset() {
+        #[repr(C)]
+        struct Config {
+            dims: [u32; 7],
+            stream: *mut c_void,
+            attrs: *mut c_void,
+            count: u32,
         }
-        assert!(
-            started.elapsed() < PERIOD * 40,
-            "20 calls at the smallest pace took {:?}",
-            started.elapsed()
-        );
-        set_pace([1; 16], 1000);
-        assert_eq!(PACE_PM.load(Relaxed), 800);
-        forget_paces();
-        assert_eq!(PACE_PM.load(Relaxed), 1000);
+        let config =
+            Config { dims: [1; 7], stream: 0x1234 as *mut c_void, attrs: std::ptr::null_mut(), count: 0 };
+        assert_eq!(config_stream((&config as *const Config).cast()), 0x1234 as *mut c_void);
+        assert_eq!(per_thread(std::ptr::null_mut()), PER_THREAD as *mut c_void);
     }
 }

@@ -286,18 +286,26 @@ fn after_primary_change(dev: c_int, status: Status) -> Status {
 }
 
 pub(crate) fn primary_release(dev: c_int) -> Status {
+    // Before the driver may destroy it: its streams are not watched any more.
+    crate::compute::forget_streams();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease_v2(dev)))
 }
 
 pub(crate) fn primary_reset(dev: c_int) -> Status {
+    // Before the driver may destroy it: its streams are not watched any more.
+    crate::compute::forget_streams();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset_v2(dev)))
 }
 
 pub(crate) fn primary_release_v1(dev: c_int) -> Status {
+    // Before the driver may destroy it: its streams are not watched any more.
+    crate::compute::forget_streams();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease(dev)))
 }
 
 pub(crate) fn primary_reset_v1(dev: c_int) -> Status {
+    // Before the driver may destroy it: its streams are not watched any more.
+    crate::compute::forget_streams();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset(dev)))
 }
 
@@ -396,10 +404,12 @@ pub(crate) fn ctx_create_v1(ctx: *mut Ptr, flags: c_uint, dev: c_int) -> Status 
 }
 
 pub(crate) fn ctx_destroy_v1(ctx: Ptr) -> Status {
+    crate::compute::forget_streams();
     destroyed(ctx, call_real!(cuCtxDestroy(ctx)))
 }
 
 pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
+    crate::compute::forget_streams();
     destroyed(ctx, call_real!(cuCtxDestroy_v2(ctx)))
 }
 

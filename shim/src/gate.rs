@@ -4,8 +4,8 @@
 //! inside, so that a swap-out or a park can close it: new calls wait, calls already inside
 //! finish, then the swap proceeds. Passing costs a relaxed load and store in other
 //! processes, and two atomic additions and a load in swappable ones; closing and waiting
-//! are the cold path. A process the arbiter paces for its compute share waits its turn
-//! here too (compute.rs). A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
+//! are the cold path. A process whose group has a compute share waits here for its
+//! group's lease on the GPU (compute.rs), unless the GPU is open to it. A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
 //! the calls waiting here back with out-of-memory rather than keep them for ever.
 
 use std::sync::atomic::{
@@ -22,13 +22,13 @@ static ENTERED: AtomicU64 = AtomicU64::new(0);
 static LEFT: AtomicU64 = AtomicU64::new(0);
 static CLOSED: AtomicBool = AtomicBool::new(false);
 /// Why calls take the slow path, if they do: [`TRACKED`] (set once, before the first
-/// swappable allocation) and [`PACED`] (while the arbiter paces the process). One load of
-/// this decides the fast path.
+/// swappable allocation) and [`LEASED`] (while its calls need a lease). One load of this
+/// decides the fast path.
 static SLOW: AtomicU8 = AtomicU8::new(0);
 /// Calls inside are tracked: the process may be swapped out or parked.
 const TRACKED: u8 = 1;
-/// Calls wait for the process's compute pace (compute.rs).
-const PACED: u8 = 2;
+/// Calls wait for the group's lease on the GPU (compute.rs).
+const LEASED: u8 = 2;
 /// Wakes that failed so far: a waiting call that sees this move gives up.
 static FAILED_WAKES: AtomicU64 = AtomicU64::new(0);
 
@@ -37,12 +37,13 @@ pub(crate) fn track() {
     SLOW.fetch_or(TRACKED, SeqCst);
 }
 
-/// Sends calls through compute pacing (compute.rs), or no longer.
-pub(crate) fn set_paced(paced: bool) {
-    if paced {
-        SLOW.fetch_or(PACED, SeqCst);
+/// Sends calls through the lease's wait (compute.rs), or no longer (the GPU is open to
+/// the process, or nobody hands out leases).
+pub(crate) fn set_leased(leased: bool) {
+    if leased {
+        SLOW.fetch_or(LEASED, SeqCst);
     } else {
-        SLOW.fetch_and(!PACED, SeqCst);
+        SLOW.fetch_and(!LEASED, SeqCst);
     }
 }
 
@@ -61,7 +62,16 @@ impl Drop for Pass {
 /// Enters the gate, waiting while it is closed; out-of-memory if the process is parked
 /// and its wake failed.
 #[inline(always)]
+#[allow(dead_code)]
 pub(crate) fn enter() -> Result<Pass, Status> {
+    enter_on(std::ptr::null_mut)
+}
+
+/// [`enter`] for a call that starts work on the stream `stream()` names (evaluated only
+/// on the slow path): a leased process's call waits for its lease, except on a stream
+/// being captured.
+#[inline(always)]
+pub(crate) fn enter_on(stream: impl FnOnce() -> *mut std::ffi::c_void) -> Result<Pass, Status> {
     let slow = SLOW.load(Relaxed);
     if slow == 0 {
         // Nobody ever closes this gate: only the activity count moves. Concurrent
@@ -69,15 +79,15 @@ pub(crate) fn enter() -> Result<Pass, Status> {
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
         return Ok(Pass(false));
     }
-    enter_slowly(slow)
+    enter_slowly(slow, stream())
 }
 
-/// [`enter`] for a paced or tracked process.
+/// [`enter`] for a leased or tracked process.
 #[cold]
 #[inline(never)]
-fn enter_slowly(slow: u8) -> Result<Pass, Status> {
-    if slow & PACED != 0 {
-        crate::compute::pace();
+fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status> {
+    if slow & LEASED != 0 {
+        crate::compute::wait_for_lease(stream);
     }
     if slow & TRACKED == 0 {
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
@@ -207,6 +217,10 @@ pub fn pass_for_bench() {
     let _pass = enter();
 }
 
+/// Unit tests that change the gate's process-wide state take turns.
+#[cfg(test)]
+pub(crate) static TEST_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,6 +229,7 @@ mod tests {
 
     #[test]
     fn closing_waits_for_calls_inside_and_holds_new_ones_until_opened() {
+        let _turn = TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
         track();
         let inside = enter().unwrap();
         let closed = Arc::new(AtomicBool::new(false));

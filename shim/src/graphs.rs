@@ -220,9 +220,10 @@ pub(crate) fn instantiate_with_params_ptsz(exec: *mut Ptr, graph: Ptr, params: P
     instantiate(exec, graph, || call_real!(cuGraphInstantiateWithParams_ptsz(exec, graph, params)))
 }
 
-/// A launch or upload, through the gate like any launch, then the pool's charge.
-fn launched(exec: Ptr, real: impl FnOnce() -> Status) -> Status {
-    let _inside = match crate::gate::enter() {
+/// A launch or upload on `stream`, through the gate like any launch, then the pool's
+/// charge.
+fn launched(exec: Ptr, stream: Ptr, real: impl FnOnce() -> Status) -> Status {
+    let _inside = match crate::gate::enter_on(|| stream) {
         Ok(pass) => pass,
         Err(status) => return status,
     };
@@ -234,19 +235,19 @@ fn launched(exec: Ptr, real: impl FnOnce() -> Status) -> Status {
 }
 
 pub(crate) fn launch(exec: Ptr, stream: Ptr) -> Status {
-    launched(exec, || call_real!(cuGraphLaunch(exec, stream)))
+    launched(exec, stream, || call_real!(cuGraphLaunch(exec, stream)))
 }
 
 pub(crate) fn launch_ptsz(exec: Ptr, stream: Ptr) -> Status {
-    launched(exec, || call_real!(cuGraphLaunch_ptsz(exec, stream)))
+    launched(exec, crate::compute::per_thread(stream), || call_real!(cuGraphLaunch_ptsz(exec, stream)))
 }
 
 pub(crate) fn upload(exec: Ptr, stream: Ptr) -> Status {
-    launched(exec, || call_real!(cuGraphUpload(exec, stream)))
+    launched(exec, stream, || call_real!(cuGraphUpload(exec, stream)))
 }
 
 pub(crate) fn upload_ptsz(exec: Ptr, stream: Ptr) -> Status {
-    launched(exec, || call_real!(cuGraphUpload_ptsz(exec, stream)))
+    launched(exec, crate::compute::per_thread(stream), || call_real!(cuGraphUpload_ptsz(exec, stream)))
 }
 
 pub(crate) fn exec_destroy(exec: Ptr) -> Status {

@@ -7,7 +7,9 @@
 //! `hook_list!(callback)` hands the list to `callback!`. Two kinds of entries:
 //! - `implemented`: the shim's own logic runs (accounting, the virtual device, contexts);
 //! - `gated`: launches, copies and sets, which pass through the gate (held while the
-//!   process's burst memory is swapped out) and then straight to the driver.
+//!   process's burst memory is swapped out, or while its group waits for its compute
+//!   lease) and then straight to the driver. `@ expr` names the stream the call starts its
+//!   work on (read only on the gate's slow path); without it, the legacy default stream.
 //!
 //! Argument types are the names `Ptr`, `Handle`, `CUdeviceptr` and `std::ffi`'s C types,
 //! resolved where the callback expands.
@@ -51,6 +53,8 @@ macro_rules! hook_list {
                 Cuda cuLibraryLoadFromFile(library: *mut Ptr, path: *const c_char, jit_options: *mut c_int, jit_values: *mut Ptr,
                     jit_count: c_uint, options: *mut c_int, values: *mut Ptr, count: c_uint) => crate::implicit::library_load_from_file;
                 Cuda cuLibraryUnload(library: Ptr) => crate::implicit::library_unload;
+                // Streams the compute lease watches for its drain.
+                Cuda cuStreamDestroy_v2(stream: Ptr) => crate::compute::stream_destroy;
                 // CUDA graphs: what their memory pool keeps (launches pass the gate too).
                 Cuda cuGraphInstantiate(exec: *mut Ptr, graph: Ptr, error_node: *mut Ptr, log: *mut c_char, size: usize)
                     => crate::graphs::instantiate_v1;
@@ -126,69 +130,69 @@ macro_rules! hook_list {
             }
             gated {
                 cuLaunchKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
-                    stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
+                    stream: Ptr, params: *mut Ptr, extra: *mut Ptr) @ stream;
                 cuLaunchKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shared: c_uint,
-                    stream: Ptr, params: *mut Ptr, extra: *mut Ptr);
+                    stream: Ptr, params: *mut Ptr, extra: *mut Ptr) @ crate::compute::per_thread(stream);
                 cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-                cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-                cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-                cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+                cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr) @ stream;
+                cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize);
-                cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize);
+                cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize);
-                cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize);
+                cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-                cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-                cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
-                cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr);
-                cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
-                cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr);
-                cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
-                cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr);
+                cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr) @ stream;
+                cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr) @ stream;
+                cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr) @ stream;
+                cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemsetD8_v2(dst: CUdeviceptr, value: c_uchar, n: usize);
-                cuMemsetD8_v2_ptds(dst: CUdeviceptr, value: c_uchar, n: usize);
+                cuMemsetD8_v2_ptds(dst: CUdeviceptr, value: c_uchar, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemsetD16_v2(dst: CUdeviceptr, value: c_ushort, n: usize);
-                cuMemsetD16_v2_ptds(dst: CUdeviceptr, value: c_ushort, n: usize);
+                cuMemsetD16_v2_ptds(dst: CUdeviceptr, value: c_ushort, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemsetD32_v2(dst: CUdeviceptr, value: c_uint, n: usize);
-                cuMemsetD32_v2_ptds(dst: CUdeviceptr, value: c_uint, n: usize);
-                cuMemsetD8Async(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
-                cuMemsetD8Async_ptsz(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr);
-                cuMemsetD16Async(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
-                cuMemsetD16Async_ptsz(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr);
-                cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
-                cuMemsetD32Async_ptsz(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr);
+                cuMemsetD32_v2_ptds(dst: CUdeviceptr, value: c_uint, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemsetD8Async(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr) @ stream;
+                cuMemsetD8Async_ptsz(dst: CUdeviceptr, value: c_uchar, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemsetD16Async(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr) @ stream;
+                cuMemsetD16Async_ptsz(dst: CUdeviceptr, value: c_ushort, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr) @ stream;
+                cuMemsetD32Async_ptsz(dst: CUdeviceptr, value: c_uint, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemcpy2D_v2(copy: *const c_void);
-                cuMemcpy2D_v2_ptds(copy: *const c_void);
+                cuMemcpy2D_v2_ptds(copy: *const c_void) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemcpy2DUnaligned_v2(copy: *const c_void);
-                cuMemcpy2DUnaligned_v2_ptds(copy: *const c_void);
-                cuMemcpy2DAsync_v2(copy: *const c_void, stream: Ptr);
-                cuMemcpy2DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
+                cuMemcpy2DUnaligned_v2_ptds(copy: *const c_void) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemcpy2DAsync_v2(copy: *const c_void, stream: Ptr) @ stream;
+                cuMemcpy2DAsync_v2_ptsz(copy: *const c_void, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemcpy3D_v2(copy: *const c_void);
-                cuMemcpy3D_v2_ptds(copy: *const c_void);
-                cuMemcpy3DAsync_v2(copy: *const c_void, stream: Ptr);
-                cuMemcpy3DAsync_v2_ptsz(copy: *const c_void, stream: Ptr);
+                cuMemcpy3D_v2_ptds(copy: *const c_void) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemcpy3DAsync_v2(copy: *const c_void, stream: Ptr) @ stream;
+                cuMemcpy3DAsync_v2_ptsz(copy: *const c_void, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemcpyPeer(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
-                cuMemcpyPeer_ptds(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize);
-                cuMemcpyPeerAsync(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
-                cuMemcpyPeerAsync_ptsz(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr);
+                cuMemcpyPeer_ptds(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemcpyPeerAsync(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr) @ stream;
+                cuMemcpyPeerAsync_ptsz(dst: CUdeviceptr, dst_ctx: Ptr, src: CUdeviceptr, src_ctx: Ptr, n: usize, stream: Ptr) @ crate::compute::per_thread(stream);
                 cuMemsetD2D8_v2(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
-                cuMemsetD2D8_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize);
+                cuMemsetD2D8_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemsetD2D16_v2(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
-                cuMemsetD2D16_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize);
+                cuMemsetD2D16_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize) @ crate::compute::per_thread(std::ptr::null_mut());
                 cuMemsetD2D32_v2(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
-                cuMemsetD2D32_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize);
-                cuMemsetD2D8Async(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
-                cuMemsetD2D8Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr);
-                cuMemsetD2D16Async(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
-                cuMemsetD2D16Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr);
-                cuMemsetD2D32Async(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
-                cuMemsetD2D32Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr);
-                cuLaunchKernelEx(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
-                cuLaunchKernelEx_ptsz(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr);
+                cuMemsetD2D32_v2_ptds(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize) @ crate::compute::per_thread(std::ptr::null_mut());
+                cuMemsetD2D8Async(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr) @ stream;
+                cuMemsetD2D8Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uchar, width: usize, height: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemsetD2D16Async(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr) @ stream;
+                cuMemsetD2D16Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_ushort, width: usize, height: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuMemsetD2D32Async(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr) @ stream;
+                cuMemsetD2D32Async_ptsz(dst: CUdeviceptr, pitch: usize, value: c_uint, width: usize, height: usize, stream: Ptr) @ crate::compute::per_thread(stream);
+                cuLaunchKernelEx(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr) @ crate::compute::config_stream(config);
+                cuLaunchKernelEx_ptsz(config: *const c_void, f: Ptr, params: *mut Ptr, extra: *mut Ptr) @ crate::compute::per_thread(crate::compute::config_stream(config));
                 cuLaunchCooperativeKernel(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
-                    shared: c_uint, stream: Ptr, params: *mut Ptr);
+                    shared: c_uint, stream: Ptr, params: *mut Ptr) @ stream;
                 cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
-                    shared: c_uint, stream: Ptr, params: *mut Ptr);
+                    shared: c_uint, stream: Ptr, params: *mut Ptr) @ crate::compute::per_thread(stream);
             }
         }
     };

@@ -15,7 +15,7 @@ type Handle = c_ulonglong;
 macro_rules! hooks {
     (
         implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
-        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) ; )* }
+        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) $(@ $stream:expr)? ; )* }
     ) => {
         /// Every hooked symbol, in one enumeration.
         #[allow(non_camel_case_types, dead_code)]
@@ -74,7 +74,7 @@ macro_rules! hooks {
                 #[cfg_attr(not(test), no_mangle)]
                 pub extern "C" fn $gname($($garg: $gty),*) -> Status {
                     crate::ffi::guard(Lib::Cuda, || {
-                        let _inside = match crate::gate::enter() {
+                        let _inside = match crate::gate::enter_on(|| hook_stream!($($stream)?)) {
                             Ok(pass) => pass,
                             Err(status) => return status,
                         };
@@ -108,6 +108,17 @@ macro_rules! hooks {
                 _ => None,
             }
         }
+    };
+}
+
+/// The stream a gated call starts its work on: as the hook list names it, or the legacy
+/// default stream (null) for calls without one.
+macro_rules! hook_stream {
+    () => {
+        std::ptr::null_mut()
+    };
+    ($stream:expr) => {
+        $stream
     };
 }
 

@@ -540,6 +540,10 @@ impl Enforcer {
             }
         }
         let _ = self.arbiter.set(client.clone());
+        if self.config.compute.is_some() {
+            let devices: Vec<[u8; 16]> = slices.iter().map(|s| s.uuid).collect();
+            crate::compute::start(client.clone(), &devices)?;
+        }
         if self.config.resolver == gpufrac_common::Resolver::Swap || crate::park::parkable() {
             crate::swap::start(self, client)?;
         }

@@ -23,12 +23,20 @@
  *   then the same with cuMemAlloc during a GLOBAL and during a RELAXED-thread capture:
  *     MALLOC <cuMemAlloc result in GLOBAL> <cuMemAlloc result with the thread RELAXED>
  *
+ * Usage: graph_pool leased <kernels>
+ *   For a process whose group takes the GPU by compute leases: runs a fill kernel on the
+ *   stream outside any capture (so that the shim watches the stream), then captures, in
+ *   GLOBAL mode, <kernels> fill kernels 1 ms apart and a checksum kernel (a capture open
+ *   for that long while leases begin and end), instantiates the graph, launches it twice
+ *   checking its checksum, and prints LEASED OK.
+ *
  * Exit status: 0 done; 1 a driver call failed; 2 usage; 4 a wrong result.
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda_min.h"
 
@@ -188,7 +196,39 @@ static int ctxsync(void) {
     return 0;
 }
 
+static int leased(int kernels) {
+    size_t count = 1024;
+    CUdeviceptr out, p;
+    check(cuMemAlloc_v2(&out, 8), "cuMemAlloc");
+    check(cuMemAlloc_v2(&p, count * 4), "cuMemAlloc");
+    unsigned int value = 7;
+    void *fill_args[] = {&p, &value, &count};
+    check(cuLaunchKernel(fill, 1, 1, 1, 1, 1, 1, 0, stream, fill_args, NULL), "fill");
+    check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+
+    check(cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    for (int i = 0; i < kernels; i++) {
+        check(cuLaunchKernel(fill, 1, 1, 1, 1, 1, 1, 0, stream, fill_args, NULL), "fill (captured)");
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    void *sum_args[] = {&p, &count, &out};
+    check(cuLaunchKernel(checksum, 1, 1, 1, 1, 1, 1, 0, stream, sum_args, NULL), "checksum (captured)");
+    CUgraph graph = NULL;
+    check(cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
+    CUgraphExec exec;
+    check(cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
+    launch_and_check(exec, out, count);
+    launch_and_check(exec, out, count);
+    printf("LEASED OK\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "leased") == 0) {
+        setup();
+        return leased(atoi(argv[2]));
+    }
     if (argc == 3 && strcmp(argv[1], "pool") == 0) {
         setup();
         return pool((size_t)strtoull(argv[2], NULL, 10));
@@ -197,6 +237,6 @@ int main(int argc, char **argv) {
         setup();
         return ctxsync();
     }
-    fprintf(stderr, "usage: graph_pool pool <bytes> | graph_pool ctxsync\n");
+    fprintf(stderr, "usage: graph_pool pool <bytes> | graph_pool ctxsync | graph_pool leased <kernels>\n");
     return 2;
 }

@@ -1,25 +1,29 @@
 //! Compute shares, with real processes on simgpu (whose GPU time-slices kernels of
-//! different processes, docs/simgpu.md): two groups saturating one GPU split its time by
-//! their compute requests; a group alone uses up to its limit; requests past the GPU
-//! and compute settings without an arbiter are refused naming the variable; groups
-//! without compute settings are left to the GPU's own time-slicing.
+//! different processes, and whose NVML reads every saturating process busy, as a real
+//! GPU's does; docs/simgpu.md): groups take the GPU by time leases (docs/arbiter.md).
+//! Two groups saturating one GPU split it by their compute requests; a group alone uses up
+//! to its limit; a latency-sensitive server beside a flood keeps its queueing; a CUDA graph
+//! captured while its group waits for its lease works; a group that becomes active gets
+//! the GPU within a lease period; requests past the GPU and compute settings without an
+//! arbiter are refused naming the variable; groups without compute settings are left to
+//! the GPU's own time-slicing.
 //!
-//! Shares are measured by the workloads themselves (`compute_load`: kernels run times
-//! the device time each needs, over the wall time), not by what the arbiter believes.
-//! Shares are judged relative to what the same run measured (the two groups' parts of
-//! the time they got together; a group alone against a bare flood alone), so that a busy
-//! machine, whose CPUs take wall time from every flood alike, does not move the verdict.
+//! Judged by throughput, relative to the same run: each flood's kernels done per second
+//! over what the same flood does alone on the same simulated GPU in the same test (its
+//! *normalized throughput*); a group's share is its normalized throughput over the sum of
+//! the groups', and the sum itself says how much of the GPU's time was lost (1: none). A
+//! busy machine's CPUs slow a flood alone and floods together alike.
 
 use std::time::Duration;
 
 use gpufrac_e2e::{
-    artifact, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
+    artifact, compile_c, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
 };
 
 const KERNEL_US: u64 = 1000;
 const SIMGPU_KERNELS: &str = "compute_load runs simgpu's built-in sleep kernel";
 
-/// One test at a time: shares are measured on a machine whose CPUs the simulated GPUs
+/// One test at a time: throughput is measured on a machine whose CPUs the simulated GPUs
 /// of other tests would take.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -28,8 +32,31 @@ fn gpu() -> (std::sync::MutexGuard<'static, ()>, SimGpu) {
     (turn, SimGpu::new("16GiB").with_context_overhead("64MiB"))
 }
 
-/// A flood of 1 ms kernels, shimmed with `share` (request, limit) unless `None` (memory
-/// settings only), measured for `seconds` after `warmup`; waits for its `ready`.
+/// An arbiter that logs each lease (debug), for the tests that read its words.
+fn arbiter(gpu: &SimGpu) -> Arbiter {
+    let socket = gpu.lib_dir().join(format!("{}.sock", unique("compute")));
+    let filter = std::ffi::OsStr::new("info,gpufrac_daemon::arbiter::policy::compute=debug");
+    Arbiter::start_with_env(gpu, socket, &[], &[("GPUFRAC_LOG", filter)])
+}
+
+/// `compute_load` with `args`, shimmed with `share` (request, limit) unless `None`
+/// (memory settings only); waits for its `ready`.
+fn load(gpu: &SimGpu, arbiter: &Arbiter, share: Option<(&str, &str)>, args: &[&str]) -> ChildProcess {
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
+    cmd.args(args).memory_request("512MiB").arbiter_socket(arbiter.socket()).group(unique("compute"));
+    if let Some((request, limit)) = share {
+        cmd.compute_request(request).compute_limit(limit);
+    }
+    // The shims' own words, when a run needs them (`debug` shows every lease).
+    if let Ok(filter) = std::env::var("COMPUTE_SHIM_LOG") {
+        cmd.env("GPUFRAC_LOG", filter);
+    }
+    let mut child = ChildProcess::spawn(&mut cmd);
+    child.expect_line(&["ready"], Duration::from_secs(30));
+    child
+}
+
+/// A flood of 1 ms kernels, 16 queued at a time, measured for `seconds` after `warmup`.
 fn flood(
     gpu: &SimGpu,
     arbiter: &Arbiter,
@@ -37,119 +64,241 @@ fn flood(
     warmup: u32,
     seconds: u32,
 ) -> ChildProcess {
-    let mut cmd = gpu.shimmed(artifact("compute_load"));
-    cmd.args(["flood", "--kernel-us", &KERNEL_US.to_string(), "--depth", "16"])
-        .args(["--warmup", &warmup.to_string(), "--seconds", &seconds.to_string()])
-        .memory_request("512MiB")
-        .arbiter_socket(arbiter.socket())
-        .group(unique("compute"));
-    if let Some((request, limit)) = share {
-        cmd.compute_request(request).compute_limit(limit);
+    let (kernel, warmup, seconds) = (KERNEL_US.to_string(), warmup.to_string(), seconds.to_string());
+    let args = ["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", &warmup, "--seconds", &seconds];
+    load(gpu, arbiter, share, &args)
+}
+
+/// A server answering Poisson requests of one 2 ms kernel, 8 ms apart on average.
+fn server(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    share: Option<(&str, &str)>,
+    warmup: u32,
+    seconds: u32,
+) -> ChildProcess {
+    let (warmup, seconds) = (warmup.to_string(), seconds.to_string());
+    let args = [
+        "requests",
+        "--kernel-us",
+        "2000",
+        "--mean-gap-us",
+        "8000",
+        "--seed",
+        "7",
+        "--warmup",
+        &warmup,
+        "--seconds",
+        &seconds,
+    ];
+    load(gpu, arbiter, share, &args)
+}
+
+fn go(loads: &mut [ChildProcess]) {
+    for l in loads {
+        l.write_stdin("go\n");
     }
-    let mut child = ChildProcess::spawn(&mut cmd);
-    child.expect_line(&["ready"], Duration::from_secs(30));
-    child
 }
 
-/// Starts every flood's measured part together; returns each one's share of the GPU.
-fn shares(mut floods: Vec<ChildProcess>) -> Vec<f64> {
-    go(&mut floods);
-    measured(&mut floods)
-}
-
-fn go(floods: &mut [ChildProcess]) {
-    for f in floods {
-        f.write_stdin("go\n");
-    }
-}
-
-/// Each flood's share of the GPU over its measured seconds, once it ends.
-fn measured(floods: &mut [ChildProcess]) -> Vec<f64> {
-    floods
+/// Each load's report once it ends.
+fn reports(loads: &mut [ChildProcess]) -> Vec<serde_json::Value> {
+    loads
         .iter_mut()
-        .map(|f| {
-            let line = f.expect_line(&["report"], Duration::from_secs(120));
-            f.expect_exit_code(0);
-            let report: serde_json::Value = serde_json::from_str(line.trim_start_matches("report ")).unwrap();
-            let kernels = report["kernels"].as_f64().unwrap();
-            kernels * KERNEL_US as f64 / 1e6 / report["wall_s"].as_f64().unwrap()
+        .map(|l| {
+            let line = l.expect_line(&["report"], Duration::from_secs(120));
+            l.expect_exit_code(0);
+            serde_json::from_str(line.trim_start_matches("report ")).unwrap()
         })
         .collect()
+}
+
+/// Kernels done per second over the measured part.
+fn throughput(report: &serde_json::Value) -> f64 {
+    report["kernels"].as_f64().unwrap() / report["wall_s"].as_f64().unwrap()
+}
+
+/// Starts the loads' measured parts together; returns their throughputs.
+fn run(mut loads: Vec<ChildProcess>) -> Vec<f64> {
+    go(&mut loads);
+    reports(&mut loads).iter().map(throughput).collect()
+}
+
+fn p99_ms(report: &serde_json::Value) -> f64 {
+    report["queueing_us"]["p99"].as_f64().unwrap() / 1000.0
 }
 
 #[test]
 fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
     let (_turn, gpu) = gpu();
-    let arbiter = Arbiter::start(&gpu);
-    let small = flood(&gpu, &arbiter, Some(("30%", "100%")), 3, 5);
-    let large = flood(&gpu, &arbiter, Some(("70%", "100%")), 3, 5);
-    // While they run, the group past its request is shown paced.
-    let mut both = vec![small, large];
+    let arbiter = arbiter(&gpu);
+    // The same flood alone, bare, in this run: what each flood's throughput is measured
+    // against.
+    let alone = run(vec![flood(&gpu, &arbiter, None, 1, 4)])[0];
+    let mut both = vec![
+        flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 6),
+        flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 6),
+    ];
     go(&mut both);
-    let status = wait_for(&arbiter, "the 30% group paced", |s| {
-        s.gpus[0].processes.iter().any(|p| p.compute_request_pm == 300 && p.compute_pace_pm < 1000)
+    // While they run, both hold the GPU by turns; the arbiter says so.
+    let status = wait_for(&arbiter, "both groups holding leases", |s| {
+        let p = &s.gpus[0].processes;
+        !s.gpus[0].compute_open && p.len() == 2 && p.iter().all(|p| p.compute_held_pm > 100)
     });
-    let gpu_status = &status.gpus[0];
-    assert_eq!(gpu_status.compute_requested_pm, 1000);
-    let large_status = gpu_status.processes.iter().find(|p| p.compute_request_pm == 700).unwrap();
-    assert_eq!((large_status.compute_limit_pm, large_status.compute_allowance_pm), (1000, 700));
-    let got = measured(&mut both);
-    // Each group's part of the time the two got together: a busy machine's CPUs take
-    // wall time from both alike, not from one group's part (time-slicing alone splits
-    // it 50/50, which this excludes).
-    let split = got[0] / (got[0] + got[1]);
-    assert!(
-        (split - 0.3).abs() <= 0.1,
-        "the 30% group got {:.1}% of the time they got together ({:.1}% and {:.1}% of the wall time)",
-        split * 100.0,
-        got[0] * 100.0,
-        got[1] * 100.0
+    let large = status.gpus[0].processes.iter().find(|p| p.compute_request_pm == 700).unwrap();
+    assert_eq!((large.compute_limit_pm, large.compute_allowance_pm), (1000, 700));
+    let got: Vec<f64> = reports(&mut both).iter().map(|r| throughput(r) / alone).collect();
+    let sum = got[0] + got[1];
+    let share = got[0] / sum;
+    let said = format!(
+        "normalized throughputs {:.3} and {:.3} (sum {sum:.3}) against {alone:.0} kernels/s alone: the 30% group's share {:.1}%",
+        got[0],
+        got[1],
+        share * 100.0
     );
+    eprintln!("{said}");
+    assert!((share - 0.3).abs() <= 0.03, "{said}");
+    assert!(sum >= 0.95, "time was lost: {said}");
     let log = arbiter.log_text();
-    assert!(log.contains("pacing a group past its compute allowance"), "{log}");
+    assert!(log.contains("GPU leased"), "{log}");
 }
 
 #[test]
 fn a_group_alone_uses_the_gpu_up_to_its_compute_limit() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
     let (_turn, gpu) = gpu();
-    let arbiter = Arbiter::start(&gpu);
-    // What a flood without compute settings gets alone in this run: the most this
-    // machine, as busy as it is now, lets a flood have.
-    let bare = shares(vec![flood(&gpu, &arbiter, None, 1, 3)]);
-    let whole = shares(vec![flood(&gpu, &arbiter, Some(("30%", "100%")), 1, 3)]);
+    let arbiter = arbiter(&gpu);
+    let bare = run(vec![flood(&gpu, &arbiter, None, 1, 3)])[0];
+    let whole = run(vec![flood(&gpu, &arbiter, Some(("30%", "100%")), 1, 3)])[0];
     assert!(
-        whole[0] >= 0.85 * bare[0],
-        "alone with a limit of 100% it got {:.1}%, a bare flood {:.1}%",
-        whole[0] * 100.0,
-        bare[0] * 100.0
+        whole >= 0.95 * bare,
+        "alone with a limit of 100% it did {whole:.0} kernels/s, a bare flood {bare:.0}"
     );
-    let capped = shares(vec![flood(&gpu, &arbiter, Some(("20%", "60%")), 3, 4)]);
-    let part = capped[0] / bare[0];
+    assert!(arbiter.log_text().contains("GPU open"), "{}", arbiter.log_text());
+    let half = run(vec![flood(&gpu, &arbiter, Some(("20%", "50%")), 2, 5)])[0];
+    let part = half / bare;
+    eprintln!("bare {bare:.0}/s, limit 100% {whole:.0}/s, limit 50% {half:.0}/s ({:.1}%)", part * 100.0);
     assert!(
-        (part - 0.6).abs() <= 0.12,
-        "alone with a limit of 60% it got {:.1}% of what a bare flood got ({:.1}% and {:.1}%)",
-        part * 100.0,
-        capped[0] * 100.0,
-        bare[0] * 100.0
+        (part - 0.5).abs() <= 0.03,
+        "alone with a limit of 50% it did {:.1}% of a bare flood's kernels ({half:.0} and {bare:.0} per second)",
+        part * 100.0
     );
+}
+
+#[test]
+#[ignore = "not met yet: a cut holder's queued work (a 16-deep flood: up to 16 ms) drains before the server's lease; the in-flight bound that would keep it short is not built (docs/arbiter.md)"]
+fn a_latency_server_beside_a_flood_keeps_its_queueing() {
+    skip_on_real_gpu!(SIMGPU_KERNELS);
+    let (_turn, gpu) = gpu();
+    let arbiter = arbiter(&gpu);
+    let mut alone = vec![server(&gpu, &arbiter, Some(("50%", "100%")), 1, 6)];
+    go(&mut alone);
+    let alone = p99_ms(&reports(&mut alone)[0]);
+    let mut both = vec![
+        server(&gpu, &arbiter, Some(("50%", "100%")), 2, 6),
+        flood(&gpu, &arbiter, Some(("50%", "100%")), 2, 6),
+    ];
+    go(&mut both);
+    let got = reports(&mut both);
+    let beside = p99_ms(&got[0]);
+    eprintln!(
+        "queueing p99 alone {alone:.2} ms, beside a flood {beside:.2} ms, flood {:.0}/s",
+        throughput(&got[1])
+    );
+    assert!(
+        beside <= 2.0 * alone,
+        "queueing p99 {beside:.2} ms beside a flood, {alone:.2} ms alone (the flood did {:.0} kernels/s)",
+        throughput(&got[1])
+    );
+}
+
+#[test]
+fn a_graph_captured_while_its_group_waits_for_its_lease_is_launched() {
+    skip_on_real_gpu!(SIMGPU_KERNELS);
+    let (_turn, gpu) = gpu();
+    let arbiter = arbiter(&gpu);
+    // A neighbour keeps the GPU leased: the graph's group waits for its turns.
+    let mut neighbour = vec![flood(&gpu, &arbiter, Some(("70%", "100%")), 0, 30)];
+    go(&mut neighbour);
+    let graphs = |mode: &[&str]| {
+        let mut cmd = gpu.shimmed(compile_c("graph_pool.c", &[], true));
+        cmd.args(mode)
+            .memory_request("1GiB")
+            .arbiter_socket(arbiter.socket())
+            .group(unique("graphs"))
+            .compute_request("30%");
+        ChildProcess::spawn(&mut cmd)
+    };
+    // A capture held open for 100 ms in GLOBAL mode on a stream the shim watches, while
+    // leases begin and end: neither the gate nor the lease thread may break it.
+    let mut long = graphs(&["leased", "100"]);
+    long.expect_line(&["LEASED"], Duration::from_secs(60));
+    long.expect_exit_code(0);
+    // The graph memory pool's capture, launched twice with the right checksums.
+    let mut pool = graphs(&["pool", &(64u64 << 20).to_string()]);
+    pool.expect_line(&["CAPTURED"], Duration::from_secs(30));
+    pool.expect_line(&["LAUNCHED"], Duration::from_secs(30));
+    pool.expect_line(&["RELAUNCHED"], Duration::from_secs(30));
+    pool.write_stdin("\n");
+    pool.expect_line(&["TRIMMED"], Duration::from_secs(30));
+    pool.close_stdin();
+    pool.expect_line(&["DONE"], Duration::from_secs(30));
+    pool.expect_exit_code(0);
+    let log = arbiter.log_text();
+    assert!(log.contains("GPU leased"), "the graphs' group never waited for a lease: {log}");
+    neighbour[0].kill();
+}
+
+#[test]
+fn a_group_that_becomes_active_gets_the_gpu_within_a_period() {
+    skip_on_real_gpu!(SIMGPU_KERNELS);
+    let (_turn, gpu) = gpu();
+    let arbiter = arbiter(&gpu);
+    let mut first = vec![flood(&gpu, &arbiter, Some(("50%", "100%")), 0, 30)];
+    go(&mut first);
+    arbiter.wait_for_log("GPU open");
+    let mut second = vec![flood(&gpu, &arbiter, Some(("50%", "100%")), 0, 3)];
+    go(&mut second);
+    arbiter.wait_for_log("GPU leased");
+    // The arbiter's own words: how long the newcomer waited from its `Want` to its first
+    // lease (the line after the GPU became leased; the first group's came before).
+    let newcomer = |log: &str| {
+        let after = &log[log.find("GPU leased")?..];
+        after.lines().find(|l| l.contains("became active got the GPU")).map(str::to_owned)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let line = loop {
+        let log = arbiter.log_text();
+        if let Some(line) = newcomer(&log) {
+            break line;
+        }
+        assert!(std::time::Instant::now() < deadline, "the newcomer never got the GPU: {log}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let waited_us: u64 = line
+        .split("waited_us=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no waited_us in {line:?}"));
+    let period_us = gpufrac_daemon::arbiter::policy::LEASE_PERIOD.as_micros() as u64;
+    eprintln!("{line}");
+    assert!(waited_us <= period_us, "the newcomer waited {waited_us} µs for its first lease: {line}");
+    reports(&mut second);
+    first[0].kill();
 }
 
 #[test]
 fn groups_without_compute_settings_share_the_gpu_as_its_time_slicing_does() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
     let (_turn, gpu) = gpu();
-    let arbiter = Arbiter::start(&gpu);
-    let got = shares(vec![flood(&gpu, &arbiter, None, 1, 3), flood(&gpu, &arbiter, None, 1, 3)]);
+    let arbiter = arbiter(&gpu);
+    let got = run(vec![flood(&gpu, &arbiter, None, 1, 3), flood(&gpu, &arbiter, None, 1, 3)]);
     let split = got[0] / (got[0] + got[1]);
-    assert!(
-        (split - 0.5).abs() <= 0.1,
-        "the first got {:.1}% of the time they got together: {got:?}",
-        split * 100.0
-    );
+    assert!((split - 0.5).abs() <= 0.1, "the first did {:.1}% of the kernels: {got:?}", split * 100.0);
     let status = gpufrac_e2e::status(&arbiter);
     assert_eq!(status.gpus[0].compute_requested_pm, 0);
+    assert!(!arbiter.log_text().contains("GPU leased"));
 }
 
 #[test]

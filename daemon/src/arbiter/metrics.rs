@@ -63,7 +63,7 @@ pub struct Metrics {
     reclaimed: Family<GpuKind, Counter>,
     group_memory: Family<GroupKind, Gauge>,
     /// Shares of a GPU's time (0 to 1): per GPU `requested` and `outside`; per group
-    /// `request`, `limit`, `used`, `allowance` and `pace`.
+    /// `request`, `limit`, `held` and `allowance`.
     gpu_compute: Family<GpuKind, Gauge<f64, AtomicU64>>,
     group_compute: Family<GroupKind, Gauge<f64, AtomicU64>>,
     pub(crate) grants: Family<GpuLabel, Counter>,
@@ -153,12 +153,12 @@ impl Metrics {
         let group_compute = Family::<GroupKind, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "gpu_compute_share",
-            "Shares of a GPU's time (0 to 1): requested (sum of the compute requests), outside (used by processes without a compute share)",
+            "Shares of a GPU's time (0 to 1): requested (sum of the compute requests); open (1 while the GPU is open to one group, no leases)",
             gpu_compute.clone(),
         );
         registry.register(
             "group_compute_share",
-            "A group's compute request, limit, used (its share of the GPU's time lately, from NVML), allowance (what it may use now) and pace (1: unpaced), 0 to 1",
+            "A group's compute request, limit, held (the share of the last second it held the GPU's lease) and allowance (its planned part of a lease period now), 0 to 1",
             group_compute.clone(),
         );
         registry.register("grants", "Burst grants", grants.clone());
@@ -249,7 +249,9 @@ impl Metrics {
         let ratio = |per_mille: u32| f64::from(per_mille) / 1000.0;
         for g in &status.gpus {
             if g.compute_requested_pm > 0 || g.processes.iter().any(|p| p.compute_limit_pm > 0) {
-                for (kind, v) in [("requested", g.compute_requested_pm), ("outside", g.compute_outside_pm)] {
+                for (kind, v) in
+                    [("requested", g.compute_requested_pm), ("open", u32::from(g.compute_open) * 1000)]
+                {
                     self.gpu_compute
                         .get_or_create(&GpuKind { gpu: g.uuid.clone(), kind: kind.into() })
                         .set(ratio(v));
@@ -325,9 +327,8 @@ impl Metrics {
                     for (kind, v) in [
                         ("request", p.compute_request_pm),
                         ("limit", p.compute_limit_pm),
-                        ("used", p.compute_used_pm),
+                        ("held", p.compute_held_pm),
                         ("allowance", p.compute_allowance_pm),
-                        ("pace", p.compute_pace_pm),
                     ] {
                         let labels = GroupKind {
                             gpu: g.uuid.clone(),

@@ -216,6 +216,8 @@ pub struct Shared {
     /// The driver's checkpoint API, once loaded (`None`: not available; parks use the
     /// shim's swap).
     checkpoint_api: std::sync::OnceLock<Option<Arc<crate::checkpoint::CheckpointApi>>>,
+    /// Wakes the lease task (compute shares): a shim wanted, was done, came or went.
+    leases_changed: Notify,
 }
 
 /// A burst queued, as the server saw it go in.
@@ -339,6 +341,7 @@ impl Shared {
             events: Mutex::new(EventLog::new(EVENTS_KEPT)),
             queued: Mutex::new(HashMap::new()),
             checkpoint_api: std::sync::OnceLock::new(),
+            leases_changed: Notify::new(),
         })
     }
 
@@ -912,7 +915,7 @@ pub async fn serve(
     let observer = shared.clone();
     let _ = tokio::task::spawn_blocking(move || observer.observe_processes()).await;
     let watcher = tokio::spawn(watch_processes(shared.clone()));
-    let pacer = tokio::spawn(compute::watch_compute(shared.clone()));
+    let leases = tokio::spawn(compute::run_leases(shared.clone()));
     let ticker = tokio::spawn(expire_waiters(shared.clone()));
     let accept = async {
         // Kept open to be given up when descriptors run out, so that one more connection
@@ -966,7 +969,7 @@ pub async fn serve(
     }
     ticker.abort();
     watcher.abort();
-    pacer.abort();
+    leases.abort();
 }
 
 /// A descriptor to give up when there are no more.
@@ -1173,6 +1176,8 @@ async fn handle(
         tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
     shared.deliver(answers);
+    // A lease it held goes on at once.
+    shared.leases_changed.notify_one();
     // What it held may wake a parked group.
     shared.park_step();
     // The connection stops counting against its UID only now.
@@ -1452,6 +1457,8 @@ fn on_frame(
                     // crowd it: park them).
                     shared.reclaim_guarantees();
                     shared.park_step();
+                    // A group with a compute share joins the leases.
+                    shared.leases_changed.notify_one();
                 }
                 Err(reason) => {
                     shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
@@ -1537,6 +1544,10 @@ fn on_frame(
         Request::ContextMeasured { device, bytes } => {
             tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "a context measured");
             shared.policy().context_measured(conn, &device, bytes);
+        }
+        Request::Want { device } => shared.on_want(conn, device),
+        Request::LeaseDone { device, lease, drain_us, more } => {
+            shared.on_lease_done(conn, device, lease, drain_us, more)
         }
         other => return Err(format!("unexpected {other:?} after Hello")),
     }

@@ -203,13 +203,13 @@ impl GpuView {
     }
 }
 
-/// A process's compute share as `used/request`, `paced` when held to it; `-` without one.
+/// A process's compute share as `held/request` and its lease state; `-` without one.
 fn compute(p: &crate::status::ProcessStatus) -> String {
     if p.compute_limit_pm == 0 {
         return "-".to_owned();
     }
-    let paced = if p.compute_pace_pm < 1000 { " paced" } else { "" };
-    format!("{}/{}{paced}", share(p.compute_used_pm), share(p.compute_request_pm))
+    let state: String = p.compute_state.chars().filter(|c| c.is_ascii_alphabetic()).take(10).collect();
+    format!("{}/{} {state}", share(p.compute_held_pm), share(p.compute_request_pm))
 }
 
 /// Rows of text under a header, for the processes, the queue and the events.

@@ -33,7 +33,7 @@ macro_rules! entry_point {
 macro_rules! entry_points {
     (
         implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
-        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) ; )* }
+        gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) $(@ $stream:expr)? ; )* }
     ) => {
         /// Every hooked symbol, numbered as in the list (and in the core's table).
         #[allow(non_camel_case_types, dead_code)]

@@ -1,10 +1,11 @@
-//! Compute shares on simgpu, measured: how two groups that both saturate one GPU split
-//! its time (bare, under the GPU's own time-slicing; and with compute requests of 30% and
-//! 70%), what a group alone gets (limit 100%, and a limit of 60%), and the queueing delay
-//! of a latency-sensitive server alone and beside a flooding neighbour (bare, and with
-//! requests of 50% each). Shares are each process's device time over the measured
-//! seconds: its kernels times their device time (a `simgpu_sleep_us` kernel needs exactly
-//! that much), divided by the wall time. Prints a table; asserts nothing.
+//! Compute shares on simgpu, measured by throughput: how two groups that both saturate
+//! one GPU split it (bare, under the GPU's own time-slicing; and with compute requests of
+//! 30% and 70%), what a group alone gets (limit 100%, and a limit of 50%), and the
+//! queueing delay of a latency-sensitive server alone and beside a flooding neighbour
+//! (bare, and with requests of 50% each). Each flood's kernels done per second are
+//! *normalized* by the same flood's alone and bare in the same run; a group's share is its
+//! normalized throughput over the sum, and the sum says how much of the GPU's time was
+//! lost (1: none). Prints a table; asserts nothing.
 //!
 //! Run: `cargo build --release --workspace && target/release/compute_bench [--seconds 10]
 //! [--only split,alone,latency] [--server 2000/8000]` (about 2 minutes on 2 cores;
@@ -64,11 +65,11 @@ impl Bench {
             .filter(|p| p.compute_limit_pm > 0)
             .map(|p| {
                 format!(
-                    "request {} used {} allowed {} pace {}",
+                    "request {} held {} planned {} {}",
                     p.compute_request_pm as f64 / 10.0,
-                    p.compute_used_pm as f64 / 10.0,
+                    p.compute_held_pm as f64 / 10.0,
                     p.compute_allowance_pm as f64 / 10.0,
-                    p.compute_pace_pm as f64 / 10.0
+                    p.compute_state
                 )
             })
             .collect();
@@ -98,11 +99,9 @@ impl Bench {
     }
 }
 
-/// A flood's share of the GPU's time over its measured seconds.
-fn share_of(report: &serde_json::Value, kernel_us: u64) -> f64 {
-    let kernels = report["kernels"].as_f64().unwrap_or(0.0);
-    let wall = report["wall_s"].as_f64().unwrap_or(1.0);
-    kernels * kernel_us as f64 / 1e6 / wall
+/// Kernels done per second over the measured part.
+fn throughput(report: &serde_json::Value) -> f64 {
+    report["kernels"].as_f64().unwrap_or(0.0) / report["wall_s"].as_f64().unwrap_or(1.0)
 }
 
 fn queueing(report: &serde_json::Value) -> (f64, f64) {
@@ -160,33 +159,43 @@ fn main() {
     println!("| configuration | result |");
     println!("| --- | --- |");
 
+    // Every flood is measured against the same flood alone, bare, in this run.
+    let mut alone_rate = None;
+    let mut alone = |bench: &Bench| -> f64 {
+        *alone_rate.get_or_insert_with(|| {
+            let rate = throughput(&bench.run(vec![bench.flood(None)])[0]);
+            println!("| one flood alone, bare (the reference) | {rate:.0} kernels/s |");
+            rate
+        })
+    };
     if wanted("split") {
+        let reference = alone(&bench);
         let bare = bench.run(vec![bench.flood(None), bench.flood(None)]);
-        let (a, b) = (share_of(&bare[0], bench.flood_kernel_us), share_of(&bare[1], bench.flood_kernel_us));
-        println!("| two floods, bare (the GPU's time-slicing) | {:.1}% / {:.1}% |", a * 100.0, b * 100.0);
-        let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
-        let (a, b) =
-            (share_of(&shared[0], bench.flood_kernel_us), share_of(&shared[1], bench.flood_kernel_us));
+        let (a, b) = (throughput(&bare[0]) / reference, throughput(&bare[1]) / reference);
         println!(
-            "| two floods, compute requests 30% and 70% | {:.1}% / {:.1}% (off by {:+.1} / {:+.1} points) |",
-            a * 100.0,
-            b * 100.0,
-            (a - 0.3) * 100.0,
-            (b - 0.7) * 100.0
+            "| two floods, bare (the GPU's time-slicing) | normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}%, sum {:.3} |",
+            a / (a + b) * 100.0,
+            b / (a + b) * 100.0,
+            a + b
+        );
+        let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
+        let (a, b) = (throughput(&shared[0]) / reference, throughput(&shared[1]) / reference);
+        println!(
+            "| two floods, compute requests 30% and 70% | normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}% (off by {:+.1} points), sum {:.3} |",
+            a / (a + b) * 100.0,
+            b / (a + b) * 100.0,
+            (a / (a + b) - 0.3) * 100.0,
+            a + b
         );
     }
     if wanted("alone") {
-        let bare = bench.run(vec![bench.flood(None)]);
-        println!("| one flood alone, bare | {:.1}% |", share_of(&bare[0], bench.flood_kernel_us) * 100.0);
-        let alone = bench.run(vec![bench.flood(Some(("30%", "100%")))]);
+        let reference = alone(&bench);
+        let whole = throughput(&bench.run(vec![bench.flood(Some(("30%", "100%")))])[0]) / reference;
+        println!("| one flood alone, request 30%, limit 100% (the GPU open) | normalized {whole:.3} |");
+        let half = throughput(&bench.run(vec![bench.flood(Some(("20%", "50%")))])[0]) / reference;
         println!(
-            "| one flood alone, request 30%, limit 100% | {:.1}% |",
-            share_of(&alone[0], bench.flood_kernel_us) * 100.0
-        );
-        let capped = bench.run(vec![bench.flood(Some(("20%", "60%")))]);
-        println!(
-            "| one flood alone, request 20%, limit 60% | {:.1}% |",
-            share_of(&capped[0], bench.flood_kernel_us) * 100.0
+            "| one flood alone, request 20%, limit 50% | normalized {half:.3} (off by {:+.1} points) |",
+            (half - 0.5) * 100.0
         );
     }
     if wanted("latency") {
@@ -198,16 +207,16 @@ fn main() {
         let bare = bench.run(vec![bench.server(None), bench.flood(None)]);
         let (b50, b99) = queueing(&bare[0]);
         println!(
-            "| latency server beside a flood, bare | queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.1}% |",
+            "| latency server beside a flood, bare | queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.0} kernels/s |",
             b99 / p99,
-            share_of(&bare[1], bench.flood_kernel_us) * 100.0
+            throughput(&bare[1])
         );
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
         let (s50, s99) = queueing(&shared[0]);
         println!(
-            "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.1}% |",
+            "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.0} kernels/s |",
             s99 / p99,
-            share_of(&shared[1], bench.flood_kernel_us) * 100.0
+            throughput(&shared[1])
         );
     }
 }

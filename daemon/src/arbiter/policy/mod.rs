@@ -34,7 +34,7 @@ mod swap;
 mod wait;
 
 pub use backstop::{EnforceLimits, Finding, DEFAULT_ENFORCE_GRACE};
-pub use compute::PaceOrder;
+pub use compute::{LeaseOrder, PERIOD as LEASE_PERIOD};
 pub use park::{ParkOrder, WakeAnswer, WakeOutcome};
 pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
 
@@ -154,8 +154,8 @@ struct Member {
     checkpointed: bool,
     /// Since when its wake has waited, while it waits.
     wake_asked: Option<Instant>,
-    /// The compute pace it was last told, per mille; 0: never told (unpaced).
-    pace_told: u16,
+    /// The lease state it was last told ([`compute`]); `None`: nothing yet.
+    lease_told: Option<(u8, u32)>,
 }
 
 /// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,
@@ -288,9 +288,8 @@ struct Gpu {
     short_last: u64,
     /// How the debts owed to guarantees here were paid, bytes in all.
     repaid: Repaid,
-    /// Smoothed share of the GPU's time used by processes of no group with a compute
-    /// share (0 to 1).
-    compute_outside: f64,
+    /// Who holds the GPU's time and who waits for it ([`compute`]).
+    leases: compute::LeaseBook,
     /// What a context takes on it, when known: the slack of the [`backstop`]'s comparison,
     /// and every shim's first charge for a context (see [`contexts`]).
     context_bytes: Option<u64>,
@@ -451,7 +450,7 @@ impl Policy {
                         short_since: None,
                         short_last: 0,
                         repaid: Repaid::default(),
-                        compute_outside: 0.0,
+                        leases: Default::default(),
                         context_bytes: None,
                         context_candidate: None,
                     };
@@ -578,6 +577,7 @@ impl Policy {
                         (None, Residency::Resident, Some(_)) => "waiting",
                         (None, Residency::Resident, None) => "running",
                     };
+                    let compute = group.compute.spec.map(|_| Self::compute_shown(gpu, name, now));
                     let waited = m.waited + waiting.map_or(Duration::ZERO, |w| now - w.since);
                     let swapped = m.swapped_for
                         + m.swapped_since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
@@ -607,12 +607,9 @@ impl Policy {
                         last_wake_ms: group.last_wake.as_millis() as u64,
                         compute_request_pm: group.compute.spec.map_or(0, |c| c.request.per_mille().into()),
                         compute_limit_pm: group.compute.spec.map_or(0, |c| c.limit.per_mille().into()),
-                        compute_used_pm: per_mille(group.compute.used),
-                        compute_allowance_pm: group
-                            .compute
-                            .spec
-                            .map_or(0, |_| per_mille(group.compute.allowance)),
-                        compute_pace_pm: group.compute.pace_pm().into(),
+                        compute_held_pm: compute.map_or(0, |c| per_mille(c.0)),
+                        compute_allowance_pm: compute.map_or(0, |c| per_mille(c.1)),
+                        compute_state: compute.map_or(String::new(), |c| c.2.to_owned()),
                         uncounted: group.uncounted.charged,
                     });
                 }
@@ -640,7 +637,7 @@ impl Policy {
                         .filter_map(|g| g.compute.spec)
                         .map(|c| u32::from(c.request.per_mille()))
                         .sum(),
-                    compute_outside_pm: per_mille(gpu.compute_outside),
+                    compute_open: gpu.leases.open(),
                     processes,
                     truncated: 0,
                 }
