@@ -22,6 +22,13 @@
  *     CTXSYNC <cuCtxSynchronize result> <capture status after> <cuStreamEndCapture result> <graph null?>
  *   then the same with cuMemAlloc during a GLOBAL and during a RELAXED-thread capture:
  *     MALLOC <cuMemAlloc result in GLOBAL> <cuMemAlloc result with the thread RELAXED>
+ *   then cuCtxSynchronize from a RELAXED thread during a capture (RELAXED allows unsafe
+ *   calls, not a synchronize that encompasses the capture):
+ *     RELAXEDSYNC <cuCtxSynchronize result> <cuStreamEndCapture result>
+ *   then cuStreamSynchronize(CU_STREAM_LEGACY) while a blocking stream captures, and
+ *   while only a non-blocking stream captures, then the non-blocking capture's graph
+ *   launched:
+ *     LEGACY <sync result> <end result> <sync result, non-blocking> <end result, non-blocking> <launch result>
  *
  * Usage: graph_pool leased <kernels>
  *   For a process whose group takes the GPU by compute leases: runs a fill kernel on the
@@ -39,6 +46,9 @@
 #include <time.h>
 
 #include "cuda_min.h"
+
+/* cuda.h's handle of the legacy default stream. */
+#define CU_STREAM_LEGACY ((CUstream)0x1)
 
 static void check(CUresult r, const char *what) {
     if (r != CUDA_SUCCESS) {
@@ -193,6 +203,41 @@ static int ctxsync(void) {
     check(cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
     check(cuStreamEndCapture(stream, &graph), "cuStreamEndCapture after a RELAXED thread's cuMemAlloc");
     printf("MALLOC %d %d\n", (int)global, (int)relaxed);
+
+    /* The capture has to begin after the mode changes back: a RELAXED thread's own
+       capture would be RELAXED only if begun so; this one is GLOBAL. */
+    check(cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    check(cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
+    CUresult relaxed_sync = cuCtxSynchronize();
+    check(cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
+    end = cuStreamEndCapture(stream, &graph);
+    printf("RELAXEDSYNC %d %d\n", (int)relaxed_sync, (int)end);
+
+    /* The legacy stream encompasses every blocking stream of its context. */
+    check(cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    CUresult legacy = cuStreamSynchronize(CU_STREAM_LEGACY);
+    CUresult legacy_end = cuStreamEndCapture(stream, &graph);
+    CUstream nonblocking;
+    CUgraphExec exec;
+    check(cuStreamCreate(&nonblocking, CU_STREAM_NON_BLOCKING), "cuStreamCreate (non-blocking)");
+    check(cuStreamBeginCapture_v2(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    unsigned long long us = 100;
+    void *params[] = {&us};
+    CUfunction sleep_us;
+    CUmodule module;
+    check(cuModuleLoadData(&module, "simgpu"), "cuModuleLoadData");
+    check(cuModuleGetFunction(&sleep_us, module, "simgpu_sleep_us"), "simgpu_sleep_us");
+    check(cuLaunchKernel(sleep_us, 1, 1, 1, 1, 1, 1, 0, nonblocking, params, NULL), "cuLaunchKernel (captured)");
+    CUresult nb_sync = cuStreamSynchronize(CU_STREAM_LEGACY);
+    CUresult nb_end = cuStreamEndCapture(nonblocking, &graph);
+    CUresult launched = CUDA_ERROR_INVALID_VALUE;
+    if (nb_end == CUDA_SUCCESS) {
+        check(cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiateWithFlags");
+        launched = cuGraphLaunch(exec, nonblocking);
+        check(cuStreamSynchronize(nonblocking), "cuStreamSynchronize after the graph's launch");
+    }
+    printf("LEGACY %d %d %d %d %d\n", (int)legacy, (int)legacy_end, (int)nb_sync, (int)nb_end, (int)launched);
     return 0;
 }
 

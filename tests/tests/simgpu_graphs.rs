@@ -97,5 +97,13 @@ fn synchronizing_during_a_capture_fails_and_invalidates_it() {
         [900, 0],
         "cuMemAlloc is refused during a GLOBAL capture, allowed to a RELAXED thread"
     );
+    // RELAXED lets a thread make unsafe calls, not synchronize a context that captures.
+    let relaxed = numbers(&mut child, "RELAXEDSYNC");
+    assert_eq!(relaxed, [900, 901], "cuCtxSynchronize from a RELAXED thread during a capture");
+    // The legacy stream encompasses a capturing blocking stream
+    // (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, the capture invalidated), not a non-blocking
+    // one, whose captured kernel then launches as a graph.
+    let legacy = numbers(&mut child, "LEGACY");
+    assert_eq!(legacy, [906, 901, 0, 0, 0], "the legacy stream synchronized during captures");
     child.expect_exit_code(0);
 }

@@ -1,10 +1,12 @@
 //! simgpu's time-slicing between processes, with real processes flooding one device with
-//! sleep kernels (`simgpu_flood`): two of them get half the device each, by the machine's
-//! per-process busy counters and by NVML's per-process utilization (nvml-wrapper, and
-//! pynvml where the test venv has it); one alone gets all of it; their kernels never run
-//! at the same time (busy time never exceeds wall time); a sleep kernel takes twice as
-//! long when it shares the device; and a process killed while it owns the device does not
-//! stall the others.
+//! sleep kernels (`simgpu_flood`): two of them get half the device each by the machine's
+//! per-process busy counters, while NVML's per-process utilization (nvml-wrapper, and
+//! pynvml where the test venv has it) reads near 100% for each, as a real driver's does
+//! under time-slicing; so it cannot tell a 30/70 split from 50/50 (kept as the reason
+//! gpufrac's compute shares are not fed by it); one alone gets all of it; their kernels
+//! never run at the same time (busy time never exceeds wall time); a sleep kernel takes
+//! twice as long when it shares the device; and a process killed while it owns the device
+//! does not stall the others.
 //!
 //! The tests take turns (one lock): they measure shares of wall time on a small machine.
 
@@ -46,6 +48,12 @@ fn flood_command(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Comm
 
 fn flood(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Child {
     flood_command(sim, kernel_us, depth, seconds).spawn().expect("start simgpu_flood")
+}
+
+/// A flood whose process keeps the device for `slice` when others wait (simgpu reads
+/// `SIMGPU_TIMESLICE` in each process).
+fn flood_sliced(sim: &SimGpu, slice: &str, seconds: f64) -> Child {
+    flood_command(sim, 1000, 4, seconds).env("SIMGPU_TIMESLICE", slice).spawn().expect("start simgpu_flood")
 }
 
 /// Waits for a flooder and reads its report.
@@ -149,8 +157,10 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
     );
     for (pid, share) in pids.iter().zip(&shares.per_pid) {
         assert!((0.42..=0.58).contains(share), "process {pid} had {share:.3} of the device");
+        // As a real driver under time-slicing: a process whose kernels wait for their
+        // slice counts as busy, so each reads near 100% while each has half the device.
         let util = nvml.get(pid).copied().unwrap_or(0.0);
-        assert!((42.0..=58.0).contains(&util), "NVML gave process {pid} {util:.1}% ({nvml:?})");
+        assert!(util >= 90.0, "NVML gave process {pid} {util:.1}% ({nvml:?})");
     }
     // One process at a time: the device was never busier than the wall clock, and busy
     // it was, nearly all the time.
@@ -166,6 +176,38 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
     // Both ran (their share of the device is judged by device time above; how many
     // kernels each launched also depends on how the busy host schedules its threads).
     assert!(ka > 0.0 && (0.67..=1.5).contains(&(ka / kb)), "kernels run: {ka} and {kb}");
+}
+
+/// Why gpufrac's compute shares are not fed by NVML: two saturating processes whose device
+/// time splits 30/70 (simgpu's slices of 3 and 7 ms) read the same near-100% per-process
+/// utilization, so a controller that paces by it sees no difference between them. On a
+/// real H200 the same was measured (99% and 97% for two floods, docs/benchmarks.md).
+#[test]
+fn per_process_nvml_utilization_cannot_tell_a_30_70_split_from_50_50() {
+    skip_on_real_gpu!(SIMULATOR);
+    let _turn = turn();
+    let sim = sim();
+    let machine = machine(&sim);
+    let (small, large) = (flood_sliced(&sim, "3ms", 2.5), flood_sliced(&sim, "7ms", 2.5));
+    let pids = [small.id(), large.id()];
+    wait_running(&machine, &pids);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut nvml = HashMap::new();
+    let shares = measure(&machine, &pids, || nvml = nvml_watch(&sim, 1200));
+    report(small);
+    report(large);
+    let util: Vec<f64> = pids.iter().map(|pid| nvml.get(pid).copied().unwrap_or(0.0)).collect();
+    let split = shares.per_pid[0] / (shares.per_pid[0] + shares.per_pid[1]);
+    eprintln!("device time {:?} (split {split:.3}); NVML smUtil {util:?}", shares.per_pid);
+    // The device's time really is split 30/70 ...
+    assert!((0.2..=0.4).contains(&split), "the 3 ms process had {split:.3} of the two's device time");
+    // ... and NVML reads both as saturating, alike: no share can be read from it.
+    assert!(util.iter().all(|&u| u >= 90.0), "NVML smUtil {util:?} for device time {:?}", shares.per_pid);
+    assert!(
+        (util[0] - util[1]).abs() <= 5.0,
+        "NVML smUtil {util:?} tells the shares {:?} apart",
+        shares.per_pid
+    );
 }
 
 #[test]
@@ -293,7 +335,8 @@ print(json.dumps({"all": rows(every), "recent": rows(recent)}))
             let sm = row["sm"].as_u64().unwrap_or(0);
             assert!(sm > 0 && sm <= 100 && row["mem"] == 0, "{key}: {row}");
             if key == "recent" {
-                assert!((35..=65).contains(&sm), "recent: {row}");
+                // Each had half the device's time, and kernels pending all of it.
+                assert!(sm >= 90, "recent: {row}");
             }
         }
     }

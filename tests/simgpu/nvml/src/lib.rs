@@ -3,9 +3,10 @@
 //!
 //! It reports what the shared simulated machine (`simgpu-state`) holds: devices and their
 //! memory, the processes using them, utilization from the kernel time the simulated CUDA
-//! driver records (per device, and per process from the samples of each process's device
-//! time under time-slicing, `simgpu_state::sched`), and injected XID errors as events. The getters monitoring tools call
-//! on every refresh (temperature, power, clocks, graphics processes, ...) are in
+//! driver records (per device: the time some process ran kernels; per process: the time
+//! it had kernels pending, running or sliced out, as a real driver reports it under
+//! time-slicing, `simgpu_state::sched`), and injected XID errors as events. The getters
+//! monitoring tools call on every refresh (temperature, power, clocks, graphics processes, ...) are in
 //! `monitor`: plausible values of an H100, or `NVML_ERROR_NOT_SUPPORTED` for what a real
 //! H100 on Linux lacks or simgpu does not simulate. Other functions are not exported.
 //!
@@ -763,11 +764,12 @@ nvml_exports! {
         write_out(utilization, nvmlUtilization_t { gpu: gpu_utilization(index, machine), memory: 0 })
     }
 
-    /// Per-process utilization: one sample per process whose kernels ran on `device` in
-    /// the samples taken after `lastSeenTimeStamp` (µs since the Unix epoch; 0 for all
-    /// kept), its `smUtil` the percent of that time during which the device ran its
-    /// kernels, `timeStamp` when the newest sample closed; memory, encoder and decoder
-    /// utilization 0. No sample: `NVML_ERROR_NOT_FOUND`; `utilization` null or
+    /// Per-process utilization: one sample per process whose kernels ran or waited on
+    /// `device` in the samples taken after `lastSeenTimeStamp` (µs since the Unix epoch; 0
+    /// for all kept), its `smUtil` the percent of that time during which it had kernels
+    /// pending there, running or sliced out (as a real driver counts under time-slicing:
+    /// two processes that flood one device each read near 100), `timeStamp` when the
+    /// newest sample closed; memory, encoder and decoder utilization 0. No sample: `NVML_ERROR_NOT_FOUND`; `utilization` null or
     /// `*processSamplesCount` too small: `NVML_ERROR_INSUFFICIENT_SIZE` with the count.
     fn nvmlDeviceGetProcessUtilization(
         device: nvmlDevice_t,

@@ -12,8 +12,9 @@
 //!   releases a dead process's memory.
 //!
 //! It also holds each device's time-slice scheduler ([`sched`]): which process's kernels
-//! may run now, who waits, and how much device time each process has had, sampled for
-//! NVML's per-process utilization ([`Machine::process_utilization`]).
+//! may run now, who waits, how much device time each process has had, and how long each
+//! has had kernels pending (running or sliced out), sampled for NVML's per-process
+//! utilization ([`Machine::process_utilization`]).
 #![deny(missing_docs)]
 
 pub mod env;
@@ -38,14 +39,15 @@ pub const DEFAULT_DEVICES: &str = "16GiB";
 
 /// Bumped whenever the layout of [`Shared`] changes meaning (the size is in the magic too):
 /// a process of another layout resets the file instead of misreading it.
-const LAYOUT_VERSION: u64 = 3;
+const LAYOUT_VERSION: u64 = 4;
 const MAGIC: u64 =
     0x5349_4d47_0000_0000 | (LAYOUT_VERSION << 24) | (std::mem::size_of::<Shared>() as u64 & 0xff_ffff);
 
 /// Utilization samples each device keeps for `nvmlDeviceGetProcessUtilization`: at one
 /// every [`SAMPLE_PERIOD`] while kernels run, about 12.8 s of history.
 pub const SAMPLE_RING: usize = 128;
-/// Most processes one utilization sample lists (those whose kernels ran in its period).
+/// Most processes one utilization sample lists (those whose kernels ran or waited in its
+/// period).
 pub const SAMPLE_PROCESSES: usize = 32;
 /// How often the stream workers close a utilization sample while kernels run: 100 ms
 /// (a real GPU samples about every 1/6 s).
@@ -152,6 +154,8 @@ struct SampleProcess {
     _pad: AtomicU32,
     /// Device time the process's kernels had in the sample's period.
     busy_ns: AtomicU64,
+    /// How long in the sample's period the process had kernels pending, running or not.
+    pending_ns: AtomicU64,
 }
 
 /// One process's share of the machine.
@@ -171,6 +175,12 @@ struct ProcessRecord {
     busy: [AtomicU64; MAX_DEVICES],
     /// `busy` when the device's last utilization sample closed.
     sampled_busy: [AtomicU64; MAX_DEVICES],
+    /// How long it has had kernels pending on each device (submitted, not finished:
+    /// running or sliced out), as a mark that [`sched::pending_ns`] reads; written by
+    /// the process itself only.
+    pending: [AtomicU64; MAX_DEVICES],
+    /// Its pending time when the device's last utilization sample closed.
+    sampled_pending: [AtomicU64; MAX_DEVICES],
     /// Since when (CLOCK_MONOTONIC, ns) it waits for each device; 0 when it does not.
     waiting_since: [AtomicU64; MAX_DEVICES],
 }
@@ -195,13 +205,21 @@ struct Shared {
 pub struct ProcessUtilization {
     /// The process ID (as [`driver_pid`] gives it).
     pub pid: u32,
-    /// Percent of the samples' time during which the device ran this process's kernels.
+    /// Percent of the samples' time during which this process had kernels pending on the
+    /// device (submitted, not finished), whether they ran or waited for their time slice:
+    /// what a real driver reports under time-slicing, where two processes that keep the
+    /// device busy each read near 100%. Not the process's share of the device: that is
+    /// `busy_ns / period_ns`.
     pub sm_util: u32,
     /// When the newest of the samples closed, in microseconds since the Unix epoch: the
     /// `lastSeenTimeStamp` to pass next time.
     pub timestamp_us: u64,
-    /// Device time of the process in those samples, in nanoseconds.
+    /// Device time of the process in those samples, in nanoseconds: the time it owned the
+    /// device and ran kernels.
     pub busy_ns: u64,
+    /// How long in those samples it had kernels pending, in nanoseconds (`sm_util`'s
+    /// measure).
+    pub pending_ns: u64,
     /// How long those samples cover, in nanoseconds.
     pub period_ns: u64,
 }
@@ -370,6 +388,31 @@ impl Machine {
             .collect()
     }
 
+    /// How long each live process has had kernels pending on `device` so far (submitted,
+    /// not finished: running or waiting for its time slice), as `(pid, nanoseconds)`: the
+    /// measure of NVML's per-process `smUtil`. Processes that never had a kernel there
+    /// are left out. Releases what dead processes held.
+    pub fn process_pending_ns(&self, device: usize) -> Vec<(u32, u64)> {
+        if device >= MAX_DEVICES {
+            return Vec::new();
+        }
+        let _guard = self.shm.lock_table();
+        self.reap_dead();
+        let now = monotonic_ns();
+        self.shared()
+            .processes
+            .iter()
+            .filter(|p| p.in_use.load(Ordering::Acquire) == 1)
+            .map(|p| {
+                (
+                    p.pid.load(Ordering::Relaxed),
+                    sched::pending_ns(p.pending[device].load(Ordering::SeqCst), now),
+                )
+            })
+            .filter(|&(_, pending)| pending > 0)
+            .collect()
+    }
+
     /// The PID of the process that owns `device` now (whose kernels may run), if any.
     pub fn device_owner(&self, device: usize) -> Option<u32> {
         let token = self.shared().devices.get(device)?.owner.load(Ordering::Acquire);
@@ -379,8 +422,9 @@ impl Machine {
 
     /// Per-process utilization of `device` over the samples that closed after
     /// `last_seen_us` (microseconds since the Unix epoch; 0 for all samples kept), one
-    /// entry per process whose kernels ran in them, as `nvmlDeviceGetProcessUtilization`
-    /// answers. The sample in progress is closed first when it is at least
+    /// entry per process whose kernels ran or waited in them, as
+    /// `nvmlDeviceGetProcessUtilization` answers: `sm_util` is the time it had kernels
+    /// pending, `busy_ns` its device time. The sample in progress is closed first when it is at least
     /// [`READER_SAMPLE_PERIOD`] old. Empty when no sample is newer than `last_seen_us`.
     pub fn process_utilization(&self, device: usize, last_seen_us: u64) -> Vec<ProcessUtilization> {
         if device >= self.device_count().min(MAX_DEVICES) {
@@ -391,7 +435,8 @@ impl Machine {
         let ring = &self.shared().devices[device].samples;
         let written = ring.written.load(Ordering::Acquire);
         let (mut period, mut newest) = (0u64, 0u64);
-        let mut busy: Vec<(u32, u64)> = Vec::new();
+        // (pid, device time, pending time)
+        let mut busy: Vec<(u32, u64, u64)> = Vec::new();
         for n in (written.saturating_sub(SAMPLE_RING as u64)..written).rev() {
             let entry = &ring.entries[(n % SAMPLE_RING as u64) as usize];
             let at = entry.unix_us.load(Ordering::Relaxed);
@@ -402,21 +447,26 @@ impl Machine {
             period += entry.period_ns.load(Ordering::Relaxed);
             let count = (entry.count.load(Ordering::Relaxed) as usize).min(SAMPLE_PROCESSES);
             for p in &entry.procs[..count] {
-                let (pid, ns) = (p.pid.load(Ordering::Relaxed), p.busy_ns.load(Ordering::Relaxed));
-                match busy.iter_mut().find(|(q, _)| *q == pid) {
-                    Some((_, total)) => *total += ns,
-                    None => busy.push((pid, ns)),
+                let pid = p.pid.load(Ordering::Relaxed);
+                let (ns, pending) = (p.busy_ns.load(Ordering::Relaxed), p.pending_ns.load(Ordering::Relaxed));
+                match busy.iter_mut().find(|(q, _, _)| *q == pid) {
+                    Some((_, total, total_pending)) => {
+                        *total += ns;
+                        *total_pending += pending;
+                    }
+                    None => busy.push((pid, ns, pending)),
                 }
             }
         }
         let period = period.max(1);
         busy.into_iter()
-            .map(|(pid, ns)| ProcessUtilization {
+            .map(|(pid, ns, pending)| ProcessUtilization {
                 pid,
-                sm_util: ((u128::from(ns) * 100 + u128::from(period) / 2) / u128::from(period)).min(100)
+                sm_util: ((u128::from(pending) * 100 + u128::from(period) / 2) / u128::from(period)).min(100)
                     as u32,
                 timestamp_us: newest,
                 busy_ns: ns,
+                pending_ns: pending,
                 period_ns: period,
             })
             .collect()
@@ -447,9 +497,15 @@ impl Machine {
             let busy = p.busy[device].load(Ordering::Relaxed);
             let before = p.sampled_busy[device].swap(busy, Ordering::Relaxed);
             let ran = busy.saturating_sub(before);
-            if ran > 0 && count < SAMPLE_PROCESSES {
+            let pending = sched::pending_ns(p.pending[device].load(Ordering::SeqCst), now);
+            let pending_before = p.sampled_pending[device].swap(pending, Ordering::Relaxed);
+            let waited = pending.saturating_sub(pending_before);
+            // A process is in the sample when its kernels ran or waited in it: a
+            // sliced-out process is listed, busy, as the real driver lists it.
+            if (ran > 0 || waited > 0) && count < SAMPLE_PROCESSES {
                 entry.procs[count].pid.store(p.pid.load(Ordering::Relaxed), Ordering::Relaxed);
                 entry.procs[count].busy_ns.store(ran, Ordering::Relaxed);
+                entry.procs[count].pending_ns.store(waited, Ordering::Relaxed);
                 count += 1;
             }
         }
@@ -534,6 +590,8 @@ fn clear_record(rec: &ProcessRecord) {
     rec.contexts.iter().for_each(|c| c.store(0, Ordering::Relaxed));
     rec.busy.iter().for_each(|b| b.store(0, Ordering::Relaxed));
     rec.sampled_busy.iter().for_each(|b| b.store(0, Ordering::Relaxed));
+    rec.pending.iter().for_each(|b| b.store(0, Ordering::Relaxed));
+    rec.sampled_pending.iter().for_each(|b| b.store(0, Ordering::Relaxed));
     rec.waiting_since.iter().for_each(|w| w.store(0, Ordering::Relaxed));
 }
 

@@ -21,7 +21,12 @@
 //!
 //! Device time is counted per process while it owns the device and runs kernels
 //! (`Machine::process_busy_ns`) and per device (`Machine::busy_ns`): since only one
-//! process runs at a time, a device's busy time never exceeds wall time.
+//! process runs at a time, a device's busy time never exceeds wall time. Apart from it,
+//! each process's *pending* time is counted: while it has kernels submitted and not
+//! finished (a stream claims the device, or a kernel runs or waits for its slice). That is
+//! what NVML's per-process `smUtil` reports, as a real driver does under time-slicing: a
+//! sliced-out context's kernels are still in flight, so two processes that flood one
+//! device each read near 100% while each has half of its time.
 
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard};
@@ -54,11 +59,31 @@ pub fn timeslice_from_env() -> Result<Duration, StateError> {
     Ok(slice)
 }
 
+/// Set in a process's pending mark (its record's `pending`, per device) while it has
+/// kernels pending on the device; the other bits are then when its pending time would
+/// have started had it been pending without a break (now minus the total so far), and
+/// without the bit the total itself. One word, so a reader in another process always
+/// sees a consistent value.
+const PENDING: u64 = 1 << 63;
+
+/// The time a process has had kernels pending on a device so far (ns), from its pending
+/// mark read at `now`.
+pub(crate) fn pending_ns(mark: u64, now: u64) -> u64 {
+    if mark & PENDING != 0 {
+        now.saturating_sub(mark & !PENDING)
+    } else {
+        mark
+    }
+}
+
 /// What this process knows of its own use of one device.
 #[derive(Default)]
 struct Local {
     /// Streams that run kernels back to back and so keep the device.
     claims: u32,
+    /// Kernels inside [`Scheduler::run_for`] or [`Scheduler::run`]: running, or waiting
+    /// for the device.
+    wanting: u32,
     /// Kernels making progress now.
     running: u32,
     /// Since when kernels ran without their time being counted yet (monotonic ns).
@@ -112,7 +137,9 @@ impl<'a> Scheduler<'a> {
     /// device between them (until its slice is over and someone waits).
     pub fn claim(&self, device: usize) {
         if device < MAX_DEVICES {
-            self.lock(device).claims += 1;
+            let mut local = self.lock(device);
+            local.claims += 1;
+            self.mark_pending(device, &local);
         }
     }
 
@@ -127,6 +154,30 @@ impl<'a> Scheduler<'a> {
         if local.claims == 0 && local.running == 0 {
             self.release(device, &mut local);
         }
+        self.mark_pending(device, &local);
+    }
+
+    /// Keeps the process's pending mark in step with whether it has kernels pending on
+    /// `device` (a stream claims it, or a kernel runs or waits for it): NVML's per-process
+    /// utilization counts that time, sliced out or not. The caller holds the device's
+    /// local lock, so this process's marks have one writer.
+    fn mark_pending(&self, device: usize, local: &Local) {
+        let mark = &self.rec().pending[device];
+        let now = monotonic_ns();
+        let was = mark.load(SeqCst);
+        let pending = local.claims > 0 || local.wanting > 0;
+        if pending && was & PENDING == 0 {
+            mark.store(now.saturating_sub(was) | PENDING, SeqCst);
+        } else if !pending && was & PENDING != 0 {
+            mark.store(pending_ns(was, now), SeqCst);
+        }
+    }
+
+    /// A kernel starts (`+1`) or stops (`-1`) wanting `device`.
+    fn want(&self, device: usize, starts: bool) {
+        let mut local = self.lock(device);
+        local.wanting = if starts { local.wanting + 1 } else { local.wanting.saturating_sub(1) };
+        self.mark_pending(device, &local);
     }
 
     /// Runs a kernel that needs `time` of device time on `device`: it makes progress only
@@ -137,6 +188,7 @@ impl<'a> Scheduler<'a> {
             return;
         }
         let mut left = time.as_nanos() as u64;
+        self.want(device, true);
         while left > 0 {
             let start = self.enter(device);
             let chunk = left.min(self.chunk_ns(device, start));
@@ -145,6 +197,7 @@ impl<'a> Scheduler<'a> {
             left = left.saturating_sub(end.saturating_sub(start));
             self.exit(device, end);
         }
+        self.want(device, false);
     }
 
     /// Runs `work` (a kernel done on the CPU) while this process owns `device`; its wall
@@ -157,8 +210,10 @@ impl<'a> Scheduler<'a> {
         impl Drop for Running<'_, '_> {
             fn drop(&mut self) {
                 self.0.exit(self.1, monotonic_ns());
+                self.0.want(self.1, false);
             }
         }
+        self.want(device, true);
         self.enter(device);
         let _running = Running(self, device);
         work()

@@ -79,3 +79,42 @@ fn the_owner_keeps_the_device_within_its_slice_and_a_cpu_kernel_waits() {
         );
     });
 }
+
+#[test]
+fn a_process_sliced_out_has_its_kernels_pending_all_the_time_it_waits() {
+    let state = temp_state("pending");
+    let (m1, m2) =
+        (Machine::open(&state, &[1 << 30]).expect("open"), Machine::open(&state, &[1 << 30]).expect("open"));
+    let (s1, s2) = (m1.attach().expect("attach"), m2.attach().expect("attach"));
+    let (p1, p2) = (s1.scheduler(Duration::from_millis(2)), s2.scheduler(Duration::from_millis(2)));
+    let start = Instant::now();
+    let run = Duration::from_millis(400);
+    std::thread::scope(|scope| {
+        for sched in [&p1, &p2] {
+            scope.spawn(move || {
+                sched.claim(0);
+                while start.elapsed() < run {
+                    sched.run_for(0, Duration::from_micros(500));
+                }
+                sched.unclaim(0);
+            });
+        }
+    });
+    let wall = start.elapsed().as_nanos() as f64;
+    // By slot (both "processes" have this PID), in slot order for both lists.
+    let busy: Vec<u64> = m1.process_busy_ns(0).iter().map(|(_, ns)| *ns).collect();
+    let pending: Vec<u64> = m1.process_pending_ns(0).iter().map(|(_, ns)| *ns).collect();
+    assert_eq!((busy.len(), pending.len()), (2, 2), "busy {busy:?}, pending {pending:?}");
+    for (b, p) in busy.iter().zip(&pending) {
+        // Each had about half of the device's time, and kernels pending nearly all of it:
+        // the waiting half too.
+        assert!((*b as f64) < wall * 0.6, "busy {busy:?} in {wall} ns");
+        assert!(*p as f64 >= wall * 0.9, "pending {pending:?} in {wall} ns (busy {busy:?})");
+        assert!(*p as f64 <= wall * 1.005, "pending {pending:?} in {wall} ns");
+    }
+    // Nothing pending any more: the marks stopped with the last unclaim.
+    std::thread::sleep(Duration::from_millis(50));
+    let later: Vec<u64> = m1.process_pending_ns(0).iter().map(|(_, ns)| *ns).collect();
+    assert_eq!(later, pending, "pending time went on after the work ended");
+    let _ = std::fs::remove_file(&state);
+}
