@@ -262,6 +262,11 @@ fn come_back(e: &'static Enforcer, client: &Client) {
                 }
             }
         };
+        // The grant is in use from here: the swap-in charges each allocation only as it
+        // maps it, and an arbiter's reclaim meanwhile (a burst waits) must not take the
+        // rest for unused: lent to the burst, it would leave the swap-in without memory and
+        // the device holding more than the arbiter counts.
+        let _mapping = e.pending(device, granted);
         e.ledger.add_granted(device, granted);
         let (moved, took) = swap_in(e, &slice);
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
@@ -515,7 +520,7 @@ pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
         // ahead of the copy, and device memory is released behind it.
         std::thread::scope(|scope| {
             let (ready_tx, ready_rx) = sync_channel::<Option<(usize, bool)>>(1);
-            let (done_tx, done_rx) = channel::<(u64, usize, u64)>();
+            let (done_tx, done_rx) = channel::<(u64, usize, u64, usize)>();
             let stop = &stop;
             scope.spawn(move || {
                 for size in sizes {
@@ -532,9 +537,12 @@ pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
                 }
             });
             scope.spawn(move || {
-                for (addr, size, handle) in done_rx {
+                for (addr, size, handle, device) in done_rx {
                     call_real!(cuMemUnmap(addr, size));
                     call_real!(cuMemRelease(handle));
+                    // Uncharged once the device has it back, not before: until then it
+                    // is held, and a reclaim meanwhile must not give its grant back.
+                    e.ledger.release(device, size as u64);
                 }
             });
             for addr in resident {
@@ -557,9 +565,8 @@ pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
                     free_host(host, pinned);
                     continue;
                 }
-                let _ = done_tx.send((addr, size, b.handle));
+                let _ = done_tx.send((addr, size, b.handle, b.device));
                 (b.handle, b.host, b.pinned) = (0, host, pinned);
-                e.ledger.release(b.device, b.size);
                 host_bytes += b.size;
             }
             // Buffers made ready beyond where the copies stopped are given back.

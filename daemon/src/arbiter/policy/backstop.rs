@@ -146,9 +146,12 @@ impl Gpu {
             let used = pids.iter().fold(0u64, |sum, pid| sum.saturating_add(used_by(pid))).min(total);
             // The most its shims can have charged: a shim holds itself to its request and
             // its grants (a parked group to what it left on the device). What its members
-            // last reported holding is no more than that, but may be older.
+            // last reported holding is no more than that, but may be older. Memory its own
+            // swaps move is never charged, whenever the device's count catches it: what a
+            // swap-out was told to move, and a swapped-out member's host copy.
             let reported = group.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held));
-            let believed = group.reserved().saturating_add(group.granted()).max(reported);
+            let counted = group.reserved().saturating_add(group.granted()).max(reported);
+            let believed = counted.saturating_add(group.in_transit());
             let seen = excess(used, believed, slack);
             let u = &mut group.uncounted;
             let before = u.charged;
@@ -171,7 +174,7 @@ impl Gpu {
             // Past its limit by the device's count: found here, or found by its shims
             // (a shim that sees its process holding more than it charged charges the
             // excess past the limit and reports holding it).
-            let past = (u.charged > 0 && believed.saturating_add(u.charged) > group.limit)
+            let past = (u.charged > 0 && counted.saturating_add(u.charged) > group.limit)
                 || reported > group.limit.saturating_add(GRANULE);
             if !past {
                 // An episode past the limit is over: a later one has a grace of its own.
@@ -360,6 +363,44 @@ mod tests {
             p.observe_processes(GPU, &[(100, 3 * GIB), (101, 2 * GIB)], now);
         }
         assert_eq!(uncounted(&p, "a"), 2 * GIB);
+    }
+
+    #[test]
+    fn memory_a_groups_own_swap_moves_is_never_charged_to_it() {
+        let now = Instant::now();
+        let mut p = two_groups();
+        let looks = |p: &mut Policy, used: u64| {
+            for _ in 0..2 {
+                p.observe_processes(GPU, &[(100, used)], now);
+            }
+            uncounted(p, "a")
+        };
+        // a swapped 1 GiB of burst memory out, and is granted its swap-in.
+        p.register(1, GPU, 16 * GIB, 2 * GIB, 4 * GIB, 2 * GIB, 0, GIB).unwrap();
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 2 * GIB, true, now), Outcome::Granted(GIB));
+        // While it maps the memory back, a Release crosses (an older shim answering a
+        // reclaim gives back what it has not mapped yet): the device shows it all.
+        p.release(1, GPU, GIB / 2, 2 * GIB + GIB / 2, now);
+        assert_eq!(looks(&mut p, 3 * GIB), 0, "a swap-in under way");
+        // Its report: resident, holding what the device shows.
+        p.swapped(1, GPU, GIB / 2, 0, 3 * GIB, now);
+        assert_eq!(looks(&mut p, 3 * GIB), 0);
+        // It frees that and bursts by 1 GiB again.
+        p.release(1, GPU, GIB / 2, 2 * GIB, now);
+        assert_eq!(p.acquire(1, GPU, 2, GIB, GIB, 2 * GIB, false, now), Outcome::Granted(GIB));
+        // Told to swap out; a Release crosses the copy, and the device frees last.
+        assert!(p.start_swap_out(GPU, 1, now).is_some());
+        p.release(1, GPU, GIB / 2, 2 * GIB, now);
+        assert_eq!(looks(&mut p, 3 * GIB), 0, "a swap-out under way");
+        // Its report comes between a listing and the comparison: the device still shows
+        // what it moved.
+        p.swapped(1, GPU, 0, GIB, 2 * GIB, now);
+        assert_eq!(looks(&mut p, 3 * GIB), 0, "a listing older than the swap-out's report");
+        assert!(p.take_findings().is_empty());
+        // Beyond what its swap moves, memory is still charged: 1 GiB past request, grants
+        // and host copy.
+        assert_eq!(looks(&mut p, 4 * GIB), GIB);
+        assert_eq!(looks(&mut p, 2 * GIB), 0);
     }
 
     #[test]

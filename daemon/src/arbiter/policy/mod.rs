@@ -133,6 +133,11 @@ struct Member {
     swapped_since: Option<Instant>,
     /// Told that memory is free to come back (once per swap-out).
     resume_sent: bool,
+    /// Its swap-in was granted and its report is awaited: the grant is being mapped, none
+    /// of it is unused.
+    swapping_in: bool,
+    /// Burst bytes it was told to move to host RAM (while it swaps out).
+    moving: u64,
     /// Chosen to be ended for a guarantee: what it held is counted as paid by ending it.
     ended_for_debt: bool,
     /// Told to swap out for a guarantee: what its answer moves is counted as swapped.
@@ -178,6 +183,19 @@ impl Member {
     fn host_committed(&self) -> u64 {
         let swapped = if self.residency == Residency::SwappingOut { self.granted } else { self.host_bytes };
         swapped.saturating_add(self.parked_bytes)
+    }
+
+    /// What its own swap may have on the device beyond its grant, whatever the timing of
+    /// the device's count: while it swaps out, what it was told to move (a `Release` may
+    /// cross the copy, and the device frees the memory after the copy); while swapped out,
+    /// its host copy (a swap-in maps it back before its report, and a listing taken
+    /// before the swap-out's report still shows it). The [`backstop`] never charges it.
+    fn in_transit(&self) -> u64 {
+        match self.residency {
+            Residency::Resident => 0,
+            Residency::SwappingOut => self.moving.max(self.granted),
+            Residency::Swapped => self.host_bytes,
+        }
     }
 
     fn new(held: u64, granted: u64, host_bytes: u64, now: Instant) -> Member {
@@ -234,10 +252,18 @@ impl Group {
     fn room(&self) -> u64 {
         self.range().saturating_sub(self.granted()).saturating_sub(self.uncounted.charged)
     }
-    /// Lent bytes its members hold but do not use (as last reported).
+    /// Lent bytes its members hold but do not use (as last reported): a swap-in under way
+    /// uses all it was granted for.
     fn unused(&self) -> u64 {
-        let held: u64 = self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held));
+        let held: u64 = self.members.values().fold(0u64, |sum, m| {
+            let mapping = if m.swapping_in { m.host_bytes } else { 0 };
+            sum.saturating_add(m.held).saturating_add(mapping)
+        });
         self.granted().saturating_sub(held.saturating_sub(self.request))
+    }
+    /// What its members' own swaps may have on the device beyond their grants.
+    fn in_transit(&self) -> u64 {
+        self.members.values().fold(0u64, |sum, m| sum.saturating_add(m.in_transit()))
     }
 }
 

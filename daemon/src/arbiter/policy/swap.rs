@@ -44,7 +44,7 @@ impl Policy {
                         tracing::warn!(group = %name, "no answer to a swap-out after {SWAP_OUT_ANSWER:?}");
                         (m.residency, m.swapped_since, m.resident_since) =
                             (Residency::Resident, None, Some(now));
-                        m.swapping_for_debt = false;
+                        (m.swapping_for_debt, m.moving) = (false, 0);
                     }
                 }
             }
@@ -62,6 +62,7 @@ impl Policy {
         let m = gpu.member_mut(&group, conn)?;
         m.residency = Residency::SwappingOut;
         m.swapped_since = Some(now);
+        m.moving = m.granted;
         let bytes = m.granted;
         let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
         Some(SwapVictim { conn, device, pid, group, bytes })
@@ -159,7 +160,8 @@ impl Policy {
             }
             let host_bytes = host_bytes.min(g.limit).min(host_room);
             (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
-            m.resume_sent = false;
+            // Whichever way it went, the swap is over and its report says where it is.
+            (m.resume_sent, m.swapping_in, m.moving) = (false, false, 0);
             if host_bytes > 0 {
                 m.residency = Residency::Swapped;
                 m.swapped_since.get_or_insert(now);
@@ -203,6 +205,7 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
+    use super::super::wait::GROWING_FOR;
     use super::super::*;
     use super::IDLE_FOR_SWAP;
 
@@ -345,6 +348,38 @@ mod tests {
             "b's memory is on its way: nobody is refused: {answers:?}"
         );
         assert!(answers.iter().any(|a| (a.conn, a.result) == (1, Ok(GIB))), "a comes back in: {answers:?}");
+    }
+
+    #[test]
+    fn a_swap_in_under_way_is_not_asked_to_give_its_grant_back() {
+        // tests/tests/swap.rs on a loaded machine: the holder is told to come back the
+        // moment its swap-out is over, and the burst asks for more while it maps its
+        // memory back. Asked to give back what it does not use, it gave back what it had
+        // not mapped yet; the burst was lent it, the device was full, and the swap-in
+        // stuck with memory the arbiter no longer counted.
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 4 * GIB)]);
+        for (conn, group) in [(1, "holder"), (2, "burst")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
+        }
+        let mib = 1 << 20;
+        p.register(1, GPU, 4 * GIB, GIB, 3 * GIB, GIB + 64 * mib, 66 * mib, GIB).unwrap();
+        p.register(2, GPU, 4 * GIB, GIB, 3 * GIB, 0, 0, 0).unwrap();
+        assert_eq!(p.acquire(2, GPU, 1, 32 * mib, 512 * mib, 0, false, now), Outcome::Granted(512 * mib));
+        // The holder's swap-in fits: it is granted at the next look at the queue.
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, GIB + 64 * mib, true, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(GIB))]);
+        // The burst asks for more than is left: it waits.
+        let later = now + Duration::from_secs(1);
+        assert_eq!(p.acquire(2, GPU, 2, 512 * mib, 512 * mib, 0, false, later), Outcome::Queued);
+        assert!(
+            !p.contended_holders(later).contains(&(1, GPU)),
+            "the swap-in's grant is being mapped: none of it is unused"
+        );
+        // Once back in, it is asked like any holder that is not growing.
+        p.swapped(1, GPU, GIB + 66 * mib, 0, 2 * GIB + 64 * mib, later);
+        assert!(p.contended_holders(later + GROWING_FOR).contains(&(1, GPU)));
     }
 
     #[test]

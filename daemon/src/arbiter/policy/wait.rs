@@ -221,6 +221,7 @@ impl Policy {
                 }
                 if let Some(m) = gpu.member_mut(&group, conn) {
                     m.grant(grant, now);
+                    m.swapping_in |= resume;
                 }
                 return Outcome::Granted(grant);
             }
@@ -288,7 +289,7 @@ impl Policy {
     /// owed memory: they are asked to give back what they do not use. Not, while bursts
     /// merely wait, members of growing groups: what they were lent is part of what they
     /// may claim anyway (giving it back would not make the GPU safer), and they are about
-    /// to use it.
+    /// to use it. Never a member whose swap-in is under way: its grant is being mapped.
     pub fn contended_holders(&self, now: Instant) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in &self.gpus {
@@ -297,7 +298,7 @@ impl Policy {
                 continue;
             }
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && (owed || !gpu.growing(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.growing(name, now)) {
                     out.push((conn, device));
                 }
             }
@@ -391,6 +392,7 @@ impl Policy {
         }
         if let Some(m) = gpu.member_mut(&w.group, w.conn) {
             m.grant(grant, now);
+            m.swapping_in |= w.resume;
             m.waited += waited;
             // A holder that had to wait has not had its turn yet: its quantum starts now.
             if m.residency == Residency::Resident {
