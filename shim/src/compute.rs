@@ -365,12 +365,16 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
             HELD.fetch_add(1, SeqCst);
             let guard = lock(&GATE_LOCK);
             if over_bound(index) {
-                let _ = GATE_OPENED.wait_timeout(guard, LOOK_EVERY);
+                let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
             }
             HELD.fetch_sub(1, SeqCst);
             continue;
         }
         if !WANT.swap(true, SeqCst) {
+            // Under the lease thread's lock: it either has not looked at WANT yet or is
+            // waiting (a wake-up between its last look and its wait would be lost, and it
+            // sleeps up to a second while no lease is held).
+            let _leases = lock(&LEASES);
             THREAD_WAKE.notify_all();
         }
         let guard = lock(&GATE_LOCK);

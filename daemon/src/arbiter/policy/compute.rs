@@ -51,7 +51,7 @@ use super::{uuid_string, ConnId, Gpu, Peer, Policy};
 /// each way) costs little of it, short enough that a waiting group's turn comes soon.
 pub const PERIOD: Duration = Duration::from_millis(40);
 /// A holder keeps a lease at least this long before a group that becomes active cuts it.
-pub const MIN_HOLD: Duration = Duration::from_millis(1);
+pub const MIN_HOLD: Duration = Duration::from_micros(250);
 /// A group alone is given the open GPU only once every other group with a share on it has
 /// neither wanted nor held it for this long: an open holder's work in flight is not
 /// bounded, and a neighbour that comes back would wait for all of it.
@@ -826,6 +826,53 @@ mod tests {
         assert!(!book.holds("server"));
         // The flood alone wants it, but the server was just here: a lease, not the open GPU.
         assert!(matches!(book.grant("flood", t3), Grant::Held { .. }), "{book:?}");
+    }
+
+    #[test]
+    fn a_group_back_from_giving_its_lease_back_cuts_a_flood_while_it_used_less_than_its_request() {
+        let now = Instant::now();
+        let mut book = LeaseBook::default();
+        book.sync(&[("flood".into(), spec(500, 1000)), ("server".into(), spec(500, 1000))], now);
+        book.want("flood", now);
+        // Requests about every 10 ms, each holding 3 ms (every fifth 15 ms: requests queued
+        // behind each other), given back: the flood wants always.
+        let mut t = now;
+        for round in 0..50 {
+            book.step(t);
+            if let Some(h) = book.holder.clone().filter(|h| h.group == "flood") {
+                // The flood holds; the server wants 5 ms into its turn.
+                let at = t + Duration::from_millis(5);
+                book.want("server", at);
+                let Grant::Held { until, .. } = book.grant("flood", h.since) else { panic!("{book:?}") };
+                let cut = book.holder.as_ref().unwrap().until;
+                assert!(cut <= at + MIN_HOLD, "round {round}: the flood's lease to {until:?} was not cut");
+                t = cut + Duration::from_millis(2);
+                assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
+                book.step(t);
+            }
+            let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("round {round}: {book:?}") };
+            t += Duration::from_millis(if round % 5 == 4 { 15 } else { 3 });
+            assert!(book.done("server", lease, Duration::ZERO, false, t));
+        }
+        // A server that held long (50 ms, more than its request while the flood wanted)
+        // takes turns by its request: it waits for the flood's running pass to reach its own.
+        book.step(t);
+        let h = book.holder.clone().unwrap();
+        assert_eq!(h.group, "flood");
+        book.want("server", t + Duration::from_millis(5));
+        t += Duration::from_millis(7);
+        assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
+        book.step(t);
+        let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("{book:?}") };
+        // Its 20 ms lease, and 30 ms of drain.
+        t += Duration::from_millis(50);
+        assert!(book.done("server", lease, Duration::from_millis(30), false, t));
+        book.step(t);
+        assert!(book.holds("flood"));
+        let t2 = t + Duration::from_millis(1);
+        assert!(book.want("server", t2), "its turn comes within the flood's lease");
+        let cut = book.holder.as_ref().unwrap().until;
+        assert!(cut > t2 + Duration::from_millis(20), "it held 50 ms: the flood goes on, to {:?}", cut - t2);
     }
 
     #[test]
