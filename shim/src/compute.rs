@@ -875,6 +875,51 @@ mod tests {
     }
 
     #[test]
+    fn a_call_waits_while_its_process_has_more_than_the_bound_in_flight_but_two_always_go() {
+        let _turn = crate::gate::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, b) = (&SLOTS[0], &SLOTS[1]);
+        // Rings "made" (a dangling handle: nothing records with EVENT_RECORD unset).
+        for slot in [a, b] {
+            slot.events[0].store(std::ptr::NonNull::<c_void>::dangling().as_ptr(), SeqCst);
+            slot.reset();
+        }
+        let set = |slot: &Slot, calls: u64, done: u64, cost_ns: u64| {
+            slot.calls.store(calls, SeqCst);
+            slot.marked.store(calls, SeqCst);
+            slot.done.store(done, SeqCst);
+            slot.cost_ns.store(cost_ns, SeqCst);
+        };
+        // 1 ms calls: two in flight go, a third waits.
+        set(a, 1, 0, 1_000_000);
+        assert!(!over_bound(0));
+        set(a, 2, 0, 1_000_000);
+        assert!(over_bound(0));
+        // 100 µs calls: up to the bound's worth.
+        set(a, 19, 0, 100_000);
+        assert!(!over_bound(0));
+        set(a, 20, 0, 100_000);
+        assert!(over_bound(0));
+        // 10 ms calls: still two, so the stream never idles for a wake-up.
+        set(a, 1, 0, 10_000_000);
+        assert!(!over_bound(0));
+        // Another stream's marked work counts toward the process's bound.
+        set(a, 2, 0, 100_000);
+        set(b, 2, 0, 1_000_000);
+        assert!(over_bound(0));
+        set(b, 2, 2, 1_000_000);
+        assert!(!over_bound(0));
+        // Nothing known about the cost: only a full ring holds.
+        set(a, 10, 0, 0);
+        assert!(!over_bound(0));
+        a.recorded.store(RING as u64 - 1, SeqCst);
+        assert!(over_bound(0));
+        for slot in [a, b] {
+            slot.events[0].store(std::ptr::null_mut(), SeqCst);
+            slot.reset();
+        }
+    }
+
+    #[test]
     fn the_stream_of_a_launch_config_is_read_at_its_offset() {
         #[repr(C)]
         struct Config {
