@@ -16,7 +16,12 @@
 //!   ran past the end: the arbiter charges it, and hands the GPU on only then, so a drain
 //!   is the holder's alone;
 //! - while the lease runs, a process with nothing to run gives it back: its streams were
-//!   idle at one look and no call came by the next.
+//!   idle at one look and no call came by the next;
+//! - while the lease runs, it queries the *marks* (events the calls record after
+//!   themselves on their streams, a ring per stream) to learn which calls finished and
+//!   what a call takes; a call waits at the gate while its process has more than
+//!   [`IN_FLIGHT_NS`] queued by that estimate (two per stream always go), so a cut
+//!   holder's drain, and the wait of the group that cut it, stays that short.
 //!
 //! Streams are polled rather than marked with events recorded at the lease's end: with
 //! the gate closed a stream's queue can only shrink, so "idle" is the end of the drain, and
@@ -355,7 +360,7 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
     loop {
         if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
             let slot = watch(stream);
-            let Some(index) = slot else { return None };
+            let index = slot?;
             if !over_bound(index) {
                 SLOTS[index].calls.fetch_add(1, SeqCst);
                 return slot;
@@ -707,7 +712,8 @@ fn run() {
     // SAFETY: as above.
     let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
         .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
-    let (event_query, elapsed) = (resolve(Lib::Cuda, "cuEventQuery"), resolve(Lib::Cuda, "cuEventElapsedTime"));
+    let (event_query, elapsed) =
+        (resolve(Lib::Cuda, "cuEventQuery"), resolve(Lib::Cuda, "cuEventElapsedTime"));
     // SAFETY: the real functions of these names and signatures (both non-null).
     let marks = (!event_query.is_null() && !elapsed.is_null()).then(|| unsafe {
         Marks {

@@ -55,7 +55,10 @@ pub(crate) struct Pass(u8);
 impl Drop for Pass {
     #[inline(always)]
     fn drop(&mut self) {
-        if self.0 != 0 {
+        // A tracked call's leaving stays inline, as before marks existed.
+        if self.0 == 1 {
+            LEFT.fetch_add(1, SeqCst);
+        } else if self.0 != 0 {
             leave(self.0);
         }
     }

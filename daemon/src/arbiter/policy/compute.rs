@@ -345,9 +345,10 @@ impl LeaseBook {
         if wanting.is_empty() {
             return None;
         }
-        let neighbours_quiet = self.groups.iter().filter(|(n, _)| wanting.first() != Some(*n)).all(|(_, c)| {
-            c.last_seen.is_none_or(|t| now.saturating_duration_since(t) >= OPEN_AFTER_QUIET)
-        });
+        let neighbours_quiet =
+            self.groups.iter().filter(|(n, _)| wanting.first() != Some(*n)).all(|(_, c)| {
+                c.last_seen.is_none_or(|t| now.saturating_duration_since(t) >= OPEN_AFTER_QUIET)
+            });
         if wanting.len() == 1 && !self.groups[&wanting[0]].limited() && neighbours_quiet {
             self.last_lease = self.last_lease.wrapping_add(1).max(1);
             let lease = self.last_lease;
@@ -850,7 +851,9 @@ mod tests {
                 assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
                 book.step(t);
             }
-            let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("round {round}: {book:?}") };
+            let Grant::Held { lease, .. } = book.grant("server", t) else {
+                panic!("round {round}: {book:?}")
+            };
             t += Duration::from_millis(if round % 5 == 4 { 15 } else { 3 });
             assert!(book.done("server", lease, Duration::ZERO, false, t));
         }
@@ -928,7 +931,10 @@ mod tests {
         });
         assert!(g2_lease.is_some(), "{orders:?}");
         assert!(orders.contains(&(1, GPU, LeaseState::Wait)) && orders.contains(&(4, GPU, LeaseState::Wait)));
-        assert_eq!(p.status().gpus[0].processes.iter().find(|p| p.pid == 102).unwrap().compute_state, "holding");
+        assert_eq!(
+            p.status().gpus[0].processes.iter().find(|p| p.pid == 102).unwrap().compute_state,
+            "holding"
+        );
         // g1 quiet for OPEN_AFTER_QUIET: g2's next turn is the open GPU.
         let quiet = t + OPEN_AFTER_QUIET;
         p.compute_done(2, GPU, g2_lease.unwrap(), 0, true, quiet);
