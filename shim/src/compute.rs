@@ -16,7 +16,12 @@
 //!   ran past the end: the arbiter charges it, and hands the GPU on only then, so a drain
 //!   is the holder's alone;
 //! - while the lease runs, a process with nothing to run gives it back: its streams were
-//!   idle at one look and no call came by the next.
+//!   idle at one look and no call came by the next;
+//! - while the lease runs, it queries the *marks* (events the calls record after
+//!   themselves on their streams, a ring per stream) to learn which calls finished and
+//!   what a call takes; a call waits at the gate while its process has more than
+//!   [`IN_FLIGHT_NS`] queued by that estimate (two per stream always go), so a cut
+//!   holder's drain, and the wait of the group that cut it, stays that short.
 //!
 //! Streams are polled rather than marked with events recorded at the lease's end: with
 //! the gate closed a stream's queue can only shrink, so "idle" is the end of the drain, and
@@ -56,6 +61,22 @@ const WAIT_SLICE: Duration = Duration::from_millis(2);
 const WANT_AGAIN: Duration = Duration::from_secs(1);
 /// Streams watched for the drain; more are not watched (their drain is not measured).
 const STREAM_SLOTS: usize = 8;
+/// The work a leased process may have queued on the GPU before its next call waits, as
+/// estimated from its streams' marks: what a cut holder's drain can take, and so what a
+/// neighbour that cuts it waits for.
+const IN_FLIGHT_NS: u64 = 2_000_000;
+/// Calls always allowed in flight on a stream, whatever they are estimated to take: two,
+/// so that the next is queued while one runs (a stream of long kernels never idles for a
+/// wake-up).
+const MIN_DEPTH: u64 = 2;
+/// A stream's marks: events recorded after its calls while its process holds a lease.
+const RING: usize = 16;
+/// A mark is recorded once the calls since the last one are estimated to take this long
+/// (or after every call while nothing is known): small kernels share a mark.
+const MARK_EVERY_NS: u64 = 250_000;
+/// Bounded streams: the watched ones, then the legacy default stream.
+pub(crate) const SLOT_COUNT: usize = STREAM_SLOTS + 1;
+const LEGACY_SLOT: usize = STREAM_SLOTS;
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the default streams' special handles.
 const LEGACY: usize = 0x1;
 const PER_THREAD: usize = 0x2;
@@ -79,12 +100,83 @@ static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static IS_CAPTURING: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static IS_CAPTURING_PTSZ: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static CTX_GET_CURRENT: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static EVENT_CREATE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static EVENT_RECORD: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static EVENT_DESTROY: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// Calls held because their process has enough work in flight (a lease is not given back
+/// while one waits).
+static HELD: AtomicU64 = AtomicU64::new(0);
+
+/// A bounded stream's marks and what they tell. Written by the calls on it (atomics), read
+/// by the lease thread, which queries the marks.
+struct Slot {
+    /// The ring of events (null: none), created in `ctx`.
+    events: [AtomicPtr<c_void>; RING],
+    ctx: AtomicPtr<c_void>,
+    /// Gated calls that passed on the stream.
+    calls: AtomicU64,
+    /// `calls` that the last recorded mark follows.
+    marked: AtomicU64,
+    /// Marks recorded, and marks the lease thread saw reached.
+    recorded: AtomicU64,
+    seen: AtomicU64,
+    /// Per ring entry: `calls` its mark follows, and whether the mark before it was still
+    /// pending when it was recorded (then the time between the two is the calls' own).
+    covers: [AtomicU64; RING],
+    queued: [AtomicBool; RING],
+    /// `calls` that have finished (those the last reached mark follows).
+    done: AtomicU64,
+    /// A call's device time on this stream, in ns (a moving average; 0: not known yet).
+    cost_ns: AtomicU64,
+    /// A thread records a mark now.
+    marking: AtomicBool,
+}
+
+impl Slot {
+    const fn new() -> Slot {
+        Slot {
+            events: [const { AtomicPtr::new(std::ptr::null_mut()) }; RING],
+            ctx: AtomicPtr::new(std::ptr::null_mut()),
+            calls: AtomicU64::new(0),
+            marked: AtomicU64::new(0),
+            recorded: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+            covers: [const { AtomicU64::new(0) }; RING],
+            queued: [const { AtomicBool::new(false) }; RING],
+            done: AtomicU64::new(0),
+            cost_ns: AtomicU64::new(0),
+            marking: AtomicBool::new(false),
+        }
+    }
+
+    /// Forgets what it counted (a new stream takes it, or none).
+    fn reset(&self) {
+        for counter in [&self.calls, &self.marked, &self.recorded, &self.seen, &self.done, &self.cost_ns] {
+            counter.store(0, SeqCst);
+        }
+    }
+
+    /// Work queued and not known finished, in estimated ns: the calls since the last mark
+    /// reached, or only those a recorded mark follows (`marked_only`: those whose end
+    /// the lease thread will see).
+    fn queued_ns(&self, marked_only: bool) -> u64 {
+        let upto = if marked_only { self.marked.load(SeqCst) } else { self.calls.load(SeqCst) };
+        upto.saturating_sub(self.done.load(SeqCst)).saturating_mul(self.cost_ns.load(Relaxed))
+    }
+}
+
+static SLOTS: [Slot; SLOT_COUNT] = [const { Slot::new() }; SLOT_COUNT];
 
 type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut u32) -> Status;
 type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> Status;
 type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> Status;
 type StreamQuery = unsafe extern "C" fn(*mut c_void) -> Status;
 type ExchangeCaptureMode = unsafe extern "C" fn(*mut u32) -> Status;
+type EventCreate = unsafe extern "C" fn(*mut *mut c_void, u32) -> Status;
+type EventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> Status;
+type EventQuery = unsafe extern "C" fn(*mut c_void) -> Status;
+type EventElapsed = unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> Status;
+type EventDestroy = unsafe extern "C" fn(*mut c_void) -> Status;
 
 /// A device's lease as this process keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +228,12 @@ pub(crate) fn start(client: Arc<Client>, devices: &[DeviceId]) -> Result<(), Str
     IS_CAPTURING.store(resolve(Lib::Cuda, "cuStreamIsCapturing"), Relaxed);
     IS_CAPTURING_PTSZ.store(resolve(Lib::Cuda, "cuStreamIsCapturing_ptsz"), Relaxed);
     CTX_GET_CURRENT.store(resolve(Lib::Cuda, "cuCtxGetCurrent"), Relaxed);
+    EVENT_CREATE.store(resolve(Lib::Cuda, "cuEventCreate"), Relaxed);
+    // Marks are recorded only where the lease thread can query and time them.
+    if !resolve(Lib::Cuda, "cuEventQuery").is_null() && !resolve(Lib::Cuda, "cuEventElapsedTime").is_null() {
+        EVENT_RECORD.store(resolve(Lib::Cuda, "cuEventRecord"), Relaxed);
+    }
+    EVENT_DESTROY.store(resolve(Lib::Cuda, "cuEventDestroy_v2"), Relaxed);
     let _ = CLIENT.set(client);
     {
         let mut leases = lock(&LEASES);
@@ -249,17 +347,39 @@ fn publish(leases: &Leases) {
 }
 
 /// The slow path of a gated call in a leased process: returns once it may start its
-/// work on `stream` (at once on a stream being captured).
-pub(crate) fn wait_for_lease(stream: *mut c_void) {
+/// work on `stream` (at once on a stream being captured), with the bounded stream's slot
+/// if it has one (its mark is recorded after the call, [`after_call`]).
+///
+/// While the lease is held, a call also waits while its process has more than
+/// [`IN_FLIGHT_NS`] of work queued (at least [`MIN_DEPTH`] calls on its own stream), as
+/// its streams' marks tell: a cut holder's drain stays that short.
+pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
     if capturing(stream) {
-        return;
+        return None;
     }
     loop {
         if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
-            watch(stream);
-            return;
+            let slot = watch(stream);
+            let index = slot?;
+            if !over_bound(index) {
+                SLOTS[index].calls.fetch_add(1, SeqCst);
+                return slot;
+            }
+            // Held: the lease thread wakes it when a mark is reached (or the slice ends,
+            // and it looks again: the lease may have ended meanwhile).
+            HELD.fetch_add(1, SeqCst);
+            let guard = lock(&GATE_LOCK);
+            if over_bound(index) {
+                let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
+            }
+            HELD.fetch_sub(1, SeqCst);
+            continue;
         }
         if !WANT.swap(true, SeqCst) {
+            // Under the lease thread's lock: it either has not looked at WANT yet or is
+            // waiting (a wake-up between its last look and its wait would be lost, and it
+            // sleeps up to a second while no lease is held).
+            let _leases = lock(&LEASES);
             THREAD_WAKE.notify_all();
         }
         let guard = lock(&GATE_LOCK);
@@ -267,6 +387,128 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) {
             continue;
         }
         let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
+    }
+}
+
+/// Whether a call on `index`'s stream waits for the process's work in flight to shrink.
+/// Only work that a recorded mark follows counts from other streams, and this stream's
+/// unmarked calls are marked first: what holds a call is always work whose end the lease
+/// thread will see.
+fn over_bound(index: usize) -> bool {
+    let slot = &SLOTS[index];
+    if slot.events[0].load(Relaxed).is_null() {
+        return false;
+    }
+    let outstanding = slot.recorded.load(SeqCst).saturating_sub(slot.seen.load(SeqCst));
+    if outstanding as usize >= RING - 1 {
+        return true;
+    }
+    if slot.calls.load(SeqCst).saturating_sub(slot.done.load(SeqCst)) < MIN_DEPTH {
+        return false;
+    }
+    let others: u64 = SLOTS
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != index)
+        .map(|(_, s)| s.queued_ns(true))
+        .fold(0, u64::saturating_add);
+    if others.saturating_add(slot.queued_ns(false)) < IN_FLIGHT_NS {
+        return false;
+    }
+    if slot.calls.load(SeqCst) != slot.marked.load(SeqCst) {
+        mark(index);
+    }
+    true
+}
+
+/// After a gated call on bounded slot `index`: records a mark once the calls since the
+/// last one add up to [`MARK_EVERY_NS`] (atomics and, then, one `cuEventRecord`).
+pub(crate) fn after_call(index: usize) {
+    let slot = &SLOTS[index];
+    let pending = slot.calls.load(SeqCst).saturating_sub(slot.marked.load(SeqCst));
+    let cost = slot.cost_ns.load(Relaxed);
+    if pending > 0 && (cost == 0 || pending.saturating_mul(cost) >= MARK_EVERY_NS) {
+        mark(index);
+    }
+}
+
+/// Records a mark on slot `index`'s stream after the calls so far, if the ring has room
+/// (one thread at a time; another one marking makes this one unneeded).
+fn mark(index: usize) {
+    let slot = &SLOTS[index];
+    if slot.marking.swap(true, SeqCst) {
+        return;
+    }
+    let record = EVENT_RECORD.load(Relaxed);
+    let (recorded, seen) = (slot.recorded.load(SeqCst), slot.seen.load(SeqCst));
+    // At most RING - 1 pending: the entry before the oldest pending one (whose time the
+    // lease thread measures from) is never overwritten.
+    let room = (recorded.saturating_sub(seen) as usize) < RING - 1;
+    let at = recorded as usize % RING;
+    let event = slot.events[at].load(SeqCst);
+    let stream = if index == LEGACY_SLOT { std::ptr::null_mut() } else { STREAMS[index].load(SeqCst) };
+    let ring = !slot.events[0].load(SeqCst).is_null();
+    if room && ring && !record.is_null() && !event.is_null() && (index == LEGACY_SLOT || !stream.is_null()) {
+        let calls = slot.calls.load(SeqCst);
+        slot.covers[at].store(calls, SeqCst);
+        slot.queued[at].store(recorded > seen, SeqCst);
+        // SAFETY: the real cuEventRecord with an event of this slot's ring (created in the
+        // context of the calls on it) and the stream the call just used, which is not
+        // capturing (the gate checked) and not destroyed (its call just ran on it).
+        if unsafe { std::mem::transmute::<*mut c_void, EventRecord>(record)(event, stream) } == SUCCESS {
+            slot.marked.store(calls, SeqCst);
+            slot.recorded.store(recorded + 1, SeqCst);
+        }
+    }
+    slot.marking.store(false, SeqCst);
+}
+
+/// The calling thread's context (null if none or unknown).
+fn current_context() -> *mut c_void {
+    let f = CTX_GET_CURRENT.load(Relaxed);
+    let mut ctx = std::ptr::null_mut();
+    if !f.is_null() {
+        // SAFETY: the real cuCtxGetCurrent with a live out-parameter.
+        if unsafe { std::mem::transmute::<*mut c_void, CtxGetCurrent>(f)(&mut ctx) } != SUCCESS {
+            return std::ptr::null_mut();
+        }
+    }
+    ctx
+}
+
+/// Gives slot `index` a ring of marks in the calling thread's context `ctx` (the cold path:
+/// once per stream noted while leased). Without one the stream is not bounded.
+fn make_ring(index: usize, ctx: *mut c_void) {
+    let _guard = lock(&STREAMS_LOCK);
+    let slot = &SLOTS[index];
+    if ctx.is_null() || (slot.ctx.load(SeqCst) == ctx && !slot.events[0].load(SeqCst).is_null()) {
+        return;
+    }
+    let (create, destroy) = (EVENT_CREATE.load(Relaxed), EVENT_DESTROY.load(Relaxed));
+    slot.ctx.store(ctx, SeqCst);
+    if create.is_null() || EVENT_RECORD.load(Relaxed).is_null() {
+        return;
+    }
+    for entry in &slot.events {
+        let old = entry.swap(std::ptr::null_mut(), SeqCst);
+        if !old.is_null() && !destroy.is_null() {
+            // SAFETY: an event this slot created in a context that is still alive (a
+            // context's destruction forgets its rings, `forget_streams`).
+            unsafe { std::mem::transmute::<*mut c_void, EventDestroy>(destroy)(old) };
+        }
+    }
+    slot.reset();
+    for entry in &slot.events {
+        let mut event = std::ptr::null_mut();
+        // SAFETY: the real cuEventCreate with a live out-parameter; default flags (timed).
+        if unsafe { std::mem::transmute::<*mut c_void, EventCreate>(create)(&mut event, 0) } != SUCCESS {
+            break;
+        }
+        entry.store(event, SeqCst);
+    }
+    if slot.events.iter().any(|e| e.load(SeqCst).is_null()) {
+        // A partial ring is no ring: the stream goes unbounded.
+        slot.events[0].store(std::ptr::null_mut(), SeqCst);
     }
 }
 
@@ -286,33 +528,38 @@ fn capturing(stream: *mut c_void) -> bool {
     result == SUCCESS && status != 0
 }
 
-/// Remembers `stream` for the drain (atomics only; a full array leaves it unwatched).
-fn watch(stream: *mut c_void) {
+/// Remembers `stream` for the drain (atomics only; a full array leaves it unwatched) and
+/// returns its bounded slot, if it has one (a stream noted for the first time gets a ring
+/// of marks, the cold path).
+fn watch(stream: *mut c_void) -> Option<usize> {
     let handle = stream as usize;
     if handle == PER_THREAD {
-        return;
+        return None;
     }
     if handle == 0 || handle == LEGACY {
-        if LEGACY_CTX.load(Relaxed).is_null() {
-            let f = CTX_GET_CURRENT.load(Relaxed);
-            if !f.is_null() {
-                let mut ctx = std::ptr::null_mut();
-                // SAFETY: the real cuCtxGetCurrent with a live out-parameter.
-                if unsafe { std::mem::transmute::<*mut c_void, CtxGetCurrent>(f)(&mut ctx) } == SUCCESS {
-                    LEGACY_CTX.store(ctx, Relaxed);
-                }
-            }
+        let ctx = current_context();
+        if LEGACY_CTX.load(Relaxed).is_null() && !ctx.is_null() {
+            LEGACY_CTX.store(ctx, Relaxed);
         }
-        return;
+        // Only the legacy stream of the context watched is bounded.
+        if ctx.is_null() || ctx != LEGACY_CTX.load(Relaxed) {
+            return None;
+        }
+        if SLOTS[LEGACY_SLOT].ctx.load(Relaxed) != ctx {
+            make_ring(LEGACY_SLOT, ctx);
+        }
+        return Some(LEGACY_SLOT);
     }
-    if STREAMS.iter().any(|s| s.load(Relaxed) == stream) {
-        return;
+    if let Some(index) = STREAMS.iter().position(|s| s.load(Relaxed) == stream) {
+        return Some(index);
     }
-    for slot in &STREAMS {
+    for (index, slot) in STREAMS.iter().enumerate() {
         if slot.compare_exchange(std::ptr::null_mut(), stream, Relaxed, Relaxed).is_ok() {
-            return;
+            make_ring(index, current_context());
+            return Some(index);
         }
     }
+    None
 }
 
 /// `cuStreamDestroy`: the stream is no longer watched (before it is destroyed: the lease
@@ -320,8 +567,11 @@ fn watch(stream: *mut c_void) {
 pub(crate) fn stream_destroy(stream: *mut c_void) -> Status {
     {
         let _guard = lock(&STREAMS_LOCK);
-        for slot in &STREAMS {
-            let _ = slot.compare_exchange(stream, std::ptr::null_mut(), Relaxed, Relaxed);
+        for (index, slot) in STREAMS.iter().enumerate() {
+            if slot.compare_exchange(stream, std::ptr::null_mut(), Relaxed, Relaxed).is_ok() {
+                // Its ring stays (the context's), its counts go.
+                SLOTS[index].reset();
+            }
         }
     }
     crate::hooks::call_real!(cuStreamDestroy_v2(stream))
@@ -335,11 +585,80 @@ pub(crate) fn forget_streams() {
         slot.store(std::ptr::null_mut(), Relaxed);
     }
     LEGACY_CTX.store(std::ptr::null_mut(), Relaxed);
+    // The rings' events died with their context (which one is not known: all are
+    // forgotten; another context's are left, a few events, until the process ends).
+    for slot in &SLOTS {
+        for entry in &slot.events {
+            entry.store(std::ptr::null_mut(), SeqCst);
+        }
+        slot.ctx.store(std::ptr::null_mut(), SeqCst);
+        slot.reset();
+    }
 }
 
-/// Whether every watched stream has finished its work.
-fn streams_idle(query: StreamQuery, set_current: Option<CtxSetCurrent>) -> bool {
+/// The real event functions the lease thread queries marks with.
+#[derive(Clone, Copy)]
+struct Marks {
+    query: EventQuery,
+    elapsed: EventElapsed,
+}
+
+/// Moves each slot's `seen` on over the marks reached, learns its calls' cost from the
+/// time between two marks (when the second was queued behind the first), and wakes the
+/// calls held for the bound. Runs under [`STREAMS_LOCK`], on the lease thread (relaxed
+/// capture mode: an event query there invalidates no capture on another thread).
+fn reach_marks(marks: Marks) {
+    let mut moved = false;
+    for slot in &SLOTS {
+        if slot.events[0].load(SeqCst).is_null() {
+            continue;
+        }
+        loop {
+            let (seen, recorded) = (slot.seen.load(SeqCst), slot.recorded.load(SeqCst));
+            if seen >= recorded {
+                break;
+            }
+            let at = seen as usize % RING;
+            let event = slot.events[at].load(SeqCst);
+            // SAFETY: an event of this slot's ring, alive (its context's destruction clears
+            // the ring under the lock held here).
+            let status = unsafe { (marks.query)(event) };
+            if status == NOT_READY {
+                break;
+            }
+            let covers = slot.covers[at].load(SeqCst);
+            if status == SUCCESS && seen > 0 && slot.queued[at].load(SeqCst) {
+                let before = (seen as usize - 1) % RING;
+                let calls = covers.saturating_sub(slot.covers[before].load(SeqCst));
+                let mut ms = 0f32;
+                // SAFETY: two events of this ring, both reached, with a live out-parameter.
+                let timed = unsafe { (marks.elapsed)(&mut ms, slot.events[before].load(SeqCst), event) };
+                if timed == SUCCESS && calls > 0 && ms >= 0.0 {
+                    let sample = (f64::from(ms) * 1e6 / calls as f64) as u64;
+                    let cost = slot.cost_ns.load(Relaxed);
+                    let cost = if cost == 0 { sample } else { cost - cost / 4 + sample / 4 };
+                    slot.cost_ns.store(cost.max(1), Relaxed);
+                }
+            }
+            // Reached (or gone with an error: counted reached, so nothing waits on it).
+            slot.done.store(covers, SeqCst);
+            slot.seen.store(seen + 1, SeqCst);
+            moved = true;
+        }
+    }
+    if moved && HELD.load(SeqCst) > 0 {
+        let _guard = lock(&GATE_LOCK);
+        GATE_OPENED.notify_all();
+    }
+}
+
+/// Whether every watched stream has finished its work (the marks reached are taken in
+/// first).
+fn streams_idle(query: StreamQuery, set_current: Option<CtxSetCurrent>, marks: Option<Marks>) -> bool {
     let _guard = lock(&STREAMS_LOCK);
+    if let Some(marks) = marks {
+        reach_marks(marks);
+    }
     let mut idle = true;
     for slot in &STREAMS {
         let stream = slot.load(Relaxed);
@@ -393,7 +712,16 @@ fn run() {
     // SAFETY: as above.
     let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
         .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
-    let idle = || query.is_none_or(|q| streams_idle(q, set_current));
+    let (event_query, elapsed) =
+        (resolve(Lib::Cuda, "cuEventQuery"), resolve(Lib::Cuda, "cuEventElapsedTime"));
+    // SAFETY: the real functions of these names and signatures (both non-null).
+    let marks = (!event_query.is_null() && !elapsed.is_null()).then(|| unsafe {
+        Marks {
+            query: std::mem::transmute::<*mut c_void, EventQuery>(event_query),
+            elapsed: std::mem::transmute::<*mut c_void, EventElapsed>(elapsed),
+        }
+    });
+    let idle = || query.is_none_or(|q| streams_idle(q, set_current, marks));
     let mut leases = lock(&LEASES);
     loop {
         let now = Instant::now();
@@ -414,7 +742,7 @@ fn run() {
                     }
                     // Nothing to run: idle at the last look, and no call since.
                     let count = crate::gate::activity();
-                    if was_idle && count == calls && !wanted {
+                    if was_idle && count == calls && !wanted && HELD.load(SeqCst) == 0 {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
                         *local = Local::Wait { wanted: None };
                         changed = true;
@@ -550,6 +878,51 @@ mod tests {
         forget();
         assert!(PASS.load(SeqCst));
         lock(&LEASES).devices.clear();
+    }
+
+    #[test]
+    fn a_call_waits_while_its_process_has_more_than_the_bound_in_flight_but_two_always_go() {
+        let _turn = crate::gate::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, b) = (&SLOTS[0], &SLOTS[1]);
+        // Rings "made" (a dangling handle: nothing records with EVENT_RECORD unset).
+        for slot in [a, b] {
+            slot.events[0].store(std::ptr::NonNull::<c_void>::dangling().as_ptr(), SeqCst);
+            slot.reset();
+        }
+        let set = |slot: &Slot, calls: u64, done: u64, cost_ns: u64| {
+            slot.calls.store(calls, SeqCst);
+            slot.marked.store(calls, SeqCst);
+            slot.done.store(done, SeqCst);
+            slot.cost_ns.store(cost_ns, SeqCst);
+        };
+        // 1 ms calls: two in flight go, a third waits.
+        set(a, 1, 0, 1_000_000);
+        assert!(!over_bound(0));
+        set(a, 2, 0, 1_000_000);
+        assert!(over_bound(0));
+        // 100 µs calls: up to the bound's worth.
+        set(a, 19, 0, 100_000);
+        assert!(!over_bound(0));
+        set(a, 20, 0, 100_000);
+        assert!(over_bound(0));
+        // 10 ms calls: still two, so the stream never idles for a wake-up.
+        set(a, 1, 0, 10_000_000);
+        assert!(!over_bound(0));
+        // Another stream's marked work counts toward the process's bound.
+        set(a, 2, 0, 100_000);
+        set(b, 2, 0, 1_000_000);
+        assert!(over_bound(0));
+        set(b, 2, 2, 1_000_000);
+        assert!(!over_bound(0));
+        // Nothing known about the cost: only a full ring holds.
+        set(a, 10, 0, 0);
+        assert!(!over_bound(0));
+        a.recorded.store(RING as u64 - 1, SeqCst);
+        assert!(over_bound(0));
+        for slot in [a, b] {
+            slot.events[0].store(std::ptr::null_mut(), SeqCst);
+            slot.reset();
+        }
     }
 
     #[test]

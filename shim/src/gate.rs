@@ -47,15 +47,31 @@ pub(crate) fn set_leased(leased: bool) {
     }
 }
 
-/// A call inside the gate; leaving is counted when it drops.
-pub(crate) struct Pass(bool);
+/// A call inside the gate; leaving is counted when it drops. Bit 0: the call is counted
+/// inside ([`TRACKED`]); the bits above: 1 + the leased stream slot it ran on
+/// (compute.rs), whose in-flight mark it may record once the call has queued its work.
+pub(crate) struct Pass(u8);
 
 impl Drop for Pass {
     #[inline(always)]
     fn drop(&mut self) {
-        if self.0 {
+        // A tracked call's leaving stays inline, as before marks existed.
+        if self.0 == 1 {
             LEFT.fetch_add(1, SeqCst);
+        } else if self.0 != 0 {
+            leave(self.0);
         }
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn leave(pass: u8) {
+    if pass & 1 != 0 {
+        LEFT.fetch_add(1, SeqCst);
+    }
+    if let Some(slot) = (pass >> 1).checked_sub(1) {
+        crate::compute::after_call(usize::from(slot));
     }
 }
 
@@ -77,7 +93,7 @@ pub(crate) fn enter_on(stream: impl FnOnce() -> *mut std::ffi::c_void) -> Result
         // Nobody ever closes this gate: only the activity count moves. Concurrent
         // bumps may be lost, which idle detection tolerates (it asks whether it moved).
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
-        return Ok(Pass(false));
+        return Ok(Pass(0));
     }
     enter_slowly(slow, stream())
 }
@@ -86,19 +102,19 @@ pub(crate) fn enter_on(stream: impl FnOnce() -> *mut std::ffi::c_void) -> Result
 #[cold]
 #[inline(never)]
 fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status> {
-    if slow & LEASED != 0 {
-        crate::compute::wait_for_lease(stream);
-    }
+    let slot = if slow & LEASED != 0 { crate::compute::wait_for_lease(stream) } else { None };
+    // Slots are few (compute::SLOT_COUNT): 1 + slot fits in the seven bits above bit 0.
+    let marked = slot.map_or(0, |s| (s as u8 + 1) << 1);
     if slow & TRACKED == 0 {
         ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
-        return Ok(Pass(false));
+        return Ok(Pass(marked));
     }
     loop {
         // Counting in before looking at CLOSED (both sequentially consistent) means a
         // closer that set CLOSED either sees this call in its count or is seen by it.
         ENTERED.fetch_add(1, SeqCst);
         if !CLOSED.load(SeqCst) {
-            return Ok(Pass(true));
+            return Ok(Pass(marked | 1));
         }
         LEFT.fetch_add(1, SeqCst);
         if !parking::wait_until(|| !CLOSED.load(SeqCst)) {

@@ -26,10 +26,16 @@
 //!   and no new call), so a group alone gets up to its limit and idle time is never kept.
 //! - A group that becomes active (it had not wanted for a while) joins with a pass one
 //!   lease behind the others': it is owed, so a holder that has held at least [`MIN_HOLD`]
-//!   is cut short for it. A latency-sensitive server thus waits for the holder's drain, not
-//!   for its lease; groups that keep wanting take turns by their planned leases.
+//!   is cut short for it. A group that wants again after giving its lease back cuts the
+//!   holder's lease to end once the holder's running pass reaches its own (at once if it
+//!   already has). A latency-sensitive server thus waits for the holder's drain (which the
+//!   holder's shim keeps to a couple of ms), not for its lease; groups that keep wanting
+//!   (they say so in `LeaseDone`) take turns by their planned leases.
 //! - When one group alone wants the GPU and its limit is the whole GPU, the GPU is *open*
-//!   to it: no lease, its calls pass untouched, until another group wants it.
+//!   to it: no lease, its calls pass untouched, until another group wants it. Only once
+//!   the others have been quiet for [`OPEN_AFTER_QUIET`], though: a leased holder's shim
+//!   bounds its work in flight (a couple of ms), an open one's does not, and a
+//!   latency-sensitive neighbour that cuts it would wait for all it queued.
 //!
 //! Processes without compute settings are never gated, and not planned around.
 
@@ -45,7 +51,11 @@ use super::{uuid_string, ConnId, Gpu, Peer, Policy};
 /// each way) costs little of it, short enough that a waiting group's turn comes soon.
 pub const PERIOD: Duration = Duration::from_millis(40);
 /// A holder keeps a lease at least this long before a group that becomes active cuts it.
-pub const MIN_HOLD: Duration = Duration::from_millis(1);
+pub const MIN_HOLD: Duration = Duration::from_micros(250);
+/// A group alone is given the open GPU only once every other group with a share on it has
+/// neither wanted nor held it for this long: an open holder's work in flight is not
+/// bounded, and a neighbour that comes back would wait for all of it.
+pub const OPEN_AFTER_QUIET: Duration = Duration::from_secs(1);
 /// How long after its lease's end the arbiter waits for a holder's `LeaseDone`.
 pub const DRAIN_GRACE: Duration = Duration::from_millis(250);
 /// The stretch over which status shows what each group held.
@@ -214,10 +224,13 @@ impl LeaseBook {
             return false;
         }
         c.wanting = true;
-        // A group back from idleness is owed a lease: it may not bank credit from its idle
-        // time, but it is one lease ahead of the others.
+        // A group back from idleness (long, or since it gave its last lease back) may not
+        // bank credit from its idle time, but it keeps up to one lease of what it did not
+        // use: its pass is brought up to the others' less one lease, never lowered. A
+        // server that uses less than its request thus goes ahead of a flood at once; one
+        // that uses more than its request still takes turns by it (its own pass is higher).
         let active_lately = c.last_seen.is_some_and(|t| now.saturating_duration_since(t) < PERIOD);
-        let credit = if active_lately { 0.0 } else { planned.as_secs_f64() / c.weight() };
+        let credit = planned.as_secs_f64() / c.weight();
         c.pass = c.pass.max(vt - credit);
         c.last_seen = Some(now);
         c.wanted_since = Some((now, !active_lately));
@@ -233,6 +246,15 @@ impl LeaseBook {
         }
         if pass < running && h.until > now + MIN_HOLD {
             h.until = (h.since + MIN_HOLD).max(now);
+            return true;
+        }
+        // Owed later in this lease: the lease ends when the holder's running pass reaches
+        // the newcomer's (stride order, so neither gets more than its part), not at its
+        // planned end, which a group back from giving its lease back would wait for.
+        let owed_after = Duration::from_secs_f64(((pass - holder.pass) * holder.weight()).clamp(0.0, 1.0));
+        let at = (h.since + owed_after).max(h.since + MIN_HOLD).max(now);
+        if at < h.until {
+            h.until = at;
             return true;
         }
         false
@@ -323,7 +345,11 @@ impl LeaseBook {
         if wanting.is_empty() {
             return None;
         }
-        if wanting.len() == 1 && !self.groups[&wanting[0]].limited() {
+        let neighbours_quiet =
+            self.groups.iter().filter(|(n, _)| wanting.first() != Some(*n)).all(|(_, c)| {
+                c.last_seen.is_none_or(|t| now.saturating_duration_since(t) >= OPEN_AFTER_QUIET)
+            });
+        if wanting.len() == 1 && !self.groups[&wanting[0]].limited() && neighbours_quiet {
             self.last_lease = self.last_lease.wrapping_add(1).max(1);
             let lease = self.last_lease;
             self.granted(&wanting[0], lease, None, now);
@@ -484,7 +510,7 @@ impl Policy {
         }
         if gpu.leases.want(&group, now) {
             tracing::debug!(gpu = %uuid_string(&device), group = %crate::entitlement::shown_group(&group),
-                "a group that became active cuts the holder's lease short");
+                "a group that wants the GPU cuts the holder's lease short");
         }
     }
 
@@ -752,11 +778,22 @@ mod tests {
         assert!(book.done("a", lease, Duration::ZERO, false, t));
         assert!(!book.done("a", lease, Duration::ZERO, false, t), "a lease is done once");
         book.step(t);
-        // Alone wanting, b's limit is the whole GPU: open.
-        assert!(matches!(book.grant("b", t), Grant::Open { .. }));
+        // Alone wanting, b's limit is the whole GPU, but a held it just now: a lease (its
+        // work in flight bounded), not the open GPU.
+        let Grant::Held { lease: b_lease, until } = book.grant("b", t) else { panic!("{book:?}") };
+        assert_eq!(until - t, PERIOD);
         // A late answer for an old lease changes nothing.
         assert!(!book.done("b", lease, Duration::ZERO, false, t));
-        assert!(matches!(book.grant("b", t), Grant::Open { .. }));
+        assert!(matches!(book.grant("b", t), Grant::Held { .. }));
+        // Leases while a is quiet; once it has been quiet for OPEN_AFTER_QUIET, open.
+        assert!(book.done("b", b_lease, Duration::ZERO, true, until));
+        book.step(until);
+        assert!(matches!(book.grant("b", until), Grant::Held { .. }));
+        let Grant::Held { lease: b_lease, until } = book.grant("b", until) else { unreachable!() };
+        let quiet = t + OPEN_AFTER_QUIET;
+        assert!(book.done("b", b_lease, Duration::ZERO, true, quiet));
+        book.step(quiet);
+        assert!(matches!(book.grant("b", quiet), Grant::Open { .. }), "{until:?} {book:?}");
     }
 
     #[test]
@@ -785,12 +822,60 @@ mod tests {
         // A holder that never answers loses the lease after its end and the grace.
         let Grant::Held { until, .. } = book.grant("server", t2) else { panic!() };
         assert_eq!(book.grant("server", until), Grant::Wait);
-        book.step(until + DRAIN_GRACE);
+        let t3 = until + DRAIN_GRACE;
+        book.step(t3);
         assert!(!book.holds("server"));
-        assert!(
-            matches!(book.grant("flood", until + DRAIN_GRACE), Grant::Open { .. }),
-            "the flood alone wants it"
-        );
+        // The flood alone wants it, but the server was just here: a lease, not the open GPU.
+        assert!(matches!(book.grant("flood", t3), Grant::Held { .. }), "{book:?}");
+    }
+
+    #[test]
+    fn a_group_back_from_giving_its_lease_back_cuts_a_flood_while_it_used_less_than_its_request() {
+        let now = Instant::now();
+        let mut book = LeaseBook::default();
+        book.sync(&[("flood".into(), spec(500, 1000)), ("server".into(), spec(500, 1000))], now);
+        book.want("flood", now);
+        // Requests about every 10 ms, each holding 3 ms (every fifth 15 ms: requests queued
+        // behind each other), given back: the flood wants always.
+        let mut t = now;
+        for round in 0..50 {
+            book.step(t);
+            if let Some(h) = book.holder.clone().filter(|h| h.group == "flood") {
+                // The flood holds; the server wants 5 ms into its turn.
+                let at = t + Duration::from_millis(5);
+                book.want("server", at);
+                let Grant::Held { until, .. } = book.grant("flood", h.since) else { panic!("{book:?}") };
+                let cut = book.holder.as_ref().unwrap().until;
+                assert!(cut <= at + MIN_HOLD, "round {round}: the flood's lease to {until:?} was not cut");
+                t = cut + Duration::from_millis(2);
+                assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
+                book.step(t);
+            }
+            let Grant::Held { lease, .. } = book.grant("server", t) else {
+                panic!("round {round}: {book:?}")
+            };
+            t += Duration::from_millis(if round % 5 == 4 { 15 } else { 3 });
+            assert!(book.done("server", lease, Duration::ZERO, false, t));
+        }
+        // A server that held long (50 ms, more than its request while the flood wanted)
+        // takes turns by its request: it waits for the flood's running pass to reach its own.
+        book.step(t);
+        let h = book.holder.clone().unwrap();
+        assert_eq!(h.group, "flood");
+        book.want("server", t + Duration::from_millis(5));
+        t += Duration::from_millis(7);
+        assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
+        book.step(t);
+        let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("{book:?}") };
+        // Its 20 ms lease, and 30 ms of drain.
+        t += Duration::from_millis(50);
+        assert!(book.done("server", lease, Duration::from_millis(30), false, t));
+        book.step(t);
+        assert!(book.holds("flood"));
+        let t2 = t + Duration::from_millis(1);
+        assert!(book.want("server", t2), "its turn comes within the flood's lease");
+        let cut = book.holder.as_ref().unwrap().until;
+        assert!(cut > t2 + Duration::from_millis(20), "it held 50 ms: the flood goes on, to {:?}", cut - t2);
     }
 
     #[test]
@@ -838,9 +923,23 @@ mod tests {
         p.compute_done(4, GPU, lease, 500, false, t);
         assert!(!p.gpus[&GPU].leases.holds("g1"));
         let (orders, _) = p.compute_step(t);
-        // g2 alone wants, its limit the whole GPU: open to it; g1's members told to wait.
-        assert!(orders.iter().any(|o| o.0 == 2 && matches!(o.2, LeaseState::Open { .. })), "{orders:?}");
+        // g2 alone wants, its limit the whole GPU; g1 held it just now: a lease for g2;
+        // g1's members told to wait.
+        let g2_lease = orders.iter().find_map(|o| match o {
+            (2, _, LeaseState::Held { lease, .. }) => Some(*lease),
+            _ => None,
+        });
+        assert!(g2_lease.is_some(), "{orders:?}");
         assert!(orders.contains(&(1, GPU, LeaseState::Wait)) && orders.contains(&(4, GPU, LeaseState::Wait)));
+        assert_eq!(
+            p.status().gpus[0].processes.iter().find(|p| p.pid == 102).unwrap().compute_state,
+            "holding"
+        );
+        // g1 quiet for OPEN_AFTER_QUIET: g2's next turn is the open GPU.
+        let quiet = t + OPEN_AFTER_QUIET;
+        p.compute_done(2, GPU, g2_lease.unwrap(), 0, true, quiet);
+        let (orders, _) = p.compute_step(quiet);
+        assert!(orders.iter().any(|o| o.0 == 2 && matches!(o.2, LeaseState::Open { .. })), "{orders:?}");
         let s = p.status();
         let g2 = s.gpus[0].processes.iter().find(|p| p.pid == 102).unwrap();
         assert_eq!(g2.compute_state, "open");
