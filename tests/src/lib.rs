@@ -11,6 +11,9 @@
 //!   (`READY ...` once it holds what it was asked to, then waits for its stdin to close),
 //!   with a timeout on every wait, so a broken program fails its test instead of hanging it;
 //! - [`clients`] runs the checks of `tests/clients/` (clients from PyPI) bare or shimmed;
+//! - [`kube_standins`] (the kubelet and API server the DRA plugin talks to) and
+//!   [`dra_node`] (a node of them with the plugin's folders, and the objects and waits the
+//!   DRA tests share) serve the DRA kubelet plugin's tests;
 //! - [`SimGpu::shimmed`] is a command for the simulated GPU with the shim preloaded, and
 //!   [`ShimSettings`] ([`shim`]) sets the shim's variables on it by name
 //!   (`.memory_request("1GiB").group(&g)`), so a test writes only the settings it uses.
@@ -28,6 +31,7 @@ pub mod busy;
 pub mod clients;
 pub mod density_chart;
 pub mod device_model;
+pub mod dra_node;
 pub mod kube_standins;
 pub mod kubernetes_validate;
 pub mod pod_cgroup;

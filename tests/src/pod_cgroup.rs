@@ -31,6 +31,21 @@ impl PodCgroup {
         Err(why_not.join("; "))
     }
 
+    /// [`PodCgroup::make`], or `None` after reporting the test skipped on this machine
+    /// ([`crate::report_skip`]) when no hierarchy let it be made.
+    pub fn make_or_skip(pod_uid: &str) -> Option<PodCgroup> {
+        match PodCgroup::make(pod_uid) {
+            Ok(cgroup) => Some(cgroup),
+            Err(why) => {
+                crate::report_skip(
+                    crate::Skip::ThisMachine,
+                    &format!("this machine does not let the test make a pod's cgroup ({why})"),
+                );
+                None
+            }
+        }
+    }
+
     fn make_in(root: &Path, pod_uid: &str) -> Result<PodCgroup, String> {
         if !root.join("cgroup.procs").exists() {
             return Err("not a cgroup hierarchy".into());

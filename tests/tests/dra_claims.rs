@@ -1,6 +1,7 @@
 //! Prepared DRA claims through a node's life, end to end: the real
 //! `gpufrac-device-plugin dra` on simgpu, driven by the kubelet stand-in (a claim prepared
-//! once per node, a reboot that empties the CDI folder) and the API-server stand-in.
+//! once per node, a reboot that empties the CDI folder) and the API-server stand-in, on a
+//! node of the harness (`gpufrac_e2e::dra_node`).
 //!
 //! - A reboot: the kubelet prepares its claims again with the CDI folder (a tmpfs) empty;
 //!   the plugin answers from its checkpoint and writes each spec again, so the returned
@@ -14,17 +15,18 @@
 //! - Stale claims (deleted, replaced, no longer allocated to this node) are unprepared
 //!   after a second check; a claim still allocated here stays.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
-use gpufrac_e2e::kube_standins::{ApiServer, ClaimName, Kubelet};
+use gpufrac_e2e::dra_node::{
+    allocated_claim_json, cdi_env, consumed_result, read_json, registered_process, reserved_for, wait_until,
+    DraNode, DRIVER, WAIT,
+};
+use gpufrac_e2e::kube_standins::ClaimName;
 use gpufrac_e2e::pod_cgroup::PodCgroup;
-use gpufrac_e2e::{artifact, compile_c, skip_on_real_gpu, wait_for, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{skip_on_real_gpu, ChildProcess, SimGpu};
 use serde_json::{json, Value};
 
 const GIB: u64 = 1 << 30;
-const WAIT: Duration = Duration::from_secs(20);
 const NODE: &str = "node-b";
 /// Starts with a digit: its CDI device names need CDI 0.5.0.
 const CLAIM_UID: &str = "1e4d3b0f-1111-4222-8333-444455556666";
@@ -33,136 +35,27 @@ const LETTER_UID: &str = "ae4d3b0f-2222-4222-8333-444455556666";
 const POD_UID: &str = "8b2c3d4e-0000-4000-8000-000000000001";
 const POD2_UID: &str = "8b2c3d4e-0000-4000-8000-000000000002";
 const SIMULATED: &str = "sizes claims to simgpu's devices";
-const CLAIMS: &str = "/apis/resource.k8s.io/v1/namespaces/inference/resourceclaims";
 
-fn pod(name: &str, uid: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": "inference", "uid": uid},
-           "spec": {"containers": [{"name": "server", "image": "x"}], "priority": 100, "nodeName": NODE},
-           "status": {"phase": "Running"}})
+/// The node of these tests, with one simulated GPU of 16 GiB.
+async fn node() -> DraNode {
+    DraNode::new(NODE, SimGpu::new("16GiB").with_context_overhead("64MiB")).await
 }
 
 /// A claim allocated `memory` of `gpu-0` on this node for the request `request` (`gpu`, or
 /// a sub-request `gpu/small`), limit 4Gi, reserved for the pods `pods` (name, UID).
 fn claim(name: &str, uid: &str, request: &str, memory: &str, pods: &[(&str, &str)]) -> Value {
     let parameters = json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "4Gi"});
-    json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "inference", "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
-            {"name": "small", "deviceClassName": "gpu.gpufrac.io"}]}]}},
-        "status": {
-            "allocation": {
-                "devices": {
-                    "results": [{"request": request, "driver": "gpu.gpufrac.io", "pool": NODE,
-                                 "device": "gpu-0", "shareID": "5a1c9b7e-2f3d-4e5a-9b8c-7d6e5f4a3b2c",
-                                 "consumedCapacity": {"memory": memory}}],
-                    "config": [{"source": "FromClaim", "requests": ["gpu"],
-                                "opaque": {"driver": "gpu.gpufrac.io", "parameters": parameters}}]
-                },
-                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
-            },
-            "reservedFor": reserved(pods)
-        }
-    })
+    let spec = json!({"requests": [{"name": "gpu", "firstAvailable": [
+        {"name": "small", "deviceClassName": DRIVER}]}]});
+    let results = vec![consumed_result(NODE, request, "gpu-0", memory)];
+    allocated_claim_json(NODE, name, uid, spec, results, &parameters, pods)
 }
 
-fn reserved(pods: &[(&str, &str)]) -> Value {
-    pods.iter().map(|(name, uid)| json!({"resource": "pods", "name": name, "uid": uid})).collect()
-}
-
-/// The folders of one node, removed when dropped.
-struct Node {
-    root: PathBuf,
-    registry: PathBuf,
-    plugin: PathBuf,
-    cdi: PathBuf,
-}
-
-impl Node {
-    fn new() -> Node {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let root = std::env::temp_dir().join(format!("gpufrac-dra-claims-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let node = Node {
-            registry: root.join("plugins_registry"),
-            plugin: root.join("plugins/gpu.gpufrac.io"),
-            cdi: root.join("cdi"),
-            root,
-        };
-        std::fs::create_dir_all(&node.registry).unwrap();
-        node
-    }
-
-    fn spec_path(&self, uid: &str) -> PathBuf {
-        self.cdi.join(format!("gpufrac.io-claim_{uid}.json"))
-    }
-
-    fn checkpoint(&self) -> Value {
-        let path = self.plugin.join("prepared-claims.json");
-        std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_else(|| json!({"claims": {}}))
-    }
-
-    fn kubeconfig(&self, address: SocketAddr) -> PathBuf {
-        let path = self.root.join("kubeconfig");
-        let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: stand-in\n  cluster:\n    server: http://{address}\n\
-             users:\n- name: plugin\n  user:\n    token: stand-in-token\ncontexts:\n- name: stand-in\n  context:\n    \
-             cluster: stand-in\n    user: plugin\ncurrent-context: stand-in\n"
-        );
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-
-    fn start_plugin(
-        &self,
-        gpu: &SimGpu,
-        kubeconfig: &Path,
-        arbiter_socket: &Path,
-        extra: &[&str],
-    ) -> ChildProcess {
-        let shim_dir = artifact("libgpufrac.so").parent().unwrap().to_path_buf();
-        let mut cmd = gpu.command(artifact("gpufrac-device-plugin"));
-        cmd.env("KUBECONFIG", kubeconfig)
-            .env("GPUFRAC_LOG", "info")
-            .arg("--shim-dir")
-            .arg(&shim_dir)
-            .arg("--arbiter-socket")
-            .arg(arbiter_socket)
-            .args(["dra", "--node-name", NODE, "--plugins-registry"])
-            .arg(&self.registry)
-            .arg("--plugin-dir")
-            .arg(&self.plugin)
-            .arg("--cdi-dir")
-            .arg(&self.cdi)
-            .args(extra);
-        ChildProcess::spawn(&mut cmd)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.root);
-    }
-}
-
-async fn wait_until(what: &str, plugin: &mut ChildProcess, mut cond: impl FnMut(&ChildProcess) -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !cond(plugin) {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}\n{}", plugin.diagnostics());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+/// Starts the plugin and registers it with the node's kubelet.
+async fn start_registered(node: &DraNode, extra: &[&str]) -> ChildProcess {
+    let plugin = node.start_plugin(extra).await;
+    node.kubelet.register().await;
+    plugin
 }
 
 /// Whether the CDI ID `id` (`kind=name`) is defined by a spec in `dir`, as a container
@@ -177,34 +70,15 @@ fn resolvable(dir: &Path, id: &str) -> bool {
     })
 }
 
-/// The environment of a CDI spec's first device, as `NAME=value`.
-fn cdi_env(spec: &Value) -> Vec<(String, String)> {
-    spec["devices"][0]["containerEdits"]["env"]
-        .as_array()
-        .expect("the spec's env")
-        .iter()
-        .filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reboot_writes_the_cdi_specs_again_and_specs_declare_what_they_need() {
     skip_on_real_gpu!(SIMULATED);
-    let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
-    let node = Node::new();
-    let api = ApiServer::default();
-    api.put("/api/v1/namespaces/inference/pods/llm-0", pod("llm-0", POD_UID));
-    api.put(&format!("{CLAIMS}/llm-gpu"), claim("llm-gpu", CLAIM_UID, "gpu", "2Gi", &[("llm-0", POD_UID)]));
-    api.put(
-        &format!("{CLAIMS}/small"),
-        claim("small", LETTER_UID, "gpu/small", "1Gi", &[("llm-0", POD_UID)]),
-    );
-    let kubeconfig = node.kubeconfig(api.clone().serve().await);
-    let socket = node.root.join("arbiter.sock");
-    let mut plugin = node.start_plugin(&gpu, &kubeconfig, &socket, &[]);
-    let kubelet = Kubelet::new(NODE, &node.registry, &node.cdi, api.clone());
-    wait_until("the registration socket", &mut plugin, |_| kubelet.registration_socket().exists()).await;
-    kubelet.register().await;
+    let node = node().await;
+    let (api, kubelet) = (&node.api, &node.kubelet);
+    node.put_pod("llm-0", POD_UID);
+    node.put_claim(claim("llm-gpu", CLAIM_UID, "gpu", "2Gi", &[("llm-0", POD_UID)]));
+    node.put_claim(claim("small", LETTER_UID, "gpu/small", "1Gi", &[("llm-0", POD_UID)]));
+    let mut plugin = start_registered(&node, &[]).await;
     let llm = ClaimName::new("inference", "llm-gpu", CLAIM_UID);
     let small = ClaimName::new("inference", "small", LETTER_UID);
     let first = kubelet.start_pod(POD_UID, &llm).await;
@@ -246,7 +120,7 @@ async fn a_reboot_writes_the_cdi_specs_again_and_specs_declare_what_they_need() 
     for uid in [CLAIM_UID, LETTER_UID] {
         std::fs::remove_file(node.spec_path(uid)).unwrap();
     }
-    let mut plugin = node.start_plugin(&gpu, &kubeconfig, &socket, &[]);
+    let mut plugin = node.spawn_plugin(&[]);
     wait_until("the specs written again at start", &mut plugin, |_| {
         node.spec_path(CLAIM_UID).exists() && node.spec_path(LETTER_UID).exists()
     })
@@ -263,37 +137,15 @@ async fn a_reboot_writes_the_cdi_specs_again_and_specs_declare_what_they_need() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not() {
     skip_on_real_gpu!(SIMULATED);
-    let cgroup = match PodCgroup::make(POD2_UID) {
-        Ok(cgroup) => cgroup,
-        Err(why) => {
-            gpufrac_e2e::report_skip(
-                gpufrac_e2e::Skip::ThisMachine,
-                &format!("this machine does not let the test make a pod's cgroup ({why})"),
-            );
-            return;
-        }
-    };
-    let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
-    let node = Node::new();
-    let api = ApiServer::default();
-    api.put("/api/v1/namespaces/inference/pods/llm-0", pod("llm-0", POD_UID));
-    api.put("/api/v1/namespaces/inference/pods/llm-1", pod("llm-1", POD2_UID));
-    let claim_path = format!("{CLAIMS}/shared");
-    api.put(&claim_path, claim("shared", CLAIM_UID, "gpu", "2Gi", &[("llm-0", POD_UID)]));
-    let kubeconfig = node.kubeconfig(api.clone().serve().await);
-    let socket = node.root.join("arbiter.sock");
-    let checkpoint = node.plugin.join("prepared-claims.json");
-    let kubeconfig_os = kubeconfig.clone().into_os_string();
-    let arbiter = Arbiter::start_with_env(
-        &gpu,
-        socket.clone(),
-        &["--kubernetes", "--node-name", NODE, "--dra-checkpoint", checkpoint.to_str().unwrap()],
-        &[("KUBECONFIG", kubeconfig_os.as_os_str())],
-    );
-    let mut plugin = node.start_plugin(&gpu, &kubeconfig, &socket, &[]);
-    let kubelet = Kubelet::new(NODE, &node.registry, &node.cdi, api.clone());
-    wait_until("the registration socket", &mut plugin, |_| kubelet.registration_socket().exists()).await;
-    kubelet.register().await;
+    let Some(cgroup) = PodCgroup::make_or_skip(POD2_UID) else { return };
+    let node = node().await;
+    let (api, kubelet) = (&node.api, &node.kubelet);
+    node.put_pod("llm-0", POD_UID);
+    node.put_pod("llm-1", POD2_UID);
+    let claim_path = node.claim_path("shared");
+    node.put_claim(claim("shared", CLAIM_UID, "gpu", "2Gi", &[("llm-0", POD_UID)]));
+    let arbiter = node.entitling_arbiter();
+    let mut plugin = start_registered(&node, &[]).await;
     let shared = ClaimName::new("inference", "shared", CLAIM_UID);
     assert_eq!(kubelet.start_pod(POD_UID, &shared).await.error, "", "{}", plugin.diagnostics());
     let env = cdi_env(&read_json(&node.spec_path(CLAIM_UID)));
@@ -301,7 +153,7 @@ async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not
     // The second pod joins: the scheduler adds it to reservedFor, the kubelet only records
     // it (no prepare call); the plugin's checkpoint follows.
     api.update(&claim_path, |c| {
-        c["status"]["reservedFor"] = reserved(&[("llm-0", POD_UID), ("llm-1", POD2_UID)]);
+        c["status"]["reservedFor"] = reserved_for(&[("llm-0", POD_UID), ("llm-1", POD2_UID)]);
     });
     let joined = kubelet.start_pod(POD2_UID, &shared).await;
     assert_eq!(joined.error, "");
@@ -312,21 +164,14 @@ async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not
 
     // The second pod's process asks for more than the claim: the arbiter holds it to the
     // claim, as it does the first pod's.
-    let program = compile_c("alloc_paths.c", &["MODE_DLSYM"], false);
-    let mut cmd = gpu.command(&program);
-    cmd.envs(env.iter().cloned())
-        .env("GPUFRAC_MEMORY_REQUEST", (6 * GIB).to_string())
+    let mut cmd = node.container(&env);
+    cmd.env("GPUFRAC_MEMORY_REQUEST", (6 * GIB).to_string())
         .env("GPUFRAC_MEMORY_LIMIT", (8 * GIB).to_string())
-        .env("GPUFRAC_GROUP", "someone-elses-group")
-        .args(["alloc", &(256u64 << 20).to_string()]);
+        .env("GPUFRAC_GROUP", "someone-elses-group");
     cgroup.enter(&mut cmd);
     let mut container = ChildProcess::spawn(&mut cmd);
     let _ = container.ready();
-    let pid = container.pid();
-    let seen = wait_for(&arbiter, "the second pod's process registered", |s| {
-        s.gpus[0].processes.iter().any(|p| p.pid == pid)
-    });
-    let process = seen.gpus[0].processes.iter().find(|p| p.pid == pid).unwrap();
+    let process = registered_process(&arbiter, "the second pod's process registered", container.pid());
     assert_eq!(
         (process.request, process.limit),
         (2 * GIB, 4 * GIB),
@@ -338,24 +183,19 @@ async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not
     let _ = container.wait(WAIT);
 
     // The second pod leaves the claim: its new process is entitled to nothing.
-    api.update(&claim_path, |c| c["status"]["reservedFor"] = reserved(&[("llm-0", POD_UID)]));
+    api.update(&claim_path, |c| c["status"]["reservedFor"] = reserved_for(&[("llm-0", POD_UID)]));
     assert_eq!(kubelet.stop_pod(POD2_UID, &shared).await, None, "the first pod still holds it");
     wait_until("the checkpoint drops the second pod", &mut plugin, |_| {
         node.checkpoint()["claims"][CLAIM_UID]["podUids"] == json!([POD_UID])
     })
     .await;
-    let mut cmd = gpu.command(&program);
-    cmd.envs(env.iter().cloned()).args(["alloc", &(256u64 << 20).to_string()]);
+    let mut cmd = node.container(&env);
     cgroup.enter(&mut cmd);
     let mut late = ChildProcess::spawn(&mut cmd);
-    let late_pid = late.pid();
     let _ = late.next_line(WAIT);
-    let seen = wait_for(&arbiter, "the late process registered", |s| {
-        s.gpus[0].processes.iter().any(|p| p.pid == late_pid)
-    });
-    let registered = seen.gpus[0].processes.iter().find(|p| p.pid == late_pid);
+    let registered = registered_process(&arbiter, "the late process registered", late.pid());
     assert!(
-        registered.is_none_or(|p| p.request == 0),
+        registered.request == 0,
         "out of reservedFor, no guarantee: {registered:?}\n{}",
         arbiter.log_text()
     );
@@ -367,10 +207,9 @@ async fn a_second_pod_on_a_shared_claim_is_entitled_and_a_pod_that_leaves_is_not
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_claims_are_unprepared_after_a_second_check() {
     skip_on_real_gpu!(SIMULATED);
-    let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
-    let node = Node::new();
-    let api = ApiServer::default();
-    api.put("/api/v1/namespaces/inference/pods/llm-0", pod("llm-0", POD_UID));
+    let node = node().await;
+    let (api, kubelet) = (&node.api, &node.kubelet);
+    node.put_pod("llm-0", POD_UID);
     let uids = [
         ("kept", "1e4d3b0f-0000-4222-8333-000000000001"),
         ("deleted", "1e4d3b0f-0000-4222-8333-000000000002"),
@@ -378,14 +217,9 @@ async fn stale_claims_are_unprepared_after_a_second_check() {
         ("moved", "1e4d3b0f-0000-4222-8333-000000000004"),
     ];
     for (name, uid) in uids {
-        api.put(&format!("{CLAIMS}/{name}"), claim(name, uid, "gpu", "1Gi", &[("llm-0", POD_UID)]));
+        node.put_claim(claim(name, uid, "gpu", "1Gi", &[("llm-0", POD_UID)]));
     }
-    let kubeconfig = node.kubeconfig(api.clone().serve().await);
-    let socket = node.root.join("arbiter.sock");
-    let mut plugin = node.start_plugin(&gpu, &kubeconfig, &socket, &["--stale-claims-every", "1s"]);
-    let kubelet = Kubelet::new(NODE, &node.registry, &node.cdi, api.clone());
-    wait_until("the registration socket", &mut plugin, |_| kubelet.registration_socket().exists()).await;
-    kubelet.register().await;
+    let mut plugin = start_registered(&node, &["--stale-claims-every", "1s"]).await;
     for (name, uid) in uids {
         let answer = kubelet.start_pod(POD_UID, &ClaimName::new("inference", name, uid)).await;
         assert_eq!(answer.error, "", "{}", plugin.diagnostics());
@@ -394,13 +228,10 @@ async fn stale_claims_are_unprepared_after_a_second_check() {
     // Gone from the API server, replaced by another claim of the same name, and moved off
     // this node (deallocated and allocated elsewhere), while the kubelet never unprepares
     // them (a node that was down, a kubelet that lost its state).
-    api.remove(&format!("{CLAIMS}/deleted"));
-    api.remove(&format!("{CLAIMS}/replaced"));
-    api.put(
-        &format!("{CLAIMS}/replaced"),
-        claim("replaced", "1e4d3b0f-9999-4222-8333-000000000003", "gpu", "1Gi", &[]),
-    );
-    api.update(&format!("{CLAIMS}/moved"), |c| {
+    api.remove(&node.claim_path("deleted"));
+    api.remove(&node.claim_path("replaced"));
+    node.put_claim(claim("replaced", "1e4d3b0f-9999-4222-8333-000000000003", "gpu", "1Gi", &[]));
+    api.update(&node.claim_path("moved"), |c| {
         c["status"]["allocation"]["devices"]["results"][0]["pool"] = json!("node-z");
         c["status"]["reservedFor"] = json!([]);
     });

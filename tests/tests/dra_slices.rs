@@ -1,6 +1,7 @@
 //! The DRA driver's ResourceSlice kept true through a node's life, end to end: the real
 //! `gpufrac-device-plugin dra` on simgpu against the harness's kubelet and API-server
-//! stand-ins (`gpufrac_e2e::kube_standins`).
+//! stand-ins (`gpufrac_e2e::kube_standins`), on a node of the harness
+//! (`gpufrac_e2e::dra_node`).
 //!
 //! - A kubelet restart wipes the node's slices: the plugin's watch of its slices puts the
 //!   slice back at once, and a stray slice of the driver on the node is deleted.
@@ -13,167 +14,87 @@
 //!   (`NoExecute`), in slices the 1.34 and 1.37 schemas accept; with `DRADeviceTaints` off
 //!   it leaves the slice instead, and the plugin says why.
 
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
-
-use gpufrac_e2e::kube_standins::{ApiServer, Gate, Kubelet, SLICES};
-use gpufrac_e2e::{artifact, kubernetes_validate, skip_on_real_gpu, ChildProcess, SimGpu};
+use gpufrac_e2e::dra_node::{sent_slices, stop_cleanly, wait_until, DraNode};
+use gpufrac_e2e::kube_standins::{Gate, SLICES};
+use gpufrac_e2e::{kubernetes_validate, skip_on_real_gpu, ChildProcess, SimGpu};
 use serde_json::{json, Value};
 
-const GIB: u64 = 1 << 30;
-const WAIT: Duration = Duration::from_secs(20);
 const NODE: &str = "node-a";
 const CONDITION: &str = "GpufracDRASliceComplete";
 /// Why this needs simgpu: it injects XIDs into simgpu and counts its devices.
 const SIMULATED: &str = "injects XIDs into simgpu and counts its devices";
 
-/// A node of two simulated GPUs, its folders, the API server and the kubelet.
-struct Node {
-    gpu: SimGpu,
-    root: PathBuf,
-    api: ApiServer,
-    kubeconfig: PathBuf,
-    kubelet: Kubelet,
+/// A node of two simulated GPUs whose API server has the `disabled` gates off, and a Node
+/// object with the kubelet's own condition, which the plugin's must leave alone.
+async fn node(disabled: &[Gate]) -> DraNode {
+    let node = DraNode::new(NODE, SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB")).await;
+    for gate in disabled {
+        node.api.disable_gate(*gate);
+    }
+    node.api.put(
+        &format!("/api/v1/nodes/{NODE}"),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": "node-uid-1"},
+               "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}),
+    );
+    node
 }
 
-impl Node {
-    /// The node, with the API server's `disabled` gates off.
-    async fn new(disabled: &[Gate]) -> Node {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let root = std::env::temp_dir().join(format!("gpufrac-dra-slices-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(root.join("plugins_registry")).unwrap();
-        let api = ApiServer::default();
-        for gate in disabled {
-            api.disable_gate(*gate);
-        }
-        // The kubelet's own condition, which the plugin's must leave alone.
-        api.put(
-            &format!("/api/v1/nodes/{NODE}"),
-            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": "node-uid-1"},
-                   "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}),
-        );
-        let address = api.clone().serve().await;
-        let kubeconfig = root.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: s\n  cluster:\n    server: http://{address}\n\
-                 users:\n- name: p\n  user:\n    token: t\ncontexts:\n- name: s\n  context:\n    cluster: s\n    \
-                 user: p\ncurrent-context: s\n"
-            ),
-        )
-        .unwrap();
-        let kubelet = Kubelet::new(NODE, &root.join("plugins_registry"), &root.join("cdi"), api.clone());
-        let gpu = SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB");
-        Node { gpu, root, api, kubeconfig, kubelet }
-    }
-
-    /// Starts the plugin and registers it; returns once its slice is stored.
-    async fn start_plugin(&self, extra: &[&str]) -> ChildProcess {
-        let shim_dir = artifact("libgpufrac.so").parent().unwrap().to_path_buf();
-        let mut cmd = self.gpu.command(artifact("gpufrac-device-plugin"));
-        cmd.env("KUBECONFIG", &self.kubeconfig)
-            .env("GPUFRAC_LOG", "info")
-            .arg("--shim-dir")
-            .arg(&shim_dir)
-            .arg("--arbiter-socket")
-            .arg(self.root.join("arbiter.sock"))
-            .args(["dra", "--node-name", NODE, "--plugins-registry"])
-            .arg(self.root.join("plugins_registry"))
-            .arg("--plugin-dir")
-            .arg(self.root.join("plugins/gpu.gpufrac.io"))
-            .arg("--cdi-dir")
-            .arg(self.root.join("cdi"))
-            .args(extra);
-        let mut plugin = ChildProcess::spawn(&mut cmd);
-        // (A killed plugin's socket file may still be there: wait for the new one.)
-        wait_until("the plugin serving", &mut plugin, |p| {
-            p.stderr_text().contains("serving the DRA kubelet plugin")
-        })
-        .await;
-        self.kubelet.register().await;
-        // Settled: the registration's publish done, and the slices watched.
-        wait_until("the slice published at registration, and watched", &mut plugin, |p| {
-            let text = p.stderr_text();
-            let registered = text.rfind("registered: publishing the ResourceSlice again");
-            registered.is_some_and(|at| text[at..].contains("ResourceSlice published"))
-                && text.contains("watching this node's ResourceSlices")
-        })
-        .await;
-        assert!(self.api.slice(NODE).is_some());
-        plugin
-    }
-
-    fn generation(&self) -> i64 {
-        self.api.slice(NODE).map_or(-1, |s| s["spec"]["pool"]["generation"].as_i64().unwrap_or(-1))
-    }
-
-    /// The Node condition `type`.
-    fn condition(&self, kind: &str) -> Option<Value> {
-        let node = self.api.get(&format!("/api/v1/nodes/{NODE}"))?;
-        node["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == kind).cloned()
-    }
-
-    /// Marks GPU `index` unhealthy with XID 79 (fallen off the bus).
-    fn inject_xid(&self, index: usize) {
-        let machine =
-            simgpu_state::Machine::open(self.gpu.state_path().to_str().unwrap(), &[16 * GIB, 8 * GIB])
-                .unwrap();
-        assert!(machine.inject_xid(index, 79));
-    }
+/// Starts the plugin and registers it; returns once its slice is stored.
+async fn start_settled(node: &DraNode, extra: &[&str]) -> ChildProcess {
+    let mut plugin = node.spawn_plugin(extra);
+    // (A killed plugin's socket file may still be there: wait for the new one.)
+    wait_until("the plugin serving", &mut plugin, |p| {
+        p.stderr_text().contains("serving the DRA kubelet plugin")
+    })
+    .await;
+    node.kubelet.register().await;
+    // Settled: the registration's publish done, and the slices watched.
+    wait_until("the slice published at registration, and watched", &mut plugin, |p| {
+        let text = p.stderr_text();
+        let registered = text.rfind("registered: publishing the ResourceSlice again");
+        registered.is_some_and(|at| text[at..].contains("ResourceSlice published"))
+            && text.contains("watching this node's ResourceSlices")
+    })
+    .await;
+    assert!(node.api.slice(NODE).is_some());
+    plugin
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.root);
-    }
+/// The generation of the node's slice's pool; -1 while there is no slice.
+fn pool_generation(node: &DraNode) -> i64 {
+    node.api.slice(NODE).map_or(-1, |s| s["spec"]["pool"]["generation"].as_i64().unwrap_or(-1))
 }
 
-async fn wait_until(what: &str, plugin: &mut ChildProcess, mut cond: impl FnMut(&ChildProcess) -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !cond(plugin) {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}\n{}", plugin.diagnostics());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// The Node condition `kind`.
+fn node_condition(node: &DraNode, kind: &str) -> Option<Value> {
+    let object = node.api.get(&format!("/api/v1/nodes/{NODE}"))?;
+    object["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == kind).cloned()
 }
 
 fn devices(slice: &Value) -> Vec<Value> {
     slice["spec"]["devices"].as_array().cloned().unwrap_or_default()
 }
 
-/// The slices the plugin sent, less what the stand-in added.
-fn sent_slices(api: &ApiServer) -> Vec<Value> {
-    api.slices_received()
-        .into_iter()
-        .map(|mut s| {
-            let meta = s["metadata"].as_object_mut().unwrap();
-            meta.remove("resourceVersion");
-            meta.remove("uid");
-            s
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_restart_gets_the_slice_back_at_once() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[]).await;
-    let mut plugin = node.start_plugin(&[]).await;
+    let node = node(&[]).await;
+    let mut plugin = start_settled(&node, &[]).await;
 
     // The node's slices wiped, no registration: the watch alone brings the slice back.
-    let generation = node.generation();
+    let generation = pool_generation(&node);
     assert_eq!(node.api.delete_collection(SLICES, &format!("spec.nodeName={NODE}")), 1);
     wait_until("the slice back after a wipe", &mut plugin, |_| node.api.slice(NODE).is_some()).await;
-    assert!(node.generation() > generation);
+    assert!(pool_generation(&node) > generation);
     assert_eq!(devices(&node.api.slice(NODE).unwrap()).len(), 2);
 
     // The kubelet restarts: wipe, then registration.
-    let generation = node.generation();
+    let generation = pool_generation(&node);
     node.kubelet.restart().await;
-    wait_until("the slice back after a kubelet restart", &mut plugin, |_| node.generation() > generation)
-        .await;
+    wait_until("the slice back after a kubelet restart", &mut plugin, |_| {
+        pool_generation(&node) > generation
+    })
+    .await;
 
     // A stray slice of this driver on this node (an older plugin's) is deleted; another
     // driver's slice is not the plugin's business.
@@ -192,12 +113,12 @@ async fn a_kubelet_restart_gets_the_slice_back_at_once() {
     assert!(node.api.slice(NODE).is_some());
 
     // Someone else's change to the slice is undone.
-    let generation = node.generation();
+    let generation = pool_generation(&node);
     node.api.update(&format!("{SLICES}/{NODE}-gpu.gpufrac.io"), |s| {
         s["spec"]["devices"] = json!([]);
     });
     wait_until("the slice true again", &mut plugin, |_| {
-        node.api.slice(NODE).is_some_and(|s| devices(&s).len() == 2) && node.generation() > generation
+        node.api.slice(NODE).is_some_and(|s| devices(&s).len() == 2) && pool_generation(&node) > generation
     })
     .await;
     plugin.kill();
@@ -206,13 +127,13 @@ async fn a_kubelet_restart_gets_the_slice_back_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_registration_publishes_the_slice_again() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[]).await;
-    let mut plugin = node.start_plugin(&[]).await;
+    let node = node(&[]).await;
+    let mut plugin = start_settled(&node, &[]).await;
     for _ in 0..2 {
-        let (sent, generation) = (node.api.slices_received().len(), node.generation());
+        let (sent, generation) = (node.api.slices_received().len(), pool_generation(&node));
         node.kubelet.register().await;
         wait_until("the slice published again", &mut plugin, |_| {
-            node.api.slices_received().len() > sent && node.generation() > generation
+            node.api.slices_received().len() > sent && pool_generation(&node) > generation
         })
         .await;
     }
@@ -222,20 +143,18 @@ async fn every_registration_publishes_the_slice_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_leaves_the_slice_to_the_next_plugin() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[]).await;
-    let mut plugin = node.start_plugin(&[]).await;
-    let generation = node.generation();
-    // SAFETY: kill(2) on our own child's PID, with a valid signal.
-    assert_eq!(unsafe { libc::kill(plugin.pid() as i32, libc::SIGTERM) }, 0);
-    assert!(plugin.wait(WAIT).success(), "a clean exit: {}", plugin.diagnostics());
+    let node = node(&[]).await;
+    let mut plugin = start_settled(&node, &[]).await;
+    let generation = pool_generation(&node);
+    stop_cleanly(&mut plugin);
     assert!(!node.kubelet.registration_socket().exists());
     let slice = node.api.slice(NODE).expect("the slice stays at a clean stop");
     assert_eq!(devices(&slice).len(), 2);
     assert!(!node.api.requests().iter().any(|(method, _)| method == "DELETE"), "{:?}", node.api.requests());
 
     // The next plugin (a rollout) takes the same slice over.
-    let mut next = node.start_plugin(&[]).await;
-    wait_until("the slice taken over", &mut next, |_| node.generation() > generation).await;
+    let mut next = start_settled(&node, &[]).await;
+    wait_until("the slice taken over", &mut next, |_| pool_generation(&node) > generation).await;
     let ours: Vec<Value> = node.api.list(SLICES);
     assert_eq!(ours.len(), 1, "{ours:?}");
     next.kill();
@@ -244,22 +163,22 @@ async fn a_clean_stop_leaves_the_slice_to_the_next_plugin() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_consumable_capacity_the_operator_is_told() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[Gate::ConsumableCapacity]).await;
-    let mut plugin = node.start_plugin(&[]).await;
+    let node = node(&[Gate::ConsumableCapacity]).await;
+    let mut plugin = start_settled(&node, &[]).await;
     let said = "the API server dropped allowMultipleAllocations, requestPolicy from ResourceSlice node-a-gpu.gpufrac.io";
     wait_until("the log line", &mut plugin, |p| p.stderr_text().contains(said)).await;
     let line = plugin.stderr_text().lines().find(|l| l.contains(said)).unwrap().to_owned();
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains("DRAConsumableCapacity") && line.contains("whole GPU"), "{line}");
     assert!(line.contains("--shares N"), "{line}");
-    wait_until("the Node condition", &mut plugin, |_| node.condition(CONDITION).is_some()).await;
-    let condition = node.condition(CONDITION).unwrap();
+    wait_until("the Node condition", &mut plugin, |_| node_condition(&node, CONDITION).is_some()).await;
+    let condition = node_condition(&node, CONDITION).unwrap();
     assert_eq!(condition["status"], "False", "{condition}");
     assert_eq!(condition["reason"], "FieldsDropped", "{condition}");
     let message = condition["message"].as_str().unwrap();
     assert!(message.contains("allowMultipleAllocations") && message.contains("--shares N"), "{message}");
     assert!(condition["lastTransitionTime"].is_string(), "{condition}");
-    assert_eq!(node.condition("Ready").unwrap()["status"], "True", "the kubelet's conditions stay");
+    assert_eq!(node_condition(&node, "Ready").unwrap()["status"], "True", "the kubelet's conditions stay");
 
     // Published again (a registration), nothing new to say: said once.
     let sent = node.api.slices_received().len();
@@ -269,9 +188,9 @@ async fn without_consumable_capacity_the_operator_is_told() {
     plugin.kill();
 
     // With --shares, nothing is dropped: the condition says so.
-    let mut shares = node.start_plugin(&["--shares", "4"]).await;
+    let mut shares = start_settled(&node, &["--shares", "4"]).await;
     wait_until("the condition True", &mut shares, |_| {
-        node.condition(CONDITION).is_some_and(|c| c["status"] == "True")
+        node_condition(&node, CONDITION).is_some_and(|c| c["status"] == "True")
     })
     .await;
     assert!(!shares.stderr_text().contains("the API server dropped"), "{}", shares.diagnostics());
@@ -281,10 +200,10 @@ async fn without_consumable_capacity_the_operator_is_told() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unhealthy_gpu_is_tainted() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[]).await;
-    let mut plugin = node.start_plugin(&[]).await;
-    wait_until("the Node condition", &mut plugin, |_| node.condition(CONDITION).is_some()).await;
-    assert_eq!(node.condition(CONDITION).unwrap()["status"], "True");
+    let node = node(&[]).await;
+    let mut plugin = start_settled(&node, &[]).await;
+    wait_until("the Node condition", &mut plugin, |_| node_condition(&node, CONDITION).is_some()).await;
+    assert_eq!(node_condition(&node, CONDITION).unwrap()["status"], "True");
     node.inject_xid(1);
     wait_until("gpu-1 tainted", &mut plugin, |_| {
         node.api.slice(NODE).is_some_and(|s| devices(&s).get(1).is_some_and(|d| d.get("taints").is_some()))
@@ -303,23 +222,23 @@ async fn an_unhealthy_gpu_is_tainted() {
     let sent = sent_slices(&node.api);
     kubernetes_validate::validate_objects(&sent, &["1.34", "1.37"]).unwrap_or_else(|e| panic!("{e}"));
     // Published again, the taint keeps its time.
-    let before = node.generation();
+    let before = pool_generation(&node);
     node.kubelet.register().await;
-    wait_until("published again", &mut plugin, |_| node.generation() > before).await;
+    wait_until("published again", &mut plugin, |_| pool_generation(&node) > before).await;
     assert_eq!(devices_of(&node)[1]["taints"], json!(taints));
-    assert_eq!(node.condition(CONDITION).unwrap()["status"], "True");
+    assert_eq!(node_condition(&node, CONDITION).unwrap()["status"], "True");
     plugin.kill();
 }
 
-fn devices_of(node: &Node) -> Vec<Value> {
+fn devices_of(node: &DraNode) -> Vec<Value> {
     devices(&node.api.slice(NODE).unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_device_taints_an_unhealthy_gpu_leaves_the_slice() {
     skip_on_real_gpu!(SIMULATED);
-    let node = Node::new(&[Gate::DeviceTaints]).await;
-    let mut plugin = node.start_plugin(&[]).await;
+    let node = node(&[Gate::DeviceTaints]).await;
+    let mut plugin = start_settled(&node, &[]).await;
     node.inject_xid(1);
     wait_until("gpu-1 removed", &mut plugin, |_| {
         node.api.slice(NODE).is_some_and(|s| devices(&s).len() == 1)
@@ -332,15 +251,15 @@ async fn without_device_taints_an_unhealthy_gpu_leaves_the_slice() {
     let line = text.lines().find(|l| l.contains(said)).unwrap();
     assert!(line.contains("WARN") && line.contains("DRADeviceTaints"), "{line}");
     wait_until("the Node condition False", &mut plugin, |_| {
-        node.condition(CONDITION).is_some_and(|c| c["status"] == "False")
+        node_condition(&node, CONDITION).is_some_and(|c| c["status"] == "False")
     })
     .await;
-    let condition = node.condition(CONDITION).unwrap();
+    let condition = node_condition(&node, CONDITION).unwrap();
     assert!(condition["message"].as_str().unwrap().contains("not evicted"), "{condition}");
     // Published again (a registration): still without the GPU, nothing new said.
-    let before = node.generation();
+    let before = pool_generation(&node);
     node.kubelet.register().await;
-    wait_until("published again", &mut plugin, |_| node.generation() > before).await;
+    wait_until("published again", &mut plugin, |_| pool_generation(&node) > before).await;
     assert_eq!(devices_of(&node).len(), 1);
     assert_eq!(plugin.stderr_text().matches(said).count(), 1, "{}", plugin.diagnostics());
     plugin.kill();
