@@ -85,7 +85,8 @@ pub fn ceil_u64(text: &str) -> Result<u64, QuantityError> {
     if mantissa == 0 {
         return Ok(0);
     }
-    let decimal = decimal - i32::try_from(fraction.len()).map_err(|_| syntax())?;
+    // Saturating: an exponent near i32::MIN is still "smaller than any unit" below.
+    let decimal = decimal.saturating_sub(i32::try_from(fraction.len()).map_err(|_| syntax())?);
     let power = |n: i32| 10u128.checked_pow(n.unsigned_abs());
     let mut numerator = mantissa.checked_mul(1u128 << binary).ok_or_else(too_large)?;
     let mut denominator = 1u128;
@@ -104,6 +105,13 @@ pub fn ceil_u64(text: &str) -> Result<u64, QuantityError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exponent_at_the_edge_of_i32_is_refused_not_a_panic() {
+        assert_eq!(ceil_u64("1.5e-2147483648"), Ok(1));
+        assert!(matches!(ceil_u64("1.5e2147483647"), Err(QuantityError::TooLarge(_))));
+        assert!(matches!(ceil_u64("1e99999999999"), Err(QuantityError::TooLarge(_))));
+    }
 
     #[test]
     fn quantities_read_as_the_api_server_reads_them() {
