@@ -982,6 +982,12 @@ def main():
         write_report(run, sections, started)
     doc = write_report(run, sections, started)
     shutil.rmtree(run.work, ignore_errors=True)
+    # The shims' group ledgers live in /dev/shm/gpufrac-<euid>/ and go with their last
+    # member; the folder itself is left to whoever made it: the run's, once empty, goes.
+    try:
+        os.rmdir(f"/dev/shm/gpufrac-{os.geteuid()}")
+    except OSError:
+        pass
     failed = [s["name"] for s in doc["sections"] if s["status"] == "fail"]
     print(f"accept: report in {run.out}/report.md" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
