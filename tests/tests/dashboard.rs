@@ -8,9 +8,13 @@
 //! PodMonitor in `examples/kubernetes/monitoring/` adds, such as `node`), and every literal
 //! label value it matches one the series have. Renaming a metric, a label or a `kind` in
 //! the arbiter, or mistyping one in the dashboard, fails here (the test makes sure of that
-//! by mutating the dashboard and the scrape). The arbiter declares a family only once it
-//! has a series, so the workload must give every family the dashboard reads one: the test
-//! fails, naming them, if it left any without.
+//! by mutating the dashboard and the scrape). The workload must give every family the
+//! dashboard reads series with labels worth checking: the test fails, naming them, if it
+//! left any without.
+//!
+//! A fresh node's dashboard shows zeros, not "No data": an arbiter that has served nobody
+//! has a sample of every metric the dashboard's queries name, for each of its GPUs where
+//! the metric is per GPU (read from the dashboard, so the check follows it).
 //!
 //! The dashboard is checked as a dashboard too: valid JSON with a `${datasource}`
 //! Prometheus variable and `node` and `gpu` variables, unique panel ids and titles, every
@@ -915,4 +919,97 @@ fn every_metric_the_dashboard_queries_is_one_the_arbiter_exports() {
 
 fn documents(name: &str) -> Vec<Value> {
     gpufrac_e2e::kubernetes_validate::yaml_documents(&repo().join("examples/kubernetes").join(name))
+}
+
+// ---- A fresh node ----
+
+/// The dashboard's queried metrics without a sample in `body`, and those without one for
+/// each of `gpus` where their series are per GPU: one line each. A sample of `name` is a
+/// line of `body` whose name is exactly `name` (`gpufrac_grants_total`,
+/// `gpufrac_wait_seconds_bucket`).
+fn missing_from_a_fresh_scrape(dashboard: &Value, body: &str, gpus: &[String]) -> Vec<String> {
+    let mut metrics = BTreeSet::new();
+    for (place, expr, _) in queries(dashboard) {
+        let promql = label_values(&expr).map_or(expr.as_str(), |(selector, _)| selector).to_owned();
+        let query = parse_query(&promql).unwrap_or_else(|e| panic!("{place}: {e}"));
+        metrics.extend(query.metrics);
+    }
+    assert!(metrics.len() >= 10, "the dashboard's queries name only {metrics:?}");
+    let mut missing = Vec::new();
+    for metric in &metrics {
+        let samples: Vec<Vec<(String, String)>> = body
+            .lines()
+            .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+            .map(parse_sample)
+            .filter(|(name, _)| name == metric)
+            .map(|(_, labels)| labels)
+            .collect();
+        if samples.is_empty() {
+            missing.push(format!("{metric}: no sample"));
+            continue;
+        }
+        let gpus_of: BTreeSet<&str> = samples
+            .iter()
+            .flatten()
+            .filter(|(label, _)| label == "gpu")
+            .map(|(_, value)| value.as_str())
+            .collect();
+        if !gpus_of.is_empty() {
+            for gpu in gpus {
+                if !gpus_of.contains(gpu.as_str()) {
+                    missing.push(format!("{metric}: no sample for GPU {gpu}"));
+                }
+            }
+        }
+    }
+    missing
+}
+
+/// A fresh node's dashboard shows zeros, not "No data": an arbiter on two simulated GPUs
+/// that has served nobody has, at its first scrape, a sample of every metric the
+/// dashboard's queries name (read from the dashboard, so this follows it), for each GPU
+/// where the metric is per GPU; its counters and histograms are all 0.
+#[test]
+fn a_fresh_arbiter_has_every_series_the_dashboard_queries() {
+    let gpu = SimGpu::new("4GiB,2GiB");
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("fresh.sock"), &["--metrics", "127.0.0.1:0"]);
+    let gpus: Vec<String> = gpufrac_e2e::status(&arbiter).gpus.iter().map(|g| g.uuid.clone()).collect();
+    assert_eq!(gpus.len(), 2, "the arbiter manages both simulated GPUs");
+    let body = arbiter.metrics();
+    let dashboard = dashboard();
+    let missing = missing_from_a_fresh_scrape(&dashboard, &body, &gpus);
+    assert!(
+        missing.is_empty(),
+        "a fresh arbiter lacks what the dashboard queries:\n{}\n\n{body}",
+        missing.join("\n")
+    );
+
+    let exported = Exported::parse(&body);
+    for line in body.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+        let (name, _) = parse_sample(line);
+        let (_, family) = exported.family_of(&name).expect("a declared family");
+        let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a sample's value");
+        if family.kind == "counter" || family.kind == "histogram" {
+            assert_eq!(value, 0.0, "nothing happened yet: {line}");
+        }
+    }
+
+    // The check catches a series the arbiter would leave out: each metric the dashboard
+    // names, dropped from the scrape, or kept for the first GPU only.
+    for metric in
+        ["gpufrac_swap_seconds_bucket", "gpufrac_timeouts_total", "gpufrac_groups_ended_over_limit_total"]
+    {
+        let dropped: String =
+            body.lines().filter(|l| !l.starts_with(metric)).map(|l| format!("{l}\n")).collect();
+        let found = missing_from_a_fresh_scrape(&dashboard, &dropped, &gpus);
+        assert_eq!(found, [format!("{metric}: no sample")], "{metric} dropped");
+    }
+    let second = format!("gpu=\"{}\"", gpus[1]);
+    let one_gpu: String = body
+        .lines()
+        .filter(|l| !(l.starts_with("gpufrac_waits_total") && l.contains(&second)))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let found = missing_from_a_fresh_scrape(&dashboard, &one_gpu, &gpus);
+    assert_eq!(found, [format!("gpufrac_waits_total: no sample for GPU {}", gpus[1])]);
 }

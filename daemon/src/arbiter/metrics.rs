@@ -232,6 +232,35 @@ impl Metrics {
         }
     }
 
+    /// Makes every per-GPU counter and histogram of `gpu` exist, at 0 until something
+    /// happens: the series a dashboard queries are there from the first scrape of a fresh
+    /// arbiter (zeros, not "No data"), and `increase()` counts the first event. Called for
+    /// the GPUs the arbiter manages only, so the series stay per GPU.
+    fn start_at_zero(&self, gpu: &str) {
+        let label = GpuLabel { gpu: gpu.to_owned() };
+        for counter in [
+            &self.grants,
+            &self.granted_bytes,
+            &self.waits,
+            &self.timeouts,
+            &self.parks,
+            &self.park_bytes,
+            &self.wakes,
+            &self.wake_timeouts,
+        ] {
+            let _ = counter.get_or_create(&label);
+        }
+        for histogram in [&self.wait_seconds, &self.park_seconds, &self.wake_seconds] {
+            let _ = histogram.get_or_create(&label);
+        }
+        for direction in ["out", "in"] {
+            let label = SwapLabel { gpu: gpu.to_owned(), direction: direction.to_owned() };
+            let _ = self.swaps.get_or_create(&label);
+            let _ = self.swap_bytes.get_or_create(&label);
+            let _ = self.swap_seconds.get_or_create(&label);
+        }
+    }
+
     /// Counts one swap of `bytes` that took `took`, `direction` `out` or `in`.
     pub(crate) fn count_swap(&self, gpu: &GpuLabel, direction: &str, bytes: u64, took: std::time::Duration) {
         let label = SwapLabel { gpu: gpu.gpu.clone(), direction: direction.to_owned() };
@@ -248,6 +277,7 @@ impl Metrics {
         self.group_compute.clear();
         let ratio = |per_mille: u32| f64::from(per_mille) / 1000.0;
         for g in &status.gpus {
+            self.start_at_zero(&g.uuid);
             if g.compute_requested_pm > 0 || g.processes.iter().any(|p| p.compute_limit_pm > 0) {
                 for (kind, v) in
                     [("requested", g.compute_requested_pm), ("open", u32::from(g.compute_open) * 1000)]
@@ -301,20 +331,27 @@ impl Metrics {
             for (_, (p, _)) in groups.iter() {
                 *keys_of.entry(p.group.as_str()).or_default() += 1;
             }
+            if groups.is_empty() {
+                // A GPU without groups: one series per kind with no group (Prometheus reads
+                // the empty label as absent), at 0, so the group panels show zeros rather
+                // than "No data". Per GPU, and gone once a group is there.
+                for kind in GROUP_MEMORY_KINDS {
+                    let labels = GroupKind {
+                        gpu: g.uuid.clone(),
+                        group: String::new(),
+                        workload_pod: String::new(),
+                        kind: kind.into(),
+                    };
+                    self.group_memory.get_or_create(&labels).set(0);
+                }
+            }
             for (key, (p, (request, limit, held, granted, host, parked, uncounted))) in &groups {
                 let group = group_label(key, &p.group, keys_of[p.group.as_str()] > 1);
                 let pod =
                     pod_label(g.processes.iter().filter(|m| group_key(m) == *key).map(|m| m.pod.as_str()));
                 let (request, limit, held, granted, host) = (*request, *limit, *held, *granted, *host);
-                for (kind, v) in [
-                    ("request", request),
-                    ("limit", limit),
-                    ("held", held),
-                    ("granted", granted),
-                    ("swapped_to_host", host),
-                    ("parked_to_host", *parked),
-                    ("uncounted", *uncounted),
-                ] {
+                let values = [request, limit, held, granted, host, *parked, *uncounted];
+                for (kind, v) in GROUP_MEMORY_KINDS.into_iter().zip(values) {
                     let labels = GroupKind {
                         gpu: g.uuid.clone(),
                         group: group.clone(),
@@ -346,6 +383,10 @@ impl Metrics {
         out
     }
 }
+
+/// The kinds of `gpufrac_group_memory_bytes`, in the order `render` gives their values.
+const GROUP_MEMORY_KINDS: [&str; 7] =
+    ["request", "limit", "held", "granted", "swapped_to_host", "parked_to_host", "uncounted"];
 
 /// The key a process's group is kept under in the ledger (the status's `group_key`, or
 /// for a status without one, its user and group name).
@@ -439,6 +480,67 @@ pub async fn serve(
 mod tests {
     use super::*;
     use crate::status::GpuStatus;
+
+    /// The sample lines of `text` whose name starts with the family `name` (its `_total`,
+    /// `_bucket`, ...).
+    fn samples<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['_', '{', ' '])))
+            .collect()
+    }
+
+    #[test]
+    fn a_fresh_arbiter_has_every_series_per_gpu_at_zero() {
+        let gpu = |uuid: &str| GpuStatus { uuid: uuid.into(), total: 1 << 30, ..GpuStatus::default() };
+        let status = Status { gpus: vec![gpu("GPU-1"), gpu("GPU-2")], swap_limit: 0 };
+        let text = Metrics::new().render(&status);
+        let families: Vec<(&str, &str)> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE gpufrac_"))
+            .filter_map(|l| l.split_once(' '))
+            .collect();
+        assert!(families.len() >= 20, "{text}");
+        for (name, kind) in families {
+            // Compute shares are shown only where compute shares are in use.
+            if name.ends_with("compute_share") {
+                continue;
+            }
+            let samples = samples(&text, &format!("gpufrac_{name}"));
+            assert!(!samples.is_empty(), "gpufrac_{name} has no series:\n{text}");
+            let per_gpu = samples.iter().any(|s| s.contains("gpu=\""));
+            for uuid in ["GPU-1", "GPU-2"] {
+                let gpu = format!("gpu=\"{uuid}\"");
+                assert!(
+                    !per_gpu || samples.iter().any(|s| s.contains(&gpu)),
+                    "gpufrac_{name} has no series for {uuid}:\n{text}"
+                );
+            }
+            if kind == "counter" || kind == "histogram" {
+                assert!(
+                    samples.iter().all(|s| matches!(s.rsplit(' ').next(), Some("0" | "0.0"))),
+                    "gpufrac_{name} is not 0:\n{text}"
+                );
+            }
+        }
+        for direction in ["out", "in"] {
+            let series = format!(r#"gpufrac_swaps_total{{gpu="GPU-2",direction="{direction}"}} 0"#);
+            assert!(text.contains(&series), "{series} missing:\n{text}");
+        }
+        // The groups' zeros are per GPU and kind, without a group.
+        let held: Vec<&str> = text.lines().filter(|l| l.contains(r#"kind="held""#)).collect();
+        assert_eq!(held.len(), 2, "{held:?}");
+        assert!(held.iter().all(|l| l.contains(r#"group="""#) && l.ends_with(" 0")), "{held:?}");
+        // Once a GPU has a group, its group-less series are gone.
+        let mut busy = status.clone();
+        busy.gpus[0].processes =
+            vec![ProcessStatus { group: "g".into(), held: 5, ..ProcessStatus::default() }];
+        let text = Metrics::new().render(&busy);
+        let held: Vec<&str> = text.lines().filter(|l| l.contains(r#"kind="held""#)).collect();
+        assert_eq!(held.len(), 2, "{held:?}");
+        assert!(held.iter().any(|l| l.contains(r#"gpu="GPU-1",group="g""#) && l.ends_with(" 5")), "{held:?}");
+        assert!(held.iter().any(|l| l.contains(r#"gpu="GPU-2",group="""#)), "{held:?}");
+    }
 
     #[test]
     fn loans_taken_back_for_guarantees_are_counted_by_how() {
