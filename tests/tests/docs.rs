@@ -231,6 +231,7 @@ const NOT_RUN: &[(&str, &str, &str)] = &[
     ("docs/simgpu.md", "mkdir -p /tmp/simgpu && for l in", "runs the reader's own program (./your-program); the same folder is made and used by the README's quick start, which runs here"),
     ("docs/demo.md", "gpufrac demo: inference servers", "the output of a run, not a command"),
     ("docs/kubernetes.md", "docker build", "needs docker and a registry"),
+    ("README.md", "kubectl apply -k", "needs a Kubernetes cluster; tests/tests/kustomize.rs renders and validates both installs"),
     ("docs/kubernetes.md", "kubectl", "needs a Kubernetes cluster"),
     ("docs/kubernetes.md", "apiVersion: cert-manager.io/v1", "YAML for a cluster with cert-manager"),
     ("docs/kubernetes.md", "metadata:", "YAML (a pod's annotations); the manifests test validates the examples"),
