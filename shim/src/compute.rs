@@ -16,7 +16,8 @@
 //!   ran past the end: the arbiter charges it, and hands the GPU on only then, so a drain
 //!   is the holder's alone;
 //! - while the lease runs, a process with nothing to run gives it back: its streams were
-//!   idle at one look and no call came by the next;
+//!   idle at one look, no call came by the next, and no thread waits in a synchronize
+//!   call (one that does is about to start more: it only has not woken yet);
 //! - while the lease runs, it queries the *marks* (events the calls record after
 //!   themselves on their streams, a ring per stream) to learn which calls finished and
 //!   what a call takes; a call waits at the gate while its process has more than
@@ -64,7 +65,7 @@ const STREAM_SLOTS: usize = 8;
 /// The work a leased process may have queued on the GPU before its next call waits, as
 /// estimated from its streams' marks: what a cut holder's drain can take, and so what a
 /// neighbour that cuts it waits for.
-const IN_FLIGHT_NS: u64 = 2_000_000;
+const IN_FLIGHT_NS: u64 = 3_000_000;
 /// Calls always allowed in flight on a stream, whatever they are estimated to take: two,
 /// so that the next is queued while one runs (a stream of long kernels never idles for a
 /// wake-up).
@@ -103,6 +104,13 @@ static CTX_GET_CURRENT: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut())
 static EVENT_CREATE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static EVENT_RECORD: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static EVENT_DESTROY: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// Gated calls between passing the lease check and returning: the lease thread says a
+/// drain is over only once none is (a call that passed just before the lease's end, its
+/// thread then preempted on a busy CPU, would otherwise start its work after the next
+/// group's lease began).
+static IN_LEASE: AtomicU64 = AtomicU64::new(0);
+/// Threads of a leased process waiting in a synchronize call.
+static SYNCING: AtomicU64 = AtomicU64::new(0);
 /// Calls held because their process has enough work in flight (a lease is not given back
 /// while one waits).
 static HELD: AtomicU64 = AtomicU64::new(0);
@@ -353,18 +361,23 @@ fn publish(leases: &Leases) {
 /// While the lease is held, a call also waits while its process has more than
 /// [`IN_FLIGHT_NS`] of work queued (at least [`MIN_DEPTH`] calls on its own stream), as
 /// its streams' marks tell: a cut holder's drain stays that short.
-pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
+pub(crate) fn wait_for_lease(stream: *mut c_void) -> (Option<usize>, bool) {
     if capturing(stream) {
-        return None;
+        return (None, false);
     }
     loop {
+        // Counted inside before the lease is looked at (both sequentially consistent): the
+        // lease thread, which ends the lease before it reads the count, either sees this
+        // call or is seen by it.
+        IN_LEASE.fetch_add(1, SeqCst);
         if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
             let slot = watch(stream);
-            let index = slot?;
+            let Some(index) = slot else { return (None, true) };
             if !over_bound(index) {
                 SLOTS[index].calls.fetch_add(1, SeqCst);
-                return slot;
+                return (slot, true);
             }
+            left_lease();
             // Held: the lease thread wakes it when a mark is reached (or the slice ends,
             // and it looks again: the lease may have ended meanwhile).
             HELD.fetch_add(1, SeqCst);
@@ -375,6 +388,7 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
             HELD.fetch_sub(1, SeqCst);
             continue;
         }
+        left_lease();
         if !WANT.swap(true, SeqCst) {
             // Under the lease thread's lock: it either has not looked at WANT yet or is
             // waiting (a wake-up between its last look and its wait would be lost, and it
@@ -388,6 +402,11 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> Option<usize> {
         }
         let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
     }
+}
+
+/// A call that passed on the lease has returned (its work is queued).
+pub(crate) fn left_lease() {
+    IN_LEASE.fetch_sub(1, SeqCst);
 }
 
 /// Whether a call on `index`'s stream waits for the process's work in flight to shrink.
@@ -560,6 +579,42 @@ fn watch(stream: *mut c_void) -> Option<usize> {
         }
     }
     None
+}
+
+/// A synchronize call of a leased process, counted while it waits and as activity when
+/// it returns. A thread waiting for its work's result is about to start more (a server's
+/// next step, the next request of its backlog); on a busy CPU it wakes from the wait well
+/// after the GPU finished, and its lease, idle in that gap, would be given back under it:
+/// every step would then wait for a hand-over, and a loaded server falls behind for good.
+fn synchronizing(call: impl FnOnce() -> Status) -> Status {
+    if !crate::gate::leased() {
+        return call();
+    }
+    SYNCING.fetch_add(1, SeqCst);
+    let status = call();
+    crate::gate::touch();
+    SYNCING.fetch_sub(1, SeqCst);
+    status
+}
+
+/// `cuCtxSynchronize`.
+pub(crate) fn ctx_synchronize() -> Status {
+    synchronizing(|| crate::hooks::call_real!(cuCtxSynchronize()))
+}
+
+/// `cuStreamSynchronize`.
+pub(crate) fn stream_synchronize(stream: *mut c_void) -> Status {
+    synchronizing(|| crate::hooks::call_real!(cuStreamSynchronize(stream)))
+}
+
+/// `cuStreamSynchronize_ptsz`.
+pub(crate) fn stream_synchronize_ptsz(stream: *mut c_void) -> Status {
+    synchronizing(|| crate::hooks::call_real!(cuStreamSynchronize_ptsz(stream)))
+}
+
+/// `cuEventSynchronize`.
+pub(crate) fn event_synchronize(event: *mut c_void) -> Status {
+    synchronizing(|| crate::hooks::call_real!(cuEventSynchronize(event)))
 }
 
 /// `cuStreamDestroy`: the stream is no longer watched (before it is destroyed: the lease
@@ -742,7 +797,9 @@ fn run() {
                     }
                     // Nothing to run: idle at the last look, and no call since.
                     let count = crate::gate::activity();
-                    if was_idle && count == calls && !wanted && HELD.load(SeqCst) == 0 {
+                    let quiet =
+                        HELD.load(SeqCst) == 0 && SYNCING.load(SeqCst) == 0 && IN_LEASE.load(SeqCst) == 0;
+                    if was_idle && count == calls && !wanted && quiet {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
                         *local = Local::Wait { wanted: None };
                         changed = true;
@@ -753,7 +810,7 @@ fn run() {
                 }
                 Local::Draining { lease, ended } => {
                     let late = now.saturating_duration_since(ended);
-                    if idle() || late >= DRAIN_AT_MOST {
+                    if (IN_LEASE.load(SeqCst) == 0 && idle()) || late >= DRAIN_AT_MOST {
                         let drain_us = (late.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
                         let more = WANT.swap(false, SeqCst);
                         sends.push(Request::LeaseDone { device, lease, drain_us, more });
@@ -860,8 +917,8 @@ mod tests {
         let caller = {
             let passed = passed.clone();
             std::thread::spawn(move || {
-                wait_for_lease(std::ptr::null_mut());
-                passed.store(true, SeqCst);
+                let (_, inside) = wait_for_lease(std::ptr::null_mut());
+                passed.store(inside, SeqCst);
             })
         };
         std::thread::sleep(Duration::from_millis(30));
@@ -869,12 +926,17 @@ mod tests {
         assert!(WANT.load(SeqCst), "the waiting call wants the GPU");
         told(device, LeaseState::Held { lease: 1, micros: 50_000 });
         caller.join().unwrap();
-        assert!(passed.load(SeqCst));
+        assert!(passed.load(SeqCst), "the call passed, counted inside the lease");
+        // Counted inside until it returns: the lease's drain waits for it.
+        assert_eq!(IN_LEASE.load(SeqCst), 1);
+        left_lease();
         // After the lease's end a call waits again, whatever the thread did.
         std::thread::sleep(Duration::from_millis(60));
         assert!(monotonic_ns() >= UNTIL_NS.load(SeqCst));
         told(device, LeaseState::Open { lease: 2 });
-        wait_for_lease(std::ptr::null_mut());
+        assert!(wait_for_lease(std::ptr::null_mut()).1);
+        left_lease();
+        assert_eq!(IN_LEASE.load(SeqCst), 0, "a call waiting for a lease is not counted inside it");
         forget();
         assert!(PASS.load(SeqCst));
         lock(&LEASES).devices.clear();

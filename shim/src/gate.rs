@@ -48,9 +48,13 @@ pub(crate) fn set_leased(leased: bool) {
 }
 
 /// A call inside the gate; leaving is counted when it drops. Bit 0: the call is counted
-/// inside ([`TRACKED`]); the bits above: 1 + the leased stream slot it ran on
-/// (compute.rs), whose in-flight mark it may record once the call has queued its work.
+/// inside ([`TRACKED`]); bit 7: it passed on its group's compute lease and is counted
+/// inside that lease ([`IN_LEASE`]); the bits between: 1 + the leased stream slot it ran
+/// on (compute.rs), whose in-flight mark it may record once the call has queued its work.
 pub(crate) struct Pass(u8);
+
+/// [`Pass`]'s bit of a call counted inside its group's compute lease.
+const IN_LEASE: u8 = 0x80;
 
 impl Drop for Pass {
     #[inline(always)]
@@ -70,8 +74,11 @@ fn leave(pass: u8) {
     if pass & 1 != 0 {
         LEFT.fetch_add(1, SeqCst);
     }
-    if let Some(slot) = (pass >> 1).checked_sub(1) {
+    if let Some(slot) = ((pass & !IN_LEASE) >> 1).checked_sub(1) {
         crate::compute::after_call(usize::from(slot));
+    }
+    if pass & IN_LEASE != 0 {
+        crate::compute::left_lease();
     }
 }
 
@@ -102,14 +109,15 @@ pub(crate) fn enter_on(stream: impl FnOnce() -> *mut std::ffi::c_void) -> Result
 #[cold]
 #[inline(never)]
 fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status> {
-    let slot = if slow & LEASED != 0 { crate::compute::wait_for_lease(stream) } else { None };
-    // Slots are few (compute::SLOT_COUNT): 1 + slot fits in the seven bits above bit 0.
-    let marked = slot.map_or(0, |s| (s as u8 + 1) << 1);
-    if slow & TRACKED == 0 {
-        ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
-        return Ok(Pass(marked));
-    }
     loop {
+        let (slot, in_lease) =
+            if slow & LEASED != 0 { crate::compute::wait_for_lease(stream) } else { (None, false) };
+        // Slots are few (compute::SLOT_COUNT): 1 + slot fits in the six bits above bit 0.
+        let marked = slot.map_or(0, |s| (s as u8 + 1) << 1) | if in_lease { IN_LEASE } else { 0 };
+        if slow & TRACKED == 0 {
+            ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
+            return Ok(Pass(marked));
+        }
         // Counting in before looking at CLOSED (both sequentially consistent) means a
         // closer that set CLOSED either sees this call in its count or is seen by it.
         ENTERED.fetch_add(1, SeqCst);
@@ -117,6 +125,11 @@ fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status>
             return Ok(Pass(marked | 1));
         }
         LEFT.fetch_add(1, SeqCst);
+        // Not inside the lease while it waits (its drain would wait for this call): the
+        // lease is looked at again once the gate opens.
+        if in_lease {
+            crate::compute::left_lease();
+        }
         if !parking::wait_until(|| !CLOSED.load(SeqCst)) {
             return Err(OUT_OF_MEMORY);
         }
@@ -155,6 +168,12 @@ pub(crate) fn fail_waiters() {
     parking::notify(|| {
         FAILED_WAKES.fetch_add(1, SeqCst);
     });
+}
+
+/// Whether the process's calls wait for compute leases (its GPU is neither open to it
+/// nor free of compute settings).
+pub(crate) fn leased() -> bool {
+    SLOW.load(Relaxed) & LEASED != 0
 }
 
 /// Counts an allocation, free or context call as activity (a process loading its model

@@ -55,6 +55,12 @@ macro_rules! hook_list {
                 Cuda cuLibraryUnload(library: Ptr) => crate::implicit::library_unload;
                 // Streams the compute lease watches for its drain.
                 Cuda cuStreamDestroy_v2(stream: Ptr) => crate::compute::stream_destroy;
+                // Waits for the GPU: a thread in one is about to start more work, so its
+                // group's compute lease is not given back as idle under it.
+                Cuda cuCtxSynchronize() => crate::compute::ctx_synchronize;
+                Cuda cuStreamSynchronize(stream: Ptr) => crate::compute::stream_synchronize;
+                Cuda cuStreamSynchronize_ptsz(stream: Ptr) => crate::compute::stream_synchronize_ptsz;
+                Cuda cuEventSynchronize(event: Ptr) => crate::compute::event_synchronize;
                 // CUDA graphs: what their memory pool keeps (launches pass the gate too).
                 Cuda cuGraphInstantiate(exec: *mut Ptr, graph: Ptr, error_node: *mut Ptr, log: *mut c_char, size: usize)
                     => crate::graphs::instantiate_v1;
