@@ -93,7 +93,13 @@ fn run(program: &PathBuf, path: &Path, sim: &SimGpuDir, shim: bool, s: &Settings
 /// One line of the table: the medians of the CPU times, the added CPU time (the median
 /// of the rounds' differences, shimmed less bare), its ratio, and the added wall-clock
 /// time (likewise; for pairs, of each run's quickest twentieth).
-fn print_row(path: &str, call: &str, rounds: &[(Run, Run)], cpu: &dyn Fn(&Run) -> f64, wall: &dyn Fn(&Run) -> f64) {
+fn print_row(
+    path: &str,
+    call: &str,
+    rounds: &[(Run, Run)],
+    cpu: &dyn Fn(&Run) -> f64,
+    wall: &dyn Fn(&Run) -> f64,
+) {
     let bare = median(rounds.iter().map(|(b, _)| cpu(b)).collect());
     let shim = median(rounds.iter().map(|(_, s)| cpu(s)).collect());
     let added = median(rounds.iter().map(|(b, s)| cpu(s) - cpu(b)).collect());
@@ -134,7 +140,8 @@ fn settings() -> Settings {
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_else(|| panic!("shim_bench: {flag} needs a value"));
-        let count = || value.parse::<usize>().unwrap_or_else(|_| panic!("shim_bench: {flag} {value}: not a count"));
+        let count =
+            || value.parse::<usize>().unwrap_or_else(|_| panic!("shim_bench: {flag} {value}: not a count"));
         match flag.as_str() {
             "--rounds" => s.rounds = count().max(1),
             "--pairs" => s.pairs = count().max(20),
