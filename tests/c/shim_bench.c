@@ -9,6 +9,13 @@
  *                    with the flags given on the command line (1: the legacy default
  *                    stream, 2: the per-thread default stream), the others with 1.
  *
+ * Under the shim it then measures the shim's own cost again inside this one process,
+ * where the address space is the same for both sides: chunks of pairs (and of launches)
+ * through the entry point the program uses and through the driver's own function,
+ * found with glibc's dlsym (the shim answers the program's), alternate, and the median
+ * of the chunks' CPU-time differences is printed as "inpair <size> <ns>" and
+ * "inlaunch <ns>". Bare, the two are the same function and nothing more is printed.
+ *
  * Usage: shim_bench <flags> <pairs> <launches> <size>...
  * Prints, per size, "pair <size> <mean ns> <quickest twentieth ns> <CPU ns>", then
  * "launch <mean ns> <CPU ns>": wall-clock time, and the calling thread's CPU time
@@ -121,6 +128,44 @@ static double cpu_ns(void) {
     return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
 }
 
+/* The driver's own functions, whichever way the program reached them. */
+static struct {
+    PFN_cuMemAlloc alloc;
+    PFN_cuMemFree free;
+    PFN_cuLaunchKernel launch;
+} own;
+
+typedef void *(*dlsym_fn)(void *, const char *);
+
+/* Finds the driver's own functions with glibc's dlsym (not the one the shim exports);
+ * 0 if they cannot be found. */
+static int load_own(cuuint64_t flags) {
+    void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!libc || !lib) return 0;
+    dlsym_fn glibc = (dlsym_fn)dlvsym(libc, "dlsym", "GLIBC_2.34");
+    if (!glibc) glibc = (dlsym_fn)dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+    if (!glibc) return 0;
+    own.alloc = (PFN_cuMemAlloc)glibc(lib, "cuMemAlloc_v2");
+    own.free = (PFN_cuMemFree)glibc(lib, "cuMemFree_v2");
+    /* cuGetProcAddress for the per-thread default stream answers the _ptsz launch. */
+    own.launch = (PFN_cuLaunchKernel)glibc(lib, flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                                     ? "cuLaunchKernel_ptsz"
+                                                     : "cuLaunchKernel");
+    return own.alloc && own.free && own.launch;
+}
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of n values (sorted in place). */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, by_value);
+    return v[n / 2];
+}
+
 static double now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -150,6 +195,50 @@ static void pairs(size_t size, long n) {
     double mean = (now_ns() - start) / (double)(per_chunk * chunks);
     cpu = (cpu_ns() - cpu) / (double)(per_chunk * chunks);
     printf("pair %zu %.1f %.1f %.1f\n", size, mean, quickest, cpu);
+}
+
+enum { ROUNDS_IN_PROCESS = 60 };
+
+/* CPU ns a pair of `size` through the program's entry points takes more than through the
+ * driver's own, chunks alternating. */
+static double pairs_in_process(size_t size) {
+    const long chunk = 500;
+    double added[ROUNDS_IN_PROCESS];
+    CUdeviceptr ptr = 0;
+    for (int r = 0; r < ROUNDS_IN_PROCESS; r++) {
+        double t = cpu_ns();
+        for (long i = 0; i < chunk; i++) {
+            CHECK(cu.alloc(&ptr, size));
+            CHECK(cu.free(ptr));
+        }
+        double hooked = cpu_ns() - t;
+        t = cpu_ns();
+        for (long i = 0; i < chunk; i++) {
+            CHECK(own.alloc(&ptr, size));
+            CHECK(own.free(ptr));
+        }
+        added[r] = (hooked - (cpu_ns() - t)) / (double)chunk;
+    }
+    return median(added, ROUNDS_IN_PROCESS);
+}
+
+/* The same for launches (the queue drained after each chunk, untimed). */
+static double launches_in_process(CUfunction f, CUstream stream) {
+    const long chunk = 4096;
+    double added[ROUNDS_IN_PROCESS];
+    void *params[1] = {NULL};
+    for (int r = 0; r < ROUNDS_IN_PROCESS; r++) {
+        double t = cpu_ns();
+        for (long i = 0; i < chunk; i++) CHECK(cu.launch(f, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
+        double hooked = cpu_ns() - t;
+        CHECK(cu.synchronize(stream));
+        t = cpu_ns();
+        for (long i = 0; i < chunk; i++) CHECK(own.launch(f, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
+        double bare = cpu_ns() - t;
+        CHECK(cu.synchronize(stream));
+        added[r] = (hooked - bare) / (double)chunk;
+    }
+    return median(added, ROUNDS_IN_PROCESS);
 }
 
 int main(int argc, char **argv) {
@@ -183,5 +272,16 @@ int main(int argc, char **argv) {
     CHECK(cu.synchronize(stream));
     double wall = (now_ns() - start) / (double)launches;
     printf("launch %.1f %.1f\n", wall, (cpu_ns() - cpu) / (double)launches);
+
+    cuuint64_t flags = strtoull(argv[1], NULL, 0);
+    if (!load_own(flags)) fail(2, "cannot find the driver's own functions", 0);
+    /* Bare, the program calls the driver's own functions: nothing to compare. */
+    if ((void *)own.alloc != (void *)cu.alloc) {
+        for (int i = 4; i < argc; i++) {
+            size_t size = strtoull(argv[i], NULL, 0);
+            printf("inpair %zu %.1f\n", size, pairs_in_process(size));
+        }
+        printf("inlaunch %.1f\n", launches_in_process(noop, stream));
+    }
     return 0;
 }

@@ -2,7 +2,7 @@
 //! context must not sit right above the program's next mappings. The kernel places a new
 //! mapping right below the lowest one; sharing a 2 MiB page-table region with NVML's
 //! mapped memory, each `munmap` of it walks that page table (on simgpu, where device
-//! memory is host memory, that made every allocation of 64 KiB to 2 MiB cost 0.2-0.3 µs
+//! memory is host memory, that made every allocation of 64 KiB to 1 MiB cost 0.2-0.3 µs
 //! more under the shim: see docs/benchmarks.md). The shim fences NVML's mappings off with
 //! an untouched reservation.
 

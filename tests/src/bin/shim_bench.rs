@@ -12,7 +12,11 @@
 //! thread's CPU time (user and system): on a busy machine other processes move wall-clock
 //! time far more than the shim does, CPU time much less. The last column is the added
 //! wall-clock time, for pairs of each run's quickest twentieth (the pairs are timed in 20
-//! chunks).
+//! chunks). The last, "in-process", is the shim's cost measured inside each shimmed
+//! run, where the address space is the same on both sides: chunks through the program's
+//! entry points and through the driver's own functions alternate (the median of the
+//! rounds' medians): what the shim's code costs, apart from where the driver's mappings
+//! land in a process that has the shim loaded.
 //!
 //! Run: `cargo build --release --workspace && target/release/shim_bench
 //! [--rounds N] [--pairs N] [--launches N] [--sizes 4KiB,1MiB,...] [--shim PATH]`
@@ -41,10 +45,13 @@ const PATHS: [Path; 4] = [
 ];
 
 /// What one run of the program measured, in ns: per size, a pair's (wall-clock mean,
-/// quickest twentieth, CPU time); a launch's (wall-clock mean, CPU time).
+/// quickest twentieth, CPU time); a launch's (wall-clock mean, CPU time); under the shim
+/// also the CPU time it added inside the process, per size and per launch (NaN bare).
 struct Run {
     pairs: Vec<(f64, f64, f64)>,
     launch: (f64, f64),
+    inside: Vec<f64>,
+    inside_launch: f64,
 }
 
 struct Settings {
@@ -76,36 +83,44 @@ fn run(program: &PathBuf, path: &Path, sim: &SimGpuDir, shim: bool, s: &Settings
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    let mut result = Run { pairs: vec![], launch: (f64::NAN, f64::NAN) };
+    let mut result =
+        Run { pairs: vec![], launch: (f64::NAN, f64::NAN), inside: vec![], inside_launch: f64::NAN };
     for line in text.lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         let number = |i: usize| words.get(i).and_then(|w| w.parse::<f64>().ok()).expect("a number");
         match words.first() {
             Some(&"pair") => result.pairs.push((number(2), number(3), number(4))),
             Some(&"launch") => result.launch = (number(1), number(2)),
+            Some(&"inpair") => result.inside.push(number(2)),
+            Some(&"inlaunch") => result.inside_launch = number(1),
             _ => {}
         }
     }
     assert_eq!(result.pairs.len(), s.sizes.len(), "a line per size from {}", path.name);
+    if shim {
+        assert_eq!(result.inside.len(), s.sizes.len(), "in-process lines from {}", path.name);
+    }
     result
 }
 
 /// One line of the table: the medians of the CPU times, the added CPU time (the median
-/// of the rounds' differences, shimmed less bare), its ratio, and the added wall-clock
-/// time (likewise; for pairs, of each run's quickest twentieth).
+/// of the rounds' differences, shimmed less bare), its ratio, the added wall-clock time
+/// (likewise; for pairs, of each run's quickest twentieth), and what the shim added
+/// measured inside the shimmed processes (`inside`, their median).
 fn print_row(
     path: &str,
     call: &str,
     rounds: &[(Run, Run)],
     cpu: &dyn Fn(&Run) -> f64,
     wall: &dyn Fn(&Run) -> f64,
+    inside: f64,
 ) {
     let bare = median(rounds.iter().map(|(b, _)| cpu(b)).collect());
     let shim = median(rounds.iter().map(|(_, s)| cpu(s)).collect());
     let added = median(rounds.iter().map(|(b, s)| cpu(s) - cpu(b)).collect());
     let added_wall = median(rounds.iter().map(|(b, s)| wall(s) - wall(b)).collect());
     println!(
-        "{path:<28} {call:<18} {bare:>8.1} ns {shim:>8.1} ns {added:>+7.1} ns {:>7.3} {added_wall:>+9.1} ns",
+        "{path:<28} {call:<18} {bare:>8.1} ns {shim:>8.1} ns {added:>+7.1} ns {:>7.3} {added_wall:>+9.1} ns {inside:>+10.1} ns",
         shim / bare
     );
 }
@@ -192,16 +207,18 @@ fn main() {
     }
 
     println!(
-        "{:<28} {:<18} {:>11} {:>11} {:>10} {:>7} {:>12}",
-        "path", "call", "bare", "with shim", "added", "ratio", "added (wall)"
+        "{:<28} {:<18} {:>11} {:>11} {:>10} {:>7} {:>12} {:>13}",
+        "path", "call", "bare", "with shim", "added", "ratio", "added (wall)", "in-process"
     );
     for (i, path) in PATHS.iter().enumerate() {
         let rounds = &runs[i];
         for (k, &size) in s.sizes.iter().enumerate() {
             let call = format!("alloc+free {}", size_name(size));
-            print_row(path.name, &call, rounds, &|r| r.pairs[k].2, &|r| r.pairs[k].1);
+            let inside = median(rounds.iter().map(|(_, s)| s.inside[k]).collect());
+            print_row(path.name, &call, rounds, &|r| r.pairs[k].2, &|r| r.pairs[k].1, inside);
         }
-        print_row(path.name, "cuLaunchKernel", rounds, &|r| r.launch.1, &|r| r.launch.0);
+        let inside = median(rounds.iter().map(|(_, s)| s.inside_launch).collect());
+        print_row(path.name, "cuLaunchKernel", rounds, &|r| r.launch.1, &|r| r.launch.0, inside);
     }
 
     let shim = s.shim.clone();
