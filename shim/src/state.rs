@@ -758,7 +758,7 @@ impl Enforcer {
 
     /// Gives a charge back; with an arbiter, returns burst memory the group no longer
     /// needs, keeping one chunk of slack so a steady server does not talk to it each time.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn release(&self, device: usize, bytes: u64) {
         self.ledger.release(device, bytes);
         if self.arbiter.get().is_some() {
