@@ -41,12 +41,15 @@ pub(crate) fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
     let name = std::ffi::CString::new(uuid_string(&uuid)).ok()?;
     let mut handle: Ptr = std::ptr::null_mut();
     if call!(nvmlDeviceGetHandleByUUID(name.as_ptr() as *const c_char, &mut handle), 13) != SUCCESS {
+        fence_once();
         return None;
     }
     let mut procs = [[0u64; 3]; 256];
     let mut count: c_uint = procs.len() as c_uint;
     let mine = e.ledger.held_by_me(dev);
-    if call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13) != SUCCESS {
+    let listed = call!(nvmlDeviceGetComputeRunningProcesses_v3(handle, &mut count, procs.as_mut_ptr()), 13);
+    fence_once();
+    if listed != SUCCESS {
         return None;
     }
     // Another thread charged or freed while NVML answered: the two do not match.
@@ -56,6 +59,44 @@ pub(crate) fn usage(e: &Enforcer, ordinal: usize, dev: usize) -> Option<Usage> {
     let me = e.ledger.my_host_pid().unwrap_or_else(std::process::id);
     let own = own_usage(&procs[..(count as usize).min(procs.len())], me);
     Some(Usage { own, mine })
+}
+
+/// How much address space [`fence_once`] reserves: one page-table page's reach (2 MiB
+/// on x86_64 and aarch64 with 4 KiB pages) and a page. Not a whole multiple of 2 MiB:
+/// the kernel aligns such anonymous mappings to 2 MiB (for huge pages), which would
+/// leave a gap under NVML's mappings for small ones to fall into.
+const FENCE: usize = (2 << 20) + 4096;
+
+/// Reserves, once per process, a little over 2 MiB of address space (no memory:
+/// `PROT_NONE`, never touched) right below the mappings NVML made when the shim loaded
+/// it.
+///
+/// The kernel places a new mapping right below the lowest one. Without the fence, the
+/// program's next mappings (a driver's host memory; every allocation of the simulated
+/// driver, whose device memory is host memory) land right under NVML's, in the 2 MiB
+/// that one of NVML's page-table pages covers: each `munmap` of them then walks that
+/// page's entries instead of skipping a range with no page table, about 0.2 µs for a
+/// 1 MiB block, all of it added by the shim having loaded NVML into a program that
+/// never did. Below an untouched reservation of more than 2 MiB, the page-table page
+/// they fall in holds nothing else, as in the program alone.
+fn fence_once() {
+    static FENCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if FENCED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing, with
+    // no access and no reserve, has no preconditions; it is kept for the process's life
+    // and nothing reads or writes it. A failure only leaves the layout as it was.
+    unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            FENCE,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
 }
 
 /// NVML's `NVML_VALUE_NOT_AVAILABLE`: a process listed whose usage the driver does not

@@ -366,7 +366,7 @@ impl Ledger {
     }
 
     /// Gives back `bytes` on `dev`.
-    #[inline]
+    #[inline(always)]
     pub fn release(&self, dev: usize, bytes: u64) {
         let mine = &self.data().members[self.me].held[dev];
         let _ = mine.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(bytes)));

@@ -146,7 +146,7 @@ impl Records {
 
     /// Records `key`. Keys are unique while live (the driver never hands out a live
     /// address twice), so no check for an existing entry is needed.
-    #[inline]
+    #[inline(always)]
     pub fn insert(&self, key: u64, record: Record) {
         if key != EMPTY && key != TOMBSTONE && record.packable() {
             let mut i = self.start(key);
@@ -211,7 +211,7 @@ impl Records {
     /// Forgets `key`, returning its record. Of two threads freeing the same key, one gets
     /// it: the one that swaps the word out. The slot keeps the key until that thread
     /// marks it a tombstone, so no insert can claim the slot in between.
-    #[inline]
+    #[inline(always)]
     pub fn remove(&self, key: u64) -> Option<Record> {
         if let Some(i) = self.find(key) {
             let word = self.slots[i].word.swap(0, Ordering::AcqRel);

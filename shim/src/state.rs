@@ -566,7 +566,7 @@ impl Enforcer {
     }
 
     /// The calling thread's current context, tracked (adopted if created elsewhere).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn current(&self) -> Option<Current> {
         let mut ctx: *mut c_void = std::ptr::null_mut();
         if call!(cuCtxGetCurrent(&mut ctx), 801) != SUCCESS || ctx.is_null() {
@@ -609,7 +609,7 @@ impl Enforcer {
     /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit. The
     /// first try (a charge that fits: the hot path) is inlined into the allocation hooks;
     /// anything else (pools to take back, the arbiter, a refusal) is `charge_slow`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn charge(&self, ordinal: usize, bytes: u64) -> Result<Charge, Status> {
         let slice = self.slice(ordinal).ok_or(crate::ffi::INVALID_VALUE)?;
         let cap = self.cap(&slice);
@@ -758,7 +758,7 @@ impl Enforcer {
 
     /// Gives a charge back; with an arbiter, returns burst memory the group no longer
     /// needs, keeping one chunk of slack so a steady server does not talk to it each time.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn release(&self, device: usize, bytes: u64) {
         self.ledger.release(device, bytes);
         if self.arbiter.get().is_some() {

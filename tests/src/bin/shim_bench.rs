@@ -1,98 +1,133 @@
 //! Benchmark of the shim's hot paths against the bare simulated driver, in one run:
-//! nanoseconds added per `cuMemAlloc`+`cuMemFree` pair (within the request) and per
-//! `cuLaunchKernel`, and the start-up time added to a process that never calls CUDA
-//! (`/bin/true`). Reports ratios; asserts nothing. The pairs are also timed in 20 chunks,
-//! and the quickest chunk of each run reported too: on a busy machine a run's median is
-//! moved by other processes far more than by the shim, its quickest chunk much less.
+//! nanoseconds added per `cuMemAlloc`+`cuMemFree` pair (within the request) at sizes from
+//! 4 KiB to 64 MiB and per `cuLaunchKernel`, on every way a program reaches the driver
+//! (linked, `dlsym`, `cuGetProcAddress` for the legacy and for the per-thread default
+//! stream), and the start-up time added to a process that never calls CUDA
+//! (`/bin/true`). Reports; asserts nothing.
 //!
-//! Run: `cargo build --release --workspace && target/release/shim_bench`.
-//! (`shim_bench worker N` is the measured child process.)
+//! Each round runs the measured program (`tests/c/shim_bench.c`, one build per path)
+//! bare and under the shim, one right after the other (the order flips every round), so
+//! that a change in the machine's load hits both alike; "added" is the median over the
+//! rounds of the shimmed run's time less its bare partner's. The times are the calling
+//! thread's CPU time (user and system): on a busy machine other processes move wall-clock
+//! time far more than the shim does, CPU time much less. The last column is the added
+//! wall-clock time, for pairs of each run's quickest twentieth (the pairs are timed in 20
+//! chunks). The last, "in-process", is the shim's cost measured inside each shimmed
+//! run, where the address space is the same on both sides: chunks through the program's
+//! entry points and through the driver's own functions alternate (the median of the
+//! rounds' medians): what the shim's code costs, apart from where the driver's mappings
+//! land in a process that has the shim loaded.
+//!
+//! Run: `cargo build --release --workspace && target/release/shim_bench
+//! [--rounds N] [--pairs N] [--launches N] [--sizes 4KiB,1MiB,...] [--shim PATH]`
+//! (`--shim`: another build's `libgpufrac.so`, with its `libgpufrac_core.so` beside it).
 
-use std::ffi::c_void;
+use std::path::PathBuf;
 use std::process::Command;
-use std::ptr::null_mut;
 use std::time::Instant;
 
-use cudarc::driver::sys::{self, CUresult};
-use gpufrac_e2e::{artifact, target_dir};
+use gpufrac_common::parse_bytes;
+use gpufrac_e2e::{artifact, compile_c, target_dir};
 use simgpu_state::env::SimGpuDir;
 
-macro_rules! ck {
-    ($call:expr) => {{
-        // SAFETY: valid out-pointers and handles created in this program.
-        let r = unsafe { $call };
-        assert_eq!(r, CUresult::CUDA_SUCCESS, "{} failed", stringify!($call));
-    }};
+/// One way of reaching the driver: the C program's build and its `cuGetProcAddress` flags.
+struct Path {
+    name: &'static str,
+    define: &'static str,
+    flags: u32,
 }
 
-/// In the child: time `n` alloc+free pairs and `n` launches; print ns per operation (and
-/// per pair in the quickest twentieth of the pairs).
-fn worker(n: usize) {
-    ck!(sys::cuInit(0));
-    let mut ctx = null_mut();
-    ck!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0));
-    ck!(sys::cuCtxSetCurrent(ctx));
-    let mut module = null_mut();
-    ck!(sys::cuModuleLoadData(&mut module, c"bench".as_ptr().cast()));
-    let mut noop = null_mut();
-    ck!(sys::cuModuleGetFunction(&mut noop, module, c"simgpu_noop".as_ptr()));
-    let mut stream = null_mut();
-    ck!(sys::cuStreamCreate(&mut stream, 1));
+const PATHS: [Path; 4] = [
+    Path { name: "linked", define: "MODE_LINKED", flags: 0 },
+    Path { name: "dlsym", define: "MODE_DLSYM", flags: 0 },
+    Path { name: "cuGetProcAddress legacy", define: "MODE_PROCADDR", flags: 1 },
+    Path { name: "cuGetProcAddress per-thread", define: "MODE_PROCADDR", flags: 2 },
+];
 
-    let mut ptr = 0u64;
-    let chunks = 20;
-    let per_chunk = (n / chunks).max(1);
-    let mut quickest = f64::MAX;
-    let t = Instant::now();
-    let mut done = 0;
-    while done < n {
-        let count = per_chunk.min(n - done);
-        let chunk = Instant::now();
-        for _ in 0..count {
-            ck!(sys::cuMemAlloc_v2(&mut ptr, 4096));
-            ck!(sys::cuMemFree_v2(ptr));
-        }
-        if count == per_chunk {
-            quickest = quickest.min(chunk.elapsed().as_nanos() as f64 / count as f64);
-        }
-        done += count;
-    }
-    let pair = t.elapsed().as_nanos() as f64 / n as f64;
+/// What one run of the program measured, in ns: per size, a pair's (wall-clock mean,
+/// quickest twentieth, CPU time); a launch's (wall-clock mean, CPU time); under the shim
+/// also the CPU time it added inside the process, per size and per launch (NaN bare).
+struct Run {
+    pairs: Vec<(f64, f64, f64)>,
+    launch: (f64, f64),
+    inside: Vec<f64>,
+    inside_launch: f64,
+}
 
-    let mut params: [*mut c_void; 0] = [];
-    let launches = n * 10;
-    let t = Instant::now();
-    for i in 0..launches {
-        ck!(sys::cuLaunchKernel(noop, 1, 1, 1, 1, 1, 1, 0, stream, params.as_mut_ptr(), null_mut()));
-        if i % 4096 == 4095 {
-            // Keep the queue short so memory use does not distort the timing.
-            ck!(sys::cuStreamSynchronize(stream));
+struct Settings {
+    rounds: usize,
+    pairs: usize,
+    launches: usize,
+    sizes: Vec<u64>,
+    /// The `libgpufrac.so` measured (`--shim`; default the one beside this program), to
+    /// compare two builds in one sitting.
+    shim: PathBuf,
+}
+
+fn run(program: &PathBuf, path: &Path, sim: &SimGpuDir, shim: bool, s: &Settings) -> Run {
+    let mut cmd = Command::new(program);
+    cmd.arg(path.flags.to_string()).arg(s.pairs.to_string()).arg(s.launches.to_string());
+    cmd.args(s.sizes.iter().map(u64::to_string)).env_remove("LD_PRELOAD");
+    sim.apply(&mut cmd);
+    if shim {
+        cmd.env("LD_PRELOAD", &s.shim)
+            .env("GPUFRAC_MEMORY_REQUEST", "8GiB")
+            .env("GPUFRAC_MEMORY_LIMIT", "12GiB");
+    }
+    let out = cmd.output().expect("the measured program");
+    assert!(
+        out.status.success(),
+        "{} ({}) failed: {}",
+        path.name,
+        if shim { "shimmed" } else { "bare" },
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut result =
+        Run { pairs: vec![], launch: (f64::NAN, f64::NAN), inside: vec![], inside_launch: f64::NAN };
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let number = |i: usize| words.get(i).and_then(|w| w.parse::<f64>().ok()).expect("a number");
+        match words.first() {
+            Some(&"pair") => result.pairs.push((number(2), number(3), number(4))),
+            Some(&"launch") => result.launch = (number(1), number(2)),
+            Some(&"inpair") => result.inside.push(number(2)),
+            Some(&"inlaunch") => result.inside_launch = number(1),
+            _ => {}
         }
     }
-    ck!(sys::cuStreamSynchronize(stream));
-    let launch = t.elapsed().as_nanos() as f64 / launches as f64;
-    println!("{pair:.1} {launch:.1} {quickest:.1}");
+    assert_eq!(result.pairs.len(), s.sizes.len(), "a line per size from {}", path.name);
+    if shim {
+        assert_eq!(result.inside.len(), s.sizes.len(), "in-process lines from {}", path.name);
+    }
+    result
+}
+
+/// One line of the table: the medians of the CPU times, the added CPU time (the median
+/// of the rounds' differences, shimmed less bare), its ratio, the added wall-clock time
+/// (likewise; for pairs, of each run's quickest twentieth), and what the shim added
+/// measured inside the shimmed processes (`inside`, their median).
+fn print_row(
+    path: &str,
+    call: &str,
+    rounds: &[(Run, Run)],
+    cpu: &dyn Fn(&Run) -> f64,
+    wall: &dyn Fn(&Run) -> f64,
+    inside: f64,
+) {
+    let bare = median(rounds.iter().map(|(b, _)| cpu(b)).collect());
+    let shim = median(rounds.iter().map(|(_, s)| cpu(s)).collect());
+    let added = median(rounds.iter().map(|(b, s)| cpu(s) - cpu(b)).collect());
+    let added_wall = median(rounds.iter().map(|(b, s)| wall(s) - wall(b)).collect());
+    println!(
+        "{path:<28} {call:<18} {bare:>8.1} ns {shim:>8.1} ns {added:>+7.1} ns {:>7.3} {added_wall:>+9.1} ns {inside:>+10.1} ns",
+        shim / bare
+    );
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
-}
-
-fn run_worker(sim: &SimGpuDir, shim: bool, n: usize) -> (f64, f64, f64) {
-    let mut cmd = Command::new(std::env::current_exe().expect("own path"));
-    cmd.args(["worker", &n.to_string()]).env_remove("LD_PRELOAD");
-    sim.apply(&mut cmd);
-    if shim {
-        cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
-            .env("GPUFRAC_MEMORY_REQUEST", "8GiB")
-            .env("GPUFRAC_MEMORY_LIMIT", "12GiB");
-    }
-    let out = cmd.output().expect("worker");
-    assert!(out.status.success(), "worker failed: {}", String::from_utf8_lossy(&out.stderr));
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Vec<f64> = text.split_whitespace().map(|x| x.parse().expect("number")).collect();
-    (v[0], v[1], v[2])
 }
 
 /// Mean wall time of starting `/bin/true`, in microseconds.
@@ -109,31 +144,84 @@ fn startup(preload: Option<&std::path::Path>, runs: usize) -> f64 {
     t.elapsed().as_secs_f64() * 1e6 / runs as f64
 }
 
+fn settings() -> Settings {
+    let mut s = Settings {
+        rounds: 7,
+        pairs: 20_000,
+        launches: 200_000,
+        sizes: [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20].into(),
+        shim: artifact("libgpufrac.so"),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().unwrap_or_else(|| panic!("shim_bench: {flag} needs a value"));
+        let count =
+            || value.parse::<usize>().unwrap_or_else(|_| panic!("shim_bench: {flag} {value}: not a count"));
+        match flag.as_str() {
+            "--rounds" => s.rounds = count().max(1),
+            "--pairs" => s.pairs = count().max(20),
+            "--launches" => s.launches = count().max(1),
+            "--sizes" => {
+                s.sizes = value
+                    .split(',')
+                    .map(|v| parse_bytes("--sizes", v).unwrap_or_else(|e| panic!("shim_bench: {e}")))
+                    .collect()
+            }
+            "--shim" => s.shim = PathBuf::from(&value),
+            _ => panic!("shim_bench: unknown option {flag} (--rounds, --pairs, --launches, --sizes, --shim)"),
+        }
+    }
+    s
+}
+
+fn size_name(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("worker") {
-        worker(args.get(2).and_then(|n| n.parse().ok()).unwrap_or(100_000));
-        return;
-    }
-    let n = 100_000;
-    let rounds = 7;
+    let s = settings();
     let sim = SimGpuDir::new(&std::env::temp_dir(), &target_dir(), "16GiB").expect("simulated GPU");
-    println!("shim_bench: {rounds} rounds, {n} alloc+free pairs and {} launches each, bare simgpu and under the shim alternately", n * 10);
-    let (mut bare_pair, mut bare_launch, mut shim_pair, mut shim_launch) = (vec![], vec![], vec![], vec![]);
-    let (mut bare_quick, mut shim_quick) = (vec![], vec![]);
-    for _ in 0..rounds {
-        let (p, l, q) = run_worker(&sim, false, n);
-        bare_pair.push(p);
-        bare_launch.push(l);
-        bare_quick.push(q);
-        let (p, l, q) = run_worker(&sim, true, n);
-        shim_pair.push(p);
-        shim_launch.push(l);
-        shim_quick.push(q);
+    let programs: Vec<PathBuf> =
+        PATHS.iter().map(|p| compile_c("shim_bench.c", &[p.define], p.define == "MODE_LINKED")).collect();
+    println!(
+        "shim_bench: {} rounds; per run {} alloc+free pairs at each size and {} launches; bare simgpu and under the shim alternately",
+        s.rounds, s.pairs, s.launches
+    );
+    // runs[path][round] = (bare, shimmed)
+    let mut runs: Vec<Vec<(Run, Run)>> = PATHS.iter().map(|_| vec![]).collect();
+    for round in 0..s.rounds {
+        for (i, path) in PATHS.iter().enumerate() {
+            let (bare, shimmed) = if round % 2 == 0 {
+                let bare = run(&programs[i], path, &sim, false, &s);
+                (bare, run(&programs[i], path, &sim, true, &s))
+            } else {
+                let shimmed = run(&programs[i], path, &sim, true, &s);
+                (run(&programs[i], path, &sim, false, &s), shimmed)
+            };
+            runs[i].push((bare, shimmed));
+        }
     }
-    let (bp, bl, sp, sl) = (median(bare_pair), median(bare_launch), median(shim_pair), median(shim_launch));
-    let (bq, sq) = (median(bare_quick), median(shim_quick));
-    let shim = artifact("libgpufrac.so");
+
+    println!(
+        "{:<28} {:<18} {:>11} {:>11} {:>10} {:>7} {:>12} {:>13}",
+        "path", "call", "bare", "with shim", "added", "ratio", "added (wall)", "in-process"
+    );
+    for (i, path) in PATHS.iter().enumerate() {
+        let rounds = &runs[i];
+        for (k, &size) in s.sizes.iter().enumerate() {
+            let call = format!("alloc+free {}", size_name(size));
+            let inside = median(rounds.iter().map(|(_, s)| s.inside[k]).collect());
+            print_row(path.name, &call, rounds, &|r| r.pairs[k].2, &|r| r.pairs[k].1, inside);
+        }
+        let inside = median(rounds.iter().map(|(_, s)| s.inside_launch).collect());
+        print_row(path.name, "cuLaunchKernel", rounds, &|r| r.launch.1, &|r| r.launch.0, inside);
+    }
+
+    let shim = s.shim.clone();
     let runs = 300;
     let (mut bare_start, mut shim_start) = (vec![], vec![]);
     for _ in 0..5 {
@@ -141,27 +229,10 @@ fn main() {
         shim_start.push(startup(Some(&shim), runs));
     }
     let (bs, ss) = (median(bare_start), median(shim_start));
-    println!("{:<28} {:>12} {:>12} {:>10} {:>8}", "", "bare simgpu", "with shim", "added", "ratio");
     println!(
-        "{:<28} {:>9.1} ns {:>9.1} ns {:>7.1} ns {:>8.3}",
-        "cuMemAlloc+cuMemFree pair",
-        bp,
-        sp,
-        sp - bp,
-        sp / bp
-    );
-    println!(
-        "{:<28} {:>9.1} ns {:>9.1} ns {:>7.1} ns {:>8.3}",
-        "  quickest 1/20 of the pairs",
-        bq,
-        sq,
-        sq - bq,
-        sq / bq
-    );
-    println!("{:<28} {:>9.1} ns {:>9.1} ns {:>7.1} ns {:>8.3}", "cuLaunchKernel", bl, sl, sl - bl, sl / bl);
-    println!(
-        "{:<28} {:>9.1} us {:>9.1} us {:>7.1} us {:>8.3}",
+        "{:<28} {:<18} {:>8.1} us {:>8.1} us {:>+7.1} us {:>7.3}",
         "start-up of /bin/true",
+        "",
         bs,
         ss,
         ss - bs,
