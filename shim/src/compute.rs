@@ -957,24 +957,26 @@ mod tests {
             slot.done.store(done, SeqCst);
             slot.cost_ns.store(cost_ns, SeqCst);
         };
-        // 1 ms calls: two in flight go, a third waits.
-        set(a, 1, 0, 1_000_000);
+        // Calls of half the bound: two in flight go, a third waits.
+        let half = IN_FLIGHT_NS / 2;
+        set(a, 1, 0, half);
         assert!(!over_bound(0));
-        set(a, 2, 0, 1_000_000);
+        set(a, 2, 0, half);
         assert!(over_bound(0));
         // 100 µs calls: up to the bound's worth.
-        set(a, 19, 0, 100_000);
+        let fit = IN_FLIGHT_NS / 100_000;
+        set(a, fit - 1, 0, 100_000);
         assert!(!over_bound(0));
-        set(a, 20, 0, 100_000);
+        set(a, fit, 0, 100_000);
         assert!(over_bound(0));
         // 10 ms calls: still two, so the stream never idles for a wake-up.
         set(a, 1, 0, 10_000_000);
         assert!(!over_bound(0));
         // Another stream's marked work counts toward the process's bound.
         set(a, 2, 0, 100_000);
-        set(b, 2, 0, 1_000_000);
+        set(b, 2, 0, half);
         assert!(over_bound(0));
-        set(b, 2, 2, 1_000_000);
+        set(b, 2, 2, half);
         assert!(!over_bound(0));
         // Nothing known about the cost: only a full ring holds.
         set(a, 10, 0, 0);

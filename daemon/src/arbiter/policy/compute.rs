@@ -29,12 +29,12 @@
 //!   is cut short for it. A group that wants again after giving its lease back cuts the
 //!   holder's lease to end once the holder's running pass reaches its own (at once if it
 //!   already has). A latency-sensitive server thus waits for the holder's drain (which the
-//!   holder's shim keeps to a couple of ms), not for its lease; groups that keep wanting
+//!   holder's shim keeps to a few ms), not for its lease; groups that keep wanting
 //!   (they say so in `LeaseDone`) take turns by their planned leases.
 //! - When one group alone wants the GPU and its limit is the whole GPU, the GPU is *open*
 //!   to it: no lease, its calls pass untouched, until another group wants it. Only once
 //!   the others have been quiet for [`OPEN_AFTER_QUIET`], though: a leased holder's shim
-//!   bounds its work in flight (a couple of ms), an open one's does not, and a
+//!   bounds its work in flight (a few ms), an open one's does not, and a
 //!   latency-sensitive neighbour that cuts it would wait for all it queued.
 //!
 //! Processes without compute settings are never gated, and not planned around.
