@@ -357,6 +357,12 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
         assert!(status.code() != Some(4), "a borrower's data came back wrong: {}", l.diagnostics());
         assert!(!l.stderr_text().contains("CORRUPT"), "{}", l.diagnostics());
     }
+    // What the check above is for: borrowers' bursts went to host memory and came back
+    // (the arbiter's own words), so their data was checked after a round trip.
+    let log = arbiter.log_text();
+    let (outs, ins) = (log.matches("swapped out").count(), log.matches("swapped in").count());
+    eprintln!("{outs} swaps out, {ins} swaps in");
+    assert!(outs >= 1 && ins >= 1, "no borrower was swapped out and back: the data check checked no round trip: {log}");
 }
 
 #[test]
