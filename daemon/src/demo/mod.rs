@@ -6,37 +6,33 @@
 //! not act failed. Needs no GPU: it runs on simgpu, built with the workspace next to the
 //! `gpufrac` binary.
 
+//!
+//! One file per act (`wait.rs`, `priority.rs`, `swap.rs`: its servers, what it must show,
+//! its outcome in a line); `stage.rs` runs an act, `timeline.rs` narrates it.
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use gpufrac_common::size::format_size;
-use simgpu_state::env::SimGpuDir;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// The fewest servers of the first act: bursts wait for each other only when two collide.
-pub const MIN_SERVERS: usize = 2;
-/// The most servers of the first act.
-pub const MAX_SERVERS: usize = 16;
-/// What each server of the first act is guaranteed (GPUFRAC_MEMORY_REQUEST).
-const REQUEST: u64 = 1088 * MIB;
-/// What each server of the first act may burst to (GPUFRAC_MEMORY_LIMIT).
-const LIMIT: u64 = 2176 * MIB;
-/// Room the largest burst of the first act needs beside every request (a 1 GiB batch).
-const LARGEST_BURST: u64 = GIB;
-/// Memory no request reserves, when the device is sized from `--servers`: one 1 GiB
-/// burst and one 256 MiB burst at a time, so that the others wait.
-const SPARE: u64 = 1344 * MIB;
+mod priority;
+mod stage;
+mod swap;
+mod timeline;
+mod wait;
+
+use stage::{Reaper, Stage};
+use timeline::Timeline;
+
+pub use wait::{device_memory_for, first_act_device, MAX_SERVERS, MIN_SERVERS};
+
 /// The simulated GPU of acts 2 and 3, sized so that their two bursts collide.
 const SMALL_DEVICE: &str = "4.5GiB";
-/// A burst granted sooner than this did not really wait (the arbiter queues a burst
-/// that arrives while memory is being given back, and grants it a moment later).
-const WAIT_SHOWN_MS: u64 = 10;
 
 /// Why the demo could not run, or failed.
 #[derive(Debug, thiserror::Error)]
@@ -85,53 +81,6 @@ pub struct DemoConfig {
     /// Run under the shim and the arbiter, all three acts (otherwise: the first act
     /// bare, to compare).
     pub arbiter: bool,
-}
-
-/// The memory of the first act's GPU sized for `servers`: their requests, one 1 GiB
-/// burst and one 256 MiB burst (4.5 GiB for 3 servers).
-pub fn device_memory_for(servers: usize) -> u64 {
-    servers as u64 * REQUEST + SPARE
-}
-
-/// The memory of the first act's GPU: `device_memory` if given, else sized from
-/// `servers`; refuses at once what cannot show bursts waiting for each other, with a hint.
-pub fn first_act_device(servers: usize, device_memory: Option<&str>) -> Result<u64, DemoError> {
-    if !(MIN_SERVERS..=MAX_SERVERS).contains(&servers) {
-        let hint = if servers < MIN_SERVERS {
-            " (hint: bursts wait for each other only when two servers collide)"
-        } else {
-            ""
-        };
-        return Err(DemoError::Impossible(format!(
-            "--servers must be between {MIN_SERVERS} and {MAX_SERVERS}, not {servers}{hint}"
-        )));
-    }
-    let sized = device_memory_for(servers);
-    let Some(given) = device_memory else { return Ok(sized) };
-    let device = gpufrac_common::parse_bytes("--device-memory", given)
-        .map_err(|e| DemoError::Impossible(e.to_string()))?;
-    let requests = servers as u64 * REQUEST;
-    let hint =
-        format!("or leave --device-memory out to size it for {servers} servers ({})", format_size(sized));
-    if device < requests + LARGEST_BURST {
-        return Err(DemoError::Impossible(format!(
-            "--device-memory {given} is too small for {servers} servers: their requests take {servers} × {} = {} \
-             and a 1 GiB batch needs {} beside them (hint: give at least {}, {hint})",
-            format_size(REQUEST),
-            format_size(requests),
-            format_size(LARGEST_BURST),
-            format_size(requests + LARGEST_BURST),
-        )));
-    }
-    if device >= servers as u64 * LIMIT {
-        return Err(DemoError::Impossible(format!(
-            "--device-memory {given} is too large for {servers} servers: all of them fit at their limit ({}) \
-             at once, so no burst would ever wait (hint: give less than {}, {hint})",
-            format_size(LIMIT),
-            format_size(servers as u64 * LIMIT),
-        )));
-    }
-    Ok(device)
 }
 
 /// The outcome, for the summary and for tests.
@@ -218,31 +167,9 @@ pub fn verdict(kind: ActKind, d: &DemoSummary, batches: usize) -> Option<Result<
     let mut problems = Vec::new();
     match kind {
         ActKind::Bare => return None,
-        ActKind::Wait => {
-            if d.granted_after_wait == 0 {
-                problems.push("no burst waited and was granted: the bursts never collided".to_owned());
-            }
-            if d.denied > 0 {
-                problems.push(format!("{} bursts timed out waiting", d.denied));
-            }
-        }
-        ActKind::Priority => {
-            if d.terminated == 0 {
-                problems.push("no holder was ended for the priority burst".to_owned());
-            }
-        }
-        ActKind::Swap => {
-            if d.swapped_out == 0 || d.swapped_in == 0 {
-                problems.push(format!(
-                    "nothing was swapped out and back in ({} out, {} in)",
-                    d.swapped_out, d.swapped_in
-                ));
-            }
-            if d.kept_intact < d.kept_expected {
-                problems
-                    .push(format!("{} of {} kept caches verified intact", d.kept_intact, d.kept_expected));
-            }
-        }
+        ActKind::Wait => wait::problems(d, &mut problems),
+        ActKind::Priority => priority::problems(d, &mut problems),
+        ActKind::Swap => swap::problems(d, &mut problems),
     }
     if d.batches_served < batches {
         problems.push(format!("{} of {batches} batches served", d.batches_served));
@@ -263,28 +190,6 @@ fn need(path: PathBuf) -> Result<PathBuf, DemoError> {
         Ok(path)
     } else {
         Err(DemoError::Missing(path))
-    }
-}
-
-/// `key=value` from a log line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace().find_map(|t| t.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
-}
-
-fn mib(bytes: &str) -> String {
-    bytes.parse::<u64>().map_or_else(|_| bytes.to_owned(), |b| format!("{} MiB", b / MIB))
-}
-
-/// Kills the arbiters and any server left when the demo ends, however it ends.
-#[derive(Default)]
-struct Reaper(Vec<Child>);
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -333,436 +238,22 @@ struct Act {
     servers: Vec<Server>,
 }
 
-/// A burst the arbiter queued, not yet shown.
-struct Queued {
-    since: Instant,
-    bytes: String,
-    shown: bool,
-}
-
-/// The lines of every process, in order, and who is who.
-struct Timeline {
-    started: Instant,
-    tx: mpsc::Sender<(String, String)>,
-    rx: mpsc::Receiver<(String, String)>,
-    names_by_pid: HashMap<String, String>,
-    queued: HashMap<String, Queued>,
-    /// The act's arbiter's last log lines, shown if the act fails.
-    arbiter_tail: std::collections::VecDeque<String>,
-}
-
-/// Log lines of the arbiter kept for a failing act.
-const ARBITER_TAIL: usize = 25;
-
-impl Timeline {
-    fn forward(&self, name: &str, pipe: Box<dyn std::io::Read + Send>) {
-        let (name, tx) = (name.to_owned(), self.tx.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let _ = tx.send((name.clone(), line));
-            }
-        });
-    }
-
-    fn print(&self, who: &str, event: &str) {
-        println!("{:7.3}s  {who:<10} {event}", self.started.elapsed().as_secs_f64());
-    }
-
-    /// Shows the queued bursts that have waited past a few ms (or all, with `all`).
-    fn show_waits(&mut self, all: bool, summary: &mut DemoSummary) {
-        let mut due: Vec<(String, String)> = Vec::new();
-        for (who, q) in &mut self.queued {
-            if !q.shown && (all || q.since.elapsed() > Duration::from_millis(WAIT_SHOWN_MS)) {
-                q.shown = true;
-                due.push((who.clone(), q.bytes.clone()));
-            }
-        }
-        for (who, bytes) in due {
-            summary.waits += 1;
-            self.print("arbiter", &format!("{who} bursts {bytes} and waits: that memory is lent out"));
-        }
-    }
-
-    /// Prints an arbiter line worth showing, counting it in `summary`.
-    fn arbiter_event(&mut self, line: &str, summary: &mut DemoSummary) {
-        if self.arbiter_tail.len() == ARBITER_TAIL {
-            self.arbiter_tail.pop_front();
-        }
-        self.arbiter_tail.push_back(line.to_owned());
-        let who = field(line, "pid").and_then(|p| self.names_by_pid.get(p)).cloned().unwrap_or_default();
-        let bytes = || mib(field(line, "bytes").unwrap_or("?"));
-        let event = if line.contains("burst waits") {
-            // Shown once it has waited more than a few ms: most are granted at once.
-            self.queued.insert(who, Queued { since: Instant::now(), bytes: bytes(), shown: false });
-            return;
-        } else if line.contains("grant after wait") || line.contains("a burst waited") {
-            let waited: u64 = field(line, "waited_ms").and_then(|w| w.parse().ok()).unwrap_or(0);
-            let shown = self.queued.remove(&who).is_some_and(|q| q.shown);
-            if !shown && waited <= WAIT_SHOWN_MS {
-                return;
-            }
-            if !shown {
-                summary.waits += 1;
-            }
-            summary.granted_after_wait += 1;
-            format!("{who} granted {} after {waited} ms", bytes())
-        } else if line.contains("burst denied") {
-            summary.denied += 1;
-            self.queued.remove(&who);
-            format!(
-                "{who} burst denied after {} ms ({})",
-                field(line, "waited_ms").unwrap_or("?"),
-                field(line, "reason").unwrap_or("?")
-            )
-        } else if line.contains("terminating a holder") {
-            // The burst it serves waits for it: say so first.
-            self.show_waits(true, summary);
-            summary.terminated += 1;
-            let why = line.split("why=").nth(1).and_then(|w| w.split(" bytes").next()).unwrap_or("?");
-            format!("{who} is ended (SIGTERM) to serve a priority burst: {why}, holding {}", bytes())
-        } else if line.contains("ending a holder of burst memory for a guarantee") {
-            self.show_waits(true, summary);
-            summary.terminated += 1;
-            format!("{who} is ended (SIGTERM): a guarantee needs the {} it borrowed", bytes())
-        } else if line.contains("asking a holder of burst memory to swap out") {
-            self.show_waits(true, summary);
-            format!("{who} is asked to move {} of burst memory to host RAM", bytes())
-        } else if line.contains("swapped out") && field(line, "bytes").is_some_and(|b| b != "0") {
-            summary.swapped_out += 1;
-            format!(
-                "{who} swapped {} out to host RAM in {} ms (addresses kept)",
-                bytes(),
-                field(line, "ms").unwrap_or("?")
-            )
-        } else if line.contains("swapped in") && field(line, "bytes").is_some_and(|b| b != "0") {
-            summary.swapped_in += 1;
-            format!("{who} swapped {} back in in {} ms", bytes(), field(line, "ms").unwrap_or("?"))
-        } else if line.contains("registration refused") || line.contains("ERROR") {
-            line.to_owned()
-        } else {
-            return;
-        };
-        self.print("arbiter", &event);
-    }
-}
-
-/// What all acts share.
-struct Stage<'a> {
-    config: &'a DemoConfig,
-    server_bin: PathBuf,
-    shim: Option<PathBuf>,
-    arbiter_bin: Option<PathBuf>,
-}
-
-/// One act's simulated GPU and arbiter.
-struct Gpu {
-    sim: SimGpuDir,
-    socket: PathBuf,
-}
-
-impl Stage<'_> {
-    /// A fresh simulated GPU of `memory`, with an arbiter serving it when under gpufrac.
-    fn gpu(&self, memory: &str, timeline: &Timeline, reaper: &mut Reaper) -> Result<Gpu, DemoError> {
-        let sim = SimGpuDir::new(&std::env::temp_dir(), &self.config.bin_dir, memory)
-            .map_err(io_err("preparing the simulated GPU"))?
-            .with_context_overhead("256MiB");
-        let socket = sim.lib_dir().join("arbiter.sock");
-        if let Some(bin) = &self.arbiter_bin {
-            let mut cmd = Command::new(bin);
-            cmd.arg("--socket")
-                .arg(&socket)
-                .args(["--swap-quantum", "2s", "--kill-grace", "3s", "--reclaim-grace", "2s"])
-                // The demo narrates every wait, short ones too (debug in the arbiter's log).
-                .env("GPUFRAC_LOG", "info,gpufrac_daemon::arbiter::server=debug")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped());
-            sim.apply(&mut cmd);
-            let mut child = cmd.spawn().map_err(io_err(format!("starting {}", bin.display())))?;
-            if let Some(err) = child.stderr.take() {
-                timeline.forward("arbiter", Box::new(err));
-            }
-            reaper.0.push(child);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-                if Instant::now() > deadline {
-                    return Err(DemoError::Server {
-                        name: "arbiter".into(),
-                        detail: "did not start serving".into(),
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        Ok(Gpu { sim, socket })
-    }
-
-    fn spawn(
-        &self,
-        gpu: &Gpu,
-        server: &Server,
-        act: usize,
-        timeline: &mut Timeline,
-    ) -> Result<Child, DemoError> {
-        let mut cmd = Command::new(&self.server_bin);
-        cmd.arg("--name").arg(&server.name).args(&server.args).stdout(Stdio::piped()).stderr(Stdio::piped());
-        gpu.sim.apply(&mut cmd);
-        if let Some(shim) = &self.shim {
-            cmd.env("LD_PRELOAD", shim)
-                .env("GPUFRAC_MEMORY_REQUEST", server.request)
-                .env("GPUFRAC_MEMORY_LIMIT", server.limit)
-                .env("GPUFRAC_RESOLVER", server.resolver)
-                .env("GPUFRAC_PRIORITY", server.priority.to_string())
-                .env("GPUFRAC_ARBITER_SOCKET", &gpu.socket)
-                .env("GPUFRAC_GROUP", format!("demo-{}-{act}-{}", std::process::id(), server.name))
-                .env("GPUFRAC_WAIT_TIMEOUT", "60s");
-        }
-        let mut child = cmd.spawn().map_err(io_err(format!("starting {}", self.server_bin.display())))?;
-        timeline.names_by_pid.insert(child.id().to_string(), server.name.clone());
-        if let Some(out) = child.stdout.take() {
-            timeline.forward(&server.name, Box::new(out));
-        }
-        if let Some(err) = child.stderr.take() {
-            timeline.forward(&server.name, Box::new(err));
-        }
-        Ok(child)
-    }
-
-    /// Prints a server's line, counting it in `summary`.
-    fn server_line(
-        name: &str,
-        line: &str,
-        expected_to_end: bool,
-        timeline: &Timeline,
-        summary: &mut DemoSummary,
-        errors: &mut Vec<(String, String)>,
-    ) -> String {
-        let event = line.strip_prefix(name).map(str::trim).unwrap_or(line).to_owned();
-        if event.starts_with("batch=") {
-            summary.batches_served += 1;
-        } else if event.starts_with("out-of-memory") {
-            summary.out_of_memory += 1;
-        } else if event.starts_with("kept-memory-intact") && !expected_to_end {
-            summary.kept_intact += 1;
-        } else if event.contains("error") {
-            errors.push((name.to_owned(), event.clone()));
-        }
-        timeline.print(name, &event);
-        event
-    }
-
-    /// Runs one act to its end: every server finished (or was ended, as expected). A
-    /// server that fails ends the act at once.
-    fn run_act(
-        &self,
-        number: usize,
-        act: &Act,
-        timeline: &mut Timeline,
-        summary: &mut DemoSummary,
-        reaper: &mut Reaper,
-    ) -> Result<(), DemoError> {
-        let gpu = self.gpu(&act.device_memory, timeline, reaper)?;
-        let mut errors: Vec<(String, String)> = Vec::new();
-        let mut next = 0;
-        // name → (index in the reaper, expected to be ended)
-        let mut running: HashMap<String, (usize, bool)> = HashMap::new();
-        let mut seen: Vec<(String, String)> = Vec::new();
-        let mut last_progress = Instant::now();
-        let expected_to_end: HashMap<&str, bool> =
-            act.servers.iter().map(|s| (s.name.as_str(), s.ended)).collect();
-        loop {
-            // Start every server whose cue has come.
-            while let Some(server) = act.servers.get(next) {
-                if let Some((who, event, delay)) = &server.after {
-                    if !seen.iter().any(|(n, e)| n == who && e.starts_with(event)) {
-                        break;
-                    }
-                    std::thread::sleep(*delay);
-                }
-                let child = self.spawn(&gpu, server, number, timeline)?;
-                running.insert(server.name.clone(), (reaper.0.len(), server.ended));
-                reaper.0.push(child);
-                next += 1;
-            }
-            // Reap who exited: one ended by the priority resolver prints nothing more; any
-            // other failure ends the act.
-            let mut failed = None;
-            running.retain(|n, &mut (i, ended)| match reaper.0[i].try_wait().ok().flatten() {
-                None => true,
-                Some(status) => {
-                    if !status.success() {
-                        if ended {
-                            timeline.print(n, &format!("ended ({status})"));
-                        } else {
-                            failed = Some((n.clone(), status));
-                        }
-                    }
-                    false
-                }
-            });
-            if let Some((name, status)) = failed {
-                // Its last lines may still be on their way.
-                while let Ok((who, line)) = timeline.rx.recv_timeout(Duration::from_millis(300)) {
-                    if who == "arbiter" {
-                        timeline.arbiter_event(&line, summary);
-                    } else {
-                        let ends = expected_to_end.get(who.as_str()).copied().unwrap_or(false);
-                        Self::server_line(&who, &line, ends, timeline, summary, &mut errors);
-                    }
-                }
-                let detail = errors
-                    .iter()
-                    .rev()
-                    .find(|(n, _)| *n == name)
-                    .map_or_else(|| status.to_string(), |(_, e)| e.clone());
-                return Err(DemoError::Server { name, detail });
-            }
-            timeline.show_waits(false, summary);
-            // Often while a burst is queued, to show it once it has waited a few ms.
-            let tick = if timeline.queued.values().any(|q| !q.shown) { 2 } else { 200 };
-            let (name, line) = match timeline.rx.recv_timeout(Duration::from_millis(tick)) {
-                Ok(got) => {
-                    last_progress = Instant::now();
-                    got
-                }
-                // Everyone exited and every line is in.
-                Err(_) if running.is_empty() && next == act.servers.len() => break,
-                Err(_) if running.is_empty() => {
-                    let server = &act.servers[next];
-                    let (who, event) = server.after.as_ref().map_or(("?", "?"), |(w, e, _)| (w.as_str(), *e));
-                    return Err(DemoError::Server {
-                        name: server.name.clone(),
-                        detail: format!("not started: {who} exited before printing {event:?}"),
-                    });
-                }
-                Err(_) if last_progress.elapsed() < Duration::from_secs(90) => continue,
-                Err(_) => {
-                    return Err(DemoError::Server {
-                        name: act.title.into(),
-                        detail: "no progress for 90 s".into(),
-                    })
-                }
-            };
-            if name == "arbiter" {
-                timeline.arbiter_event(&line, summary);
-                continue;
-            }
-            let ends = expected_to_end.get(name.as_str()).copied().unwrap_or(false);
-            let event = Self::server_line(&name, &line, ends, timeline, summary, &mut errors);
-            seen.push((name, event));
-        }
-        timeline.queued.clear();
-        Ok(())
-    }
-}
-
 /// The three acts: the first on a GPU of `device` bytes, the others on their own.
 fn acts(config: &DemoConfig, device: u64) -> Vec<Act> {
-    let steps = config.steps.to_string();
-    let mut first = Act {
-        kind: ActKind::Wait,
-        title: "wait: colliding bursts wait for each other",
-        story: &[
-            "Each server loads a 768 MiB model, then serves batches whose activations swing between 256 MiB",
-            "and 1 GiB. Each is guaranteed 1088 MiB (request) and may burst to 2176 MiB (limit); the arbiter",
-            "lends what no request reserves, and a burst that collides waits until memory is given back.",
-        ],
-        device_memory: format!("{}MiB", device.div_ceil(MIB)),
-        servers: Vec::new(),
-    };
-    if !config.arbiter {
-        first.kind = ActKind::Bare;
-        first.title = "without gpufrac: first come, first served";
-        first.story = &["The same servers, bare: a colliding burst is an out-of-memory error."];
-    }
-    for i in 0..config.servers {
-        let batches = ["256MiB,1GiB,512MiB", "512MiB,256MiB,1GiB", "1GiB,512MiB,256MiB"][i % 3];
-        first.servers.push(Server::new(
-            &format!("server-{}", i + 1),
-            &["--model", "768MiB", "--steps", &steps, "--batches", batches, "--compute", "30ms"],
-        ));
-    }
+    let first = wait::act(config, device);
     if !config.arbiter {
         return vec![first];
     }
-    let notebook = Server {
-        limit: "2560MiB",
-        resolver: "wait",
-        priority: 0,
-        ended: true,
-        ..Server::new(
-            "notebook",
-            &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "120s"],
-        )
-    };
-    let production = Server {
-        limit: "2560MiB",
-        resolver: "priority",
-        priority: 10,
-        after: Some(("notebook".into(), "idle", Duration::from_millis(200))),
-        ..Server::new(
-            "production",
-            &["--model", "832MiB", "--batches", "1280MiB", "--steps", "2", "--compute", "30ms"],
-        )
-    };
-    let second = Act {
-        kind: ActKind::Priority,
-        title: "priority: a production burst ends an idle lower-priority holder",
-        story: &[
-            "A notebook (priority 0) holds 1280 MiB of burst memory and goes idle. A production server",
-            "(priority 10, resolver priority) needs 1280 MiB for its batches: the arbiter ends the notebook.",
-        ],
-        device_memory: SMALL_DEVICE.into(),
-        servers: vec![notebook, production],
-    };
-    let sleeper = Server {
-        resolver: "swap",
-        limit: "2560MiB",
-        ..Server::new("chat-a", &["--model", "832MiB", "--keep", "1280MiB", "--steps", "0", "--idle", "10s"])
-    };
-    let busy = Server {
-        resolver: "swap",
-        limit: "2560MiB",
-        // At once: chat-b's burst waits out chat-a's quantum if it comes sooner, and a
-        // slow start of chat-b (a loaded machine) still finds chat-a asleep.
-        after: Some(("chat-a".into(), "idle", Duration::from_millis(200))),
-        ..Server::new(
-            "chat-b",
-            &["--model", "832MiB", "--batches", "1280MiB", "--steps", "3", "--compute", "30ms"],
-        )
-    };
-    let third = Act {
-        kind: ActKind::Swap,
-        title: "swap: two servers take turns with the same memory",
-        story: &[
-            "chat-a keeps a 1280 MiB KV cache and sleeps. chat-b needs 1280 MiB for its batches: the arbiter",
-            "has chat-a's cache moved to host RAM (same addresses, nothing lost) and chat-b runs. The cache",
-            "comes back when memory is free again (should chat-a need it sooner, the two take turns, 2 s each:",
-            "--swap-quantum); chat-a verifies every byte of its cache at the end.",
-        ],
-        device_memory: SMALL_DEVICE.into(),
-        servers: vec![sleeper, busy],
-    };
-    vec![first, second, third]
+    vec![first, priority::act(), swap::act()]
 }
 
 /// What an act did, in one line.
 fn outcome_text(kind: ActKind, d: &DemoSummary) -> String {
     match kind {
-        ActKind::Wait => format!(
-            "{} batches served, {} bursts waited and were granted, {} denied, {} out-of-memory errors",
-            d.batches_served, d.granted_after_wait, d.denied, d.out_of_memory
-        ),
-        ActKind::Bare => {
-            format!("{} batches served, {} out-of-memory errors", d.batches_served, d.out_of_memory)
-        }
-        ActKind::Priority => format!(
-            "{} idle lower-priority holder ended, production served {} batches, {} out-of-memory errors",
-            d.terminated, d.batches_served, d.out_of_memory
-        ),
-        ActKind::Swap => format!(
-            "{} swapped out and {} back in, chat-b served {} batches, {} of {} kept caches verified intact, {} out-of-memory errors",
-            d.swapped_out, d.swapped_in, d.batches_served, d.kept_intact, d.kept_expected, d.out_of_memory
-        ),
+        ActKind::Wait => wait::outcome(d),
+        ActKind::Bare => wait::bare_outcome(d),
+        ActKind::Priority => priority::outcome(d),
+        ActKind::Swap => swap::outcome(d),
     }
 }
 
@@ -905,38 +396,6 @@ pub fn default_bin_dir() -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_device_is_sized_from_the_servers() {
-        assert_eq!(device_memory_for(3), 4608 * MIB, "the 4.5 GiB of the default");
-        assert_eq!(first_act_device(5, None).expect("sized"), 5 * 1088 * MIB + 1344 * MIB);
-        for n in MIN_SERVERS..=MAX_SERVERS {
-            let sized = first_act_device(n, None).expect("sized");
-            // Every request fits with room for the largest burst, and not all at their limit.
-            assert!(sized >= n as u64 * REQUEST + LARGEST_BURST && sized < n as u64 * LIMIT, "{n}");
-        }
-        assert_eq!(first_act_device(5, Some("7GiB")).expect("given"), 7 * GIB);
-    }
-
-    #[test]
-    fn impossible_combinations_are_refused_with_a_hint() {
-        let err = first_act_device(5, Some("4.5GiB")).unwrap_err().to_string();
-        assert!(err.contains("too small for 5 servers") && err.contains("at least 6.31 GiB"), "{err}");
-        assert!(err.contains("leave --device-memory out"), "{err}");
-        let err = first_act_device(3, Some("16GiB")).unwrap_err().to_string();
-        assert!(err.contains("too large") && err.contains("no burst would ever wait"), "{err}");
-        for n in [0, 1] {
-            let err = first_act_device(n, None).unwrap_err().to_string();
-            assert!(
-                err.contains("--servers must be between 2 and 16") && err.contains("two servers collide"),
-                "{err}"
-            );
-        }
-        let err = first_act_device(MAX_SERVERS + 1, None).unwrap_err().to_string();
-        assert!(err.contains("--servers must be between 2 and 16, not 17"), "{err}");
-        let err = first_act_device(3, Some("lots")).unwrap_err().to_string();
-        assert!(err.contains("--device-memory"), "{err}");
-    }
 
     #[test]
     fn an_act_whose_resolver_did_not_act_fails() {
