@@ -20,11 +20,18 @@
 //! capped by that. A process the arbiter cannot pin (no pidfd) is not entitled under a
 //! source and is lent nothing ever. Processes are signalled only through their pidfd.
 //! `gpufrac status` shows a client only its own user's processes unless it is an admin.
+//!
+//! One file per concern under `server/`: `listener.rs` accepts and caps connections,
+//! `frames.rs` frames them, `session.rs` runs each connection and dispatches its requests
+//! to `hello.rs`, `register.rs`, `bursts.rs`, `parking.rs` and `compute.rs`; `peers.rs`
+//! says who a peer is and what it may have, `endings.rs` signals processes,
+//! `resolvers.rs` runs the resolvers on a tick, `processes.rs` watches NVML's process list
+//! (and `backstop.rs` acts on what it finds), `logs.rs` and `document.rs` say what
+//! happened. This file keeps the settings and the state they share.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpufrac_common::protocol::{DeviceId, Reply};
 use tokio::sync::{mpsc, Notify};
@@ -32,9 +39,8 @@ use tokio::sync::{mpsc, Notify};
 use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics};
 use super::policy::{uuid_string, ConnId, Policy};
-use super::ratelimit::RateLimiter;
 use crate::entitlement::identity::Pidfd;
-use crate::entitlement::{Entitlements, NoPolicy};
+use crate::entitlement::Entitlements;
 use crate::status::{EventKind, EventLog};
 
 mod backstop;
@@ -60,9 +66,9 @@ pub use parking::ParkWith;
 use bursts::Queued;
 use document::EVENTS_KEPT;
 use endings::Ending;
-use listener::{pin_reserve, UidConns};
-use logs::{CONNECTION_LINES_PER_SECOND, REFUSAL_LINES_PER_SECOND};
-use peers::{Who, MAX_LOOKUPS};
+use listener::Admissions;
+use logs::Logs;
+use peers::{Lookups, Who};
 
 /// The priority and swap resolvers' settings.
 #[derive(Debug, Clone, Copy)]
@@ -125,45 +131,33 @@ impl Default for Options {
     }
 }
 
-/// State shared by every connection.
+/// State shared by every connection. Each concern keeps its own part in its own file
+/// (the connection caps in `listener.rs`, the entitlement lookups in `peers.rs`, the log
+/// budgets in `logs.rs`); the table of open connections is reached through the small
+/// methods below.
 pub struct Shared {
     options: Options,
     terminator: Box<dyn Terminator>,
     /// Connections being ended, and when they were sent SIGTERM.
     ending: Mutex<HashMap<ConnId, Ending>>,
     policy: Mutex<Policy>,
-    writers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<Vec<u8>>>>,
     /// The metrics, also served over HTTP.
     pub metrics: Arc<Metrics>,
-    next_conn: AtomicU64,
     /// Metric labels per GPU, made once.
     labels: HashMap<DeviceId, GpuLabel>,
     /// Where memory used outside gpufrac is learnt (NVML); none in tests and benches.
     processes: Option<Box<dyn ProcessList>>,
-    /// Open connections per UID.
-    uids: Mutex<HashMap<u32, UidConns>>,
-    /// Lines about refusals and closings, per UID.
-    refusal_log: Mutex<RateLimiter>,
-    /// Lines about connections, registrations and swaps, per UID.
-    connection_log: Mutex<RateLimiter>,
-    /// Where entitlements come from (`NoPolicy`: none configured).
-    entitlements: Arc<dyn Entitlements>,
-    /// Whether a source is configured (else every client is unrestricted, asked nothing).
-    entitled: bool,
     /// Per open connection: the pidfd of the process that connected, if one could be had,
     /// and the way to close the connection.
     conns: Mutex<HashMap<ConnId, ConnHandle>>,
-    /// Descriptors kept open to be given up when a process that said `Hello` cannot be
-    /// pinned for lack of them (a crowd of idle connections took the rest): without its
-    /// pidfd it would be lent nothing for its whole life. Refilled when it can be.
-    pin_reserve: Mutex<Vec<std::fs::File>>,
-    /// Verdicts by process (PID, start time), reused while its shim reconnects (never a
-    /// failed lookup's).
-    verdicts: Mutex<HashMap<(u32, u64), (Instant, crate::entitlement::Verdict)>>,
-    /// Bounds the entitlement lookups running at once.
-    lookups: Arc<tokio::sync::Semaphore>,
-    /// Bounds each UID's entitlement lookups running at once.
-    uid_lookups: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
+    /// Per connection that said `Hello`: where answers decided elsewhere go.
+    writers: Mutex<HashMap<ConnId, mpsc::UnboundedSender<Vec<u8>>>>,
+    /// Open connections per UID, the pin reserve, the next connection's number.
+    admissions: Admissions,
+    /// The entitlement source, its verdicts, the lookups in flight.
+    lookups: Lookups,
+    /// Log lines about peers, rate-limited per UID.
+    logs: Logs,
     /// The last events logged at INFO or WARN, for `gpufrac top`.
     events: Mutex<EventLog>,
     /// Bursts queued and not answered yet, by connection and sequence number: what the
@@ -177,6 +171,7 @@ pub struct Shared {
 }
 
 /// What the server keeps of an open connection to act on it from elsewhere.
+#[derive(Clone)]
 struct ConnHandle {
     pidfd: Option<Arc<Pidfd>>,
     close: Arc<Notify>,
@@ -220,22 +215,15 @@ impl Shared {
             processes,
             options,
             terminator,
-            entitled: entitlements.is_some(),
-            entitlements: entitlements.unwrap_or_else(|| Arc::new(NoPolicy)),
             conns: Mutex::new(HashMap::new()),
-            pin_reserve: Mutex::new(pin_reserve()),
-            verdicts: Mutex::new(HashMap::new()),
-            lookups: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS)),
-            uid_lookups: Mutex::new(HashMap::new()),
+            writers: Mutex::new(HashMap::new()),
+            admissions: Admissions::new(),
+            lookups: Lookups::new(entitlements),
+            logs: Logs::new(),
             ending: Mutex::new(HashMap::new()),
             policy: Mutex::new(policy),
-            writers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new()),
-            next_conn: AtomicU64::new(1),
             labels: gpus.iter().map(|(id, _)| (*id, GpuLabel { gpu: uuid_string(id) })).collect(),
-            uids: Mutex::new(HashMap::new()),
-            refusal_log: Mutex::new(RateLimiter::new(REFUSAL_LINES_PER_SECOND, Duration::from_secs(1))),
-            connection_log: Mutex::new(RateLimiter::new(CONNECTION_LINES_PER_SECOND, Duration::from_secs(1))),
             events: Mutex::new(EventLog::new(EVENTS_KEPT)),
             queued: Mutex::new(HashMap::new()),
             checkpoint_api: std::sync::OnceLock::new(),
@@ -253,6 +241,42 @@ impl Shared {
         self.policy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keeps a new connection, its process not pinned yet; returns the way to close it.
+    fn open(&self, conn: ConnId) -> Arc<Notify> {
+        let close = Arc::new(Notify::new());
+        let handle = ConnHandle { pidfd: None, close: close.clone() };
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, handle);
+        close
+    }
+
+    /// Keeps the pidfd of the process that opened `conn` (`None`: it could not be pinned).
+    fn pin(&self, conn: ConnId, pidfd: Option<Arc<Pidfd>>) {
+        if let Some(handle) = self.conns.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&conn) {
+            handle.pidfd = pidfd;
+        }
+    }
+
+    /// The pidfd of the process that opened `conn`, if it is open and was pinned.
+    fn pidfd(&self, conn: ConnId) -> Option<Arc<Pidfd>> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn).and_then(|c| c.pidfd.clone())
+    }
+
+    /// What is kept of `conn`, if it is open.
+    fn conn_handle(&self, conn: ConnId) -> Option<ConnHandle> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn).cloned()
+    }
+
+    /// `conn` said `Hello`: answers decided elsewhere reach it through `tx`.
+    fn add_writer(&self, conn: ConnId, tx: mpsc::UnboundedSender<Vec<u8>>) {
+        self.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx);
+    }
+
+    /// `conn` closed: nothing more is sent to it, nor done to its process.
+    fn forget(&self, conn: ConnId) {
+        self.writers.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
+    }
+
     fn send(&self, conn: ConnId, reply: &Reply) {
         if let Some(tx) = self.writers.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
             let _ = tx.send(reply.encode());
@@ -262,12 +286,11 @@ impl Shared {
 
 #[cfg(test)]
 impl Shared {
-    /// Keeps an open connection as `accepted` does, with its pidfd already taken; returns
-    /// the way it is closed.
+    /// Keeps an open connection as `accepted` does, its pidfd already taken; returns the
+    /// way it is closed.
     fn connected(&self, conn: ConnId, pidfd: Option<Pidfd>) -> Arc<Notify> {
-        let close = Arc::new(Notify::new());
-        let handle = ConnHandle { pidfd: pidfd.map(Arc::new), close: close.clone() };
-        self.conns.lock().unwrap().insert(conn, handle);
+        let close = self.open(conn);
+        self.pin(conn, pidfd.map(Arc::new));
         close
     }
 }

@@ -11,7 +11,7 @@ use super::session::Connection;
 use super::Shared;
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::Outcome;
-use crate::arbiter::policy::{uuid_string, Answer};
+use crate::arbiter::policy::{uuid_string, Answer, ConnId};
 use crate::status::EventKind;
 
 /// A burst that waited at least this long is logged at INFO (shorter waits at debug: a
@@ -28,6 +28,11 @@ pub(super) struct Queued {
 }
 
 impl Shared {
+    /// Forgets the bursts `conn` had queued (it closed).
+    pub(super) fn forget_queued(&self, conn: ConnId) {
+        self.queued.lock().unwrap_or_else(|p| p.into_inner()).retain(|(c, _), _| *c != conn);
+    }
+
     /// Sends the answers to queued bursts, counts and logs them.
     pub(super) fn deliver(&self, answers: Vec<Answer>) {
         for a in answers {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
-use super::Shared;
+use super::{ConnHandle, Shared};
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::{ConnId, Victim};
 use crate::entitlement::identity::Pidfd;
@@ -58,10 +58,7 @@ impl Shared {
     /// connection is closed, which releases what it held in the ledger (what the child
     /// still uses, NVML then shows as memory outside gpufrac, never lent).
     pub(super) fn signal(&self, conn: ConnId, pid: u32, signal: i32) {
-        let (pidfd, close) = match self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn) {
-            Some(c) => (c.pidfd.clone(), c.close.clone()),
-            None => return,
-        };
+        let Some(ConnHandle { pidfd, close }) = self.conn_handle(conn) else { return };
         let Some(pidfd) = pidfd else {
             tracing::warn!(
                 pid,
@@ -93,7 +90,7 @@ impl Shared {
                 tracing::warn!(pid = e.pid, "still running after --kill-grace: SIGKILL");
                 self.signal(*conn, e.pid, libc::SIGKILL);
                 (e.since, e.killed) = (now, true);
-            } else if let Some(handle) = self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(conn) {
+            } else if let Some(handle) = self.conn_handle(*conn) {
                 // Connected a grace after SIGKILL: the process that connected cannot be
                 // running (a zombie whose children hold its connection?). Its connection is
                 // closed; whatever memory is still in use NVML shows as outside gpufrac.

@@ -87,7 +87,7 @@ pub(super) fn on_greeting(
                 return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
             }
             let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
-            shared.writers.lock().unwrap_or_else(|p| p.into_inner()).insert(conn, tx.clone());
+            shared.add_writer(conn, tx.clone());
             if shared.connection_line(uid).is_some() {
                 tracing::info!(pid, uid, %group, %pod, %resolver, priority, "shim connected");
             }
@@ -97,12 +97,7 @@ pub(super) fn on_greeting(
             let compute = ComputeSpec::from_wire(compute_request_pm, compute_limit_pm).ok().flatten();
             c.hello = Some(Declared { group, resolver, priority, compute });
             let believed = believe(shared, c);
-            let signalable = shared
-                .conns
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&conn)
-                .is_some_and(|h| h.pidfd.is_some());
+            let signalable = shared.pidfd(conn).is_some();
             let peer = Peer {
                 pid,
                 uid,

@@ -3,23 +3,23 @@
 //! served when descriptors run out, and starts the background tasks and one session per
 //! connection.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Notify;
 
-use super::{compute, processes, resolvers, session, ConnHandle, Shared, Who};
+use super::{compute, processes, resolvers, session, Shared, Who};
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::ConnId;
 use crate::entitlement::identity;
 
 /// One UID's open connections.
 #[derive(Default)]
-pub(super) struct UidConns {
+struct UidConns {
     pub(super) open: usize,
     /// Those that have not said `Hello` or `Status` yet, oldest first, with the way to
     /// close each.
@@ -49,10 +49,32 @@ impl Drop for Counted {
     }
 }
 
+/// What the listener keeps: open connections per UID, the pin reserve, the next
+/// connection's number.
+pub(super) struct Admissions {
+    /// Open connections per UID.
+    uids: Mutex<HashMap<u32, UidConns>>,
+    /// Descriptors kept open to be given up when a process that said `Hello` cannot be
+    /// pinned for lack of them (a crowd of idle connections took the rest): without its
+    /// pidfd it would be lent nothing for its whole life. Refilled when it can be.
+    pin_reserve: Mutex<Vec<std::fs::File>>,
+    next_conn: AtomicU64,
+}
+
+impl Admissions {
+    pub(super) fn new() -> Admissions {
+        Admissions {
+            uids: Mutex::new(HashMap::new()),
+            pin_reserve: Mutex::new(pin_reserve()),
+            next_conn: AtomicU64::new(1),
+        }
+    }
+}
+
 impl Shared {
     /// Counts a new connection against its UID's cap.
     fn admit(&self, who: Who, evict: Arc<Notify>) -> Admission {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
         let entry = uids.entry(who.uid).or_default();
         let admission = if entry.open < self.options.max_connections_per_uid.max(1) {
             Admission::Served
@@ -72,7 +94,7 @@ impl Shared {
 
     /// A connection said who it is: no longer the first to make room.
     pub(super) fn identified(&self, who: Who) {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = uids.get_mut(&who.uid) {
             entry.pending.retain(|(conn, _)| *conn != who.conn);
         }
@@ -80,7 +102,7 @@ impl Shared {
 
     /// A connection closed.
     pub(super) fn leave(&self, who: Who) {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = uids.get_mut(&who.uid) {
             entry.pending.retain(|(conn, _)| *conn != who.conn);
             entry.open = entry.open.saturating_sub(1);
@@ -90,9 +112,17 @@ impl Shared {
         }
     }
 
+    /// Gives the pin reserve up, so that a process can be pinned with its descriptors:
+    /// whether there was one to give.
+    pub(super) fn give_up_pin_reserve(&self) -> bool {
+        let reserve =
+            std::mem::take(&mut *self.admissions.pin_reserve.lock().unwrap_or_else(|p| p.into_inner()));
+        !reserve.is_empty()
+    }
+
     /// Opens the pin reserve again if it was given up (when descriptors allow).
     pub(super) fn refill_pin_reserve(&self) {
-        let mut reserve = self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reserve = self.admissions.pin_reserve.lock().unwrap_or_else(|p| p.into_inner());
         if reserve.is_empty() {
             *reserve = pin_reserve();
         }
@@ -101,7 +131,7 @@ impl Shared {
     /// Closes the oldest connection, of any UID, that has not said who it is (out of
     /// descriptors). Returns whether there was one.
     pub(super) fn evict_oldest(&self) -> bool {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
         let oldest =
             uids.iter().filter_map(|(uid, e)| e.pending.front().map(|(conn, _)| (*conn, *uid))).min();
         let Some((_, uid)) = oldest else { return false };
@@ -190,7 +220,7 @@ fn spare_descriptor() -> Option<std::fs::File> {
 
 /// The descriptors pinning one process takes (its pidfd, and its `/proc/<pid>/stat` on
 /// kernels without `SO_PEERPIDFD`), to give up for it; empty if they cannot be had now.
-pub(super) fn pin_reserve() -> Vec<std::fs::File> {
+fn pin_reserve() -> Vec<std::fs::File> {
     let reserve: Vec<std::fs::File> = (0..2).filter_map(|_| spare_descriptor()).collect();
     if reserve.len() == 2 {
         reserve
@@ -205,7 +235,7 @@ pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
     // pidfd every signal to it goes through, taken at its `Hello`.
     let cred = identity::cred_of(stream.as_fd()).ok();
     let (pid, uid, gid) = cred.map_or((0, u32::MAX, u32::MAX), |c| (c.pid, c.uid, c.gid));
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let conn = shared.admissions.next_conn.fetch_add(1, Ordering::Relaxed);
     let who = Who { conn, pid, uid, gid };
     let evict = Arc::new(Notify::new());
     match shared.admit(who, evict.clone()) {
@@ -228,12 +258,7 @@ pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
             return;
         }
     }
-    let close = Arc::new(Notify::new());
-    shared
-        .conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(conn, ConnHandle { pidfd: None, close: close.clone() });
+    let close = shared.open(conn);
     let counted = Counted { shared: shared.clone(), who };
     tokio::spawn(session::handle(stream, counted, evict, close, cred));
 }
@@ -269,7 +294,7 @@ mod tests {
         for (conn, uid) in [(4, 7), (6, 7), (3, 8)] {
             shared.leave(who(conn, uid));
         }
-        assert!(shared.uids.lock().unwrap().is_empty(), "nothing kept for UIDs gone");
+        assert!(shared.admissions.uids.lock().unwrap().is_empty(), "nothing kept for UIDs gone");
         assert!(!shared.evict_oldest());
     }
 }

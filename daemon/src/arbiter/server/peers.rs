@@ -3,7 +3,8 @@
 //! and its entitlement verdict (looked up in a blocking task, bounded per UID and over
 //! all, cached per process), applied to what it declared at `Hello`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::ComputeSpec;
@@ -12,7 +13,7 @@ use super::session::Connection;
 use super::Shared;
 use crate::arbiter::policy::ConnId;
 use crate::entitlement::identity;
-use crate::entitlement::{believe_hello, Identity};
+use crate::entitlement::{believe_hello, Entitlements, Identity, NoPolicy};
 
 /// Longest an entitlement lookup may take (waiting for a slot included) before its answer
 /// is `Unknown`: no guarantee nor burst for now, asked again later, never cached.
@@ -23,7 +24,7 @@ const VERDICT_TTL: Duration = Duration::from_secs(30);
 const MAX_VERDICTS: usize = 4096;
 /// Most entitlement lookups running at once (each takes one of the runtime's blocking
 /// threads while it runs).
-pub(super) const MAX_LOOKUPS: usize = 32;
+const MAX_LOOKUPS: usize = 32;
 /// Most entitlement lookups running at once for one UID.
 const MAX_LOOKUPS_PER_UID: usize = 8;
 
@@ -42,6 +43,35 @@ pub(super) struct Declared {
     pub(super) resolver: gpufrac_common::Resolver,
     pub(super) priority: i32,
     pub(super) compute: Option<ComputeSpec>,
+}
+
+/// The entitlement source and what is kept of its answers.
+pub(super) struct Lookups {
+    /// Where entitlements come from (`NoPolicy`: none configured).
+    entitlements: Arc<dyn Entitlements>,
+    /// Whether a source is configured (else every client is unrestricted, asked nothing).
+    entitled: bool,
+    /// Verdicts by process (PID, start time), reused while its shim reconnects (never a
+    /// failed lookup's).
+    verdicts: Mutex<HashMap<(u32, u64), (Instant, crate::entitlement::Verdict)>>,
+    /// Bounds the entitlement lookups running at once.
+    slots: Arc<tokio::sync::Semaphore>,
+    /// Bounds each UID's entitlement lookups running at once.
+    per_uid: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
+}
+
+impl Lookups {
+    /// Lookups in `entitlements` (`None`: no source, every client believed only about
+    /// itself).
+    pub(super) fn new(entitlements: Option<Arc<dyn Entitlements>>) -> Lookups {
+        Lookups {
+            entitled: entitlements.is_some(),
+            entitlements: entitlements.unwrap_or_else(|| Arc::new(NoPolicy)),
+            verdicts: Mutex::new(HashMap::new()),
+            slots: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS)),
+            per_uid: Mutex::new(HashMap::new()),
+        }
+    }
 }
 
 impl Shared {
@@ -72,9 +102,7 @@ impl Shared {
             // Out of descriptors (`pidfd_open` and `/proc/<pid>/stat` need one each), most
             // likely: give up the reserve, make room for later (the oldest connection that
             // has not said who it is) and try once more. Any other failure fails again.
-            let reserve = std::mem::take(&mut *self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner()));
-            if !reserve.is_empty() {
-                drop(reserve);
+            if self.give_up_pin_reserve() {
                 self.evict_oldest();
                 pidfd = pin();
                 self.refill_pin_reserve();
@@ -89,9 +117,7 @@ impl Shared {
                 None
             }
         };
-        if let Some(handle) = self.conns.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&who.conn) {
-            handle.pidfd = pidfd;
-        }
+        self.pin(who.conn, pidfd);
     }
 
     /// The most host RAM the process on `conn` can really hold for swapped-out memory
@@ -99,8 +125,7 @@ impl Shared {
     /// file was its own): a report of more is not believed. Without a pidfd it cannot be
     /// read safely: a process the arbiter cannot pin is believed to keep nothing there.
     pub(super) fn host_memory_cap(&self, conn: ConnId, pid: u32) -> u64 {
-        let pidfd =
-            self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&conn).and_then(|c| c.pidfd.clone());
+        let pidfd = self.pidfd(conn);
         let Some(pidfd) = pidfd else { return 0 };
         let held = identity::host_memory_of(pid);
         match held {
@@ -118,11 +143,10 @@ impl Shared {
     /// wait for their turn within the same timeout.
     pub(super) async fn verdict(self: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
         use crate::entitlement::Verdict as V;
-        if !self.entitled {
+        if !self.lookups.entitled {
             return V::Unrestricted;
         }
-        let pidfd =
-            self.conns.lock().unwrap_or_else(|p| p.into_inner()).get(&who.conn).and_then(|c| c.pidfd.clone());
+        let pidfd = self.pidfd(who.conn);
         let Some(pidfd) = pidfd else {
             return V::NotEntitled {
                 why: "cannot pin the process that connected (no pidfd: it may have exited, its PID reused)"
@@ -140,7 +164,7 @@ impl Shared {
             self.forget_uid_lookups(who.uid, per_uid);
             return late();
         };
-        let global = tokio::time::timeout_at(deadline, self.lookups.clone().acquire_owned()).await;
+        let global = tokio::time::timeout_at(deadline, self.lookups.slots.clone().acquire_owned()).await;
         let Ok(Ok(permit)) = global else {
             drop(uid_permit);
             self.forget_uid_lookups(who.uid, per_uid);
@@ -158,16 +182,16 @@ impl Shared {
             }
             let key = started.map(|t| (who.pid, t));
             if let Some(key) = key {
-                let cache = shared.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+                let cache = shared.lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some((_, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
                     return v.clone();
                 }
             }
             let identity = Identity { pid: who.pid, uid: who.uid, gid: who.gid, cgroup };
-            let verdict = shared.entitlements.lookup(&identity);
+            let verdict = shared.lookups.entitlements.lookup(&identity);
             // A failed lookup is no verdict: asked again next time.
             if let Some(key) = key.filter(|_| !verdict.is_unknown()) {
-                let mut cache = shared.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+                let mut cache = shared.lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
                 if cache.len() >= MAX_VERDICTS {
                     cache.retain(|_, (at, _)| at.elapsed() < VERDICT_TTL);
                     if cache.len() >= MAX_VERDICTS {
@@ -189,14 +213,14 @@ impl Shared {
 
     /// The semaphore bounding `uid`'s lookups in flight.
     pub(super) fn uid_lookups(&self, uid: u32) -> Arc<tokio::sync::Semaphore> {
-        let mut map = self.uid_lookups.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.lookups.per_uid.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(uid).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS_PER_UID))).clone()
     }
 
     /// Drops `uid`'s semaphore when nothing else uses it (`mine` is the caller's handle; a
     /// waiter, or a lookup still running past its timeout, holds another).
     fn forget_uid_lookups(&self, uid: u32, mine: Arc<tokio::sync::Semaphore>) {
-        let mut map = self.uid_lookups.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.lookups.per_uid.lock().unwrap_or_else(|p| p.into_inner());
         let idle = mine.available_permits() == MAX_LOOKUPS_PER_UID;
         drop(mine);
         if idle && map.get(&uid).is_some_and(|s| Arc::strong_count(s) == 1) {
@@ -215,8 +239,15 @@ pub(super) fn believe(shared: &Shared, c: &Connection) -> crate::entitlement::Be
     };
     // The cgroup is not needed here: the verdict holds what it decided.
     let identity = Identity { pid, uid, gid: c.who.gid, cgroup: crate::entitlement::Cgroup::Host };
-    let believed =
-        believe_hello(verdict, shared.entitlements.as_ref(), &identity, group, resolver, priority, compute);
+    let believed = believe_hello(
+        verdict,
+        shared.lookups.entitlements.as_ref(),
+        &identity,
+        group,
+        resolver,
+        priority,
+        compute,
+    );
     if !believed.capped.is_empty() {
         if let Some(suppressed) = shared.refusal_line(uid) {
             tracing::warn!(pid, uid, suppressed, entitlement = %believed.entitlement, "the shim declared more than its entitlement: {}", believed.capped.join(", "));
@@ -353,7 +384,7 @@ mod tests {
             "{verdicts:?}"
         );
         assert!(
-            shared.uid_lookups.lock().unwrap().is_empty(),
+            shared.lookups.per_uid.lock().unwrap().is_empty(),
             "nothing kept for UIDs with no lookup under way"
         );
     }
@@ -372,7 +403,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(500));
         assert_eq!(source.asked.load(Ordering::SeqCst), 1);
         let cached =
-            shared.verdicts.lock().unwrap().values().map(|(_, v)| v.is_unknown()).collect::<Vec<_>>();
+            shared.lookups.verdicts.lock().unwrap().values().map(|(_, v)| v.is_unknown()).collect::<Vec<_>>();
         assert_eq!(cached, vec![false], "only the real answer is kept");
     }
 }

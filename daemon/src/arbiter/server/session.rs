@@ -121,11 +121,10 @@ pub(super) async fn handle(
         shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
         shared.log_closing(who, &reason);
     }
-    shared.writers.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
-    shared.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn);
+    shared.forget(conn);
     let had_peer = shared.policy().peer(conn).is_some();
     let answers = shared.policy().disconnect(conn, Instant::now());
-    shared.queued.lock().unwrap_or_else(|p| p.into_inner()).retain(|(c, _), _| *c != conn);
+    shared.forget_queued(conn);
     if had_peer && shared.connection_line(who.uid).is_some() {
         tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
