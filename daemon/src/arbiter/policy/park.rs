@@ -14,12 +14,15 @@
 //! the waiting call fails with out-of-memory and the next one asks again. While wakes
 //! wait, no new burst is lent: wakes are guarantees coming back, bursts are loans.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{Denial, DeviceId};
+use gpufrac_common::protocol::DeviceId;
 
 use super::{gib, uuid_string, ConnId, Gpu, Group, Policy};
+
+mod wake;
+pub(super) use wake::Waker;
+pub use wake::{WakeAnswer, WakeOutcome};
 
 /// How long a member told to park may take to answer before the park is given up.
 const PARK_ANSWER_WAIT: Duration = Duration::from_secs(60);
@@ -67,16 +70,6 @@ impl MemberPark {
     }
 }
 
-/// A parked member's wake, waiting for room.
-#[derive(Debug, Clone)]
-pub(super) struct Waker {
-    pub(super) conn: ConnId,
-    pub(super) group: String,
-    pub(super) seq: u64,
-    since: Instant,
-    deadline: Instant,
-}
-
 /// A member to park: the server tells its shim (and checkpoints it, with `checkpoint`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkOrder {
@@ -94,38 +87,6 @@ pub struct ParkOrder {
     pub checkpoint: bool,
     /// Why: for a wake, or for a guarantee.
     pub why: &'static str,
-}
-
-/// What a wake gets at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WakeOutcome {
-    /// Woken: its memory may come back, `bytes` of it lent as a burst. With `restore`,
-    /// the arbiter restores the checkpointed process before answering.
-    Woken {
-        /// Burst bytes it holds again.
-        bytes: u64,
-        /// The arbiter restores it with the driver's checkpoint API first.
-        restore: bool,
-    },
-    /// Waits for room: a `WakeAnswer` follows.
-    Queued,
-    /// Refused.
-    Denied(Denial),
-}
-
-/// A queued wake, decided.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WakeAnswer {
-    /// To whom.
-    pub conn: ConnId,
-    /// The wake's sequence number.
-    pub seq: u64,
-    /// The GPU.
-    pub device: DeviceId,
-    /// How long it waited.
-    pub waited: Duration,
-    /// Woken (burst bytes lent again, whether to restore a checkpoint first) or refused.
-    pub result: Result<(u64, bool), Denial>,
 }
 
 impl Group {
@@ -148,7 +109,7 @@ impl Group {
 
     /// What waking it takes on the device: its request less what it left there, and what
     /// its parked members borrowed.
-    fn wake_need(&self) -> u64 {
+    pub(super) fn wake_need(&self) -> u64 {
         let lent = self.members.values().map(|m| m.parked_grant).fold(0u64, u64::saturating_add);
         match self.park {
             GroupPark::Parked => self.request.saturating_sub(self.reserved()).saturating_add(lent),
@@ -208,40 +169,6 @@ impl Gpu {
             .filter(|g| matches!(g.park, GroupPark::Parking { .. }))
             .map(|g| g.footprint())
             .fold(0u64, u64::saturating_add)
-    }
-
-    /// Wakes `conn` of `group` if it fits now: returns the burst bytes it holds again and
-    /// whether its memory is to be restored from a checkpoint.
-    fn try_wake(&mut self, group: &str, conn: ConnId, now: Instant) -> Option<(u64, bool)> {
-        let room = self.room();
-        let g = self.groups.get_mut(group)?;
-        if matches!(g.park, GroupPark::Parking { .. }) {
-            return None;
-        }
-        if g.park == GroupPark::Parked {
-            if g.wake_need() as i128 > room {
-                return None;
-            }
-            // The whole group's request is reserved again, and what each member borrowed
-            // is lent again (members not yet back come back with their first call).
-            g.park = GroupPark::Resident;
-            g.active_since = now;
-            g.wakes += 1;
-            let conns: Vec<ConnId> =
-                g.members.iter().filter(|(_, m)| m.park == MemberPark::Parked).map(|(&c, _)| c).collect();
-            for c in conns {
-                lend_again(g, c);
-            }
-        } else {
-            let m = g.members.get(&conn)?;
-            if m.parked_grant as i128 > room {
-                return None;
-            }
-        }
-        lend_again(g, conn);
-        let m = g.members.get_mut(&conn)?;
-        m.park = MemberPark::Waking;
-        Some((m.granted, m.checkpointed))
     }
 }
 
@@ -469,149 +396,11 @@ impl Policy {
         }
         Self::drain_wakers(device, gpu, now)
     }
-
-    /// A parked member asks to be woken: woken now if its group fits, else queued until
-    /// it does (or its wait timeout passes).
-    pub fn wake(&mut self, conn: ConnId, device: DeviceId, seq: u64, now: Instant) -> WakeOutcome {
-        let Some(timeout) = self.peers.get(&conn).map(|p| p.wait_timeout) else {
-            return WakeOutcome::Denied(Denial::UnknownDevice);
-        };
-        let Some((gpu, group)) = self.member_gpu(conn, &device) else {
-            return WakeOutcome::Denied(Denial::UnknownDevice);
-        };
-        let Some(m) = gpu.member_mut(&group, conn) else { return WakeOutcome::Denied(Denial::UnknownDevice) };
-        match m.park {
-            // Not parked (any more): nothing to bring back, nothing lent anew.
-            MemberPark::Resident | MemberPark::Waking => {
-                return WakeOutcome::Woken { bytes: 0, restore: false }
-            }
-            MemberPark::Parking | MemberPark::Parked => {}
-        }
-        m.wake_asked.get_or_insert(now);
-        if gpu.wakers.is_empty() {
-            if let Some((bytes, restore)) = gpu.try_wake(&group, conn, now) {
-                return WakeOutcome::Woken { bytes, restore };
-            }
-        }
-        gpu.wakers.retain(|w| w.conn != conn);
-        let deadline = now.checked_add(timeout.min(super::wait::MAX_WAIT)).unwrap_or(now);
-        gpu.wakers.push_back(Waker { conn, group, seq, since: now, deadline });
-        WakeOutcome::Queued
-    }
-
-    /// `conn`'s memory on `device` is back: `held` on the device now (`None`: what it
-    /// parked, after a restore). Returns the wakes that now fit.
-    pub fn woken(
-        &mut self,
-        conn: ConnId,
-        device: DeviceId,
-        held: Option<u64>,
-        now: Instant,
-    ) -> Vec<WakeAnswer> {
-        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
-        let total = gpu.total;
-        if let Some(g) = gpu.groups.get_mut(&group) {
-            if let Some(m) = g.members.get_mut(&conn).filter(|m| m.park == MemberPark::Waking) {
-                m.park = MemberPark::Resident;
-                let held = held.unwrap_or(m.held.saturating_add(m.parked_bytes));
-                (m.held, m.parked_bytes, m.checkpointed, m.left_on_device) = (held.min(total), 0, false, 0);
-                if let Some(asked) = m.wake_asked.take() {
-                    g.last_wake = now.saturating_duration_since(asked);
-                }
-            }
-        }
-        Self::drain_wakers(device, gpu, now)
-    }
-
-    /// Whether `conn` was told to park on `device` and has not answered.
-    pub fn is_parking(&self, conn: ConnId, device: &DeviceId) -> bool {
-        self.member(conn, device).is_some_and(|m| m.park == MemberPark::Parking)
-    }
-
-    /// When `conn`'s wake on `device` was asked, while it is under way.
-    pub fn wake_asked(&self, conn: ConnId, device: &DeviceId) -> Option<Instant> {
-        self.member(conn, device).and_then(|m| m.wake_asked)
-    }
-
-    /// A granted wake could not bring `conn`'s memory back (its restore failed): it is
-    /// parked still, what it was lent kept for its next wake.
-    pub fn wake_failed(&mut self, conn: ConnId, device: DeviceId) {
-        let Some((gpu, group)) = self.member_gpu(conn, &device) else { return };
-        if let Some(m) = gpu.member_mut(&group, conn) {
-            m.park = MemberPark::Parked;
-            m.wake_asked = None;
-        }
-    }
-
-    fn member(&self, conn: ConnId, device: &DeviceId) -> Option<&super::Member> {
-        let peer = self.peers.get(&conn)?;
-        self.gpus.get(device)?.groups.get(&peer.group)?.members.get(&conn)
-    }
-
-    /// Wakes whose deadline passed are refused (`Timeout`); the ones behind may now fit.
-    /// Parks not answered in time are given up.
-    pub fn expire_wakes(&mut self, now: Instant) -> Vec<WakeAnswer> {
-        let mut answers = Vec::new();
-        for (&device, gpu) in self.gpus.iter_mut() {
-            give_up_late_parks(gpu, now);
-            while let Some(i) = gpu.wakers.iter().position(|w| w.deadline <= now) {
-                let Some(w) = gpu.wakers.remove(i) else { break };
-                if let Some(m) = gpu.member_mut(&w.group, w.conn) {
-                    m.wake_asked = None;
-                }
-                let waited = now.saturating_duration_since(w.since);
-                answers.push(WakeAnswer {
-                    conn: w.conn,
-                    seq: w.seq,
-                    device,
-                    waited,
-                    result: Err(Denial::Timeout),
-                });
-            }
-            answers.extend(Self::drain_wakers(device, gpu, now));
-        }
-        answers
-    }
-
-    /// Serves the waiting wakes of `gpu` that fit now, in order.
-    pub(super) fn drain_wakers(device: DeviceId, gpu: &mut Gpu, now: Instant) -> Vec<WakeAnswer> {
-        let mut answers = Vec::new();
-        // Wherever they are in the queue: members back on the device without their wake
-        // (a park given up) are answered at once, with nothing to bring back and nothing
-        // lent anew; members gone are dropped.
-        let parked_still = |gpu: &Gpu, w: &Waker| {
-            gpu.groups
-                .get(&w.group)
-                .and_then(|g| g.members.get(&w.conn))
-                .map(|m| matches!(m.park, MemberPark::Parked | MemberPark::Parking))
-        };
-        let (keep, done): (VecDeque<Waker>, VecDeque<Waker>) =
-            std::mem::take(&mut gpu.wakers).into_iter().partition(|w| parked_still(gpu, w) == Some(true));
-        gpu.wakers = keep;
-        for w in done.into_iter().filter(|w| parked_still(gpu, w).is_some()) {
-            let waited = now.saturating_duration_since(w.since);
-            answers.push(WakeAnswer { conn: w.conn, seq: w.seq, device, waited, result: Ok((0, false)) });
-        }
-        // Then in order, as long as the first fits.
-        while let Some(w) = gpu.wakers.front().cloned() {
-            let Some((bytes, restore)) = gpu.try_wake(&w.group, w.conn, now) else { break };
-            let waited = now.saturating_duration_since(w.since);
-            answers.push(WakeAnswer {
-                conn: w.conn,
-                seq: w.seq,
-                device,
-                waited,
-                result: Ok((bytes, restore)),
-            });
-            gpu.wakers.pop_front();
-        }
-        answers
-    }
 }
 
 /// What member `conn` of `g` borrowed when it was parked is lent to it again, within what
 /// the group may still borrow (its request or limit may have changed meanwhile).
-fn lend_again(g: &mut Group, conn: ConnId) {
+pub(super) fn lend_again(g: &mut Group, conn: ConnId) {
     let room = g.room();
     if let Some(m) = g.members.get_mut(&conn) {
         let lent = std::mem::take(&mut m.parked_grant).min(room);
@@ -621,7 +410,7 @@ fn lend_again(g: &mut Group, conn: ConnId) {
 
 /// Parks not answered within [`PARK_ANSWER_WAIT`] are given up: the group counts as
 /// resident again (a shim that never answers keeps its memory on the device).
-fn give_up_late_parks(gpu: &mut Gpu, now: Instant) {
+pub(super) fn give_up_late_parks(gpu: &mut Gpu, now: Instant) {
     for (name, g) in gpu.groups.iter_mut() {
         if let GroupPark::Parking { since } = g.park {
             if now.saturating_duration_since(since) >= PARK_ANSWER_WAIT {

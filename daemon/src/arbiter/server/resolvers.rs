@@ -1,0 +1,116 @@
+//! The resolvers' orchestration: the ticker that expires waiters, reminds holders to give
+//! back while bursts wait, runs the priority and swap resolvers and takes loans back for
+//! guarantees; what each asks of the shims goes out here, whom to end goes to `endings`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::Reply;
+
+use super::Shared;
+use crate::arbiter::policy::{uuid_string, ConnId};
+use crate::status::EventKind;
+
+/// How often waiters are checked against their deadlines.
+const TICK: Duration = Duration::from_millis(5);
+
+/// How often holders are reminded to give back while bursts wait or a guarantee is owed.
+const RECLAIM_EVERY: Duration = Duration::from_millis(200);
+
+impl Shared {
+    /// The priority resolver: ends the holders chosen for waiting priority bursts.
+    pub(super) fn resolve_priority(&self) {
+        let now = Instant::now();
+        let mut ending = self.ending(now);
+        let spared: Vec<ConnId> = ending.keys().copied().collect();
+        let victims = self.policy().priority_victims(now, self.options.idle_timeout, &spared);
+        for v in victims {
+            tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "terminating a holder of burst memory for a priority burst");
+            let detail = format!("for a priority burst: {}", v.why);
+            self.record(v.conn, v.pid, self.loan_gpu(v.pid), EventKind::Ended, v.bytes, detail);
+            let reason = if v.why.starts_with("idle") { "idle" } else { "lower-priority" };
+            self.end(&mut ending, &v, reason, now);
+        }
+    }
+
+    /// Takes loans back where the guarantees are owed memory: unused grants first, then
+    /// swap-outs, then ending holders (see `policy::reclaim`).
+    pub(super) fn reclaim_guarantees(&self) {
+        let now = Instant::now();
+        let mut ending = self.ending(now);
+        let under_way: Vec<ConnId> = ending.keys().copied().collect();
+        let plan = self.policy().reclaim(now, &under_way, self.options.swap_limit);
+        if plan.is_empty() {
+            return;
+        }
+        for (conn, device) in &plan.give_back {
+            self.send(*conn, &Reply::Reclaim { device: *device });
+        }
+        for v in &plan.swap_out {
+            tracing::info!(pid = v.pid, group = %v.group, gpu = %uuid_string(&v.device), bytes = v.bytes, "asking a holder of burst memory to swap out for a guarantee");
+            self.send(v.conn, &Reply::SwapOut { device: v.device });
+        }
+        for v in &plan.end {
+            tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "ending a holder of burst memory for a guarantee");
+            let detail = format!("for a guarantee: {}", v.why);
+            self.record(v.conn, v.pid, self.loan_gpu(v.pid), EventKind::Ended, v.bytes, detail);
+            self.end(&mut ending, v, "guarantee", now);
+        }
+    }
+
+    /// The swap resolver: asks the chosen holders to swap out, and swapped-out processes
+    /// to come back when memory is free.
+    pub(super) fn resolve_swap(&self) {
+        let victims =
+            self.policy().swap_victims(Instant::now(), self.options.swap_quantum, self.options.swap_limit);
+        for v in victims {
+            tracing::info!(pid = v.pid, group = %v.group, gpu = %uuid_string(&v.device), bytes = v.bytes, "asking a holder of burst memory to swap out for a swap burst");
+            self.send(v.conn, &Reply::SwapOut { device: v.device });
+        }
+        // Memory counts as free again once no burst was asked for during a quantum (at
+        // most a second), so a process in the middle of a burst is not raced.
+        let settle = self.options.swap_quantum.min(Duration::from_secs(1));
+        let resumable = self.policy().resume_candidates(Instant::now(), settle);
+        for (conn, device) in resumable {
+            self.send(conn, &Reply::Resume { device });
+        }
+    }
+
+    /// While bursts wait, holders of grants are asked to give back what they do not use.
+    pub(super) fn ask_to_give_back(&self) {
+        let holders = self.policy().contended_holders(Instant::now());
+        for (conn, device) in holders {
+            self.send(conn, &Reply::Reclaim { device });
+        }
+    }
+}
+
+/// The ticker: every [`TICK`], wakes and expires waiters and runs the resolvers.
+pub(super) async fn expire_waiters(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(TICK);
+    let mut last_reclaim = Instant::now();
+    let mut last_flush = Instant::now();
+    loop {
+        tick.tick().await;
+        if last_flush.elapsed() >= Duration::from_secs(1) {
+            last_flush = Instant::now();
+            shared.flush_logs();
+        }
+        // Wakes first: one lends again, which may leave a queued burst without a chance,
+        // refused at once by `expire`.
+        shared.park_step();
+        let answers = shared.policy().expire(Instant::now());
+        if !answers.is_empty() {
+            shared.deliver(answers);
+        }
+        // Keep reminding holders while anyone waits (they keep no slack meanwhile), and
+        // let the priority resolver look again (holders become idle over time).
+        if last_reclaim.elapsed() >= RECLAIM_EVERY {
+            last_reclaim = Instant::now();
+            shared.ask_to_give_back();
+            shared.resolve_priority();
+        }
+        shared.resolve_swap();
+        shared.reclaim_guarantees();
+    }
+}

@@ -1,0 +1,210 @@
+//! A connection's session: its task reads frames, says who may go on (`Hello` or `Status`
+//! first, a GPU registered in time), applies each request, and writes direct replies and
+//! answers decided elsewhere; when it ends, everything the connection held is released.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpufrac_common::protocol::Request;
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, Notify};
+
+use super::bursts::{on_acquire, on_release, on_swapped};
+use super::frames::{next_frame, reply};
+use super::hello::on_greeting;
+use super::listener::Counted;
+use super::peers::{look_up_again, Declared, Who};
+use super::register::on_register;
+use super::Shared;
+use crate::arbiter::metrics::Refusal;
+use crate::arbiter::policy::uuid_string;
+use crate::entitlement::identity;
+
+/// Serves one connection until it closes, is closed (evicted, or its process gone), or
+/// misbehaves; then releases what it held.
+pub(super) async fn handle(
+    stream: UnixStream,
+    counted: Counted,
+    evict: Arc<Notify>,
+    close: Arc<Notify>,
+    cred: Option<identity::Cred>,
+) {
+    let shared = counted.shared.clone();
+    let who = counted.who;
+    let (conn, pid) = (who.conn, who.pid);
+    let (mut reader, mut writer) = stream.into_split();
+    // Answers decided elsewhere (a grant after a wait) arrive here; direct replies are
+    // written by this task at once, without a hop through another task.
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let mut state = Connection {
+        who,
+        greeted: false,
+        registered: false,
+        verdict: None,
+        hello: None,
+        capped_logged: false,
+        admin: false,
+    };
+    let mut buf = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(256);
+    // Until `Hello` or `Status`, then until a GPU is registered; then none.
+    let mut deadline = Some(tokio::time::Instant::now() + shared.options.hello_timeout);
+    let result: Result<(), String> = loop {
+        tokio::select! {
+            _ = evict.notified() => {
+                break Err("too many connections: the oldest that had not said who it is".into());
+            }
+            _ = close.notified() => {
+                break Err("the process that connected has exited; its connection is closed rather than its PID signalled".into());
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                break Err(if state.greeted {
+                    format!("no GPU registered within {:?} of Hello", shared.options.register_timeout)
+                } else {
+                    format!("no Hello or Status within {:?}", shared.options.hello_timeout)
+                });
+            }
+            frame = next_frame(&mut reader, &mut buf) => {
+                let body = match frame {
+                    Ok(Some(body)) => body,
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
+                };
+                out.clear();
+                let greeted = state.greeted;
+                let request = match Request::decode(&body) {
+                    Ok(request) => request,
+                    Err(e) => break Err(e.to_string()),
+                };
+                if !state.greeted {
+                    let socket = reader.as_ref().as_fd();
+                    match request {
+                        Request::Hello { .. } => {
+                            shared.take_pidfd(who, socket, cred.as_ref());
+                            // What the client may have is known before its Hello is accepted.
+                            if state.verdict.is_none() {
+                                state.verdict = Some(shared.verdict(who).await);
+                            }
+                        }
+                        Request::Status => state.admin = shared.is_admin(who, socket),
+                        _ => {}
+                    }
+                } else if matches!(request, Request::Register { .. }) {
+                    look_up_again(&shared, &mut state).await;
+                }
+                let flow = on_frame(&shared, &mut state, &tx, request, &mut out);
+                if state.registered {
+                    deadline = None;
+                } else if state.greeted && !greeted {
+                    shared.identified(who);
+                    deadline = Some(tokio::time::Instant::now() + shared.options.register_timeout);
+                }
+                if !out.is_empty() && writer.write_all(&out).await.is_err() {
+                    break Ok(());
+                }
+                match flow {
+                    Ok(Flow::Continue) => {}
+                    Ok(Flow::Close) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            }
+            Some(frame) = rx.recv() => {
+                if writer.write_all(&frame).await.is_err() {
+                    break Ok(());
+                }
+            }
+        }
+    };
+    if let Err(reason) = result {
+        shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
+        shared.log_closing(who, &reason);
+    }
+    shared.forget(conn);
+    let had_peer = shared.policy().peer(conn).is_some();
+    let answers = shared.policy().disconnect(conn, Instant::now());
+    shared.forget_queued(conn);
+    if had_peer && shared.connection_line(who.uid).is_some() {
+        tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
+    }
+    shared.deliver(answers);
+    // A lease it held goes on at once.
+    shared.leases_changed.notify_one();
+    // What it held may wake a parked group.
+    shared.park_step();
+    // The connection stops counting against its UID only now.
+    drop(counted);
+}
+
+/// What one connection has said so far.
+pub(super) struct Connection {
+    pub(super) who: Who,
+    /// Said `Hello`.
+    pub(super) greeted: bool,
+    /// Registered on a GPU at least once.
+    pub(super) registered: bool,
+    /// What it may have, asked when its `Hello` came (and again before a registration
+    /// while it is unknown).
+    pub(super) verdict: Option<crate::entitlement::Verdict>,
+    /// What it declared at `Hello`.
+    pub(super) hello: Option<Declared>,
+    /// A cut registration was logged already (once per connection).
+    pub(super) capped_logged: bool,
+    /// May see every tenant in `gpufrac status` (root or `--admin-group`).
+    pub(super) admin: bool,
+}
+
+/// Whether a connection goes on after a frame.
+pub(super) enum Flow {
+    /// Read the next frame.
+    Continue,
+    /// Close it (the reply to `Status` was its last).
+    Close,
+}
+
+/// Applies one frame; direct replies go into `out`.
+pub(super) fn on_frame(
+    shared: &Arc<Shared>,
+    c: &mut Connection,
+    tx: &mpsc::UnboundedSender<Vec<u8>>,
+    request: Request,
+    out: &mut Vec<u8>,
+) -> Result<Flow, String> {
+    if !c.greeted {
+        return on_greeting(shared, c, tx, request, out);
+    }
+    let (conn, pid) = (c.who.conn, c.who.pid);
+    match request {
+        Request::Register { device, total, request, limit, held, granted, swapped } => {
+            on_register(shared, c, out, device, total, request, limit, held, granted, swapped)
+        }
+        Request::Acquire { seq, device, bytes, preferred, held, resume } => {
+            on_acquire(shared, c, out, seq, device, bytes, preferred, held, resume)
+        }
+        Request::Activity { count } => shared.policy().activity(conn, count, Instant::now()),
+        Request::Release { device, bytes, held } => on_release(shared, c, device, bytes, held),
+        Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros } => {
+            on_swapped(shared, c, device, direction, bytes, granted, host_bytes, held, micros)
+        }
+        Request::Parked { device, host_bytes, held, micros } => {
+            shared.on_parked((conn, pid), device, host_bytes, held, micros);
+        }
+        Request::Wake { seq, device } => {
+            if let Some(answer) = shared.on_wake((conn, pid), seq, device) {
+                reply(out, &answer);
+            }
+        }
+        Request::Woken { device, held, micros } => shared.on_woken((conn, pid), device, held, micros),
+        Request::ContextMeasured { device, bytes } => {
+            tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "a context measured");
+            shared.policy().context_measured(conn, &device, bytes);
+        }
+        Request::Want { device } => shared.on_want(conn, device),
+        Request::LeaseDone { device, lease, drain_us, more } => {
+            shared.on_lease_done(conn, device, lease, drain_us, more)
+        }
+        other => return Err(format!("unexpected {other:?} after Hello")),
+    }
+    Ok(Flow::Continue)
+}
