@@ -7,9 +7,21 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. Bursts under way (a waiter whose group already borrows) are
-//! served first, in order, when their grant keeps the GPU safe: finishing a burst is what
-//! frees memory. New bursts are served in order after them. A borrower is *growing* while it waits or
+//! ending in out-of-memory. Bursts under way are served first, in order, when their grant
+//! keeps the GPU safe: finishing a burst is what frees memory. New bursts are served in
+//! order after them, and one starts only where its whole claim (what it may still borrow
+//! up to its limit) fits beside what the bursts under way may still claim, or when none is
+//! under way: a burst that starts can finish without waiting again, so the room holds
+//! whole bursts, not several half-grown ones each waiting for the others. A burst is
+//! *under way* while its group was lent memory within [`UNDER_WAY_FOR`] and has given none
+//! back since (its allocator is growing), or while it waits for a step it asked for then.
+//! Merely borrowing is not: a server may rest above its request (a context its request
+//! does not hold), and if such resting loans made every waiting burst count as under way,
+//! new bursts would all start beside each other and grow a step at a time. A step of a
+//! burst under way is lent the chunk it prefers even while others wait (its whole claim is
+//! kept from new bursts anyway); a new burst only what it needs. Holders whose burst is not
+//! under way are asked to give back what they do not use while anyone waits.
+//! A borrower is *growing* while it waits or
 //! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
 //! holds (a server keeping a cache), so that memory it might want one day does not keep
 //! others waiting for ever. If a settled borrower grows again it waits like any other.
@@ -31,6 +43,10 @@ use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, RESUME_WAIT
 /// How long after its last ask a borrower still counts as growing (bursts ask a chunk at a
 /// time as allocators grow; a pause this long means the burst is over or settled).
 pub const GROWING_FOR: Duration = Duration::from_secs(2);
+
+/// How long after its last grant a group's burst counts as under way (an allocator
+/// growing asks again within milliseconds; a server that loaded its model does not).
+pub const UNDER_WAY_FOR: Duration = Duration::from_millis(500);
 
 /// How finely a grant between what a burst needs and what it prefers is sized.
 const GRANT_STEP: u64 = 16 << 20;
@@ -108,16 +124,25 @@ impl Gpu {
     pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
         let room = self.groups.get(group)?.room();
         let mut free = self.free();
-        if !self.borrows(group) {
+        if !self.under_way(group, now) {
             // A new burst starts only with what the bursts under way cannot still claim,
-            // so that it never makes them wait: bursts are served one after another.
+            // so that it never makes them wait, and, beside them, only if its own claim
+            // fits too, so that it never waits half-grown. New bursts waiting behind it
+            // claim nothing yet: they must not keep it waiting.
+            let mut others = false;
             let claimed: u64 = self
                 .groups
                 .iter()
-                .filter(|(name, g)| g.granted() > 0 && self.growing(name, now))
-                .map(|(_, g)| g.range().min(self.lendable()).saturating_sub(g.granted()))
+                .filter(|(name, g)| name.as_str() != group && g.granted() > 0 && self.under_way(name, now))
+                .map(|(_, g)| {
+                    others = true;
+                    g.range().min(self.lendable()).saturating_sub(g.granted())
+                })
                 .sum();
             free = free.saturating_sub(claimed);
+            if others && room.min(self.lendable()) > free {
+                return None;
+            }
         }
         if bytes > free || bytes > room {
             return None;
@@ -146,10 +171,21 @@ impl Gpu {
     /// Whether `group` is growing: it waits for a burst, or asked lately and is on the
     /// device (a group swapped out cannot allocate until it is back).
     fn growing(&self, group: &str, now: Instant) -> bool {
+        self.queue.iter().any(|w| w.group == group) || self.lent_within(group, now, GROWING_FOR)
+    }
+
+    /// Whether `group` was lent memory within `within`, has given none back since, and is
+    /// on the device (a group swapped out cannot allocate until it is back).
+    fn lent_within(&self, group: &str, now: Instant, within: Duration) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         let resident = g.members.values().any(|m| m.residency == Residency::Resident);
-        self.queue.iter().any(|w| w.group == group)
-            || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
+        resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < within)
+    }
+
+    /// Whether a burst of `group` is under way (see the module doc): lent within
+    /// [`UNDER_WAY_FOR`], or waiting for the next step of a burst that was when it asked.
+    fn under_way(&self, group: &str, now: Instant) -> bool {
+        self.lent_within(group, now, UNDER_WAY_FOR) || self.queue.iter().any(|w| w.group == group && w.under_way)
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -167,10 +203,6 @@ impl Gpu {
         trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
     }
 
-    /// Whether `group` borrows now.
-    fn borrows(&self, group: &str) -> bool {
-        self.groups.get(group).is_some_and(|g| g.granted() > 0)
-    }
 }
 
 impl Policy {
@@ -213,6 +245,7 @@ impl Policy {
             return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
+        let under_way = gpu.under_way(&group, now);
         // While parked groups wait to be woken nothing new is lent (see `park`).
         if gpu.queue.is_empty() && gpu.wakers.is_empty() {
             if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
@@ -233,6 +266,7 @@ impl Policy {
             resume,
             bytes,
             preferred,
+            under_way,
             since: now,
             deadline: now
                 .checked_add(if resume { RESUME_WAIT } else { timeout.min(MAX_WAIT) })
@@ -287,9 +321,11 @@ impl Policy {
 
     /// Connections that hold burst grants on a GPU where someone waits or a guarantee is
     /// owed memory: they are asked to give back what they do not use. Not, while bursts
-    /// merely wait, members of growing groups: what they were lent is part of what they
-    /// may claim anyway (giving it back would not make the GPU safer), and they are about
-    /// to use it. Never a member whose swap-in is under way: its grant is being mapped.
+    /// merely wait, members of groups whose burst is under way: what they were lent is part
+    /// of what they may claim anyway (it is kept from new bursts), and they are about to
+    /// use it. A group that was lent a chunk and stopped asking (a model loaded, a burst
+    /// over) is asked: its slack is room a waiting burst needs. Never a member whose
+    /// swap-in is under way: its grant is being mapped.
     pub fn contended_holders(&self, now: Instant) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in &self.gpus {
@@ -298,7 +334,7 @@ impl Policy {
                 continue;
             }
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.growing(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now)) {
                     out.push((conn, device));
                 }
             }
@@ -319,8 +355,10 @@ impl Policy {
                 break;
             }
             let Some(head) = gpu.queue.front() else { break };
-            // While others wait, a burst is lent what it needs, not a chunk more: memory
-            // lent as slack would keep the next in line waiting.
+            // While others wait, a new burst is lent what it needs, not a chunk more: memory
+            // lent as slack would keep the next in line waiting. A burst under way is lent
+            // its chunk: new bursts are kept off its whole claim anyway, and fewer, larger
+            // grants finish it sooner.
             let contended = gpu.queue.len() > 1;
             // Bursts under way go first, in order: a swap-in that fits (its process is held
             // at its gate, maybe with memory others need, and brings back nothing new to
@@ -333,11 +371,10 @@ impl Policy {
                 if w.resume {
                     return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
                 }
-                if !gpu.borrows(&w.group) {
+                if !w.under_way && !gpu.lent_within(&w.group, now, UNDER_WAY_FOR) {
                     return None;
                 }
-                let preferred = if contended { w.bytes } else { w.preferred };
-                gpu.grant_for(&w.group, w.bytes, preferred, now).map(|grant| (i, grant))
+                gpu.grant_for(&w.group, w.bytes, w.preferred, now).map(|grant| (i, grant))
             });
             // Then the head, a new burst.
             let next = under_way.or_else(|| {
