@@ -643,12 +643,13 @@ mod tests {
         let now = Instant::now();
         let mut p = policy_with(&[
             (1, "a", 2 * GIB, 8 * GIB),
-            (2, "b", 2 * GIB, 8 * GIB),
+            (2, "b", 2 * GIB, 6 * GIB),
             (3, "c", 2 * GIB, 8 * GIB),
         ]);
         // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
         assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
-        // b starts a burst: of the 8 GiB free, 4 are a's to claim, so b gets at most 4.
+        // b starts a burst: of the 8 GiB free, 4 are a's to claim; b's whole claim (4)
+        // fits beside it, so b starts, with at most those 4.
         assert_eq!(p.acquire(2, GPU, 1, GIB, 6 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
         // c has to wait: a and b may still claim all that is free.
         assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
@@ -659,6 +660,48 @@ mod tests {
         // a's burst is over: c starts.
         let answers = p.release(1, GPU, 6 * GIB, 0, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(GIB))]);
+    }
+
+    /// The contended trace of `queue_bench`: servers resting above their request (a
+    /// context their request does not hold) must not all count as bursts under way, or new
+    /// bursts start side by side, a step each, and the room holds half-grown bursts that
+    /// all wait. Only as many start as their whole claims fit; a burst under way is served
+    /// before them, and the next starts when one is over.
+    #[test]
+    fn resting_loans_do_not_start_more_bursts_than_the_room_holds() {
+        let now = Instant::now();
+        let long_ago = now - Duration::from_secs(60);
+        let step = 64 << 20;
+        let chunk = 768 << 20;
+        let rest = 256 << 20;
+        // 8 servers (request 1 GiB, limit 4 GiB) on 16 GiB: 8 GiB to lend, 2 of it resting
+        // loans, so room for two bursts of 2.75 GiB at once.
+        let names: Vec<String> = (1..=8).map(|c| format!("s{c}")).collect();
+        let groups: Vec<(ConnId, &str, u64, u64)> =
+            (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
+        let mut p = policy_with(&groups);
+        for conn in 1..=8 {
+            // Each loaded long ago, one after another.
+            let loaded = long_ago + Duration::from_secs(conn);
+            assert_eq!(p.acquire(conn, GPU, 1, rest, rest, 0, false, loaded), Outcome::Granted(rest));
+        }
+        // Four bursts start together: the first two fit, each lent a chunk.
+        assert_eq!(p.acquire(1, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        assert_eq!(p.acquire(2, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        // The third and fourth wait with nothing: their claims do not fit beside the two.
+        assert_eq!(p.acquire(3, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert_eq!(p.acquire(4, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty());
+        // The first asks for the rest of its burst: it goes ahead of the new ones.
+        let rest_of_burst = 3 * GIB - rest - chunk;
+        assert_eq!(p.acquire(1, GPU, 3, rest_of_burst, rest_of_burst, 0, false, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(rest_of_burst))]);
+        // Its burst is over: the third starts (a step, while the fourth waits), and the
+        // fourth still waits: its claim does not fit beside the second's and the third's.
+        let answers = p.release(1, GPU, 3 * GIB - rest, GIB + rest, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(step))]);
+        assert_eq!(p.status().gpus[0].waiting, 1);
     }
 
     #[test]
