@@ -270,9 +270,8 @@ fn main() {
             }
         }
         played += 1;
-        let at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
+        let at_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let started = Instant::now();
         let mut failed = None;
         let mut paused = Duration::ZERO;

@@ -185,7 +185,8 @@ impl Gpu {
     /// Whether a burst of `group` is under way (see the module doc): lent within
     /// [`UNDER_WAY_FOR`], or waiting for the next step of a burst that was when it asked.
     fn under_way(&self, group: &str, now: Instant) -> bool {
-        self.lent_within(group, now, UNDER_WAY_FOR) || self.queue.iter().any(|w| w.group == group && w.under_way)
+        self.lent_within(group, now, UNDER_WAY_FOR)
+            || self.queue.iter().any(|w| w.group == group && w.under_way)
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -202,7 +203,6 @@ impl Gpu {
         trial.queue.retain(|q| !victims.contains(&q.conn));
         trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
     }
-
 }
 
 impl Policy {
@@ -696,7 +696,10 @@ mod tests {
         let rest_of_burst = 3 * GIB - rest - chunk;
         assert_eq!(p.acquire(1, GPU, 3, rest_of_burst, rest_of_burst, 0, false, now), Outcome::Queued);
         let answers = p.settle(GPU, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(rest_of_burst))]);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
+            vec![(1, Ok(rest_of_burst))]
+        );
         // Its burst is over: the third starts (a step, while the fourth waits), and the
         // fourth still waits: its claim does not fit beside the second's and the third's.
         let answers = p.release(1, GPU, 3 * GIB - rest, GIB + rest, now);
