@@ -4,15 +4,23 @@
 //! `--hold` ms and freeing them. It calls the driver through `cudarc::driver::sys`
 //! (dlopen + dlsym), so it runs bare on simgpu and under the shim alike.
 //!
+//! With `--chance PCT` the bursts come as a server's requests do instead: every
+//! `--tick-ms` (100) ms a burst starts with that chance, for `--seconds` seconds (ticks
+//! while a burst is under way are not played), at most `--bursts` of them.
+//!
 //! ```text
 //! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] [--hold MS]
 //!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]
+//!               [--chance PCT --tick-ms MS --seconds N]
 //! ```
 //!
 //! Output, one line each, flushed:
 //! - stdout `READY <base bytes>` once the model is loaded and filled;
-//! - stdout `BURST <i> ok wait_ms=<ms>` for a burst served (its wait is the wall time from
-//!   its first allocation call to its last success, less the `--step-ms` pauses), or `BURST <i> oom after_ms=<ms>
+//! - stdout `BURST <i> ok at_ms=<t> got_ms=<g> freed_ms=<f> wait_ms=<ms>` for a burst served
+//!   (`t`: when its first allocation was called, in ms since the Unix epoch, so that
+//!   servers' lines can be put on one time line; `g` and `f`: ms after `t` when it held
+//!   all of it and when it had freed it; its wait is the wall time from its first
+//!   allocation call to its last success, less the `--step-ms` pauses), or `BURST <i> oom after_ms=<ms>
 //!   error=<CUDA error name>` for one that failed (what it got is freed);
 //! - stdout `DONE bursts=<n> ok=<k> oom=<m>` at the end, exit status 0;
 //! - stderr `FAILED init <error>` or `FAILED base <error>` (exit 3) when the CUDA set-up or
@@ -33,7 +41,7 @@ use gpufrac_e2e::device_model::{alloc, check, error_name, free_all, init, say, B
 use gpufrac_e2e::rng::Rng;
 
 const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] \
-[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]";
+[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--chance PCT --tick-ms MS --seconds N]";
 
 /// The smallest size accepted for `--base`, `--burst` and `--step`.
 const MIN_SIZE: u64 = 4096;
@@ -53,6 +61,11 @@ struct Args {
     gap_max_ms: u64,
     seed: u64,
     verify: bool,
+    /// `--chance`: per tick, in percent; `None`: bursts `--gap-ms` apart.
+    chance: Option<u64>,
+    tick: Duration,
+    /// `--seconds`: how long bursts start with `--chance`.
+    seconds: Duration,
 }
 
 /// A bad command line: the message to print before exiting with status 2.
@@ -73,6 +86,9 @@ fn parse_args(argv: &[String]) -> Args {
         gap_max_ms: 1500,
         seed: u64::from(std::process::id()),
         verify: false,
+        chance: None,
+        tick: Duration::from_millis(100),
+        seconds: Duration::from_secs(20),
     };
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
@@ -89,7 +105,19 @@ fn parse_args(argv: &[String]) -> Args {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_owned())),
             _ => (flag.as_str(), None),
         };
-        let known = ["--base", "--burst", "--step", "--step-ms", "--hold", "--bursts", "--gap-ms", "--seed"];
+        let known = [
+            "--base",
+            "--burst",
+            "--step",
+            "--step-ms",
+            "--hold",
+            "--bursts",
+            "--gap-ms",
+            "--seed",
+            "--chance",
+            "--tick-ms",
+            "--seconds",
+        ];
         if !known.contains(&name) {
             bad(format!("unknown argument {flag:?}"));
         }
@@ -118,6 +146,15 @@ fn parse_args(argv: &[String]) -> Args {
                     .unwrap_or_else(|_| bad(format!("--bursts {value:?} is too large")))
             }
             "--seed" => args.seed = number(&value),
+            "--chance" => {
+                let pct = number(&value);
+                if !(1..=100).contains(&pct) {
+                    bad(format!("--chance {value:?}: expected a percentage from 1 to 100"));
+                }
+                args.chance = Some(pct);
+            }
+            "--tick-ms" => args.tick = Duration::from_millis(number(&value).max(1)),
+            "--seconds" => args.seconds = Duration::from_secs(number(&value)),
             "--gap-ms" => {
                 let (min, max) = value.split_once('-').unwrap_or_else(|| {
                     bad(format!("--gap-ms {value:?}: expected MIN-MAX in ms, e.g. 100-1500"))
@@ -215,8 +252,26 @@ fn main() {
 
     let (mut ok, mut oom) = (0u32, 0u32);
     let mut burst = Vec::new();
+    let trace_start = Instant::now();
+    let mut played = 0;
     for i in 0..args.bursts {
-        std::thread::sleep(Duration::from_millis(rng.between(args.gap_min_ms, args.gap_max_ms)));
+        match args.chance {
+            None => std::thread::sleep(Duration::from_millis(rng.between(args.gap_min_ms, args.gap_max_ms))),
+            Some(pct) => {
+                // Tick until a burst comes up, or the trace is over.
+                let mut comes = false;
+                while !comes && trace_start.elapsed() < args.seconds {
+                    std::thread::sleep(args.tick);
+                    comes = rng.between(1, 100) <= pct;
+                }
+                if !comes {
+                    break;
+                }
+            }
+        }
+        played += 1;
+        let at_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let started = Instant::now();
         let mut failed = None;
         let mut paused = Duration::ZERO;
@@ -234,6 +289,7 @@ fn main() {
             }
         }
         let ms = started.elapsed().saturating_sub(paused).as_millis();
+        let got_ms = started.elapsed().as_millis();
         if let Some(r) = failed {
             free_all(&mut burst);
             oom += 1;
@@ -259,12 +315,13 @@ fn main() {
             }
         }
         free_all(&mut burst);
+        let freed_ms = started.elapsed().as_millis();
         if args.verify {
             check_model(&k, &model, scratch, i);
         }
         ok += 1;
-        say(&format!("BURST {i} ok wait_ms={ms}"));
+        say(&format!("BURST {i} ok at_ms={at_ms} got_ms={got_ms} freed_ms={freed_ms} wait_ms={ms}"));
     }
     free_all(&mut model);
-    say(&format!("DONE bursts={} ok={ok} oom={oom}", args.bursts));
+    say(&format!("DONE bursts={played} ok={ok} oom={oom}"));
 }
