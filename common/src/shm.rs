@@ -619,6 +619,46 @@ mod tests {
         f
     }
 
+    /// Counts this thread's allocations, so that tests running beside it do not count.
+    struct Counting;
+
+    thread_local! {
+        static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    // SAFETY: every call is passed on to the system allocator unchanged; the count is a
+    // const-initialised thread-local, which itself never allocates.
+    unsafe impl std::alloc::GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+            ALLOCATIONS.with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's guarantees for `layout`, passed on.
+            unsafe { std::alloc::System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+            // SAFETY: `ptr` came from `alloc` above, that is from System.
+            unsafe { std::alloc::System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    #[test]
+    fn the_shims_lock_path_allocates_nothing() {
+        // The shim takes the table lock (and checks slots) inside cuMemAlloc and cuMemFree.
+        let s = Scratch::new("alloc");
+        let a = member(&s.private(), "f");
+        let b = open(&s.private()).unwrap();
+        let before = ALLOCATIONS.with(|n| n.get());
+        for _ in 0..100 {
+            let table = a.lock_table();
+            assert!(a.slot_alive(0) && !a.slot_alive(1));
+            assert!(b.slot_alive(0));
+            drop(table);
+        }
+        assert_eq!(ALLOCATIONS.with(|n| n.get()) - before, 0, "allocations on the lock path");
+    }
+
     #[test]
     fn slots_and_the_table_exclude_other_descriptions_until_given_back() {
         let s = Scratch::new("locks");
