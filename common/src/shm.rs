@@ -266,8 +266,7 @@ impl<T: SharedPlain> SharedFile<T> {
     /// table lock. A slot is free when nobody holds its lock byte, whatever its record says.
     pub fn claim_slot(&self, count: usize, _table: &TableGuard<'_>) -> Option<usize> {
         (0..count.min(MAX_SLOTS)).find(|&i| {
-            let free = !self.is_own(i)
-                && ofd(&self.file, Ofd::TryLock, SLOT_LOCK_BASE + i as i64).is_ok();
+            let free = !self.is_own(i) && ofd(&self.file, Ofd::TryLock, SLOT_LOCK_BASE + i as i64).is_ok();
             if free {
                 self.set_own(i, true);
             }
@@ -353,9 +352,10 @@ fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
             return Err(match std::fs::symlink_metadata(dir) {
                 Ok(m) if m.file_type().is_symlink() => refuse(dir, "it is a symbolic link"),
                 Ok(m) if !m.is_dir() => refuse(dir, "it is not a folder"),
-                Ok(m) if m.uid() != euid() => {
-                    refuse(dir, format_args!("it belongs to uid {}, not to this user (uid {})", m.uid(), euid()))
-                }
+                Ok(m) if m.uid() != euid() => refuse(
+                    dir,
+                    format_args!("it belongs to uid {}, not to this user (uid {})", m.uid(), euid()),
+                ),
                 _ => say(e, format_args!("cannot open {}", dir.display())),
             })
         }
@@ -398,7 +398,10 @@ fn open_private_file(dir: &OwnedFd, name: &CStr, path: &Path) -> io::Result<File
                     ));
                 }
                 if meta.mode() & 0o7777 != 0o600 {
-                    return Err(refuse(path, format_args!("its mode is {:04o}, not 0600", meta.mode() & 0o7777)));
+                    return Err(refuse(
+                        path,
+                        format_args!("its mode is {:04o}, not 0600", meta.mode() & 0o7777),
+                    ));
                 }
                 // 0 links: removed since we opened it; the caller sees that and opens again.
                 if meta.nlink() > 1 {

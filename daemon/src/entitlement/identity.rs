@@ -136,7 +136,8 @@ pub struct Cred {
 pub fn cred_of(socket: BorrowedFd<'_>) -> Result<Cred, IdentityError> {
     // Taken before anything else: whatever holds the PID after this instant is not the peer.
     let accepted = boot_ticks();
-    let cred = getsockopt(&socket, sockopt::PeerCredentials).map_err(|e| IdentityError::PeerCred(e.into()))?;
+    let cred =
+        getsockopt(&socket, sockopt::PeerCredentials).map_err(|e| IdentityError::PeerCred(e.into()))?;
     Ok(Cred { pid: cred.pid().max(0) as u32, uid: cred.uid(), gid: cred.gid(), accepted })
 }
 
