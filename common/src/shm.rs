@@ -16,16 +16,25 @@
 //! expected mode: no symbolic link is ever followed and nothing someone else made is
 //! adopted.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::num::NonZeroUsize;
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+
+use nix::errno::Errno;
+use nix::fcntl::{fcntl, open, openat, AtFlags, FcntlArg, OFlag};
+use nix::libc::{c_short, flock, F_UNLCK, F_WRLCK, SEEK_SET};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::stat::{fchmod, fstatat, Mode};
+use nix::unistd::{geteuid, mkdir, unlinkat, UnlinkatFlags};
 
 const TABLE_LOCK_BYTE: i64 = 1 << 40;
 const SLOT_LOCK_BASE: i64 = TABLE_LOCK_BYTE + 1;
@@ -46,7 +55,7 @@ pub struct SharedFile<T: SharedPlain> {
     /// For [`SharedFile::open_private`]: the folder, held open, and the file's name in it,
     /// so removal never goes through a path someone could have changed.
     dir: Option<(OwnedFd, CString)>,
-    ptr: *const T,
+    ptr: NonNull<T>,
     /// Serialises this process's threads; OFD locks only exclude other processes.
     local: Mutex<()>,
     /// Slots this mapping claimed (a lock never conflicts with its own description).
@@ -69,7 +78,7 @@ pub struct TableGuard<'a> {
 impl Drop for TableGuard<'_> {
     fn drop(&mut self) {
         if self.locked {
-            let _ = ofd(self.file, libc::F_OFD_SETLK, libc::F_UNLCK, TABLE_LOCK_BYTE);
+            let _ = ofd(self.file, Ofd::Unlock, TABLE_LOCK_BYTE);
         }
     }
 }
@@ -84,8 +93,9 @@ impl<T: SharedPlain> SharedFile<T> {
             .read(true)
             .write(true)
             .create(true)
+            // Other processes may have it mapped already; std opens it O_CLOEXEC.
+            .truncate(false)
             .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
             .open(path)?;
         Self::map(file, path.to_owned(), None, prepare)
     }
@@ -135,32 +145,24 @@ impl<T: SharedPlain> SharedFile<T> {
         prepare: impl FnOnce(&SharedFile<T>),
     ) -> io::Result<SharedFile<T>> {
         let size = std::mem::size_of::<T>();
-        ofd(&file, libc::F_OFD_SETLKW, libc::F_WRLCK, TABLE_LOCK_BYTE)?;
+        ofd(&file, Ofd::Lock, TABLE_LOCK_BYTE)?;
         let mapped = (|| {
             if file.metadata()?.len() < size as u64 {
                 file.set_len(size as u64)?;
             }
-            // SAFETY: mapping a regular file we hold open, at least `size` bytes long,
-            // shared and read-write; the result is checked against MAP_FAILED.
-            let addr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    size,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            if addr == libc::MAP_FAILED {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(addr as *const T)
+            let len = NonZeroUsize::new(size).ok_or(Errno::EINVAL)?;
+            let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
+            // SAFETY: a new mapping (no address asked for, so nothing existing is
+            // replaced) of a regular file we hold open, at least `size` bytes long, shared
+            // and read-write; only `SharedPlain` values, valid for any bytes, are read
+            // through it.
+            let addr = unsafe { mmap(None, len, prot, MapFlags::MAP_SHARED, &file, 0) }?;
+            Ok(addr.cast::<T>())
         })();
         let ptr = match mapped {
             Ok(ptr) => ptr,
             Err(e) => {
-                let _ = ofd(&file, libc::F_OFD_SETLK, libc::F_UNLCK, TABLE_LOCK_BYTE);
+                let _ = ofd(&file, Ofd::Unlock, TABLE_LOCK_BYTE);
                 return Err(e);
             }
         };
@@ -174,14 +176,14 @@ impl<T: SharedPlain> SharedFile<T> {
             _t: PhantomData,
         };
         prepare(&shared);
-        ofd(&shared.file, libc::F_OFD_SETLK, libc::F_UNLCK, TABLE_LOCK_BYTE)?;
+        ofd(&shared.file, Ofd::Unlock, TABLE_LOCK_BYTE)?;
         Ok(shared)
     }
 
     /// The shared value.
     pub fn get(&self) -> &T {
         // SAFETY: the mapping is valid for the life of self, and T is valid for any bytes.
-        unsafe { &*self.ptr }
+        unsafe { self.ptr.as_ref() }
     }
 
     /// Path of the file.
@@ -193,7 +195,7 @@ impl<T: SharedPlain> SharedFile<T> {
     /// this process's threads, so a broken lock degrades instead of hanging the host.
     pub fn lock_table(&self) -> TableGuard<'_> {
         let local = self.local.lock().unwrap_or_else(|poison| poison.into_inner());
-        let locked = ofd(&self.file, libc::F_OFD_SETLKW, libc::F_WRLCK, TABLE_LOCK_BYTE).is_ok();
+        let locked = ofd(&self.file, Ofd::Lock, TABLE_LOCK_BYTE).is_ok();
         TableGuard { file: &self.file, locked, _local: local }
     }
 
@@ -249,7 +251,7 @@ impl<T: SharedPlain> SharedFile<T> {
             }
         };
         loop {
-            match ofd(&self.file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE) {
+            match ofd(&self.file, Ofd::TryLock, TABLE_LOCK_BYTE) {
                 Ok(()) => return Some(TableGuard { file: &self.file, locked: true, _local: local }),
                 Err(e) if is_busy(&e) && std::time::Instant::now() < deadline => {
                     std::thread::sleep(pause);
@@ -264,8 +266,7 @@ impl<T: SharedPlain> SharedFile<T> {
     /// table lock. A slot is free when nobody holds its lock byte, whatever its record says.
     pub fn claim_slot(&self, count: usize, _table: &TableGuard<'_>) -> Option<usize> {
         (0..count.min(MAX_SLOTS)).find(|&i| {
-            let free = !self.is_own(i)
-                && ofd(&self.file, libc::F_OFD_SETLK, libc::F_WRLCK, SLOT_LOCK_BASE + i as i64).is_ok();
+            let free = !self.is_own(i) && ofd(&self.file, Ofd::TryLock, SLOT_LOCK_BASE + i as i64).is_ok();
             if free {
                 self.set_own(i, true);
             }
@@ -276,7 +277,7 @@ impl<T: SharedPlain> SharedFile<T> {
     /// Gives a claimed slot back.
     pub fn release_slot(&self, index: usize) {
         if index < MAX_SLOTS && self.is_own(index) {
-            let _ = ofd(&self.file, libc::F_OFD_SETLK, libc::F_UNLCK, SLOT_LOCK_BASE + index as i64);
+            let _ = ofd(&self.file, Ofd::Unlock, SLOT_LOCK_BASE + index as i64);
             self.set_own(index, false);
         }
     }
@@ -289,17 +290,8 @@ impl<T: SharedPlain> SharedFile<T> {
         if self.is_own(index) {
             return true;
         }
-        // SAFETY: flock is a plain C struct; all-zero is valid.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = libc::F_WRLCK as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = (SLOT_LOCK_BASE + index as i64) as libc::off_t;
-        fl.l_len = 1;
-        match fcntl(&self.file, libc::F_OFD_GETLK, &mut fl) {
-            Ok(()) => fl.l_type != libc::F_UNLCK as libc::c_short,
-            // When in doubt, keep the slot: forgetting a live process's memory is worse.
-            Err(_) => true,
-        }
+        // When in doubt, keep the slot: forgetting a live process's memory is worse.
+        locked_by_other(&self.file, SLOT_LOCK_BASE + index as i64, 1).unwrap_or(true)
     }
 
     fn is_own(&self, index: usize) -> bool {
@@ -319,13 +311,12 @@ impl<T: SharedPlain> SharedFile<T> {
 impl<T: SharedPlain> Drop for SharedFile<T> {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly the mapping made in `open`; no reference outlives self.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, std::mem::size_of::<T>()) };
+        let _ = unsafe { munmap(self.ptr.cast(), std::mem::size_of::<T>()) };
     }
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    geteuid().as_raw()
 }
 
 fn refuse(path: &Path, why: impl std::fmt::Display) -> io::Error {
@@ -335,40 +326,40 @@ fn refuse(path: &Path, why: impl std::fmt::Display) -> io::Error {
     )
 }
 
-fn c_path(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+/// `io::Error::new` keeps the kind of `errno` and says `what` about it.
+fn say(errno: Errno, what: impl std::fmt::Display) -> io::Error {
+    let err = io::Error::from(errno);
+    io::Error::new(err.kind(), format!("{what}: {err}"))
+}
+
+/// Flags for opening a folder: never through a symbolic link, never inherited.
+fn dir_flags() -> OFlag {
+    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
 }
 
 /// Creates `dir` (mode 0700) if missing and opens it, without following a symbolic link;
 /// it must be a folder of the effective user's with mode 0700.
 fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
-    let c_dir = c_path(dir)?;
-    // SAFETY: `c_dir` is a NUL-terminated path.
-    let created = unsafe { libc::mkdir(c_dir.as_ptr(), 0o700) } == 0;
-    if !created {
-        let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EEXIST) {
-            return Err(io::Error::new(err.kind(), format!("cannot create {}: {err}", dir.display())));
-        }
-    }
-    // SAFETY: as above; the result is checked before use.
-    let fd = unsafe {
-        libc::open(c_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+    let created = match mkdir(dir, Mode::from_bits_truncate(0o700)) {
+        Ok(()) => true,
+        Err(Errno::EEXIST) => false,
+        Err(e) => return Err(say(e, format_args!("cannot create {}", dir.display()))),
     };
-    if fd < 0 {
-        let err = io::Error::last_os_error();
+    let fd = match open(dir, dir_flags(), Mode::empty()) {
+        Ok(fd) => fd,
         // Say what is wrong with it, as far as we can see.
-        return Err(match std::fs::symlink_metadata(dir) {
-            Ok(m) if m.file_type().is_symlink() => refuse(dir, "it is a symbolic link"),
-            Ok(m) if !m.is_dir() => refuse(dir, "it is not a folder"),
-            Ok(m) if m.uid() != euid() => {
-                refuse(dir, format_args!("it belongs to uid {}, not to this user (uid {})", m.uid(), euid()))
-            }
-            _ => io::Error::new(err.kind(), format!("cannot open {}: {err}", dir.display())),
-        });
-    }
-    // SAFETY: `fd` was just opened and is owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Err(e) => {
+            return Err(match std::fs::symlink_metadata(dir) {
+                Ok(m) if m.file_type().is_symlink() => refuse(dir, "it is a symbolic link"),
+                Ok(m) if !m.is_dir() => refuse(dir, "it is not a folder"),
+                Ok(m) if m.uid() != euid() => refuse(
+                    dir,
+                    format_args!("it belongs to uid {}, not to this user (uid {})", m.uid(), euid()),
+                ),
+                _ => say(e, format_args!("cannot open {}", dir.display())),
+            })
+        }
+    };
     let meta = File::from(fd.try_clone()?).metadata()?;
     let me = euid();
     if meta.uid() != me {
@@ -379,10 +370,7 @@ fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
     }
     if created && meta.mode() & 0o7777 != 0o700 {
         // Our own new folder, narrowed by the umask: widen it to 0700 exactly.
-        // SAFETY: `fd` is an open folder of ours.
-        if unsafe { libc::fchmod(fd.as_raw_fd(), 0o700) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        fchmod(&fd, Mode::from_bits_truncate(0o700))?;
     } else if meta.mode() & 0o7777 != 0o700 {
         return Err(refuse(dir, format_args!("its mode is {:04o}, not 0700", meta.mode() & 0o7777)));
     }
@@ -392,65 +380,53 @@ fn private_dir(dir: &Path) -> io::Result<OwnedFd> {
 /// Opens `name` in `dir` read-write without following a symbolic link, creating it
 /// (mode 0600, `O_EXCL`) if missing; an existing file must be a regular file of the
 /// effective user's, mode 0600, with no other hard link.
-fn open_private_file(dir: &OwnedFd, name: &CString, path: &Path) -> io::Result<File> {
-    let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+fn open_private_file(dir: &OwnedFd, name: &CStr, path: &Path) -> io::Result<File> {
+    let flags = OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     for _ in 0..100 {
-        // SAFETY: `dir` is an open folder and `name` a NUL-terminated name in it.
-        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
-        if fd >= 0 {
-            // SAFETY: `fd` was just opened and is owned by nothing else.
-            let file = unsafe { File::from_raw_fd(fd) };
-            let meta = file.metadata()?;
-            let me = euid();
-            if !meta.file_type().is_file() {
-                return Err(refuse(path, "it is not a regular file"));
+        match openat(dir, name, flags, Mode::empty()) {
+            Ok(fd) => {
+                let file = File::from(fd);
+                let meta = file.metadata()?;
+                let me = euid();
+                if !meta.file_type().is_file() {
+                    return Err(refuse(path, "it is not a regular file"));
+                }
+                if meta.uid() != me {
+                    return Err(refuse(
+                        path,
+                        format_args!("it belongs to uid {}, not to this user (uid {me})", meta.uid()),
+                    ));
+                }
+                if meta.mode() & 0o7777 != 0o600 {
+                    return Err(refuse(
+                        path,
+                        format_args!("its mode is {:04o}, not 0600", meta.mode() & 0o7777),
+                    ));
+                }
+                // 0 links: removed since we opened it; the caller sees that and opens again.
+                if meta.nlink() > 1 {
+                    return Err(refuse(path, format_args!("it has {} hard links", meta.nlink())));
+                }
+                return Ok(file);
             }
-            if meta.uid() != me {
-                return Err(refuse(
-                    path,
-                    format_args!("it belongs to uid {}, not to this user (uid {me})", meta.uid()),
-                ));
-            }
-            if meta.mode() & 0o7777 != 0o600 {
-                return Err(refuse(path, format_args!("its mode is {:04o}, not 0600", meta.mode() & 0o7777)));
-            }
-            // 0 links: removed since we opened it; the caller sees that and opens again.
-            if meta.nlink() > 1 {
-                return Err(refuse(path, format_args!("it has {} hard links", meta.nlink())));
-            }
-            return Ok(file);
+            Err(Errno::ENOENT) => {}
+            Err(Errno::ELOOP) => return Err(refuse(path, "it is a symbolic link")),
+            Err(Errno::EISDIR) => return Err(refuse(path, "it is not a regular file")),
+            Err(e) => return Err(say(e, format_args!("cannot open {}", path.display()))),
         }
-        let err = io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::ENOENT) => {}
-            Some(libc::ELOOP) => return Err(refuse(path, "it is a symbolic link")),
-            Some(libc::EISDIR) => return Err(refuse(path, "it is not a regular file")),
-            _ => return Err(io::Error::new(err.kind(), format!("cannot open {}: {err}", path.display()))),
-        }
-        // SAFETY: as above; O_EXCL with O_NOFOLLOW never opens an existing name or link.
-        let fd = unsafe {
-            libc::openat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                flags | libc::O_CREAT | libc::O_EXCL,
-                0o600 as libc::c_uint,
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: `fd` was just created by us and is owned by nothing else.
-            let file = unsafe { File::from_raw_fd(fd) };
-            // Exactly 0600 whatever the umask.
-            // SAFETY: `fd` is a regular file we just created.
-            if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
-                return Err(io::Error::last_os_error());
+        // O_EXCL with O_NOFOLLOW never opens an existing name or link.
+        let excl = flags | OFlag::O_CREAT | OFlag::O_EXCL;
+        match openat(dir, name, excl, Mode::from_bits_truncate(0o600)) {
+            Ok(fd) => {
+                let file = File::from(fd);
+                // Exactly 0600 whatever the umask.
+                fchmod(&file, Mode::from_bits_truncate(0o600))?;
+                return Ok(file);
             }
-            return Ok(file);
+            // Another process made it meanwhile: open theirs.
+            Err(Errno::EEXIST) => {}
+            Err(e) => return Err(say(e, format_args!("cannot create {}", path.display()))),
         }
-        let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EEXIST) {
-            return Err(io::Error::new(err.kind(), format!("cannot create {}: {err}", path.display())));
-        }
-        // Another process made it meanwhile: open theirs.
     }
     Err(io::Error::other(format!("{} keeps appearing and disappearing", path.display())))
 }
@@ -463,17 +439,11 @@ fn open_private_file(dir: &OwnedFd, name: &CString, path: &Path) -> io::Result<F
 /// one link: it is not ours to judge. Returns how many were removed. Errors only if the
 /// folder itself cannot be opened (missing: nothing to sweep, `Ok(0)`).
 pub fn sweep_dead(dir: &Path, suffix: &str, count: usize) -> io::Result<usize> {
-    let c_dir = c_path(dir)?;
-    // SAFETY: `c_dir` is a NUL-terminated path; the result is checked before use.
-    let fd = unsafe {
-        libc::open(c_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+    let dir_fd = match open(dir, dir_flags(), Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Ok(0),
+        Err(e) => return Err(e.into()),
     };
-    if fd < 0 {
-        let err = io::Error::last_os_error();
-        return if err.kind() == io::ErrorKind::NotFound { Ok(0) } else { Err(err) };
-    }
-    // SAFETY: `fd` was just opened and is owned by nothing else.
-    let dir_fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let meta = File::from(dir_fd.try_clone()?).metadata()?;
     if meta.uid() != euid() || meta.mode() & 0o7777 != 0o700 {
         return Ok(0);
@@ -494,21 +464,10 @@ pub fn sweep_dead(dir: &Path, suffix: &str, count: usize) -> io::Result<usize> {
 }
 
 /// [`sweep_dead`] for one name: true if it was removed.
-fn sweep_one(dir: &OwnedFd, name: &CString, count: usize) -> io::Result<bool> {
-    // SAFETY: `dir` is an open folder and `name` a NUL-terminated name in it. O_NONBLOCK:
-    // a FIFO planted here must not block us.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just opened and is owned by nothing else.
-    let file = unsafe { File::from_raw_fd(fd) };
+fn sweep_one(dir: &OwnedFd, name: &CStr, count: usize) -> io::Result<bool> {
+    // O_NONBLOCK: a FIFO planted here must not block us.
+    let flags = OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+    let file = File::from(openat(dir, name, flags, Mode::empty())?);
     let meta = file.metadata()?;
     if !meta.file_type().is_file()
         || meta.uid() != euid()
@@ -518,7 +477,7 @@ fn sweep_one(dir: &OwnedFd, name: &CString, count: usize) -> io::Result<bool> {
         return Ok(false);
     }
     // Busy: someone is joining (or leaving, and will remove it if it is the last).
-    if ofd(&file, libc::F_OFD_SETLK, libc::F_WRLCK, TABLE_LOCK_BYTE).is_err() {
+    if ofd(&file, Ofd::TryLock, TABLE_LOCK_BYTE).is_err() {
         return Ok(false);
     }
     // Closing `file` drops the table lock (it is this description's).
@@ -535,61 +494,73 @@ fn any_slot_locked(file: &File, count: usize) -> io::Result<bool> {
     if count == 0 {
         return Ok(false);
     }
-    // SAFETY: flock is a plain C struct; all-zero is valid.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = SLOT_LOCK_BASE as libc::off_t;
-    fl.l_len = count as libc::off_t;
     // One call for the whole range: any lock in it is reported.
-    fcntl(file, libc::F_OFD_GETLK, &mut fl)?;
-    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+    locked_by_other(file, SLOT_LOCK_BASE, count as i64)
 }
 
 /// Removes `name` from `dir` if it still names `file` (never following a link).
-fn unlink_if_same(dir: &OwnedFd, name: &CString, file: &File) -> io::Result<bool> {
+fn unlink_if_same(dir: &OwnedFd, name: &CStr, file: &File) -> io::Result<bool> {
     let ours = file.metadata()?;
-    // SAFETY: stat is a plain C struct; all-zero is valid.
-    let mut named: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `dir` is an open folder, `name` NUL-terminated, `named` a valid stat.
-    if unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut named, libc::AT_SYMLINK_NOFOLLOW) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let named = fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
     if (ours.dev(), ours.ino()) != (named.st_dev, named.st_ino) {
         return Ok(false);
     }
-    // SAFETY: as above; unlinkat removes the name only, never following a link.
-    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // The name only, never following a link.
+    unlinkat(dir, name, UnlinkatFlags::NoRemoveDir)?;
     Ok(true)
 }
 
 fn is_busy(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
+    matches!(e.raw_os_error().map(Errno::from_raw), Some(Errno::EAGAIN | Errno::EACCES))
 }
 
-fn fcntl(file: &File, cmd: libc::c_int, fl: &mut libc::flock) -> io::Result<()> {
+/// What [`ofd`] does with a lock byte. The calls go through `nix` (a match and the
+/// `fcntl` call, nothing allocated): the shim takes the table lock on its allocation path.
+#[derive(Clone, Copy)]
+enum Ofd {
+    /// `F_OFD_SETLKW` of a write lock: waits until the byte is free.
+    Lock,
+    /// `F_OFD_SETLK` of a write lock: `EAGAIN` or `EACCES` when someone holds the byte.
+    TryLock,
+    /// `F_OFD_SETLK` of `F_UNLCK`.
+    Unlock,
+}
+
+/// A lock record of `len` bytes from `start`.
+fn record(kind: i32, start: i64, len: i64) -> flock {
+    flock { l_type: kind as c_short, l_whence: SEEK_SET as c_short, l_start: start, l_len: len, l_pid: 0 }
+}
+
+/// `fcntl` again while a signal interrupts it.
+fn retry(mut call: impl FnMut() -> nix::Result<i32>) -> io::Result<()> {
     loop {
-        // SAFETY: `fl` is a valid flock and the descriptor is open for the call.
-        if unsafe { libc::fcntl(file.as_raw_fd(), cmd, fl as *mut libc::flock) } == 0 {
-            return Ok(());
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
+        match call() {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+            Ok(_) => return Ok(()),
         }
     }
 }
 
-fn ofd(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::Result<()> {
-    // SAFETY: flock is a plain C struct; all-zero is valid.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = kind as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = byte as libc::off_t;
-    fl.l_len = 1;
-    fcntl(file, cmd, &mut fl)
+fn ofd(file: &File, op: Ofd, byte: i64) -> io::Result<()> {
+    let fl = record(if matches!(op, Ofd::Unlock) { F_UNLCK } else { F_WRLCK }, byte, 1);
+    retry(|| {
+        fcntl(
+            file,
+            match op {
+                Ofd::Lock => FcntlArg::F_OFD_SETLKW(&fl),
+                Ofd::TryLock | Ofd::Unlock => FcntlArg::F_OFD_SETLK(&fl),
+            },
+        )
+    })
+}
+
+/// Whether another open file description holds a lock on any of the `len` bytes from
+/// `start` (`F_OFD_GETLK`; this description's own locks never conflict).
+fn locked_by_other(file: &File, start: i64, len: i64) -> io::Result<bool> {
+    let mut fl = record(F_WRLCK, start, len);
+    retry(|| fcntl(file, FcntlArg::F_OFD_GETLK(&mut fl)))?;
+    Ok(fl.l_type != F_UNLCK as c_short)
 }
 
 #[cfg(test)]
@@ -649,6 +620,70 @@ mod tests {
         assert!(f.claim_slot(4, &table).is_some());
         drop(table);
         f
+    }
+
+    /// Counts this thread's allocations, so that tests running beside it do not count.
+    struct Counting;
+
+    thread_local! {
+        static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    // SAFETY: every call is passed on to the system allocator unchanged; the count is a
+    // const-initialised thread-local, which itself never allocates.
+    unsafe impl std::alloc::GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+            ALLOCATIONS.with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's guarantees for `layout`, passed on.
+            unsafe { std::alloc::System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+            // SAFETY: `ptr` came from `alloc` above, that is from System.
+            unsafe { std::alloc::System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    #[test]
+    fn the_shims_lock_path_allocates_nothing() {
+        // The shim takes the table lock (and checks slots) inside cuMemAlloc and cuMemFree.
+        let s = Scratch::new("alloc");
+        let a = member(&s.private(), "f");
+        let b = open(&s.private()).unwrap();
+        let before = ALLOCATIONS.with(|n| n.get());
+        for _ in 0..100 {
+            let table = a.lock_table();
+            assert!(a.slot_alive(0) && !a.slot_alive(1));
+            assert!(b.slot_alive(0));
+            drop(table);
+        }
+        assert_eq!(ALLOCATIONS.with(|n| n.get()) - before, 0, "allocations on the lock path");
+    }
+
+    #[test]
+    fn slots_and_the_table_exclude_other_descriptions_until_given_back() {
+        let s = Scratch::new("locks");
+        let a = member(&s.private(), "f");
+        let b = open(&s.private()).unwrap();
+        // a's slot 0 is alive for b, and b is given the next one.
+        assert!(b.slot_alive(0), "a holds slot 0");
+        assert!(!b.slot_alive(1), "nobody holds slot 1");
+        assert!(!b.slot_alive(MAX_SLOTS), "past the last slot");
+        let table = b.lock_table();
+        assert_eq!(b.claim_slot(4, &table), Some(1));
+        assert!(a.slot_alive(1), "b holds slot 1");
+        // While b holds the table, a waits for it in vain.
+        assert!(a.lock_table_within(WAIT).is_none(), "the table is b's");
+        drop(table);
+        assert!(a.lock_table_within(WAIT).is_some(), "the table was given back");
+        // Given back, a slot is dead for everyone else.
+        a.release_slot(0);
+        assert!(!b.slot_alive(0), "a gave slot 0 back");
+        assert!(any_slot_locked(&a.file, 4).unwrap(), "b's slot 1");
+        b.release_slot(1);
+        assert!(!any_slot_locked(&a.file, 4).unwrap(), "no slot is held");
     }
 
     #[test]
@@ -821,8 +856,7 @@ pub mod ledgers {
     /// The folder of this user's group ledgers: `/dev/shm/gpufrac-<euid>` (under the temp
     /// dir where there is no /dev/shm), made mode 0700 by the shim.
     pub fn dir() -> PathBuf {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let uid = unsafe { libc::geteuid() };
+        let uid = super::euid();
         let base = if std::path::Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
         } else {

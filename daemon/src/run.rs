@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpufrac_common::config::Config;
+use libloading::os::unix::{RTLD_LAZY, RTLD_LOCAL};
 
 /// Settings for the command, as given on the command line (`gpufrac run` flags).
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -254,24 +255,17 @@ pub fn driver_warning(name: &str) -> Option<String> {
 
 /// dlopens and closes `name`: Ok if it loads, else what the dynamic loader said.
 fn load_library(name: &str) -> Result<(), String> {
-    let c_name = std::ffi::CString::new(name).map_err(|_| format!("{name:?} contains NUL"))?;
-    // SAFETY: `c_name` is a valid NUL-terminated string for the duration of the call.
-    let handle = unsafe { libc::dlopen(c_name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
-    if handle.is_null() {
-        // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next
-        // dl* call on this thread; it is copied at once.
-        let err = unsafe { libc::dlerror() };
-        return Err(if err.is_null() {
-            format!("{name}: cannot be loaded")
-        } else {
-            // SAFETY: non-NULL, so a NUL-terminated string (see above).
-            unsafe { std::ffi::CStr::from_ptr(err) }.to_string_lossy().into_owned()
-        });
+    if name.contains('\0') {
+        return Err(format!("{name:?} contains NUL"));
     }
-    // SAFETY: `handle` came from a successful dlopen and is closed once; nothing from the
-    // library is used after this.
-    unsafe { libc::dlclose(handle) };
-    Ok(())
+    // SAFETY: loading runs the library's initialisers, as the command will when it loads
+    // its driver; nothing from the library is used, and dropping it dlcloses it at once.
+    match unsafe { libloading::os::unix::Library::open(Some(name), RTLD_LAZY | RTLD_LOCAL) } {
+        Ok(_library) => Ok(()),
+        Err(libloading::Error::DlOpenUnknown) => Err(format!("{name}: cannot be loaded")),
+        // The dynamic loader's own words (dlerror).
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ use gpufrac_daemon::arbiter::{gpus, metrics, server};
 use gpufrac_daemon::entitlement::kubernetes::{infer_config, KubernetesEntitlements, KubernetesOptions};
 use gpufrac_daemon::entitlement::policy::PolicyFile;
 use gpufrac_daemon::entitlement::Entitlements;
+use nix::sys::resource::{getrlimit, setrlimit, Resource};
+use nix::unistd::{sysconf, Group, SysconfVar};
 
 // A shim preloaded into this daemon passes every call through (see
 // `gpufrac_common::DAEMON_MARKER`; build.rs exports the symbol).
@@ -147,28 +149,15 @@ fn admin_gid(group: &str) -> Result<u32> {
     if let Ok(gid) = group.parse::<u32>() {
         return Ok(gid);
     }
-    let name = std::ffi::CString::new(group)
-        .map_err(|_| anyhow::anyhow!("--admin-group {group:?}: a group name cannot hold a NUL byte"))?;
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    loop {
-        // SAFETY: a zeroed `group` is a valid out-parameter (pointers null, gid 0).
-        let mut entry: libc::group = unsafe { std::mem::zeroed() };
-        let mut found: *mut libc::group = std::ptr::null_mut();
-        // SAFETY: `name` is NUL-terminated; `entry`, `buf` (of `buf.len()` bytes) and
-        // `found` live across the call, and the strings it writes point into `buf`.
-        let rc =
-            unsafe { libc::getgrnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr(), buf.len(), &mut found) };
-        if rc == libc::ERANGE && buf.len() < 1 << 20 {
-            buf.resize(buf.len() * 4, 0);
-            continue;
-        }
-        if rc != 0 {
-            bail!("--admin-group {group:?}: looking the group up: {}", std::io::Error::from_raw_os_error(rc));
-        }
-        if found.is_null() {
-            bail!("--admin-group {group:?}: no such group (give a group name or a numeric GID)");
-        }
-        return Ok(entry.gr_gid);
+    // nix would answer "no such group" for a name with a NUL byte: say what is wrong.
+    if group.contains('\0') {
+        bail!("--admin-group {group:?}: a group name cannot hold a NUL byte");
+    }
+    // getgrnam_r, its buffer grown while too small (up to 1 MiB).
+    match Group::from_name(group) {
+        Ok(Some(entry)) => Ok(entry.gid.as_raw()),
+        Ok(None) => bail!("--admin-group {group:?}: no such group (give a group name or a numeric GID)"),
+        Err(e) => bail!("--admin-group {group:?}: looking the group up: {}", std::io::Error::from(e)),
     }
 }
 
@@ -229,22 +218,18 @@ fn entitlements(args: &Args) -> Result<Option<Arc<dyn Entitlements>>> {
 
 /// Raises the soft limit on open descriptors to the hard limit: each shim holds one.
 fn raise_descriptor_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit and setrlimit only read and write the struct passed, which lives
-    // on this stack frame.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            // A refusal leaves the soft limit, as before.
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
         }
     }
 }
 
-/// The node's physical memory.
+/// The node's physical memory (0 when the system does not say).
 fn host_memory() -> u64 {
-    // SAFETY: sysconf has no memory preconditions.
-    let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
+    let value = |var| sysconf(var).ok().flatten().unwrap_or(0).max(0) as u64;
+    value(SysconfVar::_PHYS_PAGES).saturating_mul(value(SysconfVar::PAGE_SIZE))
 }
 
 fn main() {

@@ -19,14 +19,20 @@
 //!   served socket. Race-free enough; the kernels that matter have `SO_PEERPIDFD` anyway.
 //! - Neither (a kernel before 5.3, or the peer gone already): no pidfd, and the arbiter
 //!   never signals that process (it can still deny it bursts).
+//!
+//! System calls go through `nix`, except three it has no wrapper for: `pidfd_open`,
+//! `pidfd_send_signal` and `SO_PEERGROUPS` stay plain `libc` calls.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
+use nix::errno::Errno;
+use nix::sys::socket::{getsockopt, sockopt};
+use nix::time::{clock_gettime, ClockId};
+use nix::unistd::{sysconf, SysconfVar};
+
 use super::{Cgroup, ContainerRef};
 
-/// `SO_PEERPIDFD` (include/uapi/asm-generic/socket.h; the same on x86 and arm64).
-const SO_PEERPIDFD: libc::c_int = 77;
 /// `SO_PEERGROUPS` (Linux 4.13+; the same on x86 and arm64; not in every libc version).
 const SO_PEERGROUPS: libc::c_int = 59;
 
@@ -45,7 +51,7 @@ pub struct Pidfd(OwnedFd);
 impl Pidfd {
     /// A pidfd for `pid` (`pidfd_open`), with no check of who it is.
     pub fn open(pid: u32) -> io::Result<Pidfd> {
-        let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from(Errno::ESRCH))?;
         // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor or -1; no
         // memory is passed.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -130,22 +136,9 @@ pub struct Cred {
 pub fn cred_of(socket: BorrowedFd<'_>) -> Result<Cred, IdentityError> {
     // Taken before anything else: whatever holds the PID after this instant is not the peer.
     let accepted = boot_ticks();
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` live on this frame and `len` is `cred`'s size.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(IdentityError::PeerCred(io::Error::last_os_error()));
-    }
-    Ok(Cred { pid: cred.pid.max(0) as u32, uid: cred.uid, gid: cred.gid, accepted })
+    let cred =
+        getsockopt(&socket, sockopt::PeerCredentials).map_err(|e| IdentityError::PeerCred(e.into()))?;
+    Ok(Cred { pid: cred.pid().max(0) as u32, uid: cred.uid(), gid: cred.gid(), accepted })
 }
 
 /// A pidfd for the peer `cred` describes: `SO_PEERPIDFD` (the process that connected,
@@ -153,35 +146,16 @@ pub fn cred_of(socket: BorrowedFd<'_>) -> Result<Cred, IdentityError> {
 pub fn pidfd_of(socket: BorrowedFd<'_>, cred: &Cred) -> Result<Pidfd, String> {
     match peer_pidfd(socket) {
         Ok(fd) => Ok(fd),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOPROTOOPT | libc::EINVAL | libc::EOPNOTSUPP)) => {
-            checked_open(cred.pid, cred.accepted)
-        }
-        Err(e) => Err(format!("SO_PEERPIDFD: {e}")),
+        // A kernel before 6.5.
+        Err(Errno::ENOPROTOOPT | Errno::EINVAL | Errno::EOPNOTSUPP) => checked_open(cred.pid, cred.accepted),
+        Err(e) => Err(format!("SO_PEERPIDFD: {}", io::Error::from(e))),
     }
 }
 
 /// `SO_PEERPIDFD`: the pidfd of the process that connected, from the kernel.
-fn peer_pidfd(socket: BorrowedFd<'_>) -> io::Result<Pidfd> {
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `fd` and `len` live on this frame and `len` is `fd`'s size.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&mut fd as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if fd < 0 {
-        return Err(io::Error::from_raw_os_error(libc::ESRCH));
-    }
-    // SAFETY: the kernel just installed this descriptor for us and nothing else owns it.
-    Ok(Pidfd(unsafe { OwnedFd::from_raw_fd(fd) }))
+fn peer_pidfd(socket: BorrowedFd<'_>) -> nix::Result<Pidfd> {
+    // The kernel answers a descriptor or an error (ENODATA when the peer has no PID).
+    getsockopt(&socket, sockopt::PeerPidfd).map(Pidfd)
 }
 
 /// `pidfd_open(pid)`, kept only if the process started no later than `accepted` (clock
@@ -206,15 +180,13 @@ fn checked_open(pid: u32, accepted: Option<u64>) -> Result<Pidfd, String> {
 
 /// Clock ticks (`_SC_CLK_TCK`) since boot, as `/proc/<pid>/stat` counts a start time.
 fn boot_ticks() -> Option<u64> {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` lives on this frame; CLOCK_BOOTTIME is the clock process start times use.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
-    // SAFETY: sysconf has no memory preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if rc != 0 || hz <= 0 {
+    // CLOCK_BOOTTIME is the clock process start times use.
+    let ts = clock_gettime(ClockId::CLOCK_BOOTTIME).ok()?;
+    let hz = sysconf(SysconfVar::CLK_TCK).ok()??;
+    if hz <= 0 {
         return None;
     }
-    Some(ts.tv_sec as u64 * hz as u64 + ts.tv_nsec as u64 * hz as u64 / 1_000_000_000)
+    Some(ts.tv_sec() as u64 * hz as u64 + ts.tv_nsec() as u64 * hz as u64 / 1_000_000_000)
 }
 
 /// A process's start time (`/proc/<pid>/stat` field 22), in clock ticks since boot.
@@ -271,7 +243,7 @@ pub fn peer_groups(socket: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
             return Ok(groups);
         }
         let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ERANGE) && n > groups.len() && n <= 65536 {
+        if e.raw_os_error() == Some(Errno::ERANGE as i32) && n > groups.len() && n <= 65536 {
             groups.resize(n, 0);
             continue;
         }
@@ -428,6 +400,7 @@ fn pod_uid(component: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nix::sys::signal::Signal;
 
     const ID: &str = "8c1f6e0a5d7b4f2e9a3c1b0d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f";
     const POD: &str = "0f3c2a1b-4d5e-6f70-8192-a3b4c5d6e7f8";
@@ -570,11 +543,11 @@ mod tests {
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         let fd = Pidfd::open(child.id()).expect("pidfd_open");
         assert!(fd.alive());
-        fd.signal(libc::SIGKILL).expect("signal through the pidfd");
+        fd.signal(Signal::SIGKILL as i32).expect("signal through the pidfd");
         child.wait().expect("reap");
         // Reaped: the PID may be anyone's now; the pidfd still names the dead process.
-        let err = fd.signal(libc::SIGTERM).expect_err("a reaped process cannot be signalled");
-        assert_eq!(err.raw_os_error(), Some(libc::ESRCH));
+        let err = fd.signal(Signal::SIGTERM as i32).expect_err("a reaped process cannot be signalled");
+        assert_eq!(err.raw_os_error(), Some(Errno::ESRCH as i32));
     }
 
     #[test]
@@ -583,8 +556,7 @@ mod tests {
         use std::os::fd::AsFd;
         let peer = peer_of(a.as_fd()).expect("SO_PEERCRED");
         assert_eq!(peer.pid, std::process::id());
-        // SAFETY: getuid has no preconditions.
-        assert_eq!(peer.uid, unsafe { libc::getuid() });
+        assert_eq!(peer.uid, nix::unistd::getuid().as_raw());
         assert!(peer.pidfd.expect("a pidfd").alive());
         let fallback = checked_open(std::process::id(), boot_ticks()).expect("pidfd_open fallback");
         assert!(fallback.alive());
@@ -594,8 +566,7 @@ mod tests {
         let cred = cred_of(a.as_fd()).expect("SO_PEERCRED");
         assert_eq!((cred.pid, cred.uid), (peer.pid, peer.uid));
         assert!(pidfd_of(a.as_fd(), &cred).expect("a pidfd later").alive());
-        // SAFETY: getgroups with a zero size only counts.
-        let own = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
-        assert_eq!(peer_groups(a.as_fd()).expect("SO_PEERGROUPS").len(), own.max(0) as usize);
+        let own = nix::unistd::getgroups().expect("getgroups");
+        assert_eq!(peer_groups(a.as_fd()).expect("SO_PEERGROUPS").len(), own.len());
     }
 }
