@@ -362,7 +362,10 @@ fn forty_eight_small_requests_that_fit_all_start_under_bursty_load() {
     let log = arbiter.log_text();
     let (outs, ins) = (log.matches("swapped out").count(), log.matches("swapped in").count());
     eprintln!("{outs} swaps out, {ins} swaps in");
-    assert!(outs >= 1 && ins >= 1, "no borrower was swapped out and back: the data check checked no round trip: {log}");
+    assert!(
+        outs >= 1 && ins >= 1,
+        "no borrower was swapped out and back: the data check checked no round trip: {log}"
+    );
 }
 
 #[test]

@@ -11,10 +11,14 @@ use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::{ConnId, Victim};
 use crate::entitlement::identity::Pidfd;
 
+/// The two signals processes are ended with, as the `i32` a pidfd is sent.
+const SIGTERM: i32 = nix::sys::signal::Signal::SIGTERM as i32;
+const SIGKILL: i32 = nix::sys::signal::Signal::SIGKILL as i32;
+
 /// Ends processes chosen by the priority resolver and for guarantees. Behind a trait so
 /// that tests can record instead of signalling.
 pub trait Terminator: Send + Sync {
-    /// Sends `signal` (`libc::SIGTERM`, `libc::SIGKILL`) to the process `pidfd` names
+    /// Sends `signal` (`SIGTERM`, `SIGKILL`) to the process `pidfd` names
     /// (`pid` is what it connected as, for logs). `ESRCH`: that process is gone.
     fn signal(&self, pid: u32, pidfd: &Pidfd, signal: i32) -> std::io::Result<()>;
 }
@@ -47,7 +51,7 @@ impl Shared {
         now: Instant,
     ) {
         self.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
-        self.signal(victim.conn, victim.pid, libc::SIGTERM);
+        self.signal(victim.conn, victim.pid, SIGTERM);
         ending.insert(victim.conn, Ending { pid: victim.pid, since: now, killed: false });
     }
 
@@ -69,7 +73,7 @@ impl Shared {
         };
         match self.terminator.signal(pid, &pidfd, signal) {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+            Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ESRCH as i32) => {
                 tracing::warn!(pid, conn, "the process that connected as PID {pid} has exited but its connection is still open (held by a child?): not signalling PID {pid}, which may be reused; closing the connection");
                 close.notify_one();
             }
@@ -88,7 +92,7 @@ impl Shared {
             }
             if !e.killed {
                 tracing::warn!(pid = e.pid, "still running after --kill-grace: SIGKILL");
-                self.signal(*conn, e.pid, libc::SIGKILL);
+                self.signal(*conn, e.pid, SIGKILL);
                 (e.since, e.killed) = (now, true);
             } else if let Some(handle) = self.conn_handle(*conn) {
                 // Connected a grace after SIGKILL: the process that connected cannot be
@@ -139,14 +143,10 @@ mod tests {
         shared.connected(1, Some(Pidfd::open(child.id()).expect("pidfd_open")));
         shared.connected(2, None);
         // Whatever PID the caller names, the pidfd decides which process it is.
-        shared.signal(1, 4242, libc::SIGTERM);
-        shared.signal(2, child.id(), libc::SIGKILL);
-        shared.signal(3, child.id(), libc::SIGKILL);
-        assert_eq!(
-            *sent.lock().unwrap(),
-            vec![(4242, Some(child.id()), libc::SIGTERM)],
-            "only through a pidfd"
-        );
+        shared.signal(1, 4242, SIGTERM);
+        shared.signal(2, child.id(), SIGKILL);
+        shared.signal(3, child.id(), SIGKILL);
+        assert_eq!(*sent.lock().unwrap(), vec![(4242, Some(child.id()), SIGTERM)], "only through a pidfd");
         child.kill().expect("kill");
         child.wait().expect("reap");
     }
@@ -184,10 +184,7 @@ mod tests {
         drop(shared.ending(now + grace));
         // The recording terminator sends nothing: the process "survives" SIGKILL.
         drop(shared.ending(now + grace + grace / 2));
-        assert_eq!(
-            sent.lock().unwrap().iter().map(|s| s.2).collect::<Vec<_>>(),
-            [libc::SIGTERM, libc::SIGKILL]
-        );
+        assert_eq!(sent.lock().unwrap().iter().map(|s| s.2).collect::<Vec<_>>(), [SIGTERM, SIGKILL]);
         drop(shared.ending(now + 2 * grace));
         let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
         let closed =
@@ -213,7 +210,7 @@ mod tests {
         let pidfd = Pidfd::open(child.id()).expect("pidfd_open");
         child.wait().expect("reap");
         let close = shared.connected(1, Some(pidfd));
-        shared.signal(1, child.id(), libc::SIGTERM);
+        shared.signal(1, child.id(), SIGTERM);
         // The notification is stored: the connection's task would wake at once.
         let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
         let closed =

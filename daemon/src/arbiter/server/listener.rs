@@ -173,7 +173,10 @@ pub async fn serve(
                     shared.refill_pin_reserve();
                 }
                 Err(e) => {
-                    let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    let out_of_descriptors = matches!(
+                        e.raw_os_error().map(nix::errno::Errno::from_raw),
+                        Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)
+                    );
                     if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                         last_warning = Some(Instant::now());
                         if out_of_descriptors {

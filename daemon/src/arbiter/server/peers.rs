@@ -317,8 +317,7 @@ mod tests {
     }
 
     fn me(conn: ConnId) -> Who {
-        // SAFETY: getuid and getgid have no preconditions.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let (uid, gid) = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
         Who { conn, pid: std::process::id(), uid, gid }
     }
 

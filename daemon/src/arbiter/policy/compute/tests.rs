@@ -43,12 +43,7 @@ fn spec(request: u16, limit: u16) -> ComputeSpec {
 /// each holder using the GPU for its whole lease plus `drain` (its work running past the
 /// end), answering `LeaseDone` then. Returns the time each group held over `run`, and
 /// the GPU's idle time.
-fn simulate(
-    book: &mut LeaseBook,
-    busy: &[(&str, bool)],
-    drain: Duration,
-    run: Duration,
-) -> (Vec<f64>, f64) {
+fn simulate(book: &mut LeaseBook, busy: &[(&str, bool)], drain: Duration, run: Duration) -> (Vec<f64>, f64) {
     let start = Instant::now();
     let mut now = start;
     let mut held = vec![0.0; busy.len()];
@@ -97,12 +92,8 @@ fn saturating_groups_hold_the_gpu_by_their_requests_and_the_unrequested_time_ali
     // request's part of the time, not more.
     let mut book = LeaseBook::default();
     book.sync(&[("a".into(), spec(300, 1000)), ("b".into(), spec(700, 1000))], now);
-    let (held, _) = simulate(
-        &mut book,
-        &[("a", true), ("b", true)],
-        Duration::from_millis(5),
-        Duration::from_secs(10),
-    );
+    let (held, _) =
+        simulate(&mut book, &[("a", true), ("b", true)], Duration::from_millis(5), Duration::from_secs(10));
     let split = held[0] / (held[0] + held[1]);
     assert!((split - 0.3).abs() < 0.01, "{held:?}");
     // Requests of 10% and 20% leave 70% unrequested: shared 1:2 as well.
@@ -131,8 +122,7 @@ fn a_group_alone_gets_the_open_gpu_or_its_limit_and_never_more() {
     // Its drains count against the limit too.
     let mut book = LeaseBook::default();
     book.sync(&[("a".into(), spec(200, 500))], now);
-    let (held, _) =
-        simulate(&mut book, &[("a", true)], Duration::from_millis(3), Duration::from_secs(10));
+    let (held, _) = simulate(&mut book, &[("a", true)], Duration::from_millis(3), Duration::from_secs(10));
     assert!((held[0] / 10.0 - 0.5).abs() < 0.02, "{held:?}");
     // Beside a busy neighbour, a limit of 20% with a request of 20% gets 20%, the
     // neighbour the rest.
@@ -232,9 +222,7 @@ fn a_group_back_from_giving_its_lease_back_cuts_a_flood_while_it_used_less_than_
             assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
             book.step(t);
         }
-        let Grant::Held { lease, .. } = book.grant("server", t) else {
-            panic!("round {round}: {book:?}")
-        };
+        let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("round {round}: {book:?}") };
         t += Duration::from_millis(if round % 5 == 4 { 15 } else { 3 });
         assert!(book.done("server", lease, Duration::ZERO, false, t));
     }
@@ -312,10 +300,7 @@ fn members_are_told_once_per_change_and_a_group_is_done_when_all_its_members_are
     });
     assert!(g2_lease.is_some(), "{orders:?}");
     assert!(orders.contains(&(1, GPU, LeaseState::Wait)) && orders.contains(&(4, GPU, LeaseState::Wait)));
-    assert_eq!(
-        p.status().gpus[0].processes.iter().find(|p| p.pid == 102).unwrap().compute_state,
-        "holding"
-    );
+    assert_eq!(p.status().gpus[0].processes.iter().find(|p| p.pid == 102).unwrap().compute_state, "holding");
     // g1 quiet for OPEN_AFTER_QUIET: g2's next turn is the open GPU.
     let quiet = t + OPEN_AFTER_QUIET;
     p.compute_done(2, GPU, g2_lease.unwrap(), 0, true, quiet);
