@@ -194,8 +194,10 @@ impl Policy {
         // what the GPU has room for; what it keeps in host RAM is within its group's limit
         // and what the node's swap limit leaves.
         let granted = granted.min(group.room()).min(available);
-        let host_bytes = host_bytes.min(group.limit).min(self.swap_limit.saturating_sub(host_now));
+        let reported = host_bytes.min(group.limit);
+        let host_bytes = reported.min(self.swap_limit.saturating_sub(host_now));
         let mut member = Member::new(held, granted, host_bytes, now);
+        member.host_reported = reported;
         if let Some(old) = group.members.get(&conn) {
             // Registered again on the same connection: where its memory is stays as it was.
             member.park = old.park;

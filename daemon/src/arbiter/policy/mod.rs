@@ -124,8 +124,14 @@ enum Residency {
 struct Member {
     held: u64,
     granted: u64,
-    /// Bytes in host RAM while swapped out.
+    /// Bytes in host RAM while swapped out, as the node's host RAM counts them (within the
+    /// swap limit's room when reported).
     host_bytes: u64,
+    /// Bytes it says it keeps in host RAM, within its group's limit: what a swap-in may
+    /// bring back. More than `host_bytes` when reports crossed and the swap limit's room
+    /// was smaller than the swap-out: that memory is in host RAM all the same, and a
+    /// swap-in refused for it would be refused for ever.
+    host_reported: u64,
     residency: Residency,
     /// Since when it holds burst memory on the device: its quantum counts from here.
     resident_since: Option<Instant>,
@@ -194,7 +200,7 @@ impl Member {
         match self.residency {
             Residency::Resident => 0,
             Residency::SwappingOut => self.moving.max(self.granted),
-            Residency::Swapped => self.host_bytes,
+            Residency::Swapped => self.host_reported,
         }
     }
 
@@ -204,6 +210,7 @@ impl Member {
             held,
             granted,
             host_bytes,
+            host_reported: host_bytes,
             residency: if swapped { Residency::Swapped } else { Residency::Resident },
             resident_since: (granted > 0).then_some(now),
             swapped_since: swapped.then_some(now),
@@ -256,7 +263,7 @@ impl Group {
     /// uses all it was granted for.
     fn unused(&self) -> u64 {
         let held: u64 = self.members.values().fold(0u64, |sum, m| {
-            let mapping = if m.swapping_in { m.host_bytes } else { 0 };
+            let mapping = if m.swapping_in { m.host_reported } else { 0 };
             sum.saturating_add(m.held).saturating_add(mapping)
         });
         self.granted().saturating_sub(held.saturating_sub(self.request))

@@ -139,7 +139,8 @@ impl Policy {
         // Host RAM the node's other swapped-out memory leaves under the swap limit.
         let host_room = self.swap_limit.saturating_sub(self.host_committed_except(&device, conn));
         // A process the arbiter cannot signal holds no loan, so it has none in host RAM.
-        let host_room = if self.peers.get(&conn).is_some_and(|p| p.signalable) { host_room } else { 0 };
+        let signalable = self.peers.get(&conn).is_some_and(|p| p.signalable);
+        let host_room = if signalable { host_room } else { 0 };
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
         let owed = gpu.shortfall();
@@ -158,8 +159,9 @@ impl Policy {
                 let moved = (m.granted - granted).min(owed);
                 gpu.repaid.swapped = gpu.repaid.swapped.saturating_add(moved);
             }
-            let host_bytes = host_bytes.min(g.limit).min(host_room);
-            (m.granted, m.host_bytes, m.held) = (granted, host_bytes, held);
+            let reported = if signalable { host_bytes.min(g.limit) } else { 0 };
+            let host_bytes = reported.min(host_room);
+            (m.granted, m.host_bytes, m.host_reported, m.held) = (granted, host_bytes, reported, held);
             // Whichever way it went, the swap is over and its report says where it is.
             (m.resume_sent, m.swapping_in, m.moving) = (false, false, 0);
             if host_bytes > 0 {
@@ -497,6 +499,34 @@ mod tests {
         assert_eq!(p.host_committed(), 10 * GIB);
         p.swapped(2, GPU, 0, u64::MAX, 0, now);
         assert_eq!(p.host_committed(), 10 * GIB);
+    }
+
+    #[test]
+    fn a_swap_out_reported_past_the_swap_limits_room_can_still_swap_in() {
+        // Two holders told to swap out at once under a 6 GiB swap limit: each is counted
+        // at most what the limit leaves, but the second really has 4 GiB in host RAM, and
+        // its swap-in for that must be served once the GPU has room (refused as "more than
+        // it has swapped out", it would wait for ever: seen in guarantees.rs under load).
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+        p.set_swap_limit(6 * GIB);
+        for (conn, name) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(name, 1000) });
+            p.register(conn, GPU, 16 * GIB, GIB, 8 * GIB, 0, 0, 0).unwrap();
+        }
+        p.swapped(1, GPU, 0, 4 * GIB, 0, now);
+        p.swapped(2, GPU, 0, 4 * GIB, 0, now);
+        assert_eq!(p.host_committed(), 6 * GIB, "host RAM is counted within the swap limit");
+        assert_eq!(
+            p.acquire(2, GPU, 1, 4 * GIB, 4 * GIB, 0, true, now),
+            Outcome::Granted(4 * GIB),
+            "the swap-in of what it has in host RAM is served"
+        );
+        assert_eq!(
+            p.acquire(1, GPU, 2, 5 * GIB, 5 * GIB, 0, true, now),
+            Outcome::Denied(Denial::NotSwapped),
+            "more than it said it has is still refused"
+        );
     }
 
     #[test]

@@ -237,8 +237,8 @@ impl Policy {
         let Some(m) = gpu.member_mut(&group, conn) else { return Outcome::Denied(Denial::UnknownDevice) };
         m.held = held;
         // A swap-in brings back what is in host RAM, no more: a member with nothing
-        // swapped out, or asking for more than it has there, is refused.
-        if resume && (m.host_bytes == 0 || bytes > m.host_bytes) {
+        // swapped out, or asking for more than it said it has there, is refused.
+        if resume && (m.host_reported == 0 || bytes > m.host_reported) {
             return Outcome::Denied(Denial::NotSwapped);
         }
         if let Some(reason) = gpu.never_served(&group, bytes) {
