@@ -284,9 +284,6 @@ struct Waiter {
     resume: bool,
     bytes: u64,
     preferred: u64,
-    /// The next step of a burst under way (its group was lent memory within
-    /// [`wait::GROWING_FOR`] when it asked), not a new burst: served first (see [`wait`]).
-    under_way: bool,
     since: Instant,
     deadline: Instant,
 }

@@ -7,21 +7,9 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. Bursts under way are served first, in order, when their grant
-//! keeps the GPU safe: finishing a burst is what frees memory. New bursts are served in
-//! order after them, and one starts only where its whole claim (what it may still borrow
-//! up to its limit) fits beside what the bursts under way may still claim, or when none is
-//! under way: a burst that starts can finish without waiting again, so the room holds
-//! whole bursts, not several half-grown ones each waiting for the others. A burst is
-//! *under way* while its group was lent memory within [`UNDER_WAY_FOR`] and has given none
-//! back since (its allocator is growing), or while it waits for a step it asked for then.
-//! Merely borrowing is not: a server may rest above its request (a context its request
-//! does not hold), and if such resting loans made every waiting burst count as under way,
-//! new bursts would all start beside each other and grow a step at a time. A step of a
-//! burst under way is lent the chunk it prefers even while others wait (its whole claim is
-//! kept from new bursts anyway); a new burst only what it needs. Holders whose burst is not
-//! under way are asked to give back what they do not use while anyone waits.
-//! A borrower is *growing* while it waits or
+//! ending in out-of-memory. Bursts under way (a waiter whose group already borrows) are
+//! served first, in order, when their grant keeps the GPU safe: finishing a burst is what
+//! frees memory. New bursts are served in order after them. A borrower is *growing* while it waits or
 //! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
 //! holds (a server keeping a cache), so that memory it might want one day does not keep
 //! others waiting for ever. If a settled borrower grows again it waits like any other.
@@ -43,10 +31,6 @@ use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, RESUME_WAIT
 /// How long after its last ask a borrower still counts as growing (bursts ask a chunk at a
 /// time as allocators grow; a pause this long means the burst is over or settled).
 pub const GROWING_FOR: Duration = Duration::from_secs(2);
-
-/// How long after its last grant a group's burst counts as under way (an allocator
-/// growing asks again within milliseconds; a server that loaded its model does not).
-pub const UNDER_WAY_FOR: Duration = Duration::from_millis(500);
 
 /// How finely a grant between what a burst needs and what it prefers is sized.
 const GRANT_STEP: u64 = 16 << 20;
@@ -124,25 +108,16 @@ impl Gpu {
     pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
         let room = self.groups.get(group)?.room();
         let mut free = self.free();
-        if !self.under_way(group, now) {
+        if !self.borrows(group) {
             // A new burst starts only with what the bursts under way cannot still claim,
-            // so that it never makes them wait, and, beside them, only if its own claim
-            // fits too, so that it never waits half-grown. New bursts waiting behind it
-            // claim nothing yet: they must not keep it waiting.
-            let mut others = false;
+            // so that it never makes them wait: bursts are served one after another.
             let claimed: u64 = self
                 .groups
                 .iter()
-                .filter(|(name, g)| name.as_str() != group && g.granted() > 0 && self.under_way(name, now))
-                .map(|(_, g)| {
-                    others = true;
-                    g.range().min(self.lendable()).saturating_sub(g.granted())
-                })
+                .filter(|(name, g)| g.granted() > 0 && self.growing(name, now))
+                .map(|(_, g)| g.range().min(self.lendable()).saturating_sub(g.granted()))
                 .sum();
             free = free.saturating_sub(claimed);
-            if others && room.min(self.lendable()) > free {
-                return None;
-            }
         }
         if bytes > free || bytes > room {
             return None;
@@ -171,22 +146,10 @@ impl Gpu {
     /// Whether `group` is growing: it waits for a burst, or asked lately and is on the
     /// device (a group swapped out cannot allocate until it is back).
     fn growing(&self, group: &str, now: Instant) -> bool {
-        self.queue.iter().any(|w| w.group == group) || self.lent_within(group, now, GROWING_FOR)
-    }
-
-    /// Whether `group` was lent memory within `within`, has given none back since, and is
-    /// on the device (a group swapped out cannot allocate until it is back).
-    fn lent_within(&self, group: &str, now: Instant, within: Duration) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         let resident = g.members.values().any(|m| m.residency == Residency::Resident);
-        resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < within)
-    }
-
-    /// Whether a burst of `group` is under way (see the module doc): lent within
-    /// [`UNDER_WAY_FOR`], or waiting for the next step of a burst that was when it asked.
-    fn under_way(&self, group: &str, now: Instant) -> bool {
-        self.lent_within(group, now, UNDER_WAY_FOR)
-            || self.queue.iter().any(|w| w.group == group && w.under_way)
+        self.queue.iter().any(|w| w.group == group)
+            || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -202,6 +165,11 @@ impl Gpu {
         }
         trial.queue.retain(|q| !victims.contains(&q.conn));
         trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
+    }
+
+    /// Whether `group` borrows now.
+    fn borrows(&self, group: &str) -> bool {
+        self.groups.get(group).is_some_and(|g| g.granted() > 0)
     }
 }
 
@@ -245,7 +213,6 @@ impl Policy {
             return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
-        let under_way = gpu.under_way(&group, now);
         // While parked groups wait to be woken nothing new is lent (see `park`).
         if gpu.queue.is_empty() && gpu.wakers.is_empty() {
             if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
@@ -266,7 +233,6 @@ impl Policy {
             resume,
             bytes,
             preferred,
-            under_way,
             since: now,
             deadline: now
                 .checked_add(if resume { RESUME_WAIT } else { timeout.min(MAX_WAIT) })
@@ -321,11 +287,9 @@ impl Policy {
 
     /// Connections that hold burst grants on a GPU where someone waits or a guarantee is
     /// owed memory: they are asked to give back what they do not use. Not, while bursts
-    /// merely wait, members of groups whose burst is under way: what they were lent is part
-    /// of what they may claim anyway (it is kept from new bursts), and they are about to
-    /// use it. A group that was lent a chunk and stopped asking (a model loaded, a burst
-    /// over) is asked: its slack is room a waiting burst needs. Never a member whose
-    /// swap-in is under way: its grant is being mapped.
+    /// merely wait, members of growing groups: what they were lent is part of what they
+    /// may claim anyway (giving it back would not make the GPU safer), and they are about
+    /// to use it. Never a member whose swap-in is under way: its grant is being mapped.
     pub fn contended_holders(&self, now: Instant) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in &self.gpus {
@@ -334,7 +298,7 @@ impl Policy {
                 continue;
             }
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.growing(name, now)) {
                     out.push((conn, device));
                 }
             }
@@ -355,10 +319,8 @@ impl Policy {
                 break;
             }
             let Some(head) = gpu.queue.front() else { break };
-            // While others wait, a new burst is lent what it needs, not a chunk more: memory
-            // lent as slack would keep the next in line waiting. A burst under way is lent
-            // its chunk: new bursts are kept off its whole claim anyway, and fewer, larger
-            // grants finish it sooner.
+            // While others wait, a burst is lent what it needs, not a chunk more: memory
+            // lent as slack would keep the next in line waiting.
             let contended = gpu.queue.len() > 1;
             // Bursts under way go first, in order: a swap-in that fits (its process is held
             // at its gate, maybe with memory others need, and brings back nothing new to
@@ -371,10 +333,11 @@ impl Policy {
                 if w.resume {
                     return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
                 }
-                if !w.under_way && !gpu.lent_within(&w.group, now, UNDER_WAY_FOR) {
+                if !gpu.borrows(&w.group) {
                     return None;
                 }
-                gpu.grant_for(&w.group, w.bytes, w.preferred, now).map(|grant| (i, grant))
+                let preferred = if contended { w.bytes } else { w.preferred };
+                gpu.grant_for(&w.group, w.bytes, preferred, now).map(|grant| (i, grant))
             });
             // Then the head, a new burst.
             let next = under_way.or_else(|| {
@@ -643,13 +606,12 @@ mod tests {
         let now = Instant::now();
         let mut p = policy_with(&[
             (1, "a", 2 * GIB, 8 * GIB),
-            (2, "b", 2 * GIB, 6 * GIB),
+            (2, "b", 2 * GIB, 8 * GIB),
             (3, "c", 2 * GIB, 8 * GIB),
         ]);
         // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
         assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
-        // b starts a burst: of the 8 GiB free, 4 are a's to claim; b's whole claim (4)
-        // fits beside it, so b starts, with at most those 4.
+        // b starts a burst: of the 8 GiB free, 4 are a's to claim, so b gets at most 4.
         assert_eq!(p.acquire(2, GPU, 1, GIB, 6 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
         // c has to wait: a and b may still claim all that is free.
         assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
@@ -660,51 +622,6 @@ mod tests {
         // a's burst is over: c starts.
         let answers = p.release(1, GPU, 6 * GIB, 0, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(GIB))]);
-    }
-
-    /// The contended trace of `queue_bench`: servers resting above their request (a
-    /// context their request does not hold) must not all count as bursts under way, or new
-    /// bursts start side by side, a step each, and the room holds half-grown bursts that
-    /// all wait. Only as many start as their whole claims fit; a burst under way is served
-    /// before them, and the next starts when one is over.
-    #[test]
-    fn resting_loans_do_not_start_more_bursts_than_the_room_holds() {
-        let now = Instant::now();
-        let long_ago = now - Duration::from_secs(60);
-        let step = 64 << 20;
-        let chunk = 768 << 20;
-        let rest = 256 << 20;
-        // 8 servers (request 1 GiB, limit 4 GiB) on 16 GiB: 8 GiB to lend, 2 of it resting
-        // loans, so room for two bursts of 2.75 GiB at once.
-        let names: Vec<String> = (1..=8).map(|c| format!("s{c}")).collect();
-        let groups: Vec<(ConnId, &str, u64, u64)> =
-            (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
-        let mut p = policy_with(&groups);
-        for conn in 1..=8 {
-            // Each loaded long ago, one after another.
-            let loaded = long_ago + Duration::from_secs(conn);
-            assert_eq!(p.acquire(conn, GPU, 1, rest, rest, 0, false, loaded), Outcome::Granted(rest));
-        }
-        // Four bursts start together: the first two fit, each lent a chunk.
-        assert_eq!(p.acquire(1, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
-        assert_eq!(p.acquire(2, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
-        // The third and fourth wait with nothing: their claims do not fit beside the two.
-        assert_eq!(p.acquire(3, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
-        assert_eq!(p.acquire(4, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
-        assert!(p.settle(GPU, now).is_empty());
-        // The first asks for the rest of its burst: it goes ahead of the new ones.
-        let rest_of_burst = 3 * GIB - rest - chunk;
-        assert_eq!(p.acquire(1, GPU, 3, rest_of_burst, rest_of_burst, 0, false, now), Outcome::Queued);
-        let answers = p.settle(GPU, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
-            vec![(1, Ok(rest_of_burst))]
-        );
-        // Its burst is over: the third starts (a step, while the fourth waits), and the
-        // fourth still waits: its claim does not fit beside the second's and the third's.
-        let answers = p.release(1, GPU, 3 * GIB - rest, GIB + rest, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(step))]);
-        assert_eq!(p.status().gpus[0].waiting, 1);
     }
 
     #[test]
