@@ -230,7 +230,11 @@ fn one_flooding_process_alone_gets_the_whole_device() {
     // host's business: a starved CPU launches late (0.91 beside two busy loops).
     let own = shares.per_pid[0] / shares.device.max(f64::MIN_POSITIVE);
     assert!(own >= 0.99, "alone, the process had {:.3} of the device's busy time", own);
-    assert!(shares.per_pid[0] >= 0.5, "alone, the device ran its kernels {:.3} of the time", shares.per_pid[0]);
+    assert!(
+        shares.per_pid[0] >= 0.5,
+        "alone, the device ran its kernels {:.3} of the time",
+        shares.per_pid[0]
+    );
     // NVML counts a process busy while its kernels are pending, running or not: never
     // less than the time they ran.
     assert!(
