@@ -126,9 +126,10 @@ impl<T: SharedPlain> SharedFile<T> {
                 Ok(opened) => break opened,
                 // The folder was removed, empty (a sweep, see `ledgers::sweep`), while we
                 // were making or opening it: make it again. A busy machine can lose the race
-                // several times in a row, so the tries back off (at most about 50 ms in all);
-                // a folder that really cannot be made fails the same way every time.
-                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 100 => {
+                // many times in a row (100 in a row in CI, against a sweep every 50 µs), so
+                // the tries back off, up to about a second in all; a folder that really
+                // cannot be made fails the same way every time.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempts < 1000 => {
                     attempts += 1;
                     std::thread::sleep(std::time::Duration::from_micros((attempts * 10).min(1000)));
                 }
