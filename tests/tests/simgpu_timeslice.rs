@@ -159,8 +159,10 @@ fn two_flooding_processes_get_half_the_device_each_and_never_overlap() {
         assert!((0.42..=0.58).contains(share), "process {pid} had {share:.3} of the device");
         // As a real driver under time-slicing: a process whose kernels wait for their
         // slice counts as busy, so each reads near 100% while each has half the device.
+        // (80, not 100: a starved CPU leaves a flooder's queue empty now and then, 89%
+        // beside two busy loops; half the device would read 50.)
         let util = nvml.get(pid).copied().unwrap_or(0.0);
-        assert!(util >= 90.0, "NVML gave process {pid} {util:.1}% ({nvml:?})");
+        assert!(util >= 80.0, "NVML gave process {pid} {util:.1}% ({nvml:?})");
     }
     // One process at a time: the device was never busier than the wall clock, and busy
     // it was, nearly all the time.
@@ -202,9 +204,11 @@ fn per_process_nvml_utilization_cannot_tell_a_30_70_split_from_50_50() {
     // The device's time really is split 30/70 ...
     assert!((0.2..=0.4).contains(&split), "the 3 ms process had {split:.3} of the two's device time");
     // ... and NVML reads both as saturating, alike: no share can be read from it.
-    assert!(util.iter().all(|&u| u >= 90.0), "NVML smUtil {util:?} for device time {:?}", shares.per_pid);
+    // (80 and 10 points, not 90 and 5: beside two busy loops a starved flooder's queue
+    // runs dry now and then, 89-96%; a 30/70 split would read 40 points apart.)
+    assert!(util.iter().all(|&u| u >= 80.0), "NVML smUtil {util:?} for device time {:?}", shares.per_pid);
     assert!(
-        (util[0] - util[1]).abs() <= 5.0,
+        (util[0] - util[1]).abs() <= 10.0,
         "NVML smUtil {util:?} tells the shares {:?} apart",
         shares.per_pid
     );
@@ -350,8 +354,9 @@ print(json.dumps({"all": rows(every), "recent": rows(recent)}))
             let sm = row["sm"].as_u64().unwrap_or(0);
             assert!(sm > 0 && sm <= 100 && row["mem"] == 0, "{key}: {row}");
             if key == "recent" {
-                // Each had half the device's time, and kernels pending all of it.
-                assert!(sm >= 90, "recent: {row}");
+                // Each had half the device's time, and kernels pending (nearly) all of
+                // it: 88 beside two busy loops, whose starved flooders run dry at times.
+                assert!(sm >= 80, "recent: {row}");
             }
         }
     }
