@@ -5,7 +5,7 @@
 //! finish, then the swap proceeds. Passing costs a relaxed load and store in other
 //! processes, and two atomic additions and a load in swappable ones; closing and waiting
 //! are the cold path. A process whose group has a compute share waits here for its
-//! group's lease on the GPU (compute.rs), unless the GPU is open to it. A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
+//! group's lease on the GPU (compute/), unless the GPU is open to it. A parked process's wake that fails (`GPUFRAC_WAIT_TIMEOUT`) sends
 //! the calls waiting here back with out-of-memory rather than keep them for ever.
 
 use std::sync::atomic::{
@@ -27,7 +27,7 @@ static CLOSED: AtomicBool = AtomicBool::new(false);
 static SLOW: AtomicU8 = AtomicU8::new(0);
 /// Calls inside are tracked: the process may be swapped out or parked.
 const TRACKED: u8 = 1;
-/// Calls wait for the group's lease on the GPU (compute.rs).
+/// Calls wait for the group's lease on the GPU (compute/).
 const LEASED: u8 = 2;
 /// Wakes that failed so far: a waiting call that sees this move gives up.
 static FAILED_WAKES: AtomicU64 = AtomicU64::new(0);
@@ -37,7 +37,7 @@ pub(crate) fn track() {
     SLOW.fetch_or(TRACKED, SeqCst);
 }
 
-/// Sends calls through the lease's wait (compute.rs), or no longer (the GPU is open to
+/// Sends calls through the lease's wait (compute/), or no longer (the GPU is open to
 /// the process, or nobody hands out leases).
 pub(crate) fn set_leased(leased: bool) {
     if leased {
@@ -50,7 +50,7 @@ pub(crate) fn set_leased(leased: bool) {
 /// A call inside the gate; leaving is counted when it drops. Bit 0: the call is counted
 /// inside ([`TRACKED`]); bit 7: it passed on its group's compute lease and is counted
 /// inside that lease ([`IN_LEASE`]); the bits between: 1 + the leased stream slot it ran
-/// on (compute.rs), whose in-flight mark it may record once the call has queued its work.
+/// on (compute/), whose in-flight mark it may record once the call has queued its work.
 pub(crate) struct Pass(u8);
 
 /// [`Pass`]'s bit of a call counted inside its group's compute lease.
@@ -112,7 +112,7 @@ fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status>
     loop {
         let (slot, in_lease) =
             if slow & LEASED != 0 { crate::compute::wait_for_lease(stream) } else { (None, false) };
-        // Slots are few (compute::SLOT_COUNT): 1 + slot fits in the six bits above bit 0.
+        // Slots are few (compute/streams.rs, `SLOT_COUNT`): 1 + slot fits in the six bits above bit 0.
         let marked = slot.map_or(0, |s| (s as u8 + 1) << 1) | if in_lease { IN_LEASE } else { 0 };
         if slow & TRACKED == 0 {
             ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);

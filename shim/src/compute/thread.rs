@@ -1,0 +1,136 @@
+//! The lease thread (`gpufrac-lease`): ends leases, measures drains, gives back a lease
+//! its process does not use, and says `Want` for the calls waiting at the gate.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{Request, MAX_DRAIN_US};
+
+use super::streams::{
+    streams_idle, CtxSetCurrent, EventElapsed, EventQuery, ExchangeCaptureMode, Marks, StreamQuery,
+};
+use super::{lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT};
+use crate::real::{resolve, Lib};
+
+/// How often the lease thread looks at the streams while a lease runs or drains.
+const LOOK_EVERY: Duration = Duration::from_micros(250);
+/// Longest the lease thread waits for a drain before it says done anyway (the arbiter
+/// takes the lease back a little later).
+const DRAIN_AT_MOST: Duration = Duration::from_millis(200);
+/// How long a `Want` goes unanswered before it is said again (a message lost with a
+/// connection, a late answer the arbiter set aside).
+const WANT_AGAIN: Duration = Duration::from_secs(1);
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: u32 = 2;
+
+/// The lease thread.
+pub(super) fn run() {
+    let relax = resolve(Lib::Cuda, "cuThreadExchangeStreamCaptureMode");
+    if !relax.is_null() {
+        let mut mode = CAPTURE_MODE_RELAXED;
+        // SAFETY: the real cuThreadExchangeStreamCaptureMode with a live in/out value; it
+        // changes this thread's mode only.
+        unsafe { std::mem::transmute::<*mut c_void, ExchangeCaptureMode>(relax)(&mut mode) };
+    }
+    let query = resolve(Lib::Cuda, "cuStreamQuery");
+    if query.is_null() {
+        tracing::error!("compute shares: the driver has no cuStreamQuery; drains are not measured");
+    }
+    // SAFETY: the real functions of these names and signatures (or null, checked).
+    let query: Option<StreamQuery> =
+        (!query.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, StreamQuery>(query) });
+    let set_current = resolve(Lib::Cuda, "cuCtxSetCurrent");
+    // SAFETY: as above.
+    let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
+        .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
+    let (event_query, elapsed) =
+        (resolve(Lib::Cuda, "cuEventQuery"), resolve(Lib::Cuda, "cuEventElapsedTime"));
+    // SAFETY: the real functions of these names and signatures (both non-null).
+    let marks = (!event_query.is_null() && !elapsed.is_null()).then(|| unsafe {
+        Marks {
+            query: std::mem::transmute::<*mut c_void, EventQuery>(event_query),
+            elapsed: std::mem::transmute::<*mut c_void, EventElapsed>(elapsed),
+        }
+    });
+    let idle = || query.is_none_or(|q| streams_idle(q, set_current, marks));
+    let mut leases = lock(&LEASES);
+    loop {
+        let now = Instant::now();
+        let wanted = WANT.load(SeqCst);
+        let mut sends: Vec<Request> = Vec::new();
+        let mut changed = false;
+        let mut wake: Option<Instant> = None;
+        let mut soon = |at: Instant| wake = Some(wake.map_or(at, |w: Instant| w.min(at)));
+        for (device, local) in leases.devices.iter_mut() {
+            let device = *device;
+            match *local {
+                Local::Held { lease, until, calls, idle: was_idle } => {
+                    if now >= until {
+                        *local = Local::Draining { lease, ended: until };
+                        changed = true;
+                        soon(now);
+                        continue;
+                    }
+                    // Nothing to run: idle at the last look, and no call since.
+                    let count = crate::gate::activity();
+                    let quiet =
+                        HELD.load(SeqCst) == 0 && SYNCING.load(SeqCst) == 0 && IN_LEASE.load(SeqCst) == 0;
+                    if was_idle && count == calls && !wanted && quiet {
+                        sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
+                        *local = Local::Wait { wanted: None };
+                        changed = true;
+                        continue;
+                    }
+                    *local = Local::Held { lease, until, calls: count, idle: idle() };
+                    soon((now + LOOK_EVERY).min(until));
+                }
+                Local::Draining { lease, ended } => {
+                    let late = now.saturating_duration_since(ended);
+                    if (IN_LEASE.load(SeqCst) == 0 && idle()) || late >= DRAIN_AT_MOST {
+                        let drain_us = (late.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
+                        let more = WANT.swap(false, SeqCst);
+                        sends.push(Request::LeaseDone { device, lease, drain_us, more });
+                        *local = Local::Wait { wanted: more.then_some(now) };
+                        changed = true;
+                    } else {
+                        soon(now + LOOK_EVERY);
+                    }
+                }
+                Local::Wait { wanted: None } if wanted => {
+                    WANT.store(false, SeqCst);
+                    sends.push(Request::Want { device });
+                    *local = Local::Wait { wanted: Some(now) };
+                }
+                Local::Wait { wanted: Some(since) } if wanted => {
+                    if now.saturating_duration_since(since) >= WANT_AGAIN {
+                        sends.push(Request::Want { device });
+                        *local = Local::Wait { wanted: Some(now) };
+                    } else {
+                        soon(since + WANT_AGAIN);
+                    }
+                }
+                Local::Free | Local::Open { .. } | Local::Wait { .. } => {}
+            }
+        }
+        if changed {
+            publish(&leases);
+        }
+        if !sends.is_empty() {
+            drop(leases);
+            if let Some(client) = CLIENT.get() {
+                for request in &sends {
+                    client.send(request);
+                }
+            }
+            leases = lock(&LEASES);
+            continue;
+        }
+        let timeout = wake.map_or(Duration::from_secs(1), |w| w.saturating_duration_since(Instant::now()));
+        if WANT.load(SeqCst) && leases.devices.iter().any(|(_, l)| *l == Local::Wait { wanted: None }) {
+            continue;
+        }
+        leases =
+            THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+    }
+}
