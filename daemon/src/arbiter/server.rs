@@ -46,6 +46,7 @@ use crate::status::{EventKind, EventLog};
 mod backstop;
 mod bursts;
 mod compute;
+mod connection;
 mod document;
 mod endings;
 mod frames;
@@ -64,11 +65,12 @@ pub use listener::serve;
 pub use parking::ParkWith;
 
 use bursts::Queued;
+use connection::Who;
 use document::EVENTS_KEPT;
 use endings::Ending;
 use listener::Admissions;
 use logs::Logs;
-use peers::{Lookups, Who};
+use peers::Lookups;
 
 /// The priority and swap resolvers' settings.
 #[derive(Debug, Clone, Copy)]

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId, Reply, SwapDirection};
 
+use super::connection::Connection;
 use super::frames::reply;
-use super::session::Connection;
 use super::Shared;
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::Outcome;

@@ -8,9 +8,10 @@ use gpufrac_common::protocol::{Reply, Request, VERSION};
 use gpufrac_common::ComputeSpec;
 use tokio::sync::mpsc;
 
+use super::connection::Declared;
+use super::connection::{Connection, Flow};
 use super::frames::reply;
-use super::peers::{believe, Declared};
-use super::session::{Connection, Flow};
+use super::peers::believe;
 use super::Shared;
 use crate::arbiter::policy::Peer;
 

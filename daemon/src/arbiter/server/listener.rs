@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Notify;
 
+use super::connection::Counted;
 use super::{compute, processes, resolvers, session, Shared, Who};
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::ConnId;
@@ -35,18 +36,6 @@ enum Admission {
     Evicting(ConnId),
     /// At the cap with every connection identified: closed at once.
     Refused,
-}
-
-/// Counts a connection against its UID until dropped.
-pub(super) struct Counted {
-    pub(super) shared: Arc<Shared>,
-    pub(super) who: Who,
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.shared.leave(self.who);
-    }
 }
 
 /// What the listener keeps: open connections per UID, the pin reserve, the next

@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpufrac_common::ComputeSpec;
+use super::connection::Who;
 
-use super::session::Connection;
+use super::connection::Connection;
 use super::Shared;
 use crate::arbiter::policy::ConnId;
 use crate::entitlement::identity;
@@ -27,23 +27,6 @@ const MAX_VERDICTS: usize = 4096;
 const MAX_LOOKUPS: usize = 32;
 /// Most entitlement lookups running at once for one UID.
 const MAX_LOOKUPS_PER_UID: usize = 8;
-
-/// Who is on a connection, from the kernel.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Who {
-    pub(super) conn: ConnId,
-    pub(super) pid: u32,
-    pub(super) uid: u32,
-    pub(super) gid: u32,
-}
-
-/// What a client declared at `Hello`, kept to apply a later verdict to.
-pub(super) struct Declared {
-    pub(super) group: String,
-    pub(super) resolver: gpufrac_common::Resolver,
-    pub(super) priority: i32,
-    pub(super) compute: Option<ComputeSpec>,
-}
 
 /// The entitlement source and what is kept of its answers.
 pub(super) struct Lookups {

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use gpufrac_common::protocol::{DeviceId, Reply};
 
+use super::connection::Connection;
 use super::frames::reply;
-use super::session::Connection;
 use super::Shared;
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::uuid_string;

@@ -12,10 +12,10 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
 
 use super::bursts::{on_acquire, on_release, on_swapped};
+use super::connection::{Connection, Counted, Flow};
 use super::frames::{next_frame, reply};
 use super::hello::on_greeting;
-use super::listener::Counted;
-use super::peers::{look_up_again, Declared, Who};
+use super::peers::look_up_again;
 use super::register::on_register;
 use super::Shared;
 use crate::arbiter::metrics::Refusal;
@@ -135,32 +135,6 @@ pub(super) async fn handle(
     shared.park_step();
     // The connection stops counting against its UID only now.
     drop(counted);
-}
-
-/// What one connection has said so far.
-pub(super) struct Connection {
-    pub(super) who: Who,
-    /// Said `Hello`.
-    pub(super) greeted: bool,
-    /// Registered on a GPU at least once.
-    pub(super) registered: bool,
-    /// What it may have, asked when its `Hello` came (and again before a registration
-    /// while it is unknown).
-    pub(super) verdict: Option<crate::entitlement::Verdict>,
-    /// What it declared at `Hello`.
-    pub(super) hello: Option<Declared>,
-    /// A cut registration was logged already (once per connection).
-    pub(super) capped_logged: bool,
-    /// May see every tenant in `gpufrac status` (root or `--admin-group`).
-    pub(super) admin: bool,
-}
-
-/// Whether a connection goes on after a frame.
-pub(super) enum Flow {
-    /// Read the next frame.
-    Continue,
-    /// Close it (the reply to `Status` was its last).
-    Close,
 }
 
 /// Applies one frame; direct replies go into `out`.
