@@ -115,8 +115,16 @@ fn main() {
     let mut only: Option<Vec<String>> = None;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
+    const USAGE: &str = "usage: compute_bench [--seconds S] [--only split,alone,latency] [--server KERNEL_US/MEAN_GAP_US] [--flood-kernel-us N]";
     while let Some(flag) = it.next() {
-        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            return;
+        }
+        let Some(value) = it.next() else {
+            eprintln!("compute_bench: {flag} needs a value\n{USAGE}");
+            std::process::exit(2)
+        };
         match flag.as_str() {
             "--seconds" => {
                 seconds = value.parse().ok().filter(|s: &f64| *s > 0.0 && *s <= 600.0).unwrap_or_else(|| {
@@ -144,7 +152,7 @@ fn main() {
                 })
             }
             _ => {
-                eprintln!("compute_bench: unknown argument {flag:?}\nusage: compute_bench [--seconds S] [--only split,alone,latency] [--server KERNEL_US/MEAN_GAP_US] [--flood-kernel-us N]");
+                eprintln!("compute_bench: unknown argument {flag:?}\n{USAGE}");
                 std::process::exit(2)
             }
         }
