@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::size::{GIB, MIB};
-use crate::{ChildProcess, ShimSettings, SimGpu};
+use crate::{artifact, log_field, unique, Arbiter, ChildProcess, ShimSettings, SimGpu};
 
 /// The simulated device, bare.
 pub const DEVICE: u64 = 16 * GIB;
@@ -133,4 +133,61 @@ pub fn passes(mut cmd: Command, forbidden: &[&str]) -> Vec<String> {
         panic!("{}", child.diagnostics());
     }
     lines
+}
+
+/// A GPU leased between two groups with compute shares of 50% each: a flood of kernels in
+/// one, and a client in the other, so that each of the client's copies, sets and
+/// synchronizes goes through its group's leases.
+pub struct Leased {
+    /// The simulated GPU.
+    pub gpu: SimGpu,
+    /// Its arbiter, logging each lease at debug.
+    pub arbiter: Arbiter,
+    flood: ChildProcess,
+    group: String,
+}
+
+impl Leased {
+    /// The GPU, its arbiter (logging each lease) and the flood, running.
+    pub fn start() -> Leased {
+        let gpu = gpu();
+        let socket = gpu.lib_dir().join(format!("{}.sock", unique("leased")));
+        let filter = std::ffi::OsStr::new("info,gpufrac_daemon::arbiter::policy::compute=debug");
+        let arbiter = Arbiter::start_with_env(&gpu, socket, &[], &[("GPUFRAC_LOG", filter)]);
+        let mut cmd = gpu.shimmed(artifact("compute_load"));
+        cmd.args(["flood", "--kernel-us", "1000", "--depth", "16", "--seconds", "600", "--now"])
+            .memory_request("512MiB")
+            .arbiter_socket(arbiter.socket())
+            .group(unique("flood"))
+            .compute_request("50%")
+            .compute_limit("100%");
+        let mut flood = ChildProcess::spawn(&mut cmd);
+        flood.expect_line(&["ready"], Duration::from_secs(30));
+        Leased { gpu, arbiter, flood, group: unique("leased") }
+    }
+
+    /// `script` run by `python` under the shim, as [`client`] runs it, in the leased group.
+    pub fn client(&self, python: &Path, script: &str) -> Command {
+        let mut cmd = client(&self.gpu, python, script, Under::Shim { group: &self.group });
+        cmd.arbiter_socket(self.arbiter.socket()).compute_request("50%").compute_limit("100%");
+        cmd
+    }
+
+    /// Stops the flood; fails the test unless the arbiter leased the GPU to the client's
+    /// group (it then waited for its turns).
+    pub fn assert_leased(mut self) {
+        self.flood.kill();
+        let log = self.arbiter.log_text();
+        let leases = log
+            .lines()
+            .filter(|l| {
+                l.contains(" lease") && log_field(l, "group").is_some_and(|g| g.contains(&self.group))
+            })
+            .count();
+        assert!(
+            log.contains("GPU leased") && leases > 0,
+            "the group {} was never leased the GPU: {log}",
+            self.group
+        );
+    }
 }

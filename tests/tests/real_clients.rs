@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use gpufrac_e2e::clients::{self, gpu, python_with, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
+use gpufrac_e2e::clients::{self, gpu, python_with, Leased, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
 use gpufrac_e2e::size::MIB;
 use gpufrac_e2e::{skip_on_real_gpu, unique, Arbiter, ChildProcess, SimGpu};
 
@@ -96,6 +96,32 @@ fn numba_shimmed() {
     skip_on_real_gpu!(clients::EXACT_ROOM);
     let gpu = gpu();
     let lines = passes(client(&gpu, "numba_check.py", Under::Shim { group: &unique("numba") }));
+    assert!(bytes_of(&lines, "device_array-again") <= LIMIT - OVERHEAD);
+}
+
+/// `script` in a group held to a compute share, beside a flood: it must pass as it does
+/// alone, while its calls wait for its group's leases.
+fn leased(script: &str) -> Vec<String> {
+    let leased = Leased::start();
+    let mut cmd = leased.client(&python(), script);
+    cmd.env("COLUMNS", "160").env("TERM", "dumb");
+    let lines = passes(cmd);
+    leased.assert_leased();
+    lines
+}
+
+#[test]
+fn cuda_bindings_leased() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
+    let _turn = clients::fills_ram();
+    let lines = leased("cuda_bindings_check.py");
+    assert!(bytes_of(&lines, "cuMemAlloc") <= LIMIT - OVERHEAD);
+}
+
+#[test]
+fn numba_leased() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
+    let lines = leased("numba_check.py");
     assert!(bytes_of(&lines, "device_array-again") <= LIMIT - OVERHEAD);
 }
 

@@ -26,7 +26,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use gpufrac_e2e::clients::{self, gpu, python_with, root, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD};
+use gpufrac_e2e::clients::{
+    self, gpu, python_with, root, Leased, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD,
+};
 use gpufrac_e2e::{report_skip, skip_on_real_gpu, unique, Skip};
 
 /// What simgpu writes on stderr when the runtime asks for a table or calls a slot it
@@ -129,6 +131,31 @@ fn cupy_shimmed() {
     let lines = passes(client(&gpu, "cupy_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["MemoryPool", "MemoryAsyncPool"]);
+}
+
+/// `script` in a group held to a compute share, beside a flood: it must pass as it does
+/// alone, while its copies, sets and synchronizes wait for its group's leases.
+fn leased(script: &str) -> Vec<String> {
+    let leased = Leased::start();
+    let lines = passes(leased.client(&python_with(".venv", "nvidia.cuda_runtime, cupy", INSTALL), script));
+    leased.assert_leased();
+    lines
+}
+
+#[test]
+fn cudart_leased() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
+    let lines = leased("cudart_check.py");
+    filled_the_room(&lines, LIMIT, &["cudaMalloc", "cudaMallocAsync"]);
+    line(&lines, "reset");
+}
+
+#[test]
+fn cupy_leased() {
+    skip_on_real_gpu!(clients::EXACT_ROOM);
+    let lines = leased("cupy_check.py");
+    filled_the_room(&lines, LIMIT, &["MemoryPool", "MemoryAsyncPool"]);
+    line(&lines, "stream");
 }
 
 #[test]
