@@ -133,15 +133,22 @@ fn a_group_alone_gets_the_open_gpu_or_its_limit_and_never_more() {
     assert!((held[0] / 10.0 - 0.2).abs() < 0.01 && idle < 0.05, "{held:?} {idle}");
 }
 
-#[test]
-fn a_group_with_nothing_to_run_gives_back_and_the_next_one_goes_at_once() {
-    let now = Instant::now();
+/// Groups `a` and `b`, requests of 50%, both wanting the GPU at `now`: `a` holds the first
+/// lease (its number and end returned) and `b` waits.
+fn a_holds_beside_b(now: Instant) -> (LeaseBook, u32, Instant) {
     let mut book = LeaseBook::default();
     book.sync(&[("a".into(), spec(500, 1000)), ("b".into(), spec(500, 1000))], now);
     book.want("a", now);
     book.want("b", now);
     book.step(now);
     let Grant::Held { lease, until } = book.grant("a", now) else { panic!("{book:?}") };
+    (book, lease, until)
+}
+
+#[test]
+fn a_group_with_nothing_to_run_gives_back_and_the_next_one_goes_at_once() {
+    let now = Instant::now();
+    let (mut book, lease, until) = a_holds_beside_b(now);
     assert_eq!(until - now, PERIOD / 2);
     assert_eq!(book.grant("b", now), Grant::Wait);
     // a is done after 2 ms with nothing more: b holds at once.
@@ -250,12 +257,7 @@ fn a_group_back_from_giving_its_lease_back_cuts_a_flood_while_it_used_less_than_
 #[test]
 fn a_lease_is_charged_its_length_and_its_drain_not_a_late_answer() {
     let now = Instant::now();
-    let mut book = LeaseBook::default();
-    book.sync(&[("a".into(), spec(500, 1000)), ("b".into(), spec(500, 1000))], now);
-    book.want("a", now);
-    book.want("b", now);
-    book.step(now);
-    let Grant::Held { lease, until } = book.grant("a", now) else { panic!("{book:?}") };
+    let (mut book, lease, until) = a_holds_beside_b(now);
     let before = book.groups["a"].pass;
     // Its drain took 2 ms; its answer arrived 10 ms after the end.
     assert!(book.done("a", lease, Duration::from_millis(2), true, until + Duration::from_millis(10)));

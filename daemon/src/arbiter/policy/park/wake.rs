@@ -20,6 +20,14 @@ pub(in crate::arbiter::policy) struct Waker {
     deadline: Instant,
 }
 
+impl Waker {
+    /// Its answer on `device` at `now`.
+    fn answer(&self, device: DeviceId, now: Instant, result: Result<(u64, bool), Denial>) -> WakeAnswer {
+        let waited = now.saturating_duration_since(self.since);
+        WakeAnswer { conn: self.conn, seq: self.seq, device, waited, result }
+    }
+}
+
 /// What a wake gets at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WakeOutcome {
@@ -178,14 +186,7 @@ impl Policy {
                 if let Some(m) = gpu.member_mut(&w.group, w.conn) {
                     m.wake_asked = None;
                 }
-                let waited = now.saturating_duration_since(w.since);
-                answers.push(WakeAnswer {
-                    conn: w.conn,
-                    seq: w.seq,
-                    device,
-                    waited,
-                    result: Err(Denial::Timeout),
-                });
+                answers.push(w.answer(device, now, Err(Denial::Timeout)));
             }
             answers.extend(Self::drain_wakers(device, gpu, now));
         }
@@ -208,20 +209,12 @@ impl Policy {
             std::mem::take(&mut gpu.wakers).into_iter().partition(|w| parked_still(gpu, w) == Some(true));
         gpu.wakers = keep;
         for w in done.into_iter().filter(|w| parked_still(gpu, w).is_some()) {
-            let waited = now.saturating_duration_since(w.since);
-            answers.push(WakeAnswer { conn: w.conn, seq: w.seq, device, waited, result: Ok((0, false)) });
+            answers.push(w.answer(device, now, Ok((0, false))));
         }
         // Then in order, as long as the first fits.
         while let Some(w) = gpu.wakers.front().cloned() {
             let Some((bytes, restore)) = gpu.try_wake(&w.group, w.conn, now) else { break };
-            let waited = now.saturating_duration_since(w.since);
-            answers.push(WakeAnswer {
-                conn: w.conn,
-                seq: w.seq,
-                device,
-                waited,
-                result: Ok((bytes, restore)),
-            });
+            answers.push(w.answer(device, now, Ok((bytes, restore))));
             gpu.wakers.pop_front();
         }
         answers
