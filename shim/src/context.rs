@@ -69,7 +69,7 @@ const FENCE: usize = (2 << 20) + 4096;
 
 /// Reserves, once per process, a little over 2 MiB of address space (no memory:
 /// `PROT_NONE`, never touched) right below the mappings NVML made when the shim loaded
-/// it.
+/// it, and fills the small holes left above it (see [`fill_holes_above`]).
 ///
 /// The kernel places a new mapping right below the lowest one. Without the fence, the
 /// program's next mappings (a driver's host memory; every allocation of the simulated
@@ -84,19 +84,63 @@ fn fence_once() {
     if FENCED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         return;
     }
-    // SAFETY: an anonymous private mapping at an address of the kernel's choosing, with
-    // no access and no reserve, has no preconditions; it is kept for the process's life
-    // and nothing reads or writes it. A failure only leaves the layout as it was.
+    // Kept for the process's life; nothing reads or writes it. A failure only leaves the
+    // layout as it was.
+    let fence = reserve(FENCE);
+    if fence != libc::MAP_FAILED {
+        fill_holes_above(fence as usize);
+    }
+}
+
+/// At most how many pages [`fill_holes_above`] reserves: a bound on the system calls it
+/// makes once per process, at the first context (a few in practice: 9 in `shim_bench`).
+const MOST_FILLED_PAGES: usize = 1024;
+
+/// Fills, a page at a time, the holes between mappings above the fence at `fence`
+/// (every one smaller than the fence, or the kernel would have put the fence there).
+///
+/// The kernel puts a small mapping in the highest hole it fits, not below the lowest
+/// mapping: a 4 KiB allocation lands in a hole among the libraries (the one ld.so leaves
+/// where it read its cache, right under the first preloaded library), sharing its 2 MiB
+/// page-table region with the libraries' touched pages, so that its `munmap` walks their
+/// page table, and in the middle of the kernel's tree of mappings, where the shim's own
+/// mappings (`libgpufrac.so` right above that hole) make finding its neighbours longer.
+/// Filled, small mappings land below the fence like large ones. The filler pages are
+/// `PROT_NONE` and adjacent ones merge into one mapping per hole. A hole's pages are
+/// found by asking for a page anywhere until the kernel places one below the fence.
+fn fill_holes_above(fence: usize) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    for _ in 0..MOST_FILLED_PAGES {
+        // Kept for the process's life, like the fence (or unmapped just below).
+        let filler = reserve(page);
+        if filler == libc::MAP_FAILED {
+            return;
+        }
+        if (filler as usize) < fence {
+            // No hole above the fence any more: this page is not needed.
+            // SAFETY: the page was just mapped here and nothing else knows of it.
+            unsafe { libc::munmap(filler, page) };
+            return;
+        }
+    }
+}
+
+/// `len` bytes of address space at an address of the kernel's choosing: no access, no
+/// memory, no swap reserved (`MAP_FAILED` if the kernel refuses).
+fn reserve(len: usize) -> *mut std::ffi::c_void {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing (no
+    // hint) never replaces an existing mapping and has no other preconditions.
     unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            FENCE,
+            len,
             libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
             0,
         )
-    };
+    }
 }
 
 /// NVML's `NVML_VALUE_NOT_AVAILABLE`: a process listed whose usage the driver does not

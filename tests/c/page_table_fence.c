@@ -1,22 +1,30 @@
 /*
  * page_table_fence.c: after the program's first context (under the shim, that is when the
- * shim loads NVML to measure it), maps 1 MiB of anonymous memory (a caching allocator's
- * usual block), as a driver does for host memory and simgpu for every allocation, and
- * says whether its 2 MiB page-table region is shared with another accessible mapping:
- * there, each munmap walks a page-table page instead of skipping an empty range.
+ * shim loads NVML to measure it), maps a block of anonymous memory (1 MiB, a caching
+ * allocator's usual block, unless the first argument gives another size in bytes), as a
+ * driver does for host memory and simgpu for every allocation, and says whether its 2 MiB
+ * page-table region is shared with another accessible mapping: there, each munmap walks a
+ * page-table page instead of skipping an empty range.
  *
- * Built with -DMODE_LINKED (linked with -lcuda). Prints
+ * Built with -DMODE_LINKED (linked with -lcuda) or -DMODE_DLSYM (dlopen of libcuda.so.1
+ * and dlsym of each function, so that under the shim its core is loaded at that dlsym,
+ * after libcuda). Prints
  *   CLEAR                   no other mapping with any access in that 2 MiB
  *   SHARED <maps line>      the first accessible mapping found there
  * Exit status 0 when it printed either, 1 if a driver call failed, 2 on any other error.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
 #include "cuda_min.h"
+
+#if defined(MODE_LINKED) + defined(MODE_DLSYM) != 1
+#error "define exactly one of MODE_LINKED, MODE_DLSYM"
+#endif
 
 #define CHECK(call)                                                                               \
     do {                                                                                          \
@@ -27,13 +35,35 @@
         }                                                                                         \
     } while (0)
 
-int main(void) {
+int main(int argc, char **argv) {
+#if defined(MODE_LINKED)
+    PFN_cuInit init = cuInit;
+    PFN_cuDevicePrimaryCtxRetain retain = cuDevicePrimaryCtxRetain;
+    PFN_cuCtxSetCurrent set_current = cuCtxSetCurrent;
+#else
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        fprintf(stderr, "page_table_fence: %s\n", dlerror());
+        return 2;
+    }
+    PFN_cuInit init = (PFN_cuInit)dlsym(lib, "cuInit");
+    PFN_cuDevicePrimaryCtxRetain retain = (PFN_cuDevicePrimaryCtxRetain)dlsym(lib, "cuDevicePrimaryCtxRetain");
+    PFN_cuCtxSetCurrent set_current = (PFN_cuCtxSetCurrent)dlsym(lib, "cuCtxSetCurrent");
+    if (!init || !retain || !set_current) {
+        fprintf(stderr, "page_table_fence: dlsym failed\n");
+        return 2;
+    }
+#endif
     CUcontext ctx = NULL;
-    CHECK(cuInit(0));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, 0));
-    CHECK(cuCtxSetCurrent(ctx));
+    CHECK(init(0));
+    CHECK(retain(&ctx, 0));
+    CHECK(set_current(ctx));
 
-    const size_t size = 1 << 20, pmd = 2 << 20;
+    const size_t size = argc > 1 ? strtoull(argv[1], NULL, 0) : 1 << 20, pmd = 2 << 20;
+    if (size == 0) {
+        fprintf(stderr, "page_table_fence: a block of 0 bytes\n");
+        return 2;
+    }
     char *block = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) {
         perror("page_table_fence: mmap");

@@ -18,10 +18,11 @@
  *
  * Usage: shim_bench <flags> <pairs> <launches> <size>...
  * Prints, per size, "pair <size> <mean ns> <quickest twentieth ns> <CPU ns>", then
- * "launch <mean ns> <CPU ns>": wall-clock time, and the calling thread's CPU time
- * (CLOCK_THREAD_CPUTIME_ID, user and system), which other processes on a busy machine
- * move much less: it does not count the time the thread waited for a CPU. Exit status 1 if a driver call fails (named on stderr), 2 on a
- * usage or loading error.
+ * "launch <mean ns> <CPU ns>" (launches in chunks of 4096, rounded down, at least one):
+ * wall-clock time per call, and the calling thread's CPU time per call in the median
+ * chunk (CLOCK_THREAD_CPUTIME_ID, user and system), which other processes on a busy
+ * machine move much less: it does not count the time the thread waited for a CPU.
+ * Exit status 1 if a driver call fails (named on stderr), 2 on a usage or loading error.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -172,29 +173,32 @@ static double now_ns(void) {
     return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
 }
 
-/* n alloc+free pairs of `size` bytes: mean ns per pair, the quickest twentieth's, and
- * the mean CPU time. */
+enum { CHUNKS = 20 };
+
+/* n alloc+free pairs of `size` bytes in CHUNKS chunks: mean ns per pair, the quickest
+ * chunk's, and the CPU time per pair of the median chunk (a chunk that other work on the
+ * machine slowed, with interrupts or caches emptied, moves the median little and the
+ * mean a lot). */
 static void pairs(size_t size, long n) {
     CUdeviceptr ptr = 0;
     for (long i = 0; i < n / 20 + 1; i++) { /* warm up */
         CHECK(cu.alloc(&ptr, size));
         CHECK(cu.free(ptr));
     }
-    const long chunks = 20;
-    long per_chunk = n / chunks > 0 ? n / chunks : 1;
-    double quickest = 1e300, start = now_ns(), cpu = cpu_ns();
-    for (long c = 0; c < chunks; c++) {
-        double t = now_ns();
+    long per_chunk = n / CHUNKS > 0 ? n / CHUNKS : 1;
+    double quickest = 1e300, start = now_ns(), cpu[CHUNKS];
+    for (long c = 0; c < CHUNKS; c++) {
+        double t = now_ns(), u = cpu_ns();
         for (long i = 0; i < per_chunk; i++) {
             CHECK(cu.alloc(&ptr, size));
             CHECK(cu.free(ptr));
         }
+        cpu[c] = (cpu_ns() - u) / (double)per_chunk;
         double each = (now_ns() - t) / (double)per_chunk;
         if (each < quickest) quickest = each;
     }
-    double mean = (now_ns() - start) / (double)(per_chunk * chunks);
-    cpu = (cpu_ns() - cpu) / (double)(per_chunk * chunks);
-    printf("pair %zu %.1f %.1f %.1f\n", size, mean, quickest, cpu);
+    double mean = (now_ns() - start) / (double)(per_chunk * CHUNKS);
+    printf("pair %zu %.1f %.1f %.1f\n", size, mean, quickest, median(cpu, CHUNKS));
 }
 
 enum { ROUNDS_IN_PROCESS = 60 };
@@ -263,15 +267,24 @@ int main(int argc, char **argv) {
     for (long i = 0; i < 4096; i++) /* warm up */
         CHECK(cu.launch(noop, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
     CHECK(cu.synchronize(stream));
-    double start = now_ns(), cpu = cpu_ns();
-    for (long i = 0; i < launches; i++) {
-        CHECK(cu.launch(noop, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
-        /* Keep the queue short so memory use does not distort the timing. */
-        if (i % 4096 == 4095) CHECK(cu.synchronize(stream));
+    /* Chunks of 4096, the queue drained after each (so that memory use does not distort
+     * the timing): the mean wall-clock time (drains included), and the median chunk's CPU
+     * time (launches only: a drain's CPU time is how long it spun while simgpu's worker
+     * thread waited for a CPU, which other processes decide). */
+    enum { LAUNCH_CHUNK = 4096, MOST_LAUNCH_CHUNKS = 1024 };
+    static double launch_cpu[MOST_LAUNCH_CHUNKS];
+    long launch_chunks = launches / LAUNCH_CHUNK;
+    if (launch_chunks < 1) launch_chunks = 1;
+    if (launch_chunks > MOST_LAUNCH_CHUNKS) launch_chunks = MOST_LAUNCH_CHUNKS;
+    double start = now_ns();
+    for (long c = 0; c < launch_chunks; c++) {
+        double u = cpu_ns();
+        for (long i = 0; i < LAUNCH_CHUNK; i++) CHECK(cu.launch(noop, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
+        launch_cpu[c] = (cpu_ns() - u) / (double)LAUNCH_CHUNK;
+        CHECK(cu.synchronize(stream));
     }
-    CHECK(cu.synchronize(stream));
-    double wall = (now_ns() - start) / (double)launches;
-    printf("launch %.1f %.1f\n", wall, (cpu_ns() - cpu) / (double)launches);
+    double wall = (now_ns() - start) / (double)(launch_chunks * LAUNCH_CHUNK);
+    printf("launch %.1f %.1f\n", wall, median(launch_cpu, (int)launch_chunks));
 
     cuuint64_t flags = strtoull(argv[1], NULL, 0);
     if (!load_own(flags)) fail(2, "cannot find the driver's own functions", 0);

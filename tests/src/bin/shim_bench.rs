@@ -8,9 +8,12 @@
 //! Each round runs the measured program (`tests/c/shim_bench.c`, one build per path)
 //! bare and under the shim, one right after the other (the order flips every round), so
 //! that a change in the machine's load hits both alike; "added" is the median over the
-//! rounds of the shimmed run's time less its bare partner's. The times are the calling
-//! thread's CPU time (user and system): on a busy machine other processes move wall-clock
-//! time far more than the shim does, CPU time much less. The last column is the added
+//! rounds of the shimmed run's time less its bare partner's, and "middle half" the range
+//! of the middle half of those differences (how much the rounds disagree). The times are
+//! the calling thread's CPU time (user and system) per call in each run's median chunk
+//! (20 chunks of pairs, chunks of 4096 launches): on a busy machine other processes move
+//! wall-clock time far more than the shim does, CPU time much less, and the median chunk
+//! less than the mean. The next column is the added
 //! wall-clock time, for pairs of each run's quickest twentieth (the pairs are timed in 20
 //! chunks). The last, "in-process", is the shim's cost measured inside each shimmed
 //! run, where the address space is the same on both sides: chunks through the program's
@@ -104,7 +107,8 @@ fn run(program: &PathBuf, path: &Path, sim: &SimGpuDir, shim: bool, s: &Settings
 }
 
 /// One line of the table: the medians of the CPU times, the added CPU time (the median
-/// of the rounds' differences, shimmed less bare), its ratio, the added wall-clock time
+/// of the rounds' differences, shimmed less bare) and the middle half of those
+/// differences (from the first to the third quartile), its ratio, the added wall-clock time
 /// (likewise; for pairs, of each run's quickest twentieth), and what the shim added
 /// measured inside the shimmed processes (`inside`, their median).
 fn print_row(
@@ -117,10 +121,14 @@ fn print_row(
 ) {
     let bare = median(rounds.iter().map(|(b, _)| cpu(b)).collect());
     let shim = median(rounds.iter().map(|(_, s)| cpu(s)).collect());
-    let added = median(rounds.iter().map(|(b, s)| cpu(s) - cpu(b)).collect());
+    let mut differences: Vec<f64> = rounds.iter().map(|(b, s)| cpu(s) - cpu(b)).collect();
+    differences.sort_by(|a, b| a.total_cmp(b));
+    let added = differences[differences.len() / 2];
+    let (low, high) = (differences[differences.len() / 4], differences[differences.len() * 3 / 4]);
+    let half = format!("{low:+.0}..{high:+.0}");
     let added_wall = median(rounds.iter().map(|(b, s)| wall(s) - wall(b)).collect());
     println!(
-        "{path:<28} {call:<18} {bare:>8.1} ns {shim:>8.1} ns {added:>+7.1} ns {:>7.3} {added_wall:>+9.1} ns {inside:>+10.1} ns",
+        "{path:<28} {call:<18} {bare:>8.1} ns {shim:>8.1} ns {added:>+7.1} ns {half:>12} {:>7.3} {added_wall:>+9.1} ns {inside:>+10.1} ns",
         shim / bare
     );
 }
@@ -146,7 +154,7 @@ fn startup(preload: Option<&std::path::Path>, runs: usize) -> f64 {
 
 fn settings() -> Settings {
     let mut s = Settings {
-        rounds: 7,
+        rounds: 11,
         pairs: 20_000,
         launches: 200_000,
         sizes: [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20].into(),
@@ -207,8 +215,8 @@ fn main() {
     }
 
     println!(
-        "{:<28} {:<18} {:>11} {:>11} {:>10} {:>7} {:>12} {:>13}",
-        "path", "call", "bare", "with shim", "added", "ratio", "added (wall)", "in-process"
+        "{:<28} {:<18} {:>11} {:>11} {:>10} {:>12} {:>7} {:>12} {:>13}",
+        "path", "call", "bare", "with shim", "added", "middle half", "ratio", "added (wall)", "in-process"
     );
     for (i, path) in PATHS.iter().enumerate() {
         let rounds = &runs[i];
@@ -230,12 +238,13 @@ fn main() {
     }
     let (bs, ss) = (median(bare_start), median(shim_start));
     println!(
-        "{:<28} {:<18} {:>8.1} us {:>8.1} us {:>+7.1} us {:>7.3}",
+        "{:<28} {:<18} {:>8.1} us {:>8.1} us {:>+7.1} us {:>12} {:>7.3}",
         "start-up of /bin/true",
         "",
         bs,
         ss,
         ss - bs,
+        "",
         ss / bs
     );
 }
