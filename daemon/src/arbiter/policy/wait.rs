@@ -7,12 +7,30 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. Bursts under way (a waiter whose group already borrows) are
-//! served first, in order, when their grant keeps the GPU safe: finishing a burst is what
-//! frees memory. New bursts are served in order after them. A borrower is *growing* while it waits or
-//! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
-//! holds (a server keeping a cache), so that memory it might want one day does not keep
-//! others waiting for ever. If a settled borrower grows again it waits like any other.
+//! ending in out-of-memory. A borrower is *growing* while it waits or has asked within
+//! [`GROWING_FOR`]; one that has not is counted as settled on what it holds (a server
+//! keeping a cache), so that memory it might want one day does not keep others waiting for
+//! ever. If a settled borrower grows again it waits like any other.
+//!
+//! Within what is safe, the queue keeps the room for bursts held by whole bursts. A group's
+//! burst is *under way* from the grant that starts it until the group gives memory back
+//! (its burst is over) or its processes end, for as long as the group keeps asking: it
+//! waits for its next step, or asked within [`GROWING_FOR`] and not before a whole burst of
+//! another group started and ended (an allocator that grows asks again within a burst's
+//! time; a server resting on a context or a model its request does not hold does not).
+//! That comparison counts asks and bursts, not time: a starved CPU stretches both alike.
+//! Steps of bursts under way are served first, in order, each with the chunk it prefers.
+//! A new burst (its group has none under way: a resting loan is not one) starts only where
+//! its whole claim (what it may still borrow up to its limit) fits beside what the bursts
+//! under way may still claim, so that it never makes them wait and never waits half-grown
+//! itself; new bursts are served in order after the steps, one at a time, each lent just
+//! what it needs while others wait. Holders whose burst is not under way are asked to give
+//! back what they do not use while anyone waits.
+//!
+//! That order is a preference, never a reason to stall: if every burst under way waits and
+//! none can be served (a burst that paused so long that its next step was taken for a new
+//! burst may hold what they need), the queue falls back to the safety rule alone, which
+//! never leaves every borrower waiting.
 //!
 //! A burst that could never be served is refused at once rather than block the queue
 //! until its deadline: one past its group's limit (`OverLimit`), or larger than what the
@@ -37,6 +55,27 @@ const GRANT_STEP: u64 = 16 << 20;
 
 /// Longest a burst waits, whatever its group's timeout (the server caps it the same way).
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// The order of asks and bursts on one GPU: a count of events, not a clock, so that a
+/// starved CPU, which stretches every allocator's pauses, changes nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct BurstClock {
+    /// Ticks so far: one per ask and per grant.
+    ticks: u64,
+    /// The latest tick at which a burst started that has since ended (its group gave
+    /// memory back).
+    ended_start: u64,
+}
+
+/// A group's burst under way, if any.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct BurstMark {
+    /// The tick of the grant that started it; `None`: no burst under way (the group rests
+    /// on what it holds).
+    started: Option<u64>,
+    /// The tick of its group's last ask or grant.
+    asked: u64,
+}
 
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
@@ -72,7 +111,7 @@ impl Gpu {
         let mut settled = 0u64;
         // (what it may still claim, what it holds) of each growing borrower, claims capped
         // below by what the settled leave.
-        let mut growing: Vec<(u64, u64, u64)> = Vec::new();
+        let mut growing: Vec<(u64, u64)> = Vec::new();
         for (name, g) in &self.groups {
             let asker = name == group;
             let granted = g.granted() + if asker { bytes } else { 0 };
@@ -80,7 +119,7 @@ impl Gpu {
                 continue;
             }
             if asker || self.growing(name, now) {
-                growing.push((g.range(), granted, 0));
+                growing.push((g.range(), granted));
             } else {
                 settled += granted;
             }
@@ -88,7 +127,7 @@ impl Gpu {
         let most = self.lendable().saturating_sub(settled);
         let mut claims: Vec<(u64, u64)> = growing
             .into_iter()
-            .map(|(range, granted, _)| (range.min(most).saturating_sub(granted), granted))
+            .map(|(range, granted)| (range.min(most).saturating_sub(granted), granted))
             .collect();
         // One resource: serving the smallest claims first finds an order if there is one.
         claims.sort_unstable();
@@ -102,20 +141,50 @@ impl Gpu {
     }
 
     /// The grant for a burst of `bytes` (`preferred` if there is room) now, if any: the most
-    /// up to `preferred`, capped by what is free (for a new burst: what the bursts under way
-    /// cannot still claim) and by the group's limit, that keeps the GPU safe, and at least
-    /// the `bytes` it needs.
-    pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
-        let room = self.groups.get(group)?.room();
+    /// up to `preferred`, capped by what is free and by the group's limit, that keeps the
+    /// GPU safe, and at least the `bytes` it needs. A new burst (its group has none under
+    /// way) starts only where its whole claim fits beside what the bursts under way may
+    /// still claim, and only with memory they cannot; `fallback` drops that rule (for when
+    /// every burst under way waits and none can be served, see `drain`).
+    pub(super) fn grant_for(
+        &self,
+        group: &str,
+        bytes: u64,
+        preferred: u64,
+        now: Instant,
+        fallback: bool,
+    ) -> Option<u64> {
+        let g = self.groups.get(group)?;
+        let room = g.room();
         let mut free = self.free();
-        if !self.borrows(group) {
-            // A new burst starts only with what the bursts under way cannot still claim,
-            // so that it never makes them wait: bursts are served one after another.
+        if !fallback && !self.under_way(group, now) {
+            // So that it never makes them wait, and never waits half-grown itself: the
+            // room holds whole bursts, one after another, not several half-grown ones each
+            // waiting for the others.
+            let mut others = false;
             let claimed: u64 = self
                 .groups
                 .iter()
-                .filter(|(name, g)| g.granted() > 0 && self.growing(name, now))
-                .map(|(_, g)| g.range().min(self.lendable()).saturating_sub(g.granted()))
+                .filter(|(name, o)| name.as_str() != group && o.granted() > 0 && self.under_way(name, now))
+                .map(|(_, o)| {
+                    others = true;
+                    o.range().min(self.lendable()).saturating_sub(o.granted())
+                })
+                .sum();
+            free = free.saturating_sub(claimed);
+            let whole = room.min(self.lendable().saturating_sub(g.granted()));
+            if others && whole > free {
+                return None;
+            }
+        } else if fallback && !self.borrows(group) {
+            // The safety rule alone, as the queue had it before bursts were told apart from
+            // resting loans: a group that borrows nothing starts only with what the growing
+            // borrowers cannot still claim.
+            let claimed: u64 = self
+                .groups
+                .iter()
+                .filter(|(name, o)| o.granted() > 0 && self.growing(name, now))
+                .map(|(_, o)| o.range().min(self.lendable()).saturating_sub(o.granted()))
                 .sum();
             free = free.saturating_sub(claimed);
         }
@@ -143,13 +212,69 @@ impl Gpu {
         Some(safe)
     }
 
-    /// Whether `group` is growing: it waits for a burst, or asked lately and is on the
-    /// device (a group swapped out cannot allocate until it is back).
+    /// Whether `group` has a burst under way (see the module doc): it was lent memory
+    /// and has given none back since, it is on the device (a group swapped out cannot
+    /// allocate until it is back), and it waits for the next step, or asked lately
+    /// ([`GROWING_FOR`]) and not before a whole burst of another group (from its first
+    /// grant to memory given back).
+    pub(super) fn under_way(&self, group: &str, now: Instant) -> bool {
+        let Some(g) = self.groups.get(group) else { return false };
+        if g.burst.started.is_none() || !g.members.values().any(|m| m.residency == Residency::Resident) {
+            return false;
+        }
+        if self.queue.iter().any(|w| w.group == group && w.continues) {
+            return true;
+        }
+        let lately = g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR);
+        lately && g.burst.asked >= self.bursts.ended_start
+    }
+
+    /// Whether `group` is growing: it waits, or asked lately and is on the device (a group
+    /// swapped out cannot allocate until it is back).
     fn growing(&self, group: &str, now: Instant) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         let resident = g.members.values().any(|m| m.residency == Residency::Resident);
         self.queue.iter().any(|w| w.group == group)
             || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
+    }
+
+    /// Whether some member of `group` waits for a burst (not a swap-in).
+    fn waits(&self, group: &str) -> bool {
+        self.queue.iter().any(|w| w.group == group && !w.resume)
+    }
+
+    /// Counts an ask of `group`: if its burst is no longer under way, it is over (the group
+    /// rests on what it holds) and this ask starts a new one. Returns whether the ask
+    /// continues a burst under way.
+    fn asked(&mut self, group: &str, now: Instant) -> bool {
+        let continues = self.under_way(group, now);
+        self.bursts.ticks += 1;
+        let tick = self.bursts.ticks;
+        if let Some(g) = self.groups.get_mut(group) {
+            if !continues {
+                g.burst.started = None;
+            }
+            g.burst.asked = tick;
+        }
+        continues
+    }
+
+    /// Counts a grant to `group`: it starts a burst if none is under way.
+    fn lent(&mut self, group: &str, now: Instant) {
+        self.bursts.ticks += 1;
+        let tick = self.bursts.ticks;
+        if let Some(g) = self.groups.get_mut(group) {
+            g.last_ask = Some(now);
+            g.burst.started.get_or_insert(tick);
+            g.burst.asked = tick;
+        }
+    }
+
+    /// `group` gave memory back: its burst, if one was under way, is over.
+    pub(super) fn end_burst(&mut self, group: &str) {
+        if let Some(started) = self.groups.get_mut(group).and_then(|g| g.burst.started.take()) {
+            self.bursts.ended_start = self.bursts.ended_start.max(started);
+        }
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -164,7 +289,15 @@ impl Gpu {
             }
         }
         trial.queue.retain(|q| !victims.contains(&q.conn));
-        trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
+        trial.servable(&w.group, w.bytes, w.preferred, now)
+    }
+
+    /// Whether a burst could be served now, were it first in line: by the queue's rule,
+    /// or by the safety rule alone, where only bursts under way keep it waiting (they
+    /// finish without anyone being ended or swapped out).
+    pub(super) fn servable(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> bool {
+        self.grant_for(group, bytes, preferred, now, false).is_some()
+            || self.grant_for(group, bytes, preferred, now, true).is_some()
     }
 
     /// Whether `group` borrows now.
@@ -213,11 +346,17 @@ impl Policy {
             return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
+        // A swap-in is no step of a burst: it brings back what the group had.
+        let continues = !resume && gpu.asked(&group, now);
         // While parked groups wait to be woken nothing new is lent (see `park`).
         if gpu.queue.is_empty() && gpu.wakers.is_empty() {
-            if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
-                if let Some(g) = gpu.groups.get_mut(&group) {
-                    g.last_ask = Some(now);
+            if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now, false) {
+                if resume {
+                    if let Some(g) = gpu.groups.get_mut(&group) {
+                        g.last_ask = Some(now);
+                    }
+                } else {
+                    gpu.lent(&group, now);
                 }
                 if let Some(m) = gpu.member_mut(&group, conn) {
                     m.grant(grant, now);
@@ -233,6 +372,7 @@ impl Policy {
             resume,
             bytes,
             preferred,
+            continues,
             since: now,
             deadline: now
                 .checked_add(if resume { RESUME_WAIT } else { timeout.min(MAX_WAIT) })
@@ -298,7 +438,7 @@ impl Policy {
                 continue;
             }
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.growing(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now)) {
                     out.push((conn, device));
                 }
             }
@@ -319,30 +459,46 @@ impl Policy {
                 break;
             }
             let Some(head) = gpu.queue.front() else { break };
-            // While others wait, a burst is lent what it needs, not a chunk more: memory
-            // lent as slack would keep the next in line waiting.
+            // While others wait, a new burst is lent what it needs, not a chunk more: memory
+            // lent as slack would keep the next in line waiting. A step of a burst under
+            // way is lent its chunk: new bursts are kept off its whole claim anyway, and
+            // fewer, larger grants finish it sooner.
             let contended = gpu.queue.len() > 1;
             // Bursts under way go first, in order: a swap-in that fits (its process is held
             // at its gate, maybe with memory others need, and brings back nothing new to
-            // lend), or a burst of a group that already borrows, when it can be served
-            // safely. Finishing a burst is what frees memory; new bursts starting beside
-            // half-served ones would only make every one of them wait longer.
+            // lend), or the next step of a burst under way, when it can be served safely.
+            // Finishing a burst is what frees memory.
             let free = gpu.free();
             let under_way = gpu.queue.iter().enumerate().find_map(|(i, w)| {
                 let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
                 if w.resume {
                     return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
                 }
-                if !gpu.borrows(&w.group) {
+                if !gpu.under_way(&w.group, now) {
                     return None;
                 }
-                let preferred = if contended { w.bytes } else { w.preferred };
-                gpu.grant_for(&w.group, w.bytes, preferred, now).map(|grant| (i, grant))
+                gpu.grant_for(&w.group, w.bytes, w.preferred, now, false).map(|grant| (i, grant))
             });
-            // Then the head, a new burst.
+            // Then the head, a new burst, if its whole claim fits beside theirs.
             let next = under_way.or_else(|| {
                 let preferred = if contended { head.bytes } else { head.preferred };
-                gpu.grant_for(&head.group, head.bytes, preferred, now).map(|grant| (0, grant))
+                gpu.grant_for(&head.group, head.bytes, preferred, now, false).map(|grant| (0, grant))
+            });
+            // A burst under way that waits may need what a waiter taken for a new burst
+            // holds (a step that paused so long that its burst looked over, or a resting
+            // loan): when every burst under way waits and none can be served, nothing
+            // would come back, so the queue falls back to the safety rule alone, over every
+            // waiter, holders first, then the head.
+            let next = next.or_else(|| {
+                let names = gpu.groups.keys();
+                if names.into_iter().any(|name| gpu.under_way(name, now) && !gpu.waits(name)) {
+                    return None;
+                }
+                let holders = gpu.queue.iter().enumerate().filter(|(_, w)| !w.resume && gpu.borrows(&w.group));
+                let head = gpu.queue.iter().enumerate().take(1).filter(|(_, w)| !w.resume);
+                holders.chain(head).find_map(|(i, w)| {
+                    gpu.grant_for(&w.group, w.bytes, w.bytes, now, true).map(|grant| (i, grant))
+                })
             });
             if let Some((w, grant)) = next.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
                 answers.push(Self::grant_waiter(gpu, device, w, grant, now));
@@ -387,8 +543,12 @@ impl Policy {
 
     fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
         let waited = now.saturating_duration_since(w.since);
-        if let Some(g) = gpu.groups.get_mut(&w.group) {
-            g.last_ask = Some(now);
+        if w.resume {
+            if let Some(g) = gpu.groups.get_mut(&w.group) {
+                g.last_ask = Some(now);
+            }
+        } else {
+            gpu.lent(&w.group, now);
         }
         if let Some(m) = gpu.member_mut(&w.group, w.conn) {
             m.grant(grant, now);
@@ -606,12 +766,13 @@ mod tests {
         let now = Instant::now();
         let mut p = policy_with(&[
             (1, "a", 2 * GIB, 8 * GIB),
-            (2, "b", 2 * GIB, 8 * GIB),
+            (2, "b", 2 * GIB, 6 * GIB),
             (3, "c", 2 * GIB, 8 * GIB),
         ]);
         // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
         assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
-        // b starts a burst: of the 8 GiB free, 4 are a's to claim, so b gets at most 4.
+        // b starts a burst: of the 8 GiB free, 4 are a's to claim; b's whole claim (4)
+        // fits beside it, so b starts, with at most those 4.
         assert_eq!(p.acquire(2, GPU, 1, GIB, 6 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
         // c has to wait: a and b may still claim all that is free.
         assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
@@ -622,6 +783,97 @@ mod tests {
         // a's burst is over: c starts.
         let answers = p.release(1, GPU, 6 * GIB, 0, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(GIB))]);
+    }
+
+    /// The contended trace of `queue_bench`: servers resting above their request (a
+    /// context their request does not hold) must not all count as bursts under way, or new
+    /// bursts start side by side, a step each, and the room holds half-grown bursts that
+    /// all wait. Only as many start as their whole claims fit; a burst under way is served
+    /// before them, and the next starts when one is over. A server that loaded lately is
+    /// told from a burst under way by order, not time: a whole burst of another server
+    /// came and went while it did not ask.
+    #[test]
+    fn resting_loans_do_not_start_more_bursts_than_the_room_holds() {
+        let now = Instant::now();
+        let long_ago = now - Duration::from_secs(60);
+        let ms = Duration::from_millis;
+        let step = 64 << 20;
+        let chunk = 768 << 20;
+        let rest = 256 << 20;
+        // 8 servers (request 1 GiB, limit 4 GiB) on 16 GiB: 8 GiB to lend, 2 of it resting
+        // loans, so room for two bursts of 2.75 GiB at once.
+        let names: Vec<String> = (1..=8).map(|c| format!("s{c}")).collect();
+        let groups: Vec<(ConnId, &str, u64, u64)> =
+            (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
+        let mut p = policy_with(&groups);
+        for conn in 1..=8 {
+            // Each loaded long ago, one after another, but the 7th half a second ago.
+            let loaded = if conn == 7 { now - ms(500) } else { long_ago + GROWING_FOR * conn as u32 };
+            assert_eq!(p.acquire(conn, GPU, 1, rest, rest, 0, false, loaded), Outcome::Granted(rest));
+        }
+        // The 8th plays a whole burst and gives it back; the 7th did not ask meanwhile.
+        assert_eq!(p.acquire(8, GPU, 2, step, step, 0, false, now - ms(300)), Outcome::Granted(step));
+        assert!(p.release(8, GPU, step, GIB + rest, now - ms(200)).is_empty());
+        // Bursts start together: the first two fit, each lent a chunk.
+        assert_eq!(p.acquire(1, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        assert_eq!(p.acquire(2, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        // The 7th and the 3rd wait with nothing: their claims do not fit beside the two.
+        // (Were the 7th's loan a burst under way, its step would be served.)
+        assert_eq!(p.acquire(7, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert_eq!(p.acquire(3, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty());
+        // The first asks for the rest of its burst: it goes ahead of the new ones.
+        let rest_of_burst = 3 * GIB - rest - chunk;
+        assert_eq!(p.acquire(1, GPU, 3, rest_of_burst, rest_of_burst, 0, false, now), Outcome::Queued);
+        let answers = p.settle(GPU, now);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
+            vec![(1, Ok(rest_of_burst))]
+        );
+        // Its burst is over: the 7th starts (a step, while the 3rd waits), and the 3rd
+        // still waits: its claim does not fit beside the second's and the 7th's.
+        let answers = p.release(1, GPU, 3 * GIB - rest, GIB + rest, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(7, Ok(step))]);
+        assert_eq!(p.status().gpus[0].waiting, 1);
+    }
+
+    /// What ended the demo's first act in out-of-memory beside two busy loops: an allocator
+    /// paused in the middle of its burst for so long that its next step was taken for a
+    /// new burst, which waits for the bursts under way, while one of them needs what the
+    /// paused one holds. The queue falls back to the safety rule, serves the paused one
+    /// first, and nobody is refused.
+    #[test]
+    fn a_burst_that_paused_mid_way_is_never_refused_for_deadlock() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        // 4 GiB to lend; p and u may borrow 3 GiB each, v 1 GiB.
+        let mut p = policy_with(&[
+            (1, "p", 4 * GIB, 7 * GIB),
+            (2, "u", 4 * GIB, 7 * GIB),
+            (3, "v", 4 * GIB, 5 * GIB),
+        ]);
+        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
+        // p's burst is under way: 2 GiB, and it will need 1 more.
+        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
+        // While p's allocator is paused (a starved CPU), v's whole burst fits beside p's
+        // claim, comes and goes: p, silent all along, is taken for resting.
+        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now + ms(1)), Outcome::Granted(GIB));
+        assert!(p.release(3, GPU, GIB, 4 * GIB, now + ms(2)).is_empty());
+        // u starts a burst beside p (safe: p can finish first, then u).
+        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now + ms(3)), Outcome::Granted(GIB));
+        // p's allocator wakes up: its step counts as a new burst, whose whole claim does not
+        // fit beside u's: it waits.
+        assert_eq!(p.acquire(1, GPU, 2, GIB, GIB, 0, false, now + ms(4)), Outcome::Queued);
+        assert!(p.settle(GPU, now + ms(4)).is_empty());
+        // u asks for its next step: with 1 GiB free it could strand both (p needs 1, u 2),
+        // so u waits for p. Every burst under way waits: p is served by the safety rule.
+        assert_eq!(p.acquire(2, GPU, 2, GIB, GIB, 0, false, now + ms(5)), Outcome::Queued);
+        let answers = p.settle(GPU, now + ms(5));
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(GIB))]);
+        // p's burst is over: u goes on.
+        let answers = p.release(1, GPU, 3 * GIB, 4 * GIB, now + ms(6));
+        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(GIB))]);
+        assert!(p.expire(now + ms(7)).is_empty(), "nobody refused");
     }
 
     #[test]
