@@ -876,6 +876,108 @@ mod tests {
         assert!(p.expire(now + ms(7)).is_empty(), "nobody refused");
     }
 
+    /// The contended trace with allocators that pause at random in the middle of their
+    /// bursts, some for longer than [`GROWING_FOR`], some while whole bursts of others come
+    /// and go: every burst is served, nobody is refused.
+    #[test]
+    fn bursts_that_pause_at_random_mid_way_are_all_served_and_never_refused() {
+        #[derive(Default, Clone, Copy)]
+        struct Server {
+            /// Lent above the request, and used of it.
+            lent: u64,
+            used: u64,
+            growing: bool,
+            waiting: bool,
+            paused_until: u64,
+            held_until: Option<u64>,
+        }
+        let start = Instant::now();
+        let (step, chunk, rest, burst) = (64 << 20, 768 << 20, 256 << 20, 11 * GIB / 4);
+        let names: Vec<String> = (1..=8).map(|c| format!("s{c}")).collect();
+        let groups: Vec<(ConnId, &str, u64, u64)> =
+            (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
+        let mut p = policy_with(&groups);
+        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
+        let mut servers = [Server::default(); 9];
+        for (conn, s) in servers.iter_mut().enumerate().skip(1) {
+            // Loaded one after another, before the trace starts.
+            let loaded = start - GROWING_FOR * (10 - conn as u32);
+            assert_eq!(p.acquire(conn as ConnId, GPU, 0, rest, rest, 0, false, loaded), Outcome::Granted(rest));
+            (s.lent, s.used) = (rest, rest);
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut random = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        let apply = |servers: &mut [Server; 9], answers: Vec<Answer>| {
+            for a in answers {
+                let granted = a.result.unwrap_or_else(|d| panic!("refused: {d:?} {a:?}"));
+                let s = &mut servers[a.conn as usize];
+                (s.lent, s.used, s.waiting) = (s.lent + granted, s.used + step, false);
+            }
+        };
+        let (mut seq, mut done, mut paused) = (0, 0, 0);
+        for ms in 1..=3_600_000u64 {
+            let t = start + Duration::from_millis(ms);
+            for conn in 1..=8usize {
+                let s = servers[conn];
+                if s.waiting || ms < s.paused_until {
+                    continue;
+                }
+                if let Some(until) = s.held_until {
+                    if ms >= until {
+                        let answers = p.release(conn as ConnId, GPU, s.lent - rest, GIB + rest, t);
+                        servers[conn] = Server { lent: rest, used: rest, ..Server::default() };
+                        done += 1;
+                        apply(&mut servers, answers);
+                    }
+                    continue;
+                }
+                if !s.growing {
+                    // A burst starts with a 12% chance every 100 ms.
+                    servers[conn].growing = ms % 100 == 0 && random(100) < 12;
+                    continue;
+                }
+                if s.used - rest >= burst {
+                    servers[conn].held_until = Some(ms + 300);
+                    continue;
+                }
+                // One step in 40 pauses the allocator for 0.3 to 3 s.
+                if random(40) == 0 {
+                    servers[conn].paused_until = ms + 300 + random(2700);
+                    paused += 1;
+                    continue;
+                }
+                if s.lent >= s.used + step {
+                    servers[conn].used += step;
+                    continue;
+                }
+                seq += 1;
+                match p.acquire(conn as ConnId, GPU, seq, step, chunk, 0, false, t) {
+                    Outcome::Granted(g) => (servers[conn].lent, servers[conn].used) = (s.lent + g, s.used + step),
+                    Outcome::Queued => {
+                        servers[conn].waiting = true;
+                        let answers = p.settle(GPU, t);
+                        apply(&mut servers, answers);
+                    }
+                    Outcome::Denied(d) => panic!("refused: {d:?}"),
+                }
+            }
+            // The arbiter's tick.
+            if ms % 50 == 0 {
+                let answers = p.expire(t);
+                apply(&mut servers, answers);
+            }
+            if done >= 200 {
+                break;
+            }
+        }
+        assert!(done >= 200 && paused > 50, "{done} bursts served, {paused} pauses");
+    }
+
     #[test]
     fn a_settled_borrower_does_not_keep_others_waiting_for_what_it_might_want() {
         let now = Instant::now();
