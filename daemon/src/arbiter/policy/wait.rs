@@ -62,6 +62,8 @@ pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 pub(super) struct BurstClock {
     /// Ticks so far: one per ask and per grant.
     ticks: u64,
+    /// The tick of the latest grant.
+    last_grant: u64,
     /// The latest tick at which a burst started that has since ended (its group gave
     /// memory back).
     ended_start: u64,
@@ -75,6 +77,10 @@ pub(super) struct BurstMark {
     started: Option<u64>,
     /// The tick of its group's last ask or grant.
     asked: u64,
+    /// The burst under way is the group's first loan: what it loads beyond its request.
+    first: bool,
+    /// The group was ever lent memory here.
+    lent_before: bool,
 }
 
 impl Gpu {
@@ -226,7 +232,10 @@ impl Gpu {
             return true;
         }
         let lately = g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR);
-        lately && g.burst.asked >= self.bursts.ended_start
+        // A group's first loan is most often its load (a context, a model), after which it
+        // rests: it is taken for that once any other group was lent memory after it.
+        let after_others = !g.burst.first || g.burst.asked >= self.bursts.last_grant;
+        lately && after_others && g.burst.asked >= self.bursts.ended_start
     }
 
     /// Whether `group` is growing: it waits, or asked lately and is on the device (a group
@@ -263,9 +272,14 @@ impl Gpu {
     fn lent(&mut self, group: &str, now: Instant) {
         self.bursts.ticks += 1;
         let tick = self.bursts.ticks;
+        self.bursts.last_grant = tick;
         if let Some(g) = self.groups.get_mut(group) {
             g.last_ask = Some(now);
-            g.burst.started.get_or_insert(tick);
+            if g.burst.started.is_none() {
+                g.burst.started = Some(tick);
+                g.burst.first = !g.burst.lent_before;
+                g.burst.lent_before = true;
+            }
             g.burst.asked = tick;
         }
     }
@@ -769,6 +783,11 @@ mod tests {
             (2, "b", 2 * GIB, 6 * GIB),
             (3, "c", 2 * GIB, 8 * GIB),
         ]);
+        // a loaded beyond its request long ago and gave it back (a first loan is taken for
+        // a load, see `under_way`).
+        let long_ago = now - Duration::from_secs(60);
+        assert_eq!(p.acquire(1, GPU, 0, GIB, GIB, 0, false, long_ago), Outcome::Granted(GIB));
+        assert!(p.release(1, GPU, GIB, 2 * GIB, long_ago).is_empty());
         // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
         assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
         // b starts a burst: of the 8 GiB free, 4 are a's to claim; b's whole claim (4)
@@ -789,9 +808,9 @@ mod tests {
     /// context their request does not hold) must not all count as bursts under way, or new
     /// bursts start side by side, a step each, and the room holds half-grown bursts that
     /// all wait. Only as many start as their whole claims fit; a burst under way is served
-    /// before them, and the next starts when one is over. A server that loaded lately is
-    /// told from a burst under way by order, not time: a whole burst of another server
-    /// came and went while it did not ask.
+    /// before them, and the next starts when one is over. A server that took memory lately
+    /// and keeps it is told from a burst under way by order, not time: a whole burst of
+    /// another server came and went while it did not ask.
     #[test]
     fn resting_loans_do_not_start_more_bursts_than_the_room_holds() {
         let now = Instant::now();
@@ -807,10 +826,12 @@ mod tests {
             (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
         let mut p = policy_with(&groups);
         for conn in 1..=8 {
-            // Each loaded long ago, one after another, but the 7th half a second ago.
-            let loaded = if conn == 7 { now - ms(500) } else { long_ago + GROWING_FOR * conn as u32 };
+            // Each loaded long ago, one after another.
+            let loaded = long_ago + GROWING_FOR * conn as u32;
             assert_eq!(p.acquire(conn, GPU, 1, rest, rest, 0, false, loaded), Outcome::Granted(rest));
         }
+        // The 7th took a step half a second ago and keeps it.
+        assert_eq!(p.acquire(7, GPU, 2, step, step, 0, false, now - ms(500)), Outcome::Granted(step));
         // The 8th plays a whole burst and gives it back; the 7th did not ask meanwhile.
         assert_eq!(p.acquire(8, GPU, 2, step, step, 0, false, now - ms(300)), Outcome::Granted(step));
         assert!(p.release(8, GPU, step, GIB + rest, now - ms(200)).is_empty());
@@ -819,7 +840,7 @@ mod tests {
         assert_eq!(p.acquire(2, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
         // The 7th and the 3rd wait with nothing: their claims do not fit beside the two.
         // (Were the 7th's loan a burst under way, its step would be served.)
-        assert_eq!(p.acquire(7, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert_eq!(p.acquire(7, GPU, 3, step, chunk, 0, false, now), Outcome::Queued);
         assert_eq!(p.acquire(3, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
         assert!(p.settle(GPU, now).is_empty());
         // The first asks for the rest of its burst: it goes ahead of the new ones.
@@ -835,6 +856,29 @@ mod tests {
         let answers = p.release(1, GPU, 3 * GIB - rest, GIB + rest, now);
         assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(7, Ok(step))]);
         assert_eq!(p.status().gpus[0].waiting, 1);
+    }
+
+    /// Servers that loaded together, each a model beyond its request, rest on it: their
+    /// loads are no bursts under way, and their bursts start only as their whole claims fit.
+    #[test]
+    fn loads_beyond_the_request_are_resting_loans_not_bursts_under_way() {
+        let now = Instant::now();
+        let loaded = now - Duration::from_millis(500);
+        let (step, chunk, rest) = (64 << 20, 768 << 20, 256 << 20);
+        let names: Vec<String> = (1..=8).map(|c| format!("s{c}")).collect();
+        let groups: Vec<(ConnId, &str, u64, u64)> =
+            (1..=8).map(|c| (c as ConnId, names[c - 1].as_str(), GIB, 4 * GIB)).collect();
+        let mut p = policy_with(&groups);
+        // All load at once, within GROWING_FOR of the bursts.
+        for conn in 1..=8 {
+            assert_eq!(p.acquire(conn, GPU, 1, rest, rest, 0, false, loaded), Outcome::Granted(rest));
+        }
+        // Room for two bursts of 2.75 GiB: two start, each lent a chunk; the others wait.
+        assert_eq!(p.acquire(1, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        assert_eq!(p.acquire(2, GPU, 2, step, chunk, 0, false, now), Outcome::Granted(chunk));
+        assert_eq!(p.acquire(3, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert_eq!(p.acquire(8, GPU, 2, step, chunk, 0, false, now), Outcome::Queued);
+        assert!(p.settle(GPU, now).is_empty());
     }
 
     /// What ended the demo's first act in out-of-memory beside two busy loops: an allocator
