@@ -508,7 +508,8 @@ impl Policy {
                 if names.into_iter().any(|name| gpu.under_way(name, now) && !gpu.waits(name)) {
                     return None;
                 }
-                let holders = gpu.queue.iter().enumerate().filter(|(_, w)| !w.resume && gpu.borrows(&w.group));
+                let holders =
+                    gpu.queue.iter().enumerate().filter(|(_, w)| !w.resume && gpu.borrows(&w.group));
                 let head = gpu.queue.iter().enumerate().take(1).filter(|(_, w)| !w.resume);
                 holders.chain(head).find_map(|(i, w)| {
                     gpu.grant_for(&w.group, w.bytes, w.bytes, now, true).map(|grant| (i, grant))
@@ -946,7 +947,10 @@ mod tests {
         for (conn, s) in servers.iter_mut().enumerate().skip(1) {
             // Loaded one after another, before the trace starts.
             let loaded = start - GROWING_FOR * (10 - conn as u32);
-            assert_eq!(p.acquire(conn as ConnId, GPU, 0, rest, rest, 0, false, loaded), Outcome::Granted(rest));
+            assert_eq!(
+                p.acquire(conn as ConnId, GPU, 0, rest, rest, 0, false, loaded),
+                Outcome::Granted(rest)
+            );
             (s.lent, s.used) = (rest, rest);
         }
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
@@ -1001,7 +1005,9 @@ mod tests {
                 }
                 seq += 1;
                 match p.acquire(conn as ConnId, GPU, seq, step, chunk, 0, false, t) {
-                    Outcome::Granted(g) => (servers[conn].lent, servers[conn].used) = (s.lent + g, s.used + step),
+                    Outcome::Granted(g) => {
+                        (servers[conn].lent, servers[conn].used) = (s.lent + g, s.used + step)
+                    }
                     Outcome::Queued => {
                         servers[conn].waiting = true;
                         let answers = p.settle(GPU, t);
