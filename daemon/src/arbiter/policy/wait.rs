@@ -19,6 +19,10 @@
 //! another group started and ended (an allocator that grows asks again within a burst's
 //! time; a server resting on a context or a model its request does not hold does not).
 //! That comparison counts asks and bursts, not time: a starved CPU stretches both alike.
+//! (Silent for [`GROWING_FOR`], a burst is settled for the safety rule too.) A group's
+//! first loan is most often its load (a context or a model its request does not hold):
+//! it is taken for a resting loan once another group was lent memory after it, so that
+//! servers that load together do not each keep a whole claim from the others' bursts.
 //! Steps of bursts under way are served first, in order, each with the chunk it prefers.
 //! A new burst (its group has none under way: a resting loan is not one) starts only where
 //! its whole claim (what it may still borrow up to its limit) fits beside what the bursts
@@ -29,8 +33,8 @@
 //!
 //! That order is a preference, never a reason to stall: if every burst under way waits and
 //! none can be served (a burst that paused so long that its next step was taken for a new
-//! burst may hold what they need), the queue falls back to the safety rule alone, which
-//! never leaves every borrower waiting.
+//! burst may hold what they need), the queue falls back to the safety rule alone, with
+//! which, while the GPU is safe, some waiter can always be served.
 //!
 //! A burst that could never be served is refused at once rather than block the queue
 //! until its deadline: one past its group's limit (`OverLimit`), or larger than what the
@@ -222,7 +226,7 @@ impl Gpu {
     /// and has given none back since, it is on the device (a group swapped out cannot
     /// allocate until it is back), and it waits for the next step, or asked lately
     /// ([`GROWING_FOR`]) and not before a whole burst of another group (from its first
-    /// grant to memory given back).
+    /// grant to memory given back), nor, for its first loan, before any grant to another.
     pub(super) fn under_way(&self, group: &str, now: Instant) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         if g.burst.started.is_none() || !g.members.values().any(|m| m.residency == Residency::Resident) {
