@@ -135,6 +135,7 @@ impl Policy {
                         uid: peer.uid,
                         members: BTreeMap::new(),
                         last_ask: None,
+                        burst: Default::default(),
                         park_after,
                         park: if parked { super::park::GroupPark::Parked } else { Default::default() },
                         active_since: now,
@@ -270,6 +271,7 @@ impl Policy {
             // Memory comes back when a burst is over: the group is no longer growing.
             g.last_ask = None;
         }
+        gpu.end_burst(&group);
         let held = held.min(gpu.total);
         let owed = gpu.open_debt();
         let mut given = 0;

@@ -230,6 +230,8 @@ struct Group {
     /// When a member last asked for burst memory: a group that asked lately is growing,
     /// and may ask for everything up to its limit.
     last_ask: Option<Instant>,
+    /// Its burst under way, if any ([`wait`]).
+    burst: wait::BurstMark,
     /// Idle this long, it may be parked; `None`: never.
     park_after: Option<Duration>,
     /// Where its memory is (always resident for groups that are not parkable).
@@ -284,6 +286,9 @@ struct Waiter {
     resume: bool,
     bytes: u64,
     preferred: u64,
+    /// The next step of its group's burst under way when it asked, not a new burst
+    /// (see [`wait`]).
+    continues: bool,
     since: Instant,
     deadline: Instant,
 }
@@ -314,6 +319,9 @@ struct Gpu {
     /// Until when memory outside gpufrac may be shims still coming back to a restarted
     /// arbiter (their reconnect backoff is at most 2 s).
     reconnecting_until: Instant,
+    /// The order of asks and bursts on it, for telling bursts under way from resting loans
+    /// ([`wait`]).
+    bursts: wait::BurstClock,
     /// Since when guarantees have been owed memory that is lent out (restarted when the
     /// debt grows: a new guarantee gets a grace of its own).
     short_since: Option<Instant>,
@@ -480,6 +488,7 @@ impl Policy {
                         seen: HashMap::new(),
                         observed: false,
                         reconnecting_until: now + RECONNECT_GRACE,
+                        bursts: Default::default(),
                         short_since: None,
                         short_last: 0,
                         repaid: Repaid::default(),

@@ -7,12 +7,34 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. Bursts under way (a waiter whose group already borrows) are
-//! served first, in order, when their grant keeps the GPU safe: finishing a burst is what
-//! frees memory. New bursts are served in order after them. A borrower is *growing* while it waits or
-//! has asked within [`GROWING_FOR`]; one that has not is counted as settled on what it
-//! holds (a server keeping a cache), so that memory it might want one day does not keep
-//! others waiting for ever. If a settled borrower grows again it waits like any other.
+//! ending in out-of-memory. A borrower is *growing* while it waits or has asked within
+//! [`GROWING_FOR`]; one that has not is counted as settled on what it holds (a server
+//! keeping a cache), so that memory it might want one day does not keep others waiting for
+//! ever. If a settled borrower grows again it waits like any other.
+//!
+//! Within what is safe, the queue keeps the room for bursts held by whole bursts. A group's
+//! burst is *under way* from the grant that starts it until the group gives memory back
+//! (its burst is over) or its processes end, for as long as the group keeps asking: it
+//! waits for its next step, or asked within [`GROWING_FOR`] and not before a whole burst of
+//! another group started and ended (an allocator that grows asks again within a burst's
+//! time; a server resting on a context or a model its request does not hold does not).
+//! That comparison counts asks and bursts, not time: a starved CPU stretches both alike.
+//! (Silent for [`GROWING_FOR`], a burst is settled for the safety rule too.) A group's
+//! first loan is most often its load (a context or a model its request does not hold):
+//! it is taken for a resting loan once another group was lent memory after it, so that
+//! servers that load together do not each keep a whole claim from the others' bursts.
+//! Steps of bursts under way are served first, in order, each with the chunk it prefers.
+//! A new burst (its group has none under way: a resting loan is not one) starts only where
+//! its whole claim (what it may still borrow up to its limit) fits beside what the bursts
+//! under way may still claim, so that it never makes them wait and never waits half-grown
+//! itself; new bursts are served in order after the steps, one at a time, each lent just
+//! what it needs while others wait. Holders whose burst is not under way are asked to give
+//! back what they do not use while anyone waits.
+//!
+//! That order is a preference, never a reason to stall: if every burst under way waits and
+//! none can be served (a burst that paused so long that its next step was taken for a new
+//! burst may hold what they need), the queue falls back to the safety rule alone, with
+//! which, while the GPU is safe, some waiter can always be served.
 //!
 //! A burst that could never be served is refused at once rather than block the queue
 //! until its deadline: one past its group's limit (`OverLimit`), or larger than what the
@@ -37,6 +59,33 @@ const GRANT_STEP: u64 = 16 << 20;
 
 /// Longest a burst waits, whatever its group's timeout (the server caps it the same way).
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// The order of asks and bursts on one GPU: a count of events, not a clock, so that a
+/// starved CPU, which stretches every allocator's pauses, changes nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct BurstClock {
+    /// Ticks so far: one per ask and per grant.
+    ticks: u64,
+    /// The tick of the latest grant.
+    last_grant: u64,
+    /// The latest tick at which a burst started that has since ended (its group gave
+    /// memory back).
+    ended_start: u64,
+}
+
+/// A group's burst under way, if any.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct BurstMark {
+    /// The tick of the grant that started it; `None`: no burst under way (the group rests
+    /// on what it holds).
+    started: Option<u64>,
+    /// The tick of its group's last ask or grant.
+    asked: u64,
+    /// The burst under way is the group's first loan: what it loads beyond its request.
+    first: bool,
+    /// The group was ever lent memory here.
+    lent_before: bool,
+}
 
 impl Gpu {
     /// Memory the groups may borrow in all: what no request reserves and nobody outside
@@ -72,7 +121,7 @@ impl Gpu {
         let mut settled = 0u64;
         // (what it may still claim, what it holds) of each growing borrower, claims capped
         // below by what the settled leave.
-        let mut growing: Vec<(u64, u64, u64)> = Vec::new();
+        let mut growing: Vec<(u64, u64)> = Vec::new();
         for (name, g) in &self.groups {
             let asker = name == group;
             let granted = g.granted() + if asker { bytes } else { 0 };
@@ -80,7 +129,7 @@ impl Gpu {
                 continue;
             }
             if asker || self.growing(name, now) {
-                growing.push((g.range(), granted, 0));
+                growing.push((g.range(), granted));
             } else {
                 settled += granted;
             }
@@ -88,7 +137,7 @@ impl Gpu {
         let most = self.lendable().saturating_sub(settled);
         let mut claims: Vec<(u64, u64)> = growing
             .into_iter()
-            .map(|(range, granted, _)| (range.min(most).saturating_sub(granted), granted))
+            .map(|(range, granted)| (range.min(most).saturating_sub(granted), granted))
             .collect();
         // One resource: serving the smallest claims first finds an order if there is one.
         claims.sort_unstable();
@@ -102,20 +151,50 @@ impl Gpu {
     }
 
     /// The grant for a burst of `bytes` (`preferred` if there is room) now, if any: the most
-    /// up to `preferred`, capped by what is free (for a new burst: what the bursts under way
-    /// cannot still claim) and by the group's limit, that keeps the GPU safe, and at least
-    /// the `bytes` it needs.
-    pub(super) fn grant_for(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> Option<u64> {
-        let room = self.groups.get(group)?.room();
+    /// up to `preferred`, capped by what is free and by the group's limit, that keeps the
+    /// GPU safe, and at least the `bytes` it needs. A new burst (its group has none under
+    /// way) starts only where its whole claim fits beside what the bursts under way may
+    /// still claim, and only with memory they cannot; `fallback` drops that rule (for when
+    /// every burst under way waits and none can be served, see `drain`).
+    pub(super) fn grant_for(
+        &self,
+        group: &str,
+        bytes: u64,
+        preferred: u64,
+        now: Instant,
+        fallback: bool,
+    ) -> Option<u64> {
+        let g = self.groups.get(group)?;
+        let room = g.room();
         let mut free = self.free();
-        if !self.borrows(group) {
-            // A new burst starts only with what the bursts under way cannot still claim,
-            // so that it never makes them wait: bursts are served one after another.
+        if !fallback && !self.under_way(group, now) {
+            // So that it never makes them wait, and never waits half-grown itself: the
+            // room holds whole bursts, one after another, not several half-grown ones each
+            // waiting for the others.
+            let mut others = false;
             let claimed: u64 = self
                 .groups
                 .iter()
-                .filter(|(name, g)| g.granted() > 0 && self.growing(name, now))
-                .map(|(_, g)| g.range().min(self.lendable()).saturating_sub(g.granted()))
+                .filter(|(name, o)| name.as_str() != group && o.granted() > 0 && self.under_way(name, now))
+                .map(|(_, o)| {
+                    others = true;
+                    o.range().min(self.lendable()).saturating_sub(o.granted())
+                })
+                .sum();
+            free = free.saturating_sub(claimed);
+            let whole = room.min(self.lendable().saturating_sub(g.granted()));
+            if others && whole > free {
+                return None;
+            }
+        } else if fallback && !self.borrows(group) {
+            // The safety rule alone, as the queue had it before bursts were told apart from
+            // resting loans: a group that borrows nothing starts only with what the growing
+            // borrowers cannot still claim.
+            let claimed: u64 = self
+                .groups
+                .iter()
+                .filter(|(name, o)| o.granted() > 0 && self.growing(name, now))
+                .map(|(_, o)| o.range().min(self.lendable()).saturating_sub(o.granted()))
                 .sum();
             free = free.saturating_sub(claimed);
         }
@@ -143,13 +222,77 @@ impl Gpu {
         Some(safe)
     }
 
-    /// Whether `group` is growing: it waits for a burst, or asked lately and is on the
-    /// device (a group swapped out cannot allocate until it is back).
+    /// Whether `group` has a burst under way (see the module doc): it was lent memory
+    /// and has given none back since, it is on the device (a group swapped out cannot
+    /// allocate until it is back), and it waits for the next step, or asked lately
+    /// ([`GROWING_FOR`]) and not before a whole burst of another group (from its first
+    /// grant to memory given back), nor, for its first loan, before any grant to another.
+    pub(super) fn under_way(&self, group: &str, now: Instant) -> bool {
+        let Some(g) = self.groups.get(group) else { return false };
+        if g.burst.started.is_none() || !g.members.values().any(|m| m.residency == Residency::Resident) {
+            return false;
+        }
+        if self.queue.iter().any(|w| w.group == group && w.continues) {
+            return true;
+        }
+        let lately = g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR);
+        // A group's first loan is most often its load (a context, a model), after which it
+        // rests: it is taken for that once any other group was lent memory after it.
+        let after_others = !g.burst.first || g.burst.asked >= self.bursts.last_grant;
+        lately && after_others && g.burst.asked >= self.bursts.ended_start
+    }
+
+    /// Whether `group` is growing: it waits, or asked lately and is on the device (a group
+    /// swapped out cannot allocate until it is back).
     fn growing(&self, group: &str, now: Instant) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         let resident = g.members.values().any(|m| m.residency == Residency::Resident);
         self.queue.iter().any(|w| w.group == group)
             || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
+    }
+
+    /// Whether some member of `group` waits for a burst (not a swap-in).
+    fn waits(&self, group: &str) -> bool {
+        self.queue.iter().any(|w| w.group == group && !w.resume)
+    }
+
+    /// Counts an ask of `group`: if its burst is no longer under way, it is over (the group
+    /// rests on what it holds) and this ask starts a new one. Returns whether the ask
+    /// continues a burst under way.
+    fn asked(&mut self, group: &str, now: Instant) -> bool {
+        let continues = self.under_way(group, now);
+        self.bursts.ticks += 1;
+        let tick = self.bursts.ticks;
+        if let Some(g) = self.groups.get_mut(group) {
+            if !continues {
+                g.burst.started = None;
+            }
+            g.burst.asked = tick;
+        }
+        continues
+    }
+
+    /// Counts a grant to `group`: it starts a burst if none is under way.
+    fn lent(&mut self, group: &str, now: Instant) {
+        self.bursts.ticks += 1;
+        let tick = self.bursts.ticks;
+        self.bursts.last_grant = tick;
+        if let Some(g) = self.groups.get_mut(group) {
+            g.last_ask = Some(now);
+            if g.burst.started.is_none() {
+                g.burst.started = Some(tick);
+                g.burst.first = !g.burst.lent_before;
+                g.burst.lent_before = true;
+            }
+            g.burst.asked = tick;
+        }
+    }
+
+    /// `group` gave memory back: its burst, if one was under way, is over.
+    pub(super) fn end_burst(&mut self, group: &str) {
+        if let Some(started) = self.groups.get_mut(group).and_then(|g| g.burst.started.take()) {
+            self.bursts.ended_start = self.bursts.ended_start.max(started);
+        }
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
@@ -164,7 +307,15 @@ impl Gpu {
             }
         }
         trial.queue.retain(|q| !victims.contains(&q.conn));
-        trial.grant_for(&w.group, w.bytes, w.preferred, now).is_some()
+        trial.servable(&w.group, w.bytes, w.preferred, now)
+    }
+
+    /// Whether a burst could be served now, were it first in line: by the queue's rule,
+    /// or by the safety rule alone, where only bursts under way keep it waiting (they
+    /// finish without anyone being ended or swapped out).
+    pub(super) fn servable(&self, group: &str, bytes: u64, preferred: u64, now: Instant) -> bool {
+        self.grant_for(group, bytes, preferred, now, false).is_some()
+            || self.grant_for(group, bytes, preferred, now, true).is_some()
     }
 
     /// Whether `group` borrows now.
@@ -213,11 +364,17 @@ impl Policy {
             return Outcome::Denied(reason);
         }
         gpu.last_busy = now;
+        // A swap-in is no step of a burst: it brings back what the group had.
+        let continues = !resume && gpu.asked(&group, now);
         // While parked groups wait to be woken nothing new is lent (see `park`).
         if gpu.queue.is_empty() && gpu.wakers.is_empty() {
-            if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now) {
-                if let Some(g) = gpu.groups.get_mut(&group) {
-                    g.last_ask = Some(now);
+            if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now, false) {
+                if resume {
+                    if let Some(g) = gpu.groups.get_mut(&group) {
+                        g.last_ask = Some(now);
+                    }
+                } else {
+                    gpu.lent(&group, now);
                 }
                 if let Some(m) = gpu.member_mut(&group, conn) {
                     m.grant(grant, now);
@@ -233,6 +390,7 @@ impl Policy {
             resume,
             bytes,
             preferred,
+            continues,
             since: now,
             deadline: now
                 .checked_add(if resume { RESUME_WAIT } else { timeout.min(MAX_WAIT) })
@@ -298,7 +456,7 @@ impl Policy {
                 continue;
             }
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.growing(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now)) {
                     out.push((conn, device));
                 }
             }
@@ -319,30 +477,47 @@ impl Policy {
                 break;
             }
             let Some(head) = gpu.queue.front() else { break };
-            // While others wait, a burst is lent what it needs, not a chunk more: memory
-            // lent as slack would keep the next in line waiting.
+            // While others wait, a new burst is lent what it needs, not a chunk more: memory
+            // lent as slack would keep the next in line waiting. A step of a burst under
+            // way is lent its chunk: new bursts are kept off its whole claim anyway, and
+            // fewer, larger grants finish it sooner.
             let contended = gpu.queue.len() > 1;
             // Bursts under way go first, in order: a swap-in that fits (its process is held
             // at its gate, maybe with memory others need, and brings back nothing new to
-            // lend), or a burst of a group that already borrows, when it can be served
-            // safely. Finishing a burst is what frees memory; new bursts starting beside
-            // half-served ones would only make every one of them wait longer.
+            // lend), or the next step of a burst under way, when it can be served safely.
+            // Finishing a burst is what frees memory.
             let free = gpu.free();
             let under_way = gpu.queue.iter().enumerate().find_map(|(i, w)| {
                 let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
                 if w.resume {
                     return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
                 }
-                if !gpu.borrows(&w.group) {
+                if !gpu.under_way(&w.group, now) {
                     return None;
                 }
-                let preferred = if contended { w.bytes } else { w.preferred };
-                gpu.grant_for(&w.group, w.bytes, preferred, now).map(|grant| (i, grant))
+                gpu.grant_for(&w.group, w.bytes, w.preferred, now, false).map(|grant| (i, grant))
             });
-            // Then the head, a new burst.
+            // Then the head, a new burst, if its whole claim fits beside theirs.
             let next = under_way.or_else(|| {
                 let preferred = if contended { head.bytes } else { head.preferred };
-                gpu.grant_for(&head.group, head.bytes, preferred, now).map(|grant| (0, grant))
+                gpu.grant_for(&head.group, head.bytes, preferred, now, false).map(|grant| (0, grant))
+            });
+            // A burst under way that waits may need what a waiter taken for a new burst
+            // holds (a step that paused so long that its burst looked over, or a resting
+            // loan): when every burst under way waits and none can be served, nothing
+            // would come back, so the queue falls back to the safety rule alone, over every
+            // waiter, holders first, then the head.
+            let next = next.or_else(|| {
+                let names = gpu.groups.keys();
+                if names.into_iter().any(|name| gpu.under_way(name, now) && !gpu.waits(name)) {
+                    return None;
+                }
+                let holders =
+                    gpu.queue.iter().enumerate().filter(|(_, w)| !w.resume && gpu.borrows(&w.group));
+                let head = gpu.queue.iter().enumerate().take(1).filter(|(_, w)| !w.resume);
+                holders.chain(head).find_map(|(i, w)| {
+                    gpu.grant_for(&w.group, w.bytes, w.bytes, now, true).map(|grant| (i, grant))
+                })
             });
             if let Some((w, grant)) = next.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
                 answers.push(Self::grant_waiter(gpu, device, w, grant, now));
@@ -387,8 +562,12 @@ impl Policy {
 
     fn grant_waiter(gpu: &mut Gpu, device: DeviceId, w: Waiter, grant: u64, now: Instant) -> Answer {
         let waited = now.saturating_duration_since(w.since);
-        if let Some(g) = gpu.groups.get_mut(&w.group) {
-            g.last_ask = Some(now);
+        if w.resume {
+            if let Some(g) = gpu.groups.get_mut(&w.group) {
+                g.last_ask = Some(now);
+            }
+        } else {
+            gpu.lent(&w.group, now);
         }
         if let Some(m) = gpu.member_mut(&w.group, w.conn) {
             m.grant(grant, now);
@@ -428,300 +607,4 @@ impl Policy {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::testing::*;
-    use super::super::*;
-    use super::{GROWING_FOR, MAX_WAIT};
-
-    #[test]
-    fn a_process_that_cannot_be_signalled_is_lent_nothing() {
-        let now = Instant::now();
-        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
-        // A raw client without a pidfd (its process exited before the arbiter could pin
-        // it, or an old kernel), in a group with a guarantee and room to burst.
-        p.hello(1, Peer { signalable: false, ..peer("a", 1000) });
-        // It comes back claiming a loan and swapped-out memory: neither is believed.
-        p.register(1, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 6 * GIB, 2 * GIB).unwrap();
-        let s = &p.status().gpus[0];
-        assert_eq!((s.guaranteed, s.burst, s.swapped), (4 * GIB, 0, 0), "{s:?}");
-        // A burst is refused at once: no resolver could ever take it back.
-        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, 0, false, now), Outcome::Denied(Denial::OverLimit));
-        assert_eq!(p.acquire(1, GPU, 2, GIB, GIB, 0, true, now), Outcome::Denied(Denial::OverLimit));
-        assert_eq!(p.status().gpus[0].waiting, 0, "nothing queued");
-        // Nor does a report of swapped-out memory put any in the ledger.
-        p.swapped(1, GPU, 0, 3 * GIB, 0, now);
-        assert_eq!(p.status().gpus[0].swapped, 0);
-        // An unknown device is still answered as such.
-        assert_eq!(p.acquire(1, [9; 16], 3, GIB, GIB, 0, false, now), Outcome::Denied(Denial::UnknownDevice));
-        // A member of the same group that can be signalled still bursts.
-        p.hello(2, peer("a", 1000));
-        p.register(2, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 0, 0).unwrap();
-        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Granted(GIB));
-    }
-
-    #[test]
-    fn bursts_wait_in_order_and_are_granted_as_memory_comes_back() {
-        let now = Instant::now();
-        let mut p = policy_with(&[
-            (1, "a", 4 * GIB, 8 * GIB),
-            (2, "b", 4 * GIB, 6 * GIB),
-            (3, "c", 4 * GIB, 5 * GIB),
-        ]);
-        // 4 GiB unreserved.
-        assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Granted(3 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
-        assert_eq!(
-            p.acquire(3, GPU, 1, GIB / 2, GIB / 2, 0, false, now),
-            Outcome::Queued,
-            "no bypassing the head"
-        );
-        assert_eq!(p.status().gpus[0].processes.iter().filter(|s| s.state == "waiting").count(), 2);
-        let answers = p.release(1, GPU, 3 * GIB, 0, now + Duration::from_millis(5));
-        assert_eq!(answers.len(), 2);
-        assert_eq!((answers[0].conn, answers[0].result), (2, Ok(2 * GIB)));
-        assert_eq!((answers[1].conn, answers[1].result), (3, Ok(GIB / 2)));
-        assert_eq!(answers[0].waited, Duration::from_millis(5));
-        let s = &p.status().gpus[0];
-        assert!(s.burst + s.guaranteed <= 16 * GIB);
-    }
-
-    #[test]
-    fn grants_never_pass_the_limit_or_the_gpu() {
-        let now = Instant::now();
-        let mut p = policy_with(&[(1, "a", 2 * GIB, 3 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Denied(Denial::OverLimit));
-        assert_eq!(
-            p.acquire(1, GPU, 2, GIB / 2, 4 * GIB, 0, false, now),
-            Outcome::Granted(GIB),
-            "a chunk, capped by the limit"
-        );
-        assert_eq!(p.acquire(1, GPU, 3, 1, 1, 0, false, now), Outcome::Denied(Denial::OverLimit));
-    }
-
-    #[test]
-    fn waiters_time_out_and_unblock_the_queue() {
-        let now = Instant::now();
-        let mut p = policy_with(&[(1, "a", 4 * GIB, 12 * GIB), (2, "b", 4 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
-        p.hello(2, Peer { wait_timeout: Duration::from_millis(10), ..peer("b", 10) });
-        assert_eq!(p.acquire(2, GPU, 7, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
-        assert!(p.expire(now + Duration::from_millis(5)).is_empty());
-        let answers = p.expire(now + Duration::from_millis(11));
-        assert_eq!(answers.len(), 1);
-        assert_eq!((answers[0].conn, answers[0].seq, answers[0].result), (2, 7, Err(Denial::Timeout)));
-    }
-
-    #[test]
-    fn partial_bursts_never_deadlock_they_are_served_one_after_another() {
-        let now = Instant::now();
-        // 8 servers: request 1 GiB, limit 4 GiB, 8 GiB to lend; each bursts by 3 GiB in
-        // 64 MiB steps, asking a 768 MiB chunk at a time, all at once.
-        let servers: Vec<(ConnId, String)> = (1..=8).map(|c| (c, format!("s{c}"))).collect();
-        let groups: Vec<(ConnId, &str, u64, u64)> =
-            servers.iter().map(|(c, g)| (*c, g.as_str(), GIB, 4 * GIB)).collect();
-        let mut p = policy_with(&groups);
-        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
-        let chunk = 768 << 20;
-        let step = 64 << 20;
-        // Holdings per server; each asks until it has 3 GiB, then frees everything.
-        let mut granted = [0u64; 9];
-        let mut waiting = [false; 9];
-        let mut done = 0;
-        let mut seq = 0;
-        let mut t = now;
-        for _round in 0..10_000 {
-            t += Duration::from_millis(1);
-            let mut progressed = false;
-            for conn in 1..=8u64 {
-                let c = conn as usize;
-                if waiting[c] || granted[c] >= 3 * GIB {
-                    continue;
-                }
-                seq += 1;
-                let need = step.min(3 * GIB - granted[c]);
-                match p.acquire(conn, GPU, seq, need, chunk.max(need), 0, false, t) {
-                    Outcome::Granted(g) => granted[c] += g,
-                    Outcome::Queued => {
-                        waiting[c] = true;
-                        for a in p.settle(GPU, t) {
-                            assert!(a.result.is_ok(), "nobody is refused: {a:?}");
-                            granted[a.conn as usize] += a.result.unwrap();
-                            waiting[a.conn as usize] = false;
-                        }
-                    }
-                    Outcome::Denied(d) => panic!("denied {d:?}"),
-                }
-                progressed = true;
-            }
-            // Whoever has its whole burst uses it and frees it.
-            for conn in 1..=8u64 {
-                let c = conn as usize;
-                if granted[c] >= 3 * GIB {
-                    let back = granted[c];
-                    granted[c] = 0;
-                    done += 1;
-                    for a in p.release(conn, GPU, back, GIB, t) {
-                        assert!(a.result.is_ok(), "nobody is refused: {a:?}");
-                        granted[a.conn as usize] += a.result.unwrap();
-                        waiting[a.conn as usize] = false;
-                    }
-                    progressed = true;
-                }
-            }
-            if done >= 24 {
-                break;
-            }
-            assert!(progressed, "stuck: every server waits");
-            assert!(p.status().gpus[0].burst <= 8 * GIB);
-        }
-        assert!(done >= 24, "every server finished its bursts, {done} done");
-        assert!(p.expire(t + Duration::from_secs(1)).is_empty(), "nobody timed out");
-    }
-
-    #[test]
-    fn a_group_that_borrows_goes_ahead_of_a_head_that_cannot_be_served() {
-        let now = Instant::now();
-        let mut p = policy_with(&[
-            (1, "a", 2 * GIB, 10 * GIB),
-            (2, "b", 2 * GIB, 10 * GIB),
-            (3, "c", 2 * GIB, 4 * GIB),
-        ]);
-        // 10 GiB to lend; a borrows 6 and may claim 2 more.
-        assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
-        // b asks 3 of the 4 free: then a could not finish its burst (2 more, 1 free) nor b
-        // (5 more): lending it could strand both, so b waits.
-        assert_eq!(p.acquire(2, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
-        assert!(p.settle(GPU, now).is_empty());
-        // a asks for the rest of its burst: it goes ahead of b and is served.
-        assert_eq!(p.acquire(1, GPU, 2, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
-        let answers = p.settle(GPU, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(2 * GIB))]);
-        // a is done and frees its burst: b is served.
-        let answers = p.release(1, GPU, 8 * GIB, 0, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(2, Ok(3 * GIB))]);
-    }
-
-    #[test]
-    fn a_new_burst_never_makes_the_bursts_under_way_wait() {
-        let now = Instant::now();
-        let mut p = policy_with(&[
-            (1, "a", 2 * GIB, 8 * GIB),
-            (2, "b", 2 * GIB, 8 * GIB),
-            (3, "c", 2 * GIB, 8 * GIB),
-        ]);
-        // 10 GiB to lend; a's burst is under way: it has 2 and may claim 4 more.
-        assert_eq!(p.acquire(1, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Granted(2 * GIB));
-        // b starts a burst: of the 8 GiB free, 4 are a's to claim, so b gets at most 4.
-        assert_eq!(p.acquire(2, GPU, 1, GIB, 6 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
-        // c has to wait: a and b may still claim all that is free.
-        assert_eq!(p.acquire(3, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
-        // a asks for the rest of its burst: it is served before c.
-        assert_eq!(p.acquire(1, GPU, 2, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
-        let answers = p.settle(GPU, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(4 * GIB))]);
-        // a's burst is over: c starts.
-        let answers = p.release(1, GPU, 6 * GIB, 0, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(3, Ok(GIB))]);
-    }
-
-    #[test]
-    fn a_settled_borrower_does_not_keep_others_waiting_for_what_it_might_want() {
-        let now = Instant::now();
-        for (asked, outcome) in [(now - GROWING_FOR, Outcome::Granted(5 * GIB)), (now, Outcome::Queued)] {
-            let mut p = policy_with(&[(1, "cache", 2 * GIB, 12 * GIB), (2, "b", 2 * GIB, 12 * GIB)]);
-            // 12 GiB to lend; cache borrows 4 (and may one day claim 6 more).
-            assert_eq!(p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, asked), Outcome::Granted(4 * GIB));
-            // b bursts by 5 of the 8 free. If cache is still growing, both could be
-            // stranded (3 free, 5 and 6 to go): b waits. If cache has settled on its 4 GiB,
-            // b can finish within the 8 GiB cache leaves: b is served.
-            assert_eq!(
-                p.acquire(2, GPU, 1, 5 * GIB, 5 * GIB, 0, false, now),
-                outcome,
-                "cache asked at {asked:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_limit_above_what_can_be_lent_still_gets_bursts() {
-        let now = Instant::now();
-        // b's limit is the whole GPU, more than the 12 GiB that can ever be lent.
-        let mut p = policy_with(&[(1, "a", 2 * GIB, 2 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
-        assert_eq!(p.acquire(2, GPU, 1, GIB, 4 * GIB, 0, false, now), Outcome::Granted(4 * GIB));
-        assert_eq!(p.acquire(2, GPU, 2, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
-    }
-
-    #[test]
-    fn a_burst_that_can_never_fit_is_refused_at_once_and_blocks_nobody() {
-        let now = Instant::now();
-        // 12 GiB can ever be lent; a's limit is the whole GPU.
-        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 2 * GIB)]);
-        assert_eq!(
-            p.acquire(1, GPU, 1, 13 * GIB, 13 * GIB, 0, false, now),
-            Outcome::Denied(Denial::NeverFits)
-        );
-        assert_eq!(p.status().gpus[0].waiting, 0, "it is not queued");
-        // A 64 MiB burst behind it is served at once, with 12 GiB free.
-        assert_eq!(p.acquire(1, GPU, 2, 64 << 20, 64 << 20, 0, false, now), Outcome::Granted(64 << 20));
-        // What the group already borrows counts: 64 MiB are lent, so 12 GiB never fit.
-        assert_eq!(
-            p.acquire(1, GPU, 3, 12 * GIB, 12 * GIB, 0, false, now),
-            Outcome::Denied(Denial::NeverFits)
-        );
-        let rest = 12 * GIB - (64 << 20);
-        assert_eq!(p.acquire(1, GPU, 4, rest, rest, 0, false, now), Outcome::Granted(rest));
-    }
-
-    #[test]
-    fn a_waiter_a_registration_leaves_without_a_chance_is_refused_then() {
-        let now = Instant::now();
-        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
-        p.peers.values_mut().for_each(|peer| peer.wait_timeout = Duration::from_secs(3600));
-        // 12 GiB to lend: a borrows 8, b waits for 10 (it fits once a gives back).
-        assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, now), Outcome::Granted(8 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, 10 * GIB, 10 * GIB, 0, false, now), Outcome::Queued);
-        assert!(p.settle(GPU, now).is_empty());
-        // c is admitted with 4 GiB: now only 8 GiB can ever be lent, b's 10 never fit. The
-        // next look at the queue (the expiry tick) refuses b, long before its deadline.
-        p.hello(3, peer("c", 1000));
-        p.register(3, GPU, 16 * GIB, 4 * GIB, 4 * GIB, 0, 0, 0).unwrap();
-        let answers = p.expire(now + Duration::from_millis(5));
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
-            vec![(2, Err(Denial::NeverFits))]
-        );
-        assert_eq!(p.status().gpus[0].waiting, 0);
-        assert!(p.expire(now + Duration::from_millis(10)).is_empty());
-    }
-
-    #[test]
-    fn every_wait_has_a_deadline_even_with_an_endless_timeout() {
-        let now = Instant::now();
-        let mut p = policy_with(&[(1, "a", 2 * GIB, 16 * GIB), (2, "b", 2 * GIB, 16 * GIB)]);
-        p.hello(2, Peer { wait_timeout: Duration::MAX, ..peer("b", 0) });
-        assert_eq!(p.acquire(1, GPU, 1, 12 * GIB, 12 * GIB, 0, false, now), Outcome::Granted(12 * GIB));
-        assert_eq!(p.acquire(2, GPU, 1, GIB, GIB, 0, false, now), Outcome::Queued);
-        assert!(p.expire(now + MAX_WAIT - Duration::from_secs(1)).is_empty());
-        let answers = p.expire(now + MAX_WAIT);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
-            vec![(2, Err(Denial::Timeout))]
-        );
-    }
-
-    #[test]
-    fn after_the_reconnect_grace_outside_memory_does_not_block_deadlock_breaking() {
-        let now = Instant::now();
-        let mut p = Policy::new(&[(GPU, 16 * GIB)]);
-        p.hello(1, Peer { pid: 101, ..peer("a", 60_000) });
-        p.register(1, GPU, 16 * GIB, 4 * GIB, 16 * GIB, 0, 0, 0).unwrap();
-        p.acquire(1, GPU, 1, 4 * GIB, 4 * GIB, 0, false, now);
-        p.observe_processes(GPU, &[(200, 6 * GIB)], now);
-        // a holds 4 GiB lent and waits for 4 more, 2 are free: only a could give memory back.
-        assert_eq!(p.acquire(1, GPU, 2, 4 * GIB, 4 * GIB, 0, false, now), Outcome::Queued);
-        assert!(p.settle(GPU, now).is_empty(), "just after a start: maybe shims coming back");
-        let answers = p.settle(GPU, now + RECONNECT_GRACE + Duration::from_secs(1));
-        assert_eq!(answers.len(), 1);
-        assert_eq!((answers[0].conn, answers[0].result), (1, Err(Denial::Deadlock)));
-    }
-}
+mod tests;
