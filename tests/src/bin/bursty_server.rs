@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] [--hold MS]
-//!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify]
+//!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS]
 //!               [--chance PCT --tick-ms MS --seconds N]
 //! ```
 //!
@@ -27,6 +27,11 @@
 //!   the model cannot be had; `CORRUPT ...` (exit 4) when `--verify` finds data that came
 //!   back wrong; a message naming the option (exit 2) for bad arguments.
 //!
+//! With `--keep-ms MS` a burst's first step is freed after the hold and the rest kept
+//! `MS` more before it is checked and freed, as a server that lets its temporary buffers go
+//! and keeps its cache: memory kept that way is a resting loan, which a swap may move to
+//! host RAM and back while it is kept.
+//!
 //! With `--verify` every step of a burst is filled with its own value (simgpu's
 //! `simgpu_fill_u32`) and checked after the hold with `simgpu_checksum_u32`, and the model
 //! is checked after every burst. The checksums are written into the model's first 8 bytes,
@@ -41,7 +46,7 @@ use gpufrac_e2e::device_model::{alloc, check, error_name, free_all, init, say, B
 use gpufrac_e2e::rng::Rng;
 
 const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] \
-[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--chance PCT --tick-ms MS --seconds N]";
+[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS] [--chance PCT --tick-ms MS --seconds N]";
 
 /// The smallest size accepted for `--base`, `--burst` and `--step`.
 const MIN_SIZE: u64 = 4096;
@@ -56,6 +61,8 @@ struct Args {
     /// allocator grows; not counted in the burst's wait.
     step_pause: Duration,
     hold: Duration,
+    /// `--keep-ms`: how long the rest of a burst is kept after its first step is freed.
+    keep: Option<Duration>,
     bursts: u32,
     gap_min_ms: u64,
     gap_max_ms: u64,
@@ -81,6 +88,7 @@ fn parse_args(argv: &[String]) -> Args {
         step: 64 << 20,
         step_pause: Duration::ZERO,
         hold: Duration::from_millis(300),
+        keep: None,
         bursts: 10,
         gap_min_ms: 100,
         gap_max_ms: 1500,
@@ -111,6 +119,7 @@ fn parse_args(argv: &[String]) -> Args {
             "--step",
             "--step-ms",
             "--hold",
+            "--keep-ms",
             "--bursts",
             "--gap-ms",
             "--seed",
@@ -140,6 +149,7 @@ fn parse_args(argv: &[String]) -> Args {
             "--burst" => args.burst = size(&value),
             "--step" => args.step = size(&value),
             "--hold" => args.hold = Duration::from_millis(number(&value)),
+            "--keep-ms" => args.keep = Some(Duration::from_millis(number(&value))),
             "--step-ms" => args.step_pause = Duration::from_millis(number(&value)),
             "--bursts" => {
                 args.bursts = u32::try_from(number(&value))
@@ -303,8 +313,19 @@ fn main() {
             }
         }
         std::thread::sleep(args.hold);
+        // The first step goes; the rest is kept a while (its checks below skip the first).
+        let kept_from = match args.keep {
+            Some(keep) if burst.len() > 1 => {
+                let mut first = vec![burst.remove(0)];
+                free_all(&mut first);
+                std::thread::sleep(keep);
+                1
+            }
+            _ => 0,
+        };
         if args.verify {
             for (j, b) in burst.iter().enumerate() {
+                let j = j + kept_from;
                 let (ptr, count) = words(b, false);
                 let got =
                     k.checksum(ptr, count, scratch).unwrap_or_else(|r| cuda_failed("checking a burst", r));
