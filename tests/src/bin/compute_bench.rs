@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use gpufrac_e2e::{artifact, unique, Arbiter, ChildProcess, SimGpu};
+use gpufrac_e2e::{artifact, log_field, unique, Arbiter, ChildProcess, SimGpu};
 
 const FLOOD_DEPTH: &str = "16";
 const WARMUP_S: &str = "3";
@@ -159,7 +159,11 @@ fn main() {
     }
     let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let gpu = SimGpu::new("16GiB").with_context_overhead("64MiB");
-    let arbiter = Arbiter::start(&gpu);
+    // Each lease is logged (debug) so that the latency rows can say what the server waited
+    // for: its waits for a lease and the holders' drains.
+    let socket = gpu.lib_dir().join(format!("{}.sock", unique("compute-bench")));
+    let filter = std::ffi::OsStr::new("info,gpufrac_daemon::arbiter::policy::compute=debug");
+    let arbiter = Arbiter::start_with_env(&gpu, socket, &[], &[("GPUFRAC_LOG", filter)]);
     let bench = Bench { seconds, server_kernel_us, server_gap_us, flood_kernel_us, gpu, arbiter };
     println!(
         "compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU, floods of {flood_kernel_us} µs kernels"
@@ -219,12 +223,41 @@ fn main() {
             b99 / p99,
             throughput(&bare[1])
         );
+        let logged = bench.arbiter.log_text().len();
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
         let (s50, s99) = queueing(&shared[0]);
         println!(
             "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.0} kernels/s |",
             s99 / p99,
             throughput(&shared[1])
+        );
+        // What the leases took in that row: each lease's wait (from its group's `Want`) and
+        // each holder's drain past its lease's end, as the arbiter logged them.
+        let log = bench.arbiter.log_text();
+        let row = &log[logged.min(log.len())..];
+        let field = |name: &str| -> Vec<f64> {
+            let mut v: Vec<f64> = row
+                .lines()
+                .filter_map(|l| log_field(l, name)?.parse::<f64>().ok())
+                .map(|us| us / 1000.0)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let at = |v: &[f64], p: f64| {
+            v.get(((v.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0)
+        };
+        let (waits, drains) = (field("waited_us"), field("drain_us"));
+        println!(
+            "| (the leases in that row) | {} waits: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {} drains: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms |",
+            waits.len(),
+            at(&waits, 0.5),
+            at(&waits, 0.99),
+            at(&waits, 1.0),
+            drains.len(),
+            at(&drains, 0.5),
+            at(&drains, 0.99),
+            at(&drains, 1.0)
         );
     }
 }
