@@ -48,7 +48,7 @@ impl Policy {
                     .collect();
                 // Fewest victims: the largest holders first.
                 candidates.sort_by_key(|c| std::cmp::Reverse(c.bytes));
-                if gpu.servable(&w.group, w.bytes, w.preferred, now) {
+                if gpu.left_to_queue(w, now) {
                     continue;
                 }
                 let mut set: Vec<Victim> = Vec::new();

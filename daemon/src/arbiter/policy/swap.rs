@@ -84,7 +84,7 @@ impl Policy {
             }
             let Some(head) = gpu.queue.front() else { continue };
             if self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap)
-                || gpu.servable(&head.group, head.bytes, head.preferred, now)
+                || gpu.left_to_queue(head, now)
             {
                 continue;
             }

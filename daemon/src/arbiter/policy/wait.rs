@@ -318,6 +318,18 @@ impl Gpu {
             || self.grant_for(group, bytes, preferred, now, true).is_some()
     }
 
+    /// Whether the resolvers leave waiter `w` to the queue: it is served now, or it is a
+    /// burst (or a step of one) the safety rule alone could serve, whose wait the bursts
+    /// under way end by finishing. Never a swap-in that is not served now: the holders
+    /// "finishing" may be swapped out themselves, or blocked behind it, and a swap-in has
+    /// no deadline to end its wait (three swap holders stood still for minutes so).
+    pub(super) fn left_to_queue(&self, w: &Waiter, now: Instant) -> bool {
+        if w.resume {
+            return self.grant_for(&w.group, w.bytes, w.preferred, now, false).is_some();
+        }
+        self.servable(&w.group, w.bytes, w.preferred, now)
+    }
+
     /// Whether `group` borrows now.
     fn borrows(&self, group: &str) -> bool {
         self.groups.get(group).is_some_and(|g| g.granted() > 0)
