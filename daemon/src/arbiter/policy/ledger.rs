@@ -199,6 +199,7 @@ impl Policy {
         let host_bytes = reported.min(self.swap_limit.saturating_sub(host_now));
         let mut member = Member::new(held, granted, host_bytes, now);
         member.host_reported = reported;
+        member.swaps = peer.resolver == gpufrac_common::Resolver::Swap && peer.signalable;
         if let Some(old) = group.members.get(&conn) {
             // Registered again on the same connection: where its memory is stays as it was.
             member.park = old.park;

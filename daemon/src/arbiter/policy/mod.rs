@@ -167,6 +167,9 @@ struct Member {
     wake_asked: Option<Instant>,
     /// The lease state it was last told ([`compute`]); `None`: nothing yet.
     lease_told: Option<(u8, u32)>,
+    /// Its group uses the swap resolver and the arbiter can signal it: a swap can take
+    /// its burst memory back (see `Policy::swap_victims`).
+    swaps: bool,
 }
 
 /// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,

@@ -20,7 +20,7 @@ impl Policy {
     pub fn priority_victims(&self, now: Instant, idle_timeout: Duration, spared: &[ConnId]) -> Vec<Victim> {
         let mut chosen: Vec<Victim> = Vec::new();
         for gpu in self.gpus.values() {
-            for w in &gpu.queue {
+            for w in gpu.queue.iter().filter(|w| !gpu.held_back(w)) {
                 let Some(asker) = self.peers.get(&w.conn).filter(|p| p.resolver == Resolver::Priority) else {
                     continue;
                 };

@@ -82,30 +82,34 @@ impl Policy {
             if gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut) {
                 continue;
             }
-            let Some(head) = gpu.queue.front() else { continue };
+            let Some((_, head)) = gpu.head() else { continue };
             if self.peers.get(&head.conn).is_none_or(|p| p.resolver != Resolver::Swap)
                 || gpu.left_to_queue(head, now)
             {
                 continue;
             }
             // (busy, since, conn, bytes): idle holders sort first, then the longest resident.
-            let mut candidates: Vec<(bool, Instant, ConnId, u64)> = Vec::new();
+            // (waits, busy, since, conn, bytes): holders that do not wait themselves sort
+            // first, idle ones first among them, then the longest resident. A holder that
+            // waits for its next step comes last: swapped out, its step is held back until
+            // it is back, and the burst it collided with goes on (two half-grown swap
+            // bursts waiting for each other take turns, not out-of-memory).
+            let mut candidates: Vec<(bool, bool, Instant, ConnId, u64)> = Vec::new();
             for (name, conn, m) in gpu.members() {
                 let Some(peer) = self.peers.get(&conn) else { continue };
                 let swappable = *name != head.group
                     && m.granted > 0
                     && m.residency == Residency::Resident
-                    && peer.resolver == Resolver::Swap
-                    && gpu.waiter(conn).is_none();
+                    && peer.resolver == Resolver::Swap;
                 let since = m.resident_since.unwrap_or(now);
                 let idle = now.saturating_duration_since(peer.last_active) >= IDLE_FOR_SWAP;
                 if swappable && (idle || now.saturating_duration_since(since) >= quantum) {
-                    candidates.push((!idle, since, conn, m.granted));
+                    candidates.push((gpu.waiter(conn).is_some(), !idle, since, conn, m.granted));
                 }
             }
             candidates.sort();
             let (mut set, mut served, mut host_after) = (Vec::new(), false, host);
-            for (_, _, conn, bytes) in candidates {
+            for (_, _, _, conn, bytes) in candidates {
                 if host_after.saturating_add(bytes) > swap_limit {
                     continue;
                 }
@@ -179,12 +183,25 @@ impl Policy {
         Self::drain(device, gpu, now)
     }
 
-    /// Swapped-out processes that may come back because memory is free and no burst was
-    /// asked for on their GPU for `settle`: at most as many as the free memory holds,
-    /// each told once.
+    /// Swapped-out processes to tell to come back, each once per swap-out: those with a
+    /// burst held back (at once), and those that may come back because memory is free and
+    /// no burst was asked for on their GPU for `settle` (at most as many as the free
+    /// memory holds).
     pub fn resume_candidates(&mut self, now: Instant, settle: Duration) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in self.gpus.iter_mut() {
+            // A process swapped out while its thread waited for a step (the step now held
+            // back) asks for nothing itself: its thread waits for the step, not at its
+            // gate. It is told to come back at once; its swap-in waits its turn.
+            let held_back: Vec<ConnId> = gpu.queue.iter().filter(|w| gpu.held_back(w)).map(|w| w.conn).collect();
+            for group in gpu.groups.values_mut() {
+                for (&conn, m) in group.members.iter_mut() {
+                    if m.residency == Residency::Swapped && !m.resume_sent && held_back.contains(&conn) {
+                        m.resume_sent = true;
+                        out.push((conn, device));
+                    }
+                }
+            }
             if !gpu.queue.is_empty() || now.saturating_duration_since(gpu.last_busy) < settle {
                 continue;
             }
@@ -373,12 +390,12 @@ mod tests {
         p.register(1, GPU, 4 * GIB, GIB, 3 * GIB, GIB + 64 * mib, 66 * mib, GIB).unwrap();
         p.register(2, GPU, 4 * GIB, GIB, 3 * GIB, 0, 0, 0).unwrap();
         assert_eq!(p.acquire(2, GPU, 1, 32 * mib, 512 * mib, 0, false, now), Outcome::Granted(512 * mib));
-        // The holder's swap-in fits: it is granted at the next look at the queue.
-        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, GIB + 64 * mib, true, now), Outcome::Queued);
-        let answers = p.settle(GPU, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(GIB))]);
+        // The holder's swap-in fits once the burst rests (not beside what a burst under
+        // way may still claim): it is granted.
+        let rested = now + GROWING_FOR;
+        assert_eq!(p.acquire(1, GPU, 1, GIB, GIB, GIB + 64 * mib, true, rested), Outcome::Granted(GIB));
         // The burst asks for more than is left: it waits.
-        let later = now + Duration::from_secs(1);
+        let later = rested + Duration::from_secs(1);
         assert_eq!(p.acquire(2, GPU, 2, 512 * mib, 512 * mib, 0, false, later), Outcome::Queued);
         assert!(
             !p.contended_holders(later).contains(&(1, GPU)),
@@ -443,24 +460,26 @@ mod tests {
     }
 
     #[test]
-    fn a_swap_in_that_fits_is_granted_by_the_queue_and_swaps_nobody_out() {
-        // The queue serves a swap-in whenever it fits (its process is held at its gate):
-        // no holder's memory is taken for it.
+    fn a_swap_in_waits_for_what_a_burst_under_way_may_still_claim() {
+        // pong0 wants its 576 MiB back: they fit in the 640 MiB free, but not beside the
+        // 384 MiB pong1's burst may still claim. Served on free memory alone, the swap-in
+        // would take what pong1 needs next, and both would wait for each other (seen
+        // end to end: refused as a deadlock, again and again). It waits; the swap resolver
+        // takes turns instead, swapping pong1 out (its quantum is 0 here).
         let now = Instant::now();
         let mut p = ping_pong_one_back(now);
-        // pong0 wants its 576 MiB back: they fit in the 640 MiB free, but not beside what
-        // pong1's burst may still claim, so `acquire` (which asks the queue's rule for a
-        // new burst) queues it; the server looks at the queue at once, which serves it.
         assert_eq!(p.acquire(1, GPU, 2, 576 * MIB, 576 * MIB, 0, true, now), Outcome::Queued);
-        let answers = p.settle(GPU, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 2, Ok(576 * MIB))]
-        );
-        assert!(
-            p.swap_victims(now, Duration::ZERO, u64::MAX).is_empty(),
-            "nothing waits: nobody is swapped out"
-        );
+        assert!(p.settle(GPU, now).is_empty(), "not served beside pong1's burst");
+        let v = p.swap_victims(now, Duration::ZERO, u64::MAX);
+        assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 640 * MIB)]);
+        let answers = p.swapped(2, GPU, 0, 640 * MIB, 256 * MIB, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 2, Ok(576 * MIB))]);
+        // Once pong1's burst is over (it gave memory back), a swap-in that fits is served
+        // at once, nobody swapped out for it.
+        let mut p = ping_pong_one_back(now);
+        assert!(p.release(2, GPU, 64 * MIB, 768 * MIB, now).is_empty());
+        assert_eq!(p.acquire(1, GPU, 2, 576 * MIB, 576 * MIB, 0, true, now), Outcome::Granted(576 * MIB));
+        assert!(p.swap_victims(now, Duration::ZERO, u64::MAX).is_empty());
     }
 
     #[test]
@@ -483,34 +502,74 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "known stall, not fixed (b8909b6 does not reach it): swapped-out holders of new bursts are never swap candidates; run with --ignored"]
-    fn a_swap_in_behind_swapped_out_holders_of_new_bursts_does_not_stand_still() {
-        // The state a loaded ping-pong stood still in for minutes (docs/arbiter.md, the
-        // queue): all three players swapped out, each holding part of a burst, and the only
-        // waiter one player's swap-in of 0.56 GiB with 0.30 GiB free. A swapped-out process
-        // still allocates (allocations do not pass the gate; its launches and copies do),
-        // so each holds steps of its next burst on the device while its last one is in
-        // host RAM. The swap-in fits by no rule (nothing is left to the queue, before
-        // b8909b6 or after), and the swap resolver picks only resident holders: nobody is
-        // asked to swap out, nothing is refused, and the players reaching their gates next
-        // only add swap-ins (never refused for a deadlock: refusing one frees nothing).
+    fn a_swapped_out_process_gets_nothing_new_until_it_is_back() {
+        // The state a loaded ping-pong stood still in for minutes: a swapped-out process
+        // still allocates (allocations do not pass its gate; its launches and copies do),
+        // so each player was lent steps of its next burst while its last one was in host
+        // RAM. All three ended up swapped out, holding 973 MiB on the device, and pong0's
+        // 576 MiB swap-in fit by no rule with 307 MiB free and no resident holder to swap
+        // out: nothing was refused and nobody asked to move. Their steps are held back
+        // instead, until each is back.
         let now = Instant::now();
         let mut p = ping_pong(now);
         for (conn, bytes) in [(1, 320 * MIB), (2, 320 * MIB), (3, 333 * MIB)] {
-            assert_eq!(p.acquire(conn, GPU, 2, bytes, bytes, 0, false, now), Outcome::Granted(bytes));
-            assert_eq!(state(&p, conn), "swapped");
+            assert!(p.swapped_out(conn, &GPU));
+            assert_eq!(p.acquire(conn, GPU, 2, bytes, bytes, 0, false, now), Outcome::Queued);
+            assert!(p.settle(GPU, now).is_empty(), "no step is lent while its process is in host RAM");
+            assert!(p.swap_victims(now, Duration::ZERO, u64::MAX).is_empty(), "nobody to swap out for them");
         }
-        assert_eq!(p.status().gpus[0].free, 307 * MIB);
+        assert_eq!(p.status().gpus[0].free, 1280 * MIB);
+        // pong0 asks for its memory back (the server told it to): it fits and is served,
+        // ahead of the steps held back.
         assert_eq!(p.acquire(1, GPU, 3, 576 * MIB, 576 * MIB, 0, true, now), Outcome::Queued);
-        // What the server runs after a queued burst and on every tick, five minutes on.
-        let later = now + Duration::from_secs(300);
-        let mut answers = p.settle(GPU, now);
-        let victims = p.swap_victims(later, Duration::ZERO, u64::MAX);
-        answers.extend(p.expire(later));
-        assert!(
-            answers.iter().any(|a| a.conn == 1) || victims.iter().any(|v| v.conn != 1),
-            "pong0's swap-in waits with nothing under way to serve it: answers {answers:?}, swap-outs {victims:?}"
-        );
+        let answers = p.settle(GPU, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 3, Ok(576 * MIB))]);
+        assert!(p.swapped_out(1, &GPU), "on the device only once its swap-in is reported");
+        // Back on the device: its step is served now, the others still wait for theirs.
+        let answers = p.swapped(1, GPU, 576 * MIB, 0, 832 * MIB, now);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 2, Ok(320 * MIB))]);
+        assert!(!p.swapped_out(1, &GPU));
+        assert!(p.swapped_out(2, &GPU) && p.swapped_out(3, &GPU));
+        assert_eq!(p.status().gpus[0].free, 1280 * MIB - 896 * MIB);
+    }
+
+    #[test]
+    fn swap_bursts_waiting_for_each_other_take_turns_instead_of_a_deadlock() {
+        // Both came back in from host RAM and each waits for its next step, which only
+        // the other's memory could serve. Refusing one (a `Deadlock`) would be an
+        // out-of-memory error for a collision; swap moves one out and serves the other.
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 2 * GIB)]);
+        for (conn, group) in [(1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
+            p.register(conn, GPU, 2 * GIB, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
+            assert_eq!(p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now), Outcome::Granted(576 * MIB));
+            assert!(p.swapped(conn, GPU, 0, 576 * MIB, 256 * MIB, now).is_empty());
+        }
+        let rested = now + GROWING_FOR;
+        for conn in [1, 2] {
+            // Granted at once, or at the server's next look at the queue.
+            match p.acquire(conn, GPU, 2, 576 * MIB, 576 * MIB, 0, true, rested) {
+                Outcome::Queued => assert_eq!(p.settle(GPU, rested).len(), 1),
+                outcome => assert_eq!(outcome, Outcome::Granted(576 * MIB)),
+            }
+            assert!(p.swapped(conn, GPU, 576 * MIB, 0, 832 * MIB, rested).is_empty());
+        }
+        assert_eq!(p.status().gpus[0].free, 384 * MIB);
+        let later = rested + GROWING_FOR;
+        assert_eq!(p.acquire(1, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
+        assert_eq!(p.acquire(2, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
+        let answers = p.settle(GPU, later);
+        assert!(answers.is_empty(), "nobody refused: {answers:?}");
+        let v = p.swap_victims(later, Duration::ZERO, u64::MAX);
+        assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 576 * MIB)]);
+        let answers = p.swapped(2, GPU, 0, 576 * MIB, 256 * MIB, later);
+        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 3, Ok(400 * MIB))]);
+        assert!(p.swapped_out(2, &GPU), "b's step waits for b to come back");
+        // b's thread waits for its step, not at its gate: b is told to come back at once,
+        // and its swap-in waits its turn.
+        assert_eq!(p.resume_candidates(later, Duration::from_secs(1)), vec![(2, GPU)]);
+        assert!(p.resume_candidates(later, Duration::from_secs(1)).is_empty(), "told once");
     }
 
     #[test]

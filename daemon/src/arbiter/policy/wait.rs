@@ -36,6 +36,13 @@
 //! burst may hold what they need), the queue falls back to the safety rule alone, with
 //! which, while the GPU is safe, some waiter can always be served.
 //!
+//! A process whose burst memory is in host RAM (swapped out, or being swapped out) gets
+//! nothing new until it is back: a step it asks for waits *held back*, as if it were not
+//! in the queue, and the server tells the process to ask for its swap-in. Lent new memory
+//! while its last burst is in host RAM, every player of a ping-pong could end up swapped
+//! out, each holding steps of a new burst on the device, with a swap-in that fits by no
+//! rule and no resident holder to swap out: the GPU stood still.
+//!
 //! A burst that could never be served is refused at once rather than block the queue
 //! until its deadline: one past its group's limit (`OverLimit`), or larger than what the
 //! GPU could lend its group even if every other loan came back (`NeverFits`). Waiters are
@@ -156,6 +163,38 @@ impl Gpu {
     /// way) starts only where its whole claim fits beside what the bursts under way may
     /// still claim, and only with memory they cannot; `fallback` drops that rule (for when
     /// every burst under way waits and none can be served, see `drain`).
+    /// Whether groups other than `group` have bursts under way, and what those may still
+    /// claim up to their limits.
+    fn claimed_under_way(&self, group: &str, now: Instant) -> (bool, u64) {
+        let mut others = false;
+        let claimed = self
+            .groups
+            .iter()
+            .filter(|(name, o)| name.as_str() != group && o.granted() > 0 && self.under_way(name, now))
+            .map(|(_, o)| {
+                others = true;
+                o.range().min(self.lendable()).saturating_sub(o.granted())
+            })
+            .sum();
+        (others, claimed)
+    }
+
+    /// Whether swap-in `w` is served now: what it brings back fits in what is free, in its
+    /// group's room, and beside what the bursts under way may still claim. Served on free
+    /// memory alone, a swap-in took what had just been freed for the burst it was swapped
+    /// out for, and the two stood waiting for each other (refused as a deadlock) instead
+    /// of taking turns. Not while a swap-out is under way on the GPU.
+    pub(super) fn swap_in_fits(&self, w: &Waiter, now: Instant) -> bool {
+        // Memory a swap-out under way frees is for the burst it was asked for, not for
+        // the process just moved out (or another) to come straight back.
+        if self.members().any(|(_, _, m)| m.residency == Residency::SwappingOut) {
+            return false;
+        }
+        let room = self.groups.get(&w.group).map_or(0, |g| g.room());
+        let (_, claimed) = self.claimed_under_way(&w.group, now);
+        w.bytes <= room && w.bytes.saturating_add(claimed) <= self.free()
+    }
+
     pub(super) fn grant_for(
         &self,
         group: &str,
@@ -171,16 +210,7 @@ impl Gpu {
             // So that it never makes them wait, and never waits half-grown itself: the
             // room holds whole bursts, one after another, not several half-grown ones each
             // waiting for the others.
-            let mut others = false;
-            let claimed: u64 = self
-                .groups
-                .iter()
-                .filter(|(name, o)| name.as_str() != group && o.granted() > 0 && self.under_way(name, now))
-                .map(|(_, o)| {
-                    others = true;
-                    o.range().min(self.lendable()).saturating_sub(o.granted())
-                })
-                .sum();
+            let (others, claimed) = self.claimed_under_way(group, now);
             free = free.saturating_sub(claimed);
             let whole = room.min(self.lendable().saturating_sub(g.granted()));
             if others && whole > free {
@@ -325,9 +355,28 @@ impl Gpu {
     /// no deadline to end its wait (three swap holders stood still for minutes so).
     pub(super) fn left_to_queue(&self, w: &Waiter, now: Instant) -> bool {
         if w.resume {
-            return self.grant_for(&w.group, w.bytes, w.preferred, now, false).is_some();
+            return self.swap_in_fits(w, now);
         }
         self.servable(&w.group, w.bytes, w.preferred, now)
+    }
+
+    /// Whether waiter `w` is held back: a burst of a process not on the device (swapped
+    /// out or being swapped out), which waits for its own swap-in first.
+    pub(super) fn held_back(&self, w: &Waiter) -> bool {
+        !w.resume && self.swapped_out(&w.group, w.conn)
+    }
+
+    /// Whether member `conn` of `group` is not on the device: swapped out, or being so.
+    pub(super) fn swapped_out(&self, group: &str, conn: ConnId) -> bool {
+        self.groups
+            .get(group)
+            .and_then(|g| g.members.get(&conn))
+            .is_some_and(|m| m.residency != Residency::Resident)
+    }
+
+    /// The first waiter of the queue that is not held back, with its place.
+    pub(super) fn head(&self) -> Option<(usize, &Waiter)> {
+        self.queue.iter().enumerate().find(|(_, w)| !self.held_back(w))
     }
 
     /// Whether `group` borrows now.
@@ -337,6 +386,13 @@ impl Gpu {
 }
 
 impl Policy {
+    /// Whether `conn`'s process is not on `device`: swapped out, or being so. A burst it
+    /// asks for is held back until its swap-in (see the module doc).
+    pub fn swapped_out(&self, conn: ConnId, device: &DeviceId) -> bool {
+        let Some(peer) = self.peers.get(&conn) else { return false };
+        self.gpus.get(device).is_some_and(|gpu| gpu.swapped_out(&peer.group, conn))
+    }
+
     /// Asks for at least `bytes` (`preferred` if there is room) of burst memory on `device`.
     #[allow(clippy::too_many_arguments)]
     pub fn acquire(
@@ -378,8 +434,10 @@ impl Policy {
         gpu.last_busy = now;
         // A swap-in is no step of a burst: it brings back what the group had.
         let continues = !resume && gpu.asked(&group, now);
-        // While parked groups wait to be woken nothing new is lent (see `park`).
-        if gpu.queue.is_empty() && gpu.wakers.is_empty() {
+        // While parked groups wait to be woken nothing new is lent (see `park`), nor to a
+        // process not on the device (held back until its swap-in, see the module doc).
+        let held_back = !resume && gpu.swapped_out(&group, conn);
+        if gpu.queue.is_empty() && gpu.wakers.is_empty() && !held_back {
             if let Some(grant) = gpu.grant_for(&group, bytes, preferred, now, false) {
                 if resume {
                     if let Some(g) = gpu.groups.get_mut(&group) {
@@ -488,23 +546,24 @@ impl Policy {
                 // Wakes first: they are guarantees coming back, bursts are loans.
                 break;
             }
-            let Some(head) = gpu.queue.front() else { break };
+            // Held-back waiters (their process is not on the device) are passed over
+            // until their swap-in is reported.
+            let Some((head_at, head)) = gpu.head() else { break };
             // While others wait, a new burst is lent what it needs, not a chunk more: memory
             // lent as slack would keep the next in line waiting. A step of a burst under
             // way is lent its chunk: new bursts are kept off its whole claim anyway, and
             // fewer, larger grants finish it sooner.
             let contended = gpu.queue.len() > 1;
-            // Bursts under way go first, in order: a swap-in that fits (its process is held
-            // at its gate, maybe with memory others need, and brings back nothing new to
-            // lend), or the next step of a burst under way, when it can be served safely.
+            // Bursts under way go first, in order: a swap-in that fits beside what they may
+            // still claim (its process is held at its gate, maybe with memory others need,
+            // and brings back nothing new to lend), or the next step of a burst under way,
+            // when it can be served safely.
             // Finishing a burst is what frees memory.
-            let free = gpu.free();
             let under_way = gpu.queue.iter().enumerate().find_map(|(i, w)| {
-                let room = gpu.groups.get(&w.group).map_or(0, |g| g.room());
                 if w.resume {
-                    return (w.bytes <= free && w.bytes <= room).then_some((i, w.bytes));
+                    return gpu.swap_in_fits(w, now).then_some((i, w.bytes));
                 }
-                if !gpu.under_way(&w.group, now) {
+                if gpu.held_back(w) || !gpu.under_way(&w.group, now) {
                     return None;
                 }
                 gpu.grant_for(&w.group, w.bytes, w.preferred, now, false).map(|grant| (i, grant))
@@ -512,7 +571,7 @@ impl Policy {
             // Then the head, a new burst, if its whole claim fits beside theirs.
             let next = under_way.or_else(|| {
                 let preferred = if contended { head.bytes } else { head.preferred };
-                gpu.grant_for(&head.group, head.bytes, preferred, now, false).map(|grant| (0, grant))
+                gpu.grant_for(&head.group, head.bytes, preferred, now, false).map(|grant| (head_at, grant))
             });
             // A burst under way that waits may need what a waiter taken for a new burst
             // holds (a step that paused so long that its burst looked over, or a resting
@@ -524,9 +583,12 @@ impl Policy {
                 if names.into_iter().any(|name| gpu.under_way(name, now) && !gpu.waits(name)) {
                     return None;
                 }
-                let holders =
-                    gpu.queue.iter().enumerate().filter(|(_, w)| !w.resume && gpu.borrows(&w.group));
-                let head = gpu.queue.iter().enumerate().take(1).filter(|(_, w)| !w.resume);
+                let holders = gpu
+                    .queue
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| !w.resume && !gpu.held_back(w) && gpu.borrows(&w.group));
+                let head = gpu.head().into_iter().filter(|(_, w)| !w.resume);
                 holders.chain(head).find_map(|(i, w)| {
                     gpu.grant_for(&w.group, w.bytes, w.bytes, now, true).map(|grant| (i, grant))
                 })
@@ -595,22 +657,37 @@ impl Policy {
     }
 
     /// If every holder of burst memory on `gpu` waits for more, the waiting holder with
-    /// the largest grant (never a swap-in: refusing it would free nothing). Safe grants
-    /// never lead here; memory used outside gpufrac that grows, or a settled borrower that
-    /// grows again, can. Not while a swap-out is under way or guarantees are owed memory
-    /// (memory is on its way back), nor just after a restart, when memory outside gpufrac
+    /// the largest grant (never a swap-in, nor a burst held back for one: refusing them
+    /// would free nothing). Safe grants never lead here; memory used outside gpufrac that
+    /// grows, or a settled borrower that grows again, can. Not while a swap-out or a
+    /// swap-in is under way or guarantees are owed memory (memory is on its way back), nor just after a restart, when memory outside gpufrac
     /// is likely shims coming back with what they hold.
     fn deadlocked(gpu: &Gpu, now: Instant) -> Option<ConnId> {
-        let swapping_out = gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut);
-        if swapping_out || gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
+        let swapping = gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut || m.swapping_in);
+        if swapping || gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
+            return None;
+        }
+        // Swap bursts waiting for each other take turns instead: the swap resolver moves
+        // a holder of another group out (once it has had its quantum).
+        let head_swaps = gpu.head().is_some_and(|(_, w)| {
+            !w.resume && gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_some_and(|m| m.swaps)
+        });
+        let head_group = gpu.head().map(|(_, w)| w.group.clone()).unwrap_or_default();
+        let movable = gpu.members().any(|(name, _, m)| {
+            *name != head_group && m.swaps && m.granted > 0 && m.residency == Residency::Resident
+        });
+        if head_swaps && movable {
             return None;
         }
         let mut holders = gpu.members().filter(|(_, _, m)| m.granted > 0).peekable();
         holders.peek()?;
         let mut victim: Option<(ConnId, u64)> = None;
         for (_, conn, m) in holders {
-            let waiting = gpu.waiter(conn)?;
-            if !waiting.resume && victim.is_none_or(|(_, most)| m.granted > most) {
+            gpu.waiter(conn)?;
+            // A process not on the device waits for its swap-in (a burst of it is held
+            // back): refusing that burst would free nothing.
+            let bursts = gpu.queue.iter().any(|w| w.conn == conn && !w.resume && !gpu.held_back(w));
+            if bursts && victim.is_none_or(|(_, most)| m.granted > most) {
                 victim = Some((conn, m.granted));
             }
         }

@@ -109,6 +109,11 @@ pub(super) fn on_acquire(
             let queued = Queued { device, pid, bytes, resume, since: Instant::now() };
             shared.queued.lock().unwrap_or_else(|p| p.into_inner()).insert((conn, seq), queued);
             tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
+            // A process whose burst memory is in host RAM gets nothing new until it is back:
+            // its burst waits for its swap-in, which the swap resolver tells it to ask for.
+            if !resume && shared.policy().swapped_out(conn, &device) {
+                tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst held back until its process is swapped back in");
+            }
             let answers = shared.policy().settle(device, Instant::now());
             shared.deliver(answers);
             shared.ask_to_give_back();
