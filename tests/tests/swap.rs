@@ -300,14 +300,14 @@ fn player(gpu: &SimGpu, arbiter: &Arbiter, group: &str, bursts: u32, seed: u64) 
 /// (900 MiB) fits only while no other is resident, so every burst swaps the holder out,
 /// and every holder, checking its burst after the hold, swaps the next one out to come
 /// back; the arbiter gives memory that frees back to a swapped-out holder at once, and a
-/// quantum of 0 lets it be taken again at once, so a swap-in is often followed closely by
-/// a swap-out. Every burst is checked after its hold and the model after every burst:
+/// quantum of 1 s, shorter than a hold, lets it be taken again mid-hold, so a swap-in is
+/// often followed closely by a swap-out. Every burst is checked after its hold and the model after every burst:
 /// a single page lost in any of those swaps is a `CORRUPT` line and exit status 4.
 #[test]
 fn swap_ping_pong_keeps_every_byte() {
     skip_on_real_gpu!(KERNELS);
     let gpu = SimGpu::new("2GiB").with_context_overhead("64MiB");
-    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("p.sock"), &["--swap-quantum", "0s"]);
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("p.sock"), &["--swap-quantum", "1s"]);
     // More rounds for a soak: GPUFRAC_E2E_PING_PONG_BURSTS bursts per player.
     let bursts: u32 = match std::env::var("GPUFRAC_E2E_PING_PONG_BURSTS") {
         Ok(v) => {
