@@ -291,8 +291,19 @@ fn player(gpu: &SimGpu, arbiter: &Arbiter, group: &str, bursts: u32, seed: u64) 
         .log("info");
     let burst = (900 * MIB + 1000).to_string();
     let (bursts, seed) = (bursts.to_string(), seed.to_string());
-    cmd.args(["--base", "128MiB", "--burst", &burst, "--step", "64MiB", "--hold", "2500", "--keep-ms", "300"])
-        .args(["--gap-ms", "0-100", "--bursts", &bursts, "--seed", &seed, "--verify"]);
+    cmd.args([
+        "--base",
+        "128MiB",
+        "--burst",
+        &burst,
+        "--step",
+        "64MiB",
+        "--hold",
+        "2500",
+        "--keep-ms",
+        "300",
+    ])
+    .args(["--gap-ms", "0-100", "--bursts", &bursts, "--seed", &seed, "--verify"]);
     ChildProcess::spawn(&mut cmd)
 }
 

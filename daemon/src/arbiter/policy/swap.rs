@@ -193,7 +193,8 @@ impl Policy {
             // A process swapped out while its thread waited for a step (the step now held
             // back) asks for nothing itself: its thread waits for the step, not at its
             // gate. It is told to come back at once; its swap-in waits its turn.
-            let held_back: Vec<ConnId> = gpu.queue.iter().filter(|w| gpu.held_back(w)).map(|w| w.conn).collect();
+            let held_back: Vec<ConnId> =
+                gpu.queue.iter().filter(|w| gpu.held_back(w)).map(|w| w.conn).collect();
             for group in gpu.groups.values_mut() {
                 for (&conn, m) in group.members.iter_mut() {
                     if m.residency == Residency::Swapped && !m.resume_sent && held_back.contains(&conn) {
@@ -473,7 +474,10 @@ mod tests {
         let v = p.swap_victims(now, Duration::ZERO, u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 640 * MIB)]);
         let answers = p.swapped(2, GPU, 0, 640 * MIB, 256 * MIB, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 2, Ok(576 * MIB))]);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(1, 2, Ok(576 * MIB))]
+        );
         // Once pong1's burst is over (it gave memory back), a swap-in that fits is served
         // at once, nobody swapped out for it.
         let mut p = ping_pong_one_back(now);
@@ -523,11 +527,17 @@ mod tests {
         // ahead of the steps held back.
         assert_eq!(p.acquire(1, GPU, 3, 576 * MIB, 576 * MIB, 0, true, now), Outcome::Queued);
         let answers = p.settle(GPU, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 3, Ok(576 * MIB))]);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(1, 3, Ok(576 * MIB))]
+        );
         assert!(p.swapped_out(1, &GPU), "on the device only once its swap-in is reported");
         // Back on the device: its step is served now, the others still wait for theirs.
         let answers = p.swapped(1, GPU, 576 * MIB, 0, 832 * MIB, now);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 2, Ok(320 * MIB))]);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(1, 2, Ok(320 * MIB))]
+        );
         assert!(!p.swapped_out(1, &GPU));
         assert!(p.swapped_out(2, &GPU) && p.swapped_out(3, &GPU));
         assert_eq!(p.status().gpus[0].free, 1280 * MIB - 896 * MIB);
@@ -543,7 +553,10 @@ mod tests {
         for (conn, group) in [(1, "a"), (2, "b")] {
             p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
             p.register(conn, GPU, 2 * GIB, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
-            assert_eq!(p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now), Outcome::Granted(576 * MIB));
+            assert_eq!(
+                p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now),
+                Outcome::Granted(576 * MIB)
+            );
             assert!(p.swapped(conn, GPU, 0, 576 * MIB, 256 * MIB, now).is_empty());
         }
         let rested = now + GROWING_FOR;
@@ -564,7 +577,10 @@ mod tests {
         let v = p.swap_victims(later, Duration::ZERO, u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 576 * MIB)]);
         let answers = p.swapped(2, GPU, 0, 576 * MIB, 256 * MIB, later);
-        assert_eq!(answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(), vec![(1, 3, Ok(400 * MIB))]);
+        assert_eq!(
+            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
+            vec![(1, 3, Ok(400 * MIB))]
+        );
         assert!(p.swapped_out(2, &GPU), "b's step waits for b to come back");
         // b's thread waits for its step, not at its gate: b is told to come back at once,
         // and its swap-in waits its turn.

@@ -670,7 +670,8 @@ impl Policy {
         // Swap bursts waiting for each other take turns instead: the swap resolver moves
         // a holder of another group out (once it has had its quantum).
         let head_swaps = gpu.head().is_some_and(|(_, w)| {
-            !w.resume && gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_some_and(|m| m.swaps)
+            !w.resume
+                && gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_some_and(|m| m.swaps)
         });
         let head_group = gpu.head().map(|(_, w)| w.group.clone()).unwrap_or_default();
         let movable = gpu.members().any(|(name, _, m)| {
