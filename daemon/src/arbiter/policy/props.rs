@@ -355,6 +355,7 @@ impl Case {
                     self.outstanding.insert((conn, d.id, seq));
                     let answers = self.policy.settle(d.id, now);
                     self.answered(answers);
+                    self.no_swap_in_left_that_fits(&d.id, now);
                 }
             }
             "release" => {
@@ -555,6 +556,7 @@ impl Case {
                 self.note("settle".into());
                 let answers = self.policy.settle(d.id, now);
                 self.answered(answers);
+                self.no_swap_in_left_that_fits(&d.id, now);
             }
             _ => {
                 self.note("look".into());
@@ -564,6 +566,19 @@ impl Case {
             }
         }
         kind
+    }
+
+    /// After a look at `device`'s queue, no swap-in that fits is left waiting (a swap-in
+    /// has no deadline worth the name: one the queue passed over could wait for ever),
+    /// unless wakes come first.
+    fn no_swap_in_left_that_fits(&self, device: &DeviceId, now: Instant) {
+        let Some(gpu) = self.policy.gpus.get(device) else { return };
+        if !gpu.wakers.is_empty() {
+            return;
+        }
+        if let Some(w) = gpu.queue.iter().find(|w| w.resume && gpu.swap_in_fits(w, now)) {
+            self.fail(format!("{w:?} fits on {device:?} but was left waiting"));
+        }
     }
 
     /// (shortfall, burst) per GPU.
