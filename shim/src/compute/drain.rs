@@ -202,7 +202,8 @@ impl DeviceClock {
             if calls == self.last_calls[index] || slot.marked.load(SeqCst) == calls {
                 continue;
             }
-            let stream = if index == LEGACY_SLOT { std::ptr::null_mut() } else { STREAMS[index].load(SeqCst) };
+            let stream =
+                if index == LEGACY_SLOT { std::ptr::null_mut() } else { STREAMS[index].load(SeqCst) };
             // SAFETY: a stream a call of this process used, not destroyed (cuStreamDestroy
             // clears its slot under the lock held here), not capturing (checked first).
             let busy = index != LEGACY_SLOT
@@ -230,7 +231,10 @@ impl DeviceClock {
         }
         // SAFETY: the references' events, alive (their contexts were not forgotten: the
         // epoch is unchanged, under the lock); a query only.
-        self.refs.iter().filter(|r| r.at_ns.is_some()).all(|r| unsafe { (driver.event_query)(r.event) } != NOT_READY)
+        self.refs
+            .iter()
+            .filter(|r| r.at_ns.is_some())
+            .all(|r| unsafe { (driver.event_query)(r.event) } != NOT_READY)
     }
 
     /// The drain of `lease` on `device` is over: its figure by the device's clock, if every

@@ -11,9 +11,7 @@ use super::drain::DeviceClock;
 use super::streams::{
     streams_idle, CtxSetCurrent, EventElapsed, EventQuery, ExchangeCaptureMode, Marks, StreamQuery,
 };
-use super::{
-    instant_ns, lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT,
-};
+use super::{instant_ns, lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT};
 use crate::real::{resolve, Lib};
 
 /// How often the lease thread looks at the streams while a lease runs or drains.
@@ -78,7 +76,10 @@ pub(super) fn run() {
             }
         }
         clock.keep_only(|device, lease| {
-            leases.devices.iter().any(|&(d, l)| d == device && matches!(l, Local::Draining { lease: x, .. } if x == lease))
+            leases
+                .devices
+                .iter()
+                .any(|&(d, l)| d == device && matches!(l, Local::Draining { lease: x, .. } if x == lease))
         });
         let now = Instant::now();
         let wanted = WANT.load(SeqCst);

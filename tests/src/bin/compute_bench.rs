@@ -247,12 +247,16 @@ fn main() {
 /// the arbiter logged them.
 fn leases(row: &str) -> String {
     let field = |name: &str| -> Vec<f64> {
-        let mut v: Vec<f64> =
-            row.lines().filter_map(|l| log_field(l, name)?.parse::<f64>().ok()).map(|us| us / 1000.0).collect();
+        let mut v: Vec<f64> = row
+            .lines()
+            .filter_map(|l| log_field(l, name)?.parse::<f64>().ok())
+            .map(|us| us / 1000.0)
+            .collect();
         v.sort_by(f64::total_cmp);
         v
     };
-    let at = |v: &[f64], p: f64| v.get(((v.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0);
+    let at =
+        |v: &[f64], p: f64| v.get(((v.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0);
     let (waits, drains) = (field("waited_us"), field("drain_us"));
     format!(
         "{} waits: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {} drains: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
