@@ -43,6 +43,10 @@ use crate::real::{resolve, Lib};
 const STREAM_NON_BLOCKING: u32 = 1;
 /// `CUDA_ERROR_NOT_READY`.
 const NOT_READY: Status = 600;
+/// Longest a drain waits for its references to complete once its work is done: they
+/// complete at once on a GPU, but one that never does must not hold every hand-over (the
+/// drain is then the polled one).
+const SETTLE_AT_MOST_NS: u64 = 5_000_000;
 
 /// Bumped when the contexts are forgotten (one destroyed or reset): the references made in
 /// them died with them.
@@ -222,19 +226,22 @@ impl DeviceClock {
 
     /// Whether the references recorded for the drain have completed (at once on a GPU; a
     /// look or two later on simgpu, whose streams are host threads): the drain is over only
-    /// then, so its figure is there to take.
+    /// then, so its figure is there to take (or [`SETTLE_AT_MOST_NS`] after the record).
     pub(super) fn settled(&self) -> bool {
         let Some(driver) = self.driver.filter(|_| !self.untimed) else { return true };
         let _guard = lock(&STREAMS_LOCK);
         if CONTEXTS_EPOCH.load(SeqCst) != self.epoch {
             return true;
         }
-        // SAFETY: the references' events, alive (their contexts were not forgotten: the
-        // epoch is unchanged, under the lock); a query only.
-        self.refs
-            .iter()
-            .filter(|r| r.at_ns.is_some())
-            .all(|r| unsafe { (driver.event_query)(r.event) } != NOT_READY)
+        let now = monotonic_ns();
+        self.refs.iter().all(|r| {
+            r.at_ns.is_none_or(|at| {
+                now.saturating_sub(at) >= SETTLE_AT_MOST_NS
+                    // SAFETY: a reference's event, alive (its context was not forgotten: the
+                    // epoch is unchanged, under the lock); a query only.
+                    || unsafe { (driver.event_query)(r.event) } != NOT_READY
+            })
+        })
     }
 
     /// The drain of `lease` on `device` is over: its figure by the device's clock, if every
