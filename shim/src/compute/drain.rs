@@ -224,6 +224,17 @@ impl DeviceClock {
         }
     }
 
+    /// A lease given back with its streams idle: what their calls started is over, and
+    /// the next drain times only what comes after.
+    pub(super) fn all_done(&mut self) {
+        if self.draining.is_empty() {
+            for (index, slot) in SLOTS.iter().enumerate() {
+                self.last_calls[index] = slot.calls.load(SeqCst);
+            }
+            self.last_unwatched = UNWATCHED.load(SeqCst);
+        }
+    }
+
     /// Whether the references recorded for the drain have completed (at once on a GPU; a
     /// look or two later on simgpu, whose streams are host threads): the drain is over only
     /// then, so its figure is there to take (or [`SETTLE_AT_MOST_NS`] after the record).

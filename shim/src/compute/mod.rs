@@ -28,11 +28,12 @@
 //! queue can only shrink, so "idle" is its end. How *long* it was is timed by the device
 //! (drain.rs): a reference event on a private stream per context, recorded at the drain's
 //! first look, and the streams' last marks, compared with `cuEventElapsedTime`. Polling
-//! alone would report, and have charged, how late this thread saw the work end. Nothing is gated or watched on
-//! a stream that is being captured into a graph (its calls record, they run nothing), and
-//! nothing here synchronizes a context or a stream, which a capture forbids. Work on a
-//! thread's per-thread default stream cannot be polled from another thread: its drain is
-//! not measured (its held time still is).
+//! alone would report, and have charged, how late this thread saw the work end.
+//!
+//! Nothing is gated or watched on a stream that is being captured into a graph (its
+//! calls record, they run nothing), and nothing here synchronizes a context or a stream,
+//! which a capture forbids. Work on a thread's per-thread default stream cannot be polled
+//! from another thread: its drain is not measured (its held time still is).
 //!
 //! A process without compute settings never gets here: its gate is one relaxed load.
 //! A process whose GPU is open to it is not gated either: its gate's slow bit is clear.

@@ -103,6 +103,7 @@ pub(super) fn run() {
                         HELD.load(SeqCst) == 0 && SYNCING.load(SeqCst) == 0 && IN_LEASE.load(SeqCst) == 0;
                     if was_idle && count == calls && !wanted && quiet {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
+                        clock.all_done();
                         *local = Local::Wait { wanted: None };
                         changed = true;
                         continue;
