@@ -130,3 +130,56 @@ fn a_process_sliced_out_has_its_kernels_pending_all_the_time_it_waits() {
     assert_eq!(later, pending, "pending time went on after the work ended");
     let _ = std::fs::remove_file(&state);
 }
+
+#[test]
+fn a_kernel_queued_behind_another_counts_from_where_its_stream_was_not_from_its_late_thread() {
+    use simgpu_state::sched::{set_stream_clock, stream_clock};
+    let state = temp_state("clock");
+    let (m1, m2) =
+        (Machine::open(&state, &[1 << 30]).expect("open"), Machine::open(&state, &[1 << 30]).expect("open"));
+    let (s1, s2) = (m1.attach().expect("attach"), m2.attach().expect("attach"));
+    let (p1, p2) = (s1.scheduler(Duration::from_millis(50)), s2.scheduler(Duration::from_millis(50)));
+    let start = simgpu_state::monotonic_ns();
+
+    // Two kernels queued back to back; the stream's thread gets to the second 5 ms late.
+    p1.claim(0);
+    set_stream_clock(start);
+    p1.run_for(0, Duration::from_millis(1));
+    let first_end = stream_clock();
+    assert!(first_end >= start + 1_000_000, "the first kernel ended at {first_end}, began {start}");
+    std::thread::sleep(Duration::from_millis(5));
+    p1.run_for(0, Duration::from_millis(4));
+    // It ran while the thread slept: it ends 4 ms after the first did, as on a GPU.
+    assert_eq!(stream_clock(), first_end + 4_000_000);
+    p1.unclaim(0);
+    let wall = simgpu_state::monotonic_ns() - start;
+    assert!(m1.busy_ns(0) <= wall, "busy {} ns in {wall} ns: counted twice", m1.busy_ns(0));
+
+    // Another process held the device meanwhile: the next kernel counts only from when
+    // this one got it back.
+    let other_end = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                p2.claim(0);
+                set_stream_clock(0);
+                p2.run_for(0, Duration::from_millis(3));
+                p2.unclaim(0);
+                stream_clock()
+            })
+            .join()
+            .expect("other process")
+    });
+    let queued = stream_clock();
+    p1.claim(0);
+    set_stream_clock(queued);
+    p1.run_for(0, Duration::from_millis(2));
+    p1.unclaim(0);
+    assert!(
+        stream_clock() >= other_end + 2_000_000,
+        "ended at {} though the device was the other's until {other_end}",
+        stream_clock()
+    );
+    let wall = simgpu_state::monotonic_ns() - start;
+    assert!(m1.busy_ns(0) <= wall, "busy {} ns in {wall} ns: counted twice", m1.busy_ns(0));
+    let _ = std::fs::remove_file(&state);
+}
