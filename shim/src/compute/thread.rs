@@ -179,8 +179,12 @@ fn test_delay() -> Duration {
     if !cfg!(debug_assertions) {
         return Duration::ZERO;
     }
-    std::env::var("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(Duration::ZERO, Duration::from_micros)
+    let Ok(value) = std::env::var("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US") else { return Duration::ZERO };
+    match value.parse() {
+        Ok(us) => Duration::from_micros(us),
+        Err(_) => {
+            tracing::warn!(%value, "GPUFRAC_TEST_DRAIN_LOOK_DELAY_US is not a whole number of microseconds; ignored");
+            Duration::ZERO
+        }
+    }
 }

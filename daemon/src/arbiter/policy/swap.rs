@@ -231,6 +231,11 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
+    /// Who was answered what, in order.
+    fn results(answers: &[Answer]) -> Vec<(ConnId, u64, Result<u64, Denial>)> {
+        answers.iter().map(|a| (a.conn, a.seq, a.result)).collect()
+    }
+
     #[test]
     fn swap_takes_turns_within_the_quantum_and_the_host_ram_cap() {
         let now = Instant::now();
@@ -474,10 +479,7 @@ mod tests {
         let v = p.swap_victims(now, Duration::ZERO, u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 640 * MIB)]);
         let answers = p.swapped(2, GPU, 0, 640 * MIB, 256 * MIB, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 2, Ok(576 * MIB))]
-        );
+        assert_eq!(results(&answers), vec![(1, 2, Ok(576 * MIB))]);
         // Once pong1's burst is over (it gave memory back), a swap-in that fits is served
         // at once, nobody swapped out for it.
         let mut p = ping_pong_one_back(now);
@@ -499,10 +501,7 @@ mod tests {
         let v = p.swap_victims(now, Duration::ZERO, u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 1024 * MIB)]);
         let answers = p.swapped(2, GPU, 0, 1024 * MIB, 256 * MIB, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 2, Ok(576 * MIB))]
-        );
+        assert_eq!(results(&answers), vec![(1, 2, Ok(576 * MIB))]);
     }
 
     #[test]
@@ -527,17 +526,11 @@ mod tests {
         // ahead of the steps held back.
         assert_eq!(p.acquire(1, GPU, 3, 576 * MIB, 576 * MIB, 0, true, now), Outcome::Queued);
         let answers = p.settle(GPU, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 3, Ok(576 * MIB))]
-        );
+        assert_eq!(results(&answers), vec![(1, 3, Ok(576 * MIB))]);
         assert!(p.swapped_out(1, &GPU), "on the device only once its swap-in is reported");
         // Back on the device: its step is served now, the others still wait for theirs.
         let answers = p.swapped(1, GPU, 576 * MIB, 0, 832 * MIB, now);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 2, Ok(320 * MIB))]
-        );
+        assert_eq!(results(&answers), vec![(1, 2, Ok(320 * MIB))]);
         assert!(!p.swapped_out(1, &GPU));
         assert!(p.swapped_out(2, &GPU) && p.swapped_out(3, &GPU));
         assert_eq!(p.status().gpus[0].free, 1280 * MIB - 896 * MIB);
@@ -577,10 +570,7 @@ mod tests {
         let v = p.swap_victims(later, Duration::ZERO, u64::MAX);
         assert_eq!(v.iter().map(|v| (v.conn, v.bytes)).collect::<Vec<_>>(), vec![(2, 576 * MIB)]);
         let answers = p.swapped(2, GPU, 0, 576 * MIB, 256 * MIB, later);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(1, 3, Ok(400 * MIB))]
-        );
+        assert_eq!(results(&answers), vec![(1, 3, Ok(400 * MIB))]);
         assert!(p.swapped_out(2, &GPU), "b's step waits for b to come back");
         // b's thread waits for its step, not at its gate: b is told to come back at once,
         // and its swap-in waits its turn.
@@ -628,18 +618,12 @@ mod tests {
         assert_eq!(p.acquire(2, GPU, 2, 4 * GIB, 4 * GIB, 0, true, now), Outcome::Queued);
         assert!(p.expire(now + RESUME_WAIT - Duration::from_secs(1)).is_empty());
         let answers = p.expire(now + RESUME_WAIT);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(2, 2, Err(Denial::Timeout))]
-        );
+        assert_eq!(results(&answers), vec![(2, 2, Err(Denial::Timeout))]);
         // Asked again (as its shim does), it comes back when a gives memory back.
         let later = now + RESUME_WAIT;
         assert_eq!(p.acquire(2, GPU, 3, 4 * GIB, 4 * GIB, 0, true, later), Outcome::Queued);
         let answers = p.release(1, GPU, 12 * GIB, 2 * GIB, later);
-        assert_eq!(
-            answers.iter().map(|a| (a.conn, a.seq, a.result)).collect::<Vec<_>>(),
-            vec![(2, 3, Ok(4 * GIB))]
-        );
+        assert_eq!(results(&answers), vec![(2, 3, Ok(4 * GIB))]);
     }
 
     #[test]
