@@ -547,8 +547,13 @@ impl Policy {
                 break;
             }
             // Held-back waiters (their process is not on the device) are passed over
-            // until their swap-in is reported.
-            let Some((head_at, head)) = gpu.head() else { break };
+            // until their swap-in is reported; so are swap-ins, served above when they fit
+            // (one that waits for what bursts under way may claim must not keep new bursts
+            // that fit from starting behind it; the swap resolver acts for it).
+            if gpu.queue.is_empty() {
+                break;
+            }
+            let first_burst = gpu.queue.iter().enumerate().find(|(_, w)| !w.resume && !gpu.held_back(w));
             // While others wait, a new burst is lent what it needs, not a chunk more: memory
             // lent as slack would keep the next in line waiting. A step of a burst under
             // way is lent its chunk: new bursts are kept off its whole claim anyway, and
@@ -570,6 +575,7 @@ impl Policy {
             });
             // Then the head, a new burst, if its whole claim fits beside theirs.
             let next = under_way.or_else(|| {
+                let (head_at, head) = first_burst?;
                 let preferred = if contended { head.bytes } else { head.preferred };
                 gpu.grant_for(&head.group, head.bytes, preferred, now, false).map(|grant| (head_at, grant))
             });
