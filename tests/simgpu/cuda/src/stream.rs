@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
+use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
 use cudarc::driver::sys::{CUcontext, CUevent, CUstream};
@@ -25,8 +26,6 @@ struct Queued {
     /// An event's marker: it counts as done on this stream before it signals the event,
     /// so that a stream query after an event synchronize sees the stream at that point.
     marker: bool,
-    /// When it was queued (monotonic ns): the stream reaches it no earlier.
-    at: u64,
 }
 
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the special stream handles.
@@ -89,18 +88,18 @@ impl Stream {
 
     /// Queues `job`; it runs after everything queued before it on this stream.
     pub(crate) fn submit(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: false, marker: false, at: simgpu_state::monotonic_ns() })
+        self.queue(Queued { job, kernel: false, marker: false })
     }
 
     /// Queues an event's marker (see [`Queued::marker`]).
     fn submit_marker(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: false, marker: true, at: simgpu_state::monotonic_ns() })
+        self.queue(Queued { job, kernel: false, marker: true })
     }
 
     /// Queues a kernel that runs on the device: it runs after everything queued before it
     /// on this stream, while this process owns the device (time-slicing).
     pub(crate) fn submit_kernel(&self, job: Job) -> CuResult {
-        self.queue(Queued { job, kernel: true, marker: false, at: simgpu_state::monotonic_ns() })
+        self.queue(Queued { job, kernel: true, marker: false })
     }
 
     /// Queues `run` (a kernel when `device_time`), or records it as a node of type `ty`
@@ -166,11 +165,7 @@ impl Stream {
                 let sched = crate::driver::driver().ok().map(|d| &d.sched);
                 // Whether this stream keeps the device: it runs kernels back to back.
                 let mut claimed = false;
-                // Where this stream is on the device's timeline: the end of the work it
-                // ran so far (see `simgpu_state::sched`).
-                let mut clock = 0u64;
-                for Queued { job, kernel, marker, at } in rx.iter() {
-                    simgpu_state::sched::set_stream_clock(clock.max(at));
+                for Queued { job, kernel, marker } in rx.iter() {
                     if let Some(sched) = sched.filter(|_| kernel != claimed) {
                         if kernel {
                             sched.claim(device);
@@ -199,12 +194,6 @@ impl Stream {
                         sched.unclaim(device);
                         claimed = false;
                     }
-                    // A kernel moved the clock to its end; other work ends when it is done.
-                    clock = if kernel || marker {
-                        simgpu_state::sched::stream_clock()
-                    } else {
-                        simgpu_state::monotonic_ns()
-                    };
                     if !marker {
                         bump();
                     }
@@ -403,8 +392,7 @@ pub(crate) struct Event {
 struct EventState {
     recorded: u64,
     completed: u64,
-    /// When the stream reached it (monotonic ns).
-    at: Option<u64>,
+    at: Option<Instant>,
 }
 
 static EVENTS: LazyLock<Mutex<HashMap<usize, Arc<Event>>>> = LazyLock::new(Default::default);
@@ -468,8 +456,7 @@ pub(crate) fn event_record(handle: CUevent, stream: CUstream, default: DefaultSt
         let mut st = marker.state.lock();
         if st.completed < generation {
             st.completed = generation;
-            // When the stream reached it, as a GPU stamps it (its thread may be late).
-            st.at = Some(simgpu_state::sched::stream_clock().max(1));
+            st.at = Some(Instant::now());
         }
         marker.done.notify_all();
         Ok(())
@@ -521,7 +508,11 @@ pub(crate) fn event_elapsed_time(ms: *mut f32, start: CUevent, end: CUevent) -> 
         }
     };
     let (a, b) = (time(&start)?, time(&end)?);
-    let millis = (b as f64 - a as f64) as f32 / 1e6;
+    let millis = if b >= a {
+        b.duration_since(a).as_secs_f32() * 1000.0
+    } else {
+        -(a.duration_since(b).as_secs_f32() * 1000.0)
+    };
     write_out(ms, millis)
 }
 

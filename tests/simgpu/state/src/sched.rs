@@ -19,13 +19,6 @@
 //! how many of the process's streams want the device, how many kernels run — are in
 //! [`Scheduler`], one per process.
 //!
-//! A kernel's device time runs from when its stream reached it (the end of the work queued
-//! before it, or its launch), not from when the stream's host thread got to it: on a busy
-//! CPU that thread wakes late, and a GPU does not wait for it. The stream's thread keeps
-//! that point ([`set_stream_clock`]); a kernel counts the time since then, within the
-//! process's current hold of the device, as already run. So a late thread delays when a
-//! kernel's end is *seen*, never the kernels queued behind it.
-//!
 //! Device time is counted per process while it owns the device and runs kernels
 //! (`Machine::process_busy_ns`) and per device (`Machine::busy_ns`): since only one
 //! process runs at a time, a device's busy time never exceeds wall time. Apart from it,
@@ -35,7 +28,6 @@
 //! sliced-out context's kernels are still in flight, so two processes that flood one
 //! device each read near 100% while each has half of its time.
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -84,24 +76,6 @@ pub(crate) fn pending_ns(mark: u64, now: u64) -> u64 {
     }
 }
 
-thread_local! {
-    /// Where this thread's stream is on the device's timeline (monotonic ns; 0: unknown):
-    /// the time its next kernel may count from.
-    static STREAM_CLOCK: Cell<u64> = const { Cell::new(0) };
-}
-
-/// Sets the calling stream thread's clock: the time its next kernel may count device time
-/// from (when the stream reached it; 0: from when the thread starts it).
-pub fn set_stream_clock(ns: u64) {
-    STREAM_CLOCK.with(|c| c.set(ns));
-}
-
-/// The calling stream thread's clock: where the work it ran so far ended on the device's
-/// timeline (0: unknown).
-pub fn stream_clock() -> u64 {
-    STREAM_CLOCK.with(|c| c.get())
-}
-
 /// What this process knows of its own use of one device.
 #[derive(Default)]
 struct Local {
@@ -114,9 +88,6 @@ struct Local {
     running: u32,
     /// Since when kernels ran without their time being counted yet (monotonic ns).
     busy_since: u64,
-    /// Up to when kernels' time was counted (a kernel that counts time from before it
-    /// started never counts it twice).
-    counted_to: u64,
     /// The slice is over and another process waits: no kernel starts, and the device is
     /// handed over when the last running one stops.
     yielding: bool,
@@ -210,9 +181,7 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Runs a kernel that needs `time` of device time on `device`: it makes progress only
-    /// while this process owns the device, in chunks that end with the slice. It counts
-    /// from the stream's clock (when the stream reached it) if the process held the device
-    /// since, and moves the clock to its end.
+    /// while this process owns the device, in chunks that end with the slice.
     pub fn run_for(&self, device: usize, time: Duration) {
         if device >= MAX_DEVICES {
             std::thread::sleep(time);
@@ -221,36 +190,14 @@ impl<'a> Scheduler<'a> {
         let mut left = time.as_nanos() as u64;
         self.want(device, true);
         while left > 0 {
-            let now = self.enter(device);
-            let from = self.count_from(device, now);
-            let target = from.saturating_add(left.min(self.chunk_ns(device, from)));
-            if target > now {
-                std::thread::sleep(Duration::from_nanos(target - now));
-            }
-            // Progress up to the chunk's end only: a thread that woke later leaves the
-            // time after it to the stream's next kernel (or chunk), as a GPU would run it.
-            left = left.saturating_sub(target - from);
-            set_stream_clock(target);
-            self.exit(device, monotonic_ns());
+            let start = self.enter(device);
+            let chunk = left.min(self.chunk_ns(device, start));
+            std::thread::sleep(Duration::from_nanos(chunk));
+            let end = monotonic_ns();
+            left = left.saturating_sub(end.saturating_sub(start));
+            self.exit(device, end);
         }
         self.want(device, false);
-    }
-
-    /// When a kernel that starts at `now` began making progress: at the stream's clock if
-    /// this process has held the device since (the stream's thread was late, the device
-    /// was not), else now. The device time counted is moved back with it.
-    fn count_from(&self, device: usize, now: u64) -> u64 {
-        let clock = stream_clock();
-        let held_since = self.dev(device).slice_start_ns.load(SeqCst);
-        if clock == 0 || clock >= now {
-            return now;
-        }
-        let from = clock.max(held_since).min(now);
-        let mut local = self.lock(device);
-        if local.running == 1 {
-            local.busy_since = local.busy_since.min(from.max(local.counted_to));
-        }
-        from
     }
 
     /// Runs `work` (a kernel done on the CPU) while this process owns `device`; its wall
@@ -269,9 +216,7 @@ impl<'a> Scheduler<'a> {
         self.want(device, true);
         self.enter(device);
         let _running = Running(self, device);
-        let result = work();
-        set_stream_clock(monotonic_ns());
-        result
+        work()
     }
 
     /// How long a sleep kernel may run before looking at the slice again.
@@ -336,7 +281,6 @@ impl<'a> Scheduler<'a> {
         local.running = local.running.saturating_sub(1);
         let ran = now.saturating_sub(local.busy_since);
         local.busy_since = now;
-        local.counted_to = local.counted_to.max(now);
         self.dev(device).busy_ns.fetch_add(ran, SeqCst);
         self.rec().busy[device].fetch_add(ran, SeqCst);
         if !local.yielding && self.slice_over(device, now) && self.next_waiter(device).is_some() {
