@@ -163,6 +163,17 @@ pub(crate) fn wait_awake() -> Result<(), Status> {
     }
 }
 
+/// For a process with burst memory in host RAM: waits until the gate opens, which it does
+/// once nothing is swapped out (asking for it back); `Err` (out-of-memory) if a wake failed
+/// meanwhile. (The gate, not the swap book: the swap-in opens the gate holding the book.)
+pub(crate) fn wait_swapped_in() -> Result<(), Status> {
+    if parking::wait_until(|| !CLOSED.load(SeqCst)) {
+        Ok(())
+    } else {
+        Err(OUT_OF_MEMORY)
+    }
+}
+
 /// The wake failed: calls waiting for it give up.
 pub(crate) fn fail_waiters() {
     parking::notify(|| {

@@ -718,6 +718,15 @@ impl Enforcer {
                 );
                 return Err(OUT_OF_MEMORY);
             };
+            // A process whose burst memory is in host RAM is lent nothing new until it is
+            // back (the arbiter holds such a step back). Its allocation waits for the
+            // swap-in here, as its launches do at the gate, so that however long the
+            // swap-in waits its turn, it does not count against GPUFRAC_WAIT_TIMEOUT.
+            if crate::swap::swapped_out() {
+                tracing::debug!(ordinal, bytes, "gpufrac: a burst waits for the process's swap-in");
+                crate::gate::wait_swapped_in()?;
+                continue 'charge;
+            }
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
             let preferred = need.max(Self::chunk(&slice));
             match client.acquire(

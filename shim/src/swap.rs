@@ -76,7 +76,8 @@ struct Backing {
     context: u64,
     /// The physical allocation while resident; 0 while swapped out.
     handle: u64,
-    /// The host copy while swapped out; 0 while resident.
+    /// The host copy while swapped out; 0 while resident (unless copying it back failed,
+    /// when it is kept until the allocation is freed).
     host: usize,
     /// The host copy is pinned (`cuMemAllocHost`), not `malloc`ed.
     pinned: bool,
@@ -414,6 +415,10 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
     if b.handle != 0 {
         call_real!(cuMemUnmap(addr, b.size as usize));
         call_real!(cuMemRelease(b.handle));
+        // A host copy beside a resident allocation: one whose copy back failed.
+        if b.host != 0 {
+            free_host(b.host, b.pinned);
+        }
     } else {
         free_host(b.host, b.pinned);
         if let Some(swapped) = book.swapped.get_mut(&b.device) {
@@ -566,6 +571,10 @@ pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
                     continue;
                 }
                 let _ = done_tx.send((addr, size, b.handle, b.device));
+                if b.host != 0 {
+                    // The copy kept from a failed swap-in: this one is newer.
+                    free_host(b.host, b.pinned);
+                }
                 (b.handle, b.host, b.pinned) = (0, host, pinned);
                 host_bytes += b.size;
             }
@@ -647,18 +656,20 @@ pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
             let (size, host) = (b.size as usize, b.host);
             let status =
                 in_context(b.context, || call_real!(cuMemcpyHtoD_v2(addr, host as *const c_void, size)));
+            b.handle = handle;
             if status == SUCCESS {
                 let _ = freed_tx.send((b.host, b.pinned));
+                b.host = 0;
             } else {
-                // The context is broken (a sticky error): keep the host copy, it is all
-                // there is of the data.
+                // The context is broken (a sticky error): the host copy is all there is of
+                // the data, so it stays with the allocation (freed with it) and the process
+                // goes on to see the driver's error on its next call.
                 tracing::error!(
                     status,
                     addr,
                     "swap-in: copying back to the device failed; the host copy is kept"
                 );
             }
-            (b.handle, b.host) = (handle, 0);
             moved += b.size;
         }
     });

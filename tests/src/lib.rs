@@ -78,15 +78,79 @@ pub fn target_dir() -> PathBuf {
 }
 
 /// The build output `name` in [`target_dir`]; panics, saying how to build it, if it is
-/// missing.
+/// missing, or if it is one of the shared libraries that `cargo test` does not rebuild
+/// and is older than its sources (see [`stale_library`]).
 pub fn artifact(name: &str) -> PathBuf {
     let dir = target_dir();
     let path = dir.join(name);
+    let release = if dir.file_name() == Some(OsStr::new("release")) { " --release" } else { "" };
     if !path.exists() {
-        let release = if dir.file_name() == Some(OsStr::new("release")) { " --release" } else { "" };
         panic!("{} is missing: build the workspace first: cargo build --workspace{release}", path.display());
     }
+    if let Some(stale) = stale_library(&dir, name) {
+        panic!("{stale}: the tests would run old code; build the workspace first: cargo build --workspace{release}");
+    }
     path
+}
+
+/// The shared libraries the tests load, each with the folders of the workspace whose
+/// sources it is built from. `cargo test` (and `cargo build --tests`) rebuilds what the
+/// test binaries link, never a `cdylib`: after a change to the shim or simgpu without a
+/// `cargo build`, the tests would load the last build's library and pass or fail on code
+/// that is gone.
+const LIBRARY_SOURCES: &[(&str, &[&str])] = &[
+    ("libgpufrac.so", &["shim/preload"]),
+    ("libgpufrac_core.so", &["shim/src", "shim/Cargo.toml", "common"]),
+    (SIMGPU_CUDA, &["tests/simgpu/cuda", "tests/simgpu/state", "common"]),
+    (SIMGPU_NVML, &["tests/simgpu/nvml", "tests/simgpu/state", "common"]),
+];
+
+/// Why the library `name` in `dir` (and, for the shim's loader, the core it loads) is
+/// older than a source file it is built from, if it is; `None` for other artifacts and on
+/// a real GPU (whose run may be handed binaries built elsewhere). Looked at once per
+/// library and test process.
+pub fn stale_library(dir: &Path, name: &str) -> Option<String> {
+    static SEEN: std::sync::Mutex<Vec<(String, Option<String>)>> = std::sync::Mutex::new(Vec::new());
+    if real_gpu() {
+        return None;
+    }
+    let names: &[&str] =
+        if name == "libgpufrac.so" { &["libgpufrac.so", "libgpufrac_core.so"] } else { &[name] };
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    for &name in names {
+        let Some(&(_, sources)) = LIBRARY_SOURCES.iter().find(|(n, _)| *n == name) else { continue };
+        if let Some((_, verdict)) = seen.iter().find(|(n, _)| n == name) {
+            if verdict.is_some() {
+                return verdict.clone();
+            }
+            continue;
+        }
+        let built = std::fs::metadata(dir.join(name)).and_then(|m| m.modified()).ok();
+        let newest = sources.iter().filter_map(|s| newest_file(&workspace.join(s))).max();
+        let verdict = match (built, newest) {
+            (Some(built), Some((changed, file))) if changed > built => Some(format!(
+                "{} is older than its source {}",
+                dir.join(name).display(),
+                file.strip_prefix(workspace).unwrap_or(&file).display()
+            )),
+            _ => None,
+        };
+        seen.push((name.to_owned(), verdict.clone()));
+        if verdict.is_some() {
+            return verdict;
+        }
+    }
+    None
+}
+
+/// The most recently modified file under `path` (itself, if a file), with its time.
+fn newest_file(path: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
+    let meta = std::fs::metadata(path).ok()?;
+    if meta.is_file() {
+        return Some((meta.modified().ok()?, path.to_path_buf()));
+    }
+    std::fs::read_dir(path).ok()?.flatten().filter_map(|entry| newest_file(&entry.path())).max()
 }
 
 /// The environment variable that runs the end-to-end tests on the machine's real GPU:

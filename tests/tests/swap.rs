@@ -155,6 +155,36 @@ fn swap_serves_a_burst_while_the_holder_sleeps_and_gives_its_data_back_untouched
     assert!(body.contains("gpufrac_swap_seconds_bucket{"), "{body}");
 }
 
+/// A swapped-out process that allocates waits for its swap-in before it asks for the
+/// burst: however long the swap-in waits its turn, its `GPUFRAC_WAIT_TIMEOUT` (1 s here)
+/// counts from when it is back. (Asked while swapped out, the arbiter held the step back
+/// until the swap-in, and the allocation failed out-of-memory at 1 s.)
+#[test]
+fn a_swapped_out_process_that_allocates_waits_for_its_swap_in_not_its_wait_timeout() {
+    skip_on_real_gpu!(KERNELS);
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("sa.sock"), &["--swap-quantum", "3s"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let (mut a, _) = holder_waiting(&gpu, &arbiter, &ga, "1s");
+    std::thread::sleep(Duration::from_millis(3100));
+    let mut b = requester(&gpu, &arbiter, &gb, "30s");
+    b.ready();
+    wait_for(&arbiter, "A swapped out", |s| process(s, &ga).is_some_and(|p| p.host_bytes >= BURST * BURSTS));
+    // A's swap-in cannot fit beside B's burst, which B holds past A's 1 s timeout.
+    a.write_stdin(&format!("alloc {}\n", 64 * MIB));
+    std::thread::sleep(Duration::from_millis(1500));
+    b.close_stdin();
+    b.finish();
+    let answer = a.expect_line(&["ALLOCATED", "NOT_ALLOCATED"], TIMEOUT);
+    assert!(answer.starts_with("ALLOCATED "), "A's allocation while swapped out: {answer}");
+    wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
+    check_intact(&mut a);
+    a.write_stdin("free\n");
+    a.expect_line(&["FREED"], TIMEOUT);
+    a.close_stdin();
+    a.finish();
+}
+
 #[test]
 fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
     skip_on_real_gpu!(KERNELS);

@@ -396,8 +396,9 @@ fn pattern(n: usize, i: usize) -> u32 {
 /// behind a 300 ms kernel and not waited for. Prints `PTRS <addresses>` and `READY`, then
 /// obeys stdin lines: `check` reads every buffer back at the same addresses and prints
 /// `INTACT <bytes>` or `CORRUPT <buffer> <word>`; `copy` does one device-to-host copy
-/// (which waits at the gate while swapped out) and prints `COPIED <ms>`; `free` frees the
-/// bursts and prints `FREED`. Prints `DONE` and exits at end of input.
+/// (which waits at the gate while swapped out) and prints `COPIED <ms>`; `alloc <bytes>`
+/// allocates one more buffer and prints `ALLOCATED <ms>` or `NOT_ALLOCATED <status> <ms>`;
+/// `free` frees the bursts and prints `FREED`. Prints `DONE` and exits at end of input.
 fn hold_bursts(k: &Kernels, base: usize, burst: usize, count: usize) {
     let mut base_ptr = 0u64;
     ck!(sys::cuMemAlloc_v2(&mut base_ptr, base));
@@ -421,6 +422,8 @@ fn hold_bursts(k: &Kernels, base: usize, burst: usize, count: usize) {
     println!("PTRS {}", list.join(" "));
     println!("READY {}", free_bytes());
     std::io::stdout().flush().ok();
+    // Buffers `alloc` made, beside the checked ones.
+    let mut extra = Vec::new();
     for line in std::io::stdin().lock().lines() {
         match line.unwrap_or_default().trim() {
             "check" => {
@@ -443,11 +446,26 @@ fn hold_bursts(k: &Kernels, base: usize, burst: usize, count: usize) {
                 ck!(sys::cuMemcpyDtoH_v2((&mut word as *mut u32).cast(), ptrs[0], 4));
                 println!("COPIED {}", started.elapsed().as_millis());
             }
+            line if line.starts_with("alloc ") => {
+                let bytes: usize = line["alloc ".len()..].parse().expect("alloc <bytes>");
+                let started = std::time::Instant::now();
+                let mut p = 0u64;
+                // SAFETY: a valid out-pointer.
+                let status = unsafe { sys::cuMemAlloc_v2(&mut p, bytes) };
+                let ms = started.elapsed().as_millis();
+                if status == CUresult::CUDA_SUCCESS {
+                    extra.push(p);
+                    println!("ALLOCATED {ms}");
+                } else {
+                    println!("NOT_ALLOCATED {status:?} {ms}");
+                }
+            }
             "free" => {
-                for &p in &ptrs {
+                for &p in extra.iter().chain(&ptrs) {
                     ck!(sys::cuMemFree_v2(p));
                 }
                 ptrs.clear();
+                extra.clear();
                 println!("FREED");
             }
             other => println!("UNKNOWN {other}"),
