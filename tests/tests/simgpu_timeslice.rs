@@ -53,7 +53,7 @@ fn flood(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Child {
 /// A flood whose process keeps the device for `slice` when others wait (simgpu reads
 /// `SIMGPU_TIMESLICE` in each process).
 fn flood_sliced(sim: &SimGpu, slice: &str, seconds: f64) -> Child {
-    flood_command(sim, 1000, 4, seconds).env("SIMGPU_TIMESLICE", slice).spawn().expect("start simgpu_flood")
+    flood_command(sim, 1000, 16, seconds).env("SIMGPU_TIMESLICE", slice).spawn().expect("start simgpu_flood")
 }
 
 /// Waits for a flooder and reads its report.
@@ -353,7 +353,7 @@ fn pynvml_reports_a_utilization_sample_per_busy_process() {
     let _turn = turn();
     let sim = sim();
     let machine = machine(&sim);
-    let (a, b) = (flood(&sim, 1000, 4, 3.0), flood(&sim, 1000, 4, 3.0));
+    let (a, b) = (flood(&sim, 1000, 16, 3.0), flood(&sim, 1000, 16, 3.0));
     let pids = [a.id(), b.id()];
     wait_running(&machine, &pids);
     std::thread::sleep(Duration::from_millis(500));
