@@ -112,10 +112,20 @@ impl Served {
     }
 }
 
+/// Serves `router` on the Unix socket `path`. The socket is bound and listening under a
+/// hidden name first, then renamed into place (replacing an old one): whoever watches the
+/// folder (the kubelet's plugin watcher, which skips names that start with a dot) never
+/// finds a socket that refuses connections, as one between its bind and its listen does.
 fn serve(path: &Path, router: tonic::transport::server::Router) -> Result<Served, DraError> {
-    let _ = std::fs::remove_file(path);
-    let listener =
-        UnixListener::bind(path).map_err(|source| DraError::Serve { path: path.to_owned(), source })?;
+    let failed = |source| DraError::Serve { path: path.to_owned(), source };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let hidden = path.with_file_name(format!(".{name}.binding"));
+    let _ = std::fs::remove_file(&hidden);
+    let listener = UnixListener::bind(&hidden).map_err(failed)?;
+    if let Err(source) = std::fs::rename(&hidden, path) {
+        let _ = std::fs::remove_file(&hidden);
+        return Err(failed(source));
+    }
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
         let _ = stopped.await;
