@@ -205,6 +205,52 @@ fn a_group_alone_uses_the_gpu_up_to_its_compute_limit() {
     assert!(part >= 0.35, "held far below its limit: {said}");
 }
 
+/// A drain is the device's time from the lease's end to the end of the work the lease
+/// started, as the GPU stamped it, not how late the holder's lease thread saw that work
+/// end: here the lease thread sleeps 40 ms at each drain's first look (a test build's
+/// stand-in for a busy CPU), which a polled drain would report, and charge, whole. A flood
+/// of 1 ms kernels, two or three in flight, drains in a few ms.
+#[test]
+fn a_drain_is_timed_by_the_device_not_by_a_late_lease_thread() {
+    skip_on_real_gpu!(SIMGPU_KERNELS);
+    const DELAY_US: u64 = 40_000;
+    let (_turn, gpu) = gpu();
+    let arbiter = arbiter(&gpu);
+    let (kernel, delay) = (KERNEL_US.to_string(), DELAY_US.to_string());
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
+    cmd.args(["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", "0", "--seconds", "3"])
+        .memory_request("512MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("compute"))
+        .compute_request("20%")
+        .compute_limit("50%")
+        .env("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US", &delay);
+    if let Ok(filter) = std::env::var("COMPUTE_SHIM_LOG") {
+        cmd.env("GPUFRAC_LOG", filter);
+    }
+    let mut flood = vec![ChildProcess::spawn(&mut cmd)];
+    flood[0].expect_line(&["ready"], Duration::from_secs(30));
+    go(&mut flood);
+    reports(&mut flood);
+    let log = arbiter.log_text();
+    // Leases that ran to their end with calls waiting (one given back early drains 0).
+    let mut drains: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("lease done") && log_field(l, "more") == Some("true"))
+        .filter_map(|l| log_field(l, "drain_us")?.parse().ok())
+        .collect();
+    drains.sort_unstable();
+    assert!(drains.len() >= 10, "{} drains reported in 3 s: {log}", drains.len());
+    let said = format!(
+        "{} drains, p50 {} µs, max {} µs, while the lease thread looked {DELAY_US} µs late",
+        drains.len(),
+        drains[drains.len() / 2],
+        drains[drains.len() - 1]
+    );
+    eprintln!("{said}");
+    assert!(drains[drains.len() / 2] < DELAY_US / 2, "the lease thread's lateness was charged: {said}");
+}
+
 /// The server's requests cut the flood's lease: each waits for the flood's drain (which
 /// the flood's shim keeps to a few ms by holding its launches while that much is queued; a
 /// 16-deep flood of 1 ms kernels would otherwise drain for up to 16 ms), not for the rest

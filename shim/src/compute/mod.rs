@@ -24,21 +24,25 @@
 //!   [`IN_FLIGHT_NS`] queued by that estimate (two per stream always go), so a cut
 //!   holder's drain, and the wait of the group that cut it, stays that short.
 //!
-//! Streams are polled rather than marked with events recorded at the lease's end: with
-//! the gate closed a stream's queue can only shrink, so "idle" is the end of the drain, and
-//! polling needs no event per stream or context of its own. Nothing is gated or watched on
-//! a stream that is being captured into a graph (its calls record, they run nothing), and
-//! nothing here synchronizes a context or a stream, which a capture forbids. Work on a
-//! thread's per-thread default stream cannot be polled from another thread: its drain is
-//! not measured (its held time still is).
+//! Streams are polled to know *when* a drain is over: with the gate closed a stream's
+//! queue can only shrink, so "idle" is its end. How *long* it was is timed by the device
+//! (drain.rs): a reference event on a private stream per context, recorded at the drain's
+//! first look, and the streams' last marks, compared with `cuEventElapsedTime`. Polling
+//! alone would report, and have charged, how late this thread saw the work end.
+//!
+//! Nothing is gated or watched on a stream that is being captured into a graph (its
+//! calls record, they run nothing), and nothing here synchronizes a context or a stream,
+//! which a capture forbids. Work on a thread's per-thread default stream cannot be polled
+//! from another thread: its drain is not measured (its held time still is).
 //!
 //! A process without compute settings never gets here: its gate is one relaxed load.
 //! A process whose GPU is open to it is not gated either: its gate's slow bit is clear.
 //!
 //! The lease itself is kept here (what the arbiter told, the gate's view of it, the calls
 //! waiting at the gate); the streams and their marks in `streams.rs`; the lease thread in
-//! `thread.rs`.
+//! `thread.rs`; the drain's figure by the device's clock in `drain.rs`.
 
+mod drain;
 mod streams;
 #[cfg(test)]
 mod tests;
@@ -253,7 +257,11 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> (Option<usize>, bool) {
         IN_LEASE.fetch_add(1, SeqCst);
         if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
             let slot = watch(stream);
-            let Some(index) = slot else { return (None, true) };
+            let Some(index) = slot else {
+                // Its end is not timed by the device: this lease's drain is the polled one.
+                drain::UNWATCHED.fetch_add(1, SeqCst);
+                return (None, true);
+            };
             if !over_bound(index) {
                 SLOTS[index].calls.fetch_add(1, SeqCst);
                 return (slot, true);

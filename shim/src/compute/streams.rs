@@ -30,8 +30,8 @@ pub(super) const RING: usize = 16;
 /// (or after every call while nothing is known): small kernels share a mark.
 const MARK_EVERY_NS: u64 = 250_000;
 /// Bounded streams: the watched ones, then the legacy default stream.
-const SLOT_COUNT: usize = STREAM_SLOTS + 1;
-const LEGACY_SLOT: usize = STREAM_SLOTS;
+pub(super) const SLOT_COUNT: usize = STREAM_SLOTS + 1;
+pub(super) const LEGACY_SLOT: usize = STREAM_SLOTS;
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the default streams' special handles.
 const LEGACY: usize = 0x1;
 pub(super) const PER_THREAD: usize = 0x2;
@@ -39,7 +39,7 @@ pub(super) const PER_THREAD: usize = 0x2;
 const NOT_READY: Status = 600;
 
 /// Streams used by calls while a lease ran (null: free slot).
-static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] =
+pub(super) static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; STREAM_SLOTS];
 /// The context of the legacy default stream used in a lease (null: none).
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
@@ -52,7 +52,7 @@ static EVENT_RECORD: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static EVENT_DESTROY: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 /// Serializes watching the streams with `cuStreamDestroy` (a destroyed handle is never
 /// polled).
-static STREAMS_LOCK: Mutex<()> = Mutex::new(());
+pub(super) static STREAMS_LOCK: Mutex<()> = Mutex::new(());
 
 /// A bounded stream's marks and what they tell. Written by the calls on it (atomics), read
 /// by the lease thread, which queries the marks.
@@ -183,7 +183,7 @@ pub(crate) fn after_call(index: usize) {
 
 /// Records a mark on slot `index`'s stream after the calls so far, if the ring has room
 /// (one thread at a time; another one marking makes this one unneeded).
-fn mark(index: usize) {
+pub(super) fn mark(index: usize) {
     let slot = &SLOTS[index];
     if slot.marking.swap(true, SeqCst) {
         return;
@@ -330,6 +330,8 @@ pub(crate) fn stream_destroy(stream: *mut c_void) -> Status {
 /// (streams still used are watched again at their next call).
 pub(crate) fn forget_streams() {
     let _guard = lock(&STREAMS_LOCK);
+    // The lease thread's drain references were made in these contexts too.
+    super::drain::CONTEXTS_EPOCH.fetch_add(1, SeqCst);
     for slot in &STREAMS {
         slot.store(std::ptr::null_mut(), Relaxed);
     }

@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Request, MAX_DRAIN_US};
 
+use super::drain::DeviceClock;
 use super::streams::{
     streams_idle, CtxSetCurrent, EventElapsed, EventQuery, ExchangeCaptureMode, Marks, StreamQuery,
 };
-use super::{lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT};
+use super::{instant_ns, lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT};
 use crate::real::{resolve, Lib};
 
 /// How often the lease thread looks at the streams while a lease runs or drains.
@@ -54,8 +55,32 @@ pub(super) fn run() {
         }
     });
     let idle = || query.is_none_or(|q| streams_idle(q, set_current, marks));
+    let mut clock = DeviceClock::new();
+    let delay = test_delay();
+    let mut delayed: Option<u32> = None;
     let mut leases = lock(&LEASES);
     loop {
+        if !delay.is_zero() {
+            let first = leases.devices.iter().find_map(|&(_, l)| match l {
+                Local::Draining { lease, .. } if delayed != Some(lease) => Some(lease),
+                _ => None,
+            });
+            if let Some(lease) = first {
+                // The test build's stand-in for a lease thread that a busy CPU leaves
+                // unscheduled past the lease's end (no lock held meanwhile).
+                delayed = Some(lease);
+                drop(leases);
+                std::thread::sleep(delay);
+                leases = lock(&LEASES);
+                continue;
+            }
+        }
+        clock.keep_only(|device, lease| {
+            leases
+                .devices
+                .iter()
+                .any(|&(d, l)| d == device && matches!(l, Local::Draining { lease: x, .. } if x == lease))
+        });
         let now = Instant::now();
         let wanted = WANT.load(SeqCst);
         let mut sends: Vec<Request> = Vec::new();
@@ -78,6 +103,7 @@ pub(super) fn run() {
                         HELD.load(SeqCst) == 0 && SYNCING.load(SeqCst) == 0 && IN_LEASE.load(SeqCst) == 0;
                     if was_idle && count == calls && !wanted && quiet {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
+                        clock.all_done();
                         *local = Local::Wait { wanted: None };
                         changed = true;
                         continue;
@@ -86,9 +112,20 @@ pub(super) fn run() {
                     soon((now + LOOK_EVERY).min(until));
                 }
                 Local::Draining { lease, ended } => {
+                    if !clock.began(device, lease) {
+                        clock.begin(device, lease);
+                    }
+                    let inside = IN_LEASE.load(SeqCst);
+                    if inside == 0 {
+                        clock.mark_tails();
+                    }
                     let late = now.saturating_duration_since(ended);
-                    if (IN_LEASE.load(SeqCst) == 0 && idle()) || late >= DRAIN_AT_MOST {
-                        let drain_us = (late.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
+                    if (inside == 0 && idle() && clock.settled()) || late >= DRAIN_AT_MOST {
+                        // Polling says when the drain is over; the device's clock says how
+                        // long it was (the polled figure adds this thread's lateness).
+                        let late = Instant::now().saturating_duration_since(ended);
+                        let drain = clock.end(device, lease, instant_ns(ended)).map_or(late, |d| d.min(late));
+                        let drain_us = (drain.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
                         let more = WANT.swap(false, SeqCst);
                         sends.push(Request::LeaseDone { device, lease, drain_us, more });
                         *local = Local::Wait { wanted: more.then_some(now) };
@@ -132,5 +169,22 @@ pub(super) fn run() {
         }
         leases =
             THREAD_WAKE.wait_timeout(leases, timeout).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+    }
+}
+
+/// How long the lease thread sleeps at each drain's first look: a test build's stand-in for
+/// a busy CPU (`GPUFRAC_TEST_DRAIN_LOOK_DELAY_US`), so that a test can tell a drain timed by
+/// the device from one timed by this thread; always zero in a release build.
+fn test_delay() -> Duration {
+    if !cfg!(debug_assertions) {
+        return Duration::ZERO;
+    }
+    let Ok(value) = std::env::var("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US") else { return Duration::ZERO };
+    match value.parse() {
+        Ok(us) => Duration::from_micros(us),
+        Err(_) => {
+            tracing::warn!(%value, "GPUFRAC_TEST_DRAIN_LOOK_DELAY_US is not a whole number of microseconds; ignored");
+            Duration::ZERO
+        }
     }
 }

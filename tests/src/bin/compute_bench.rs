@@ -204,11 +204,18 @@ fn main() {
         let reference = alone(&bench);
         let whole = throughput(&bench.run(vec![bench.flood(Some(("30%", "100%")))])[0]) / reference;
         println!("| one flood alone, request 30%, limit 100% (the GPU open) | normalized {whole:.3} |");
+        let logged = bench.arbiter.log_text().len();
         let half = throughput(&bench.run(vec![bench.flood(Some(("20%", "50%")))])[0]) / reference;
         println!(
             "| one flood alone, request 20%, limit 50% | normalized {half:.3} (off by {:+.1} points) |",
             (half - 0.5) * 100.0
         );
+        let log = bench.arbiter.log_text();
+        println!("| (the leases in that row) | {} |", leases(&log[logged..]));
+        if let Some(path) = std::env::var_os("COMPUTE_BENCH_LIMIT_LOG") {
+            // The arbiter's words for that row, to follow its leases one by one.
+            let _ = std::fs::write(path, &log[logged..]);
+        }
     }
     if wanted("latency") {
         let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);
@@ -231,33 +238,35 @@ fn main() {
             s99 / p99,
             throughput(&shared[1])
         );
-        // What the leases took in that row: each lease's wait (from its group's `Want`) and
-        // each holder's drain past its lease's end, as the arbiter logged them.
-        let log = bench.arbiter.log_text();
-        let row = &log[logged.min(log.len())..];
-        let field = |name: &str| -> Vec<f64> {
-            let mut v: Vec<f64> = row
-                .lines()
-                .filter_map(|l| log_field(l, name)?.parse::<f64>().ok())
-                .map(|us| us / 1000.0)
-                .collect();
-            v.sort_by(f64::total_cmp);
-            v
-        };
-        let at = |v: &[f64], p: f64| {
-            v.get(((v.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0)
-        };
-        let (waits, drains) = (field("waited_us"), field("drain_us"));
-        println!(
-            "| (the leases in that row) | {} waits: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {} drains: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms |",
-            waits.len(),
-            at(&waits, 0.5),
-            at(&waits, 0.99),
-            at(&waits, 1.0),
-            drains.len(),
-            at(&drains, 0.5),
-            at(&drains, 0.99),
-            at(&drains, 1.0)
-        );
+        println!("| (the leases in that row) | {} |", leases(&bench.arbiter.log_text()[logged..]));
     }
+}
+
+/// What the leases took in a row (`row`: the arbiter's log from the row's start): each
+/// lease's wait (from its group's `Want`) and each holder's drain past its lease's end, as
+/// the arbiter logged them.
+fn leases(row: &str) -> String {
+    let field = |name: &str| -> Vec<f64> {
+        let mut v: Vec<f64> = row
+            .lines()
+            .filter_map(|l| log_field(l, name)?.parse::<f64>().ok())
+            .map(|us| us / 1000.0)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let at =
+        |v: &[f64], p: f64| v.get(((v.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0);
+    let (waits, drains) = (field("waited_us"), field("drain_us"));
+    format!(
+        "{} waits: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {} drains: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        waits.len(),
+        at(&waits, 0.5),
+        at(&waits, 0.99),
+        at(&waits, 1.0),
+        drains.len(),
+        at(&drains, 0.5),
+        at(&drains, 0.99),
+        at(&drains, 1.0)
+    )
 }
