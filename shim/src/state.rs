@@ -676,6 +676,7 @@ impl Enforcer {
         // How far taking back what the process's pools keep has gone (see `reclaim`).
         let mut reclaimed = 0;
         let mut first = Some(first);
+        let mut waited_for_swap_in = false;
         'charge: loop {
             let arbiter = self.arbiter.get();
             let (cap, over) = match first.take() {
@@ -722,7 +723,10 @@ impl Enforcer {
             // back (the arbiter holds such a step back). Its allocation waits for the
             // swap-in here, as its launches do at the gate, so that however long the
             // swap-in waits its turn, it does not count against GPUFRAC_WAIT_TIMEOUT.
-            if crate::swap::swapped_out() {
+            // (Once: a gate opened some other way, e.g. by a park given up, must not make
+            // this a loop.)
+            if !waited_for_swap_in && crate::swap::swapped_out() {
+                waited_for_swap_in = true;
                 tracing::debug!(ordinal, bytes, "gpufrac: a burst waits for the process's swap-in");
                 crate::gate::wait_swapped_in()?;
                 continue 'charge;
