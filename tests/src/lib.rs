@@ -1148,7 +1148,9 @@ impl Arbiter {
             .arg("--socket")
             .arg(&socket)
             .args(args)
-            .env("GPUFRAC_LOG", "info")
+            // `GPUFRAC_TEST_ARBITER_LOG` (a `GPUFRAC_LOG` filter) raises what the
+            // arbiters of a test run write, for a failure that needs the policy's reasons.
+            .env("GPUFRAC_LOG", std::env::var("GPUFRAC_TEST_ARBITER_LOG").unwrap_or_else(|_| "info".into()))
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log_file)
@@ -1343,6 +1345,13 @@ impl Drop for LedgerSweep {
 impl Drop for Arbiter {
     fn drop(&mut self) {
         self.kill();
+        // `GPUFRAC_TEST_KEEP_LOGS`: a folder that keeps every arbiter's log, passing
+        // tests' too (a stall that did not fail a test this time).
+        if let Some(keep) = std::env::var_os("GPUFRAC_TEST_KEEP_LOGS") {
+            if let Some(name) = self.log.file_name() {
+                let _ = std::fs::copy(&self.log, Path::new(&keep).join(name));
+            }
+        }
         // A failing test: what the arbiter saw is the first thing to read.
         if std::thread::panicking() {
             eprintln!("--- log of the arbiter on {} ---\n{}", self.socket.display(), self.log_text());

@@ -31,6 +31,10 @@
 //! what it needs while others wait. Holders whose burst is not under way are asked to give
 //! back what they do not use while anyone waits.
 //!
+//! Behind waiters that cannot be served, a new burst whose whole claim free memory holds
+//! now goes ahead, while the memory such bursts hold could not serve any waiter before it
+//! ([`Gpu::backfill`]): it finishes on its own and leaves the GPU no less safe.
+//!
 //! That order is a preference, never a reason to stall: if every burst under way waits and
 //! none can be served (a burst that paused so long that its next step was taken for a new
 //! burst may hold what they need), the queue falls back to the safety rule alone, with
@@ -92,6 +96,9 @@ pub(super) struct BurstMark {
     first: bool,
     /// The group was ever lent memory here.
     lent_before: bool,
+    /// The burst under way started behind waiters that could not be served (see
+    /// `Gpu::backfill`).
+    backfilled: bool,
 }
 
 impl Gpu {
@@ -252,6 +259,74 @@ impl Gpu {
         Some(safe)
     }
 
+    /// A new burst behind waiters that cannot be served, to serve now (its place and its
+    /// grant, what it needs): one whose whole claim (all it may still borrow) free memory
+    /// holds beside what the bursts under way may still claim. It finishes without anyone
+    /// giving back, so the GPU is left no less safe than it was (it can go first in any
+    /// order there was). Only while no waiter ahead of it, nor a step of a burst under way,
+    /// could be served even if every burst so served gave back what it holds: served this
+    /// way, a burst never keeps those waiting beyond how long the bursts already served
+    /// so take. Without it, a head
+    /// that only a resolver's move can serve (the safety rule keeps it waiting) kept every
+    /// small burst behind it waiting, with memory free, until their timeouts.
+    pub(super) fn backfill(&self, now: Instant) -> Option<(usize, u64)> {
+        // Nothing is lent while guarantees are owed memory.
+        if self.shortfall() > 0 {
+            return None;
+        }
+        let mut trial: Option<Gpu> = None;
+        for (i, w) in self.queue.iter().enumerate() {
+            if w.resume || self.held_back(w) || self.under_way(&w.group, now) {
+                continue;
+            }
+            let Some(g) = self.groups.get(&w.group) else { continue };
+            let room = g.room();
+            let whole = room.min(self.lendable().saturating_sub(g.granted()));
+            // What bursts under way that do not wait may still claim (those that wait are
+            // checked below with the waiters ahead).
+            let claimed: u64 = self
+                .groups
+                .iter()
+                .filter(|(name, o)| {
+                    *name != &w.group && o.granted() > 0 && self.under_way(name, now) && !self.waits(name)
+                })
+                .map(|(_, o)| o.range().min(self.lendable()).saturating_sub(o.granted()))
+                .sum();
+            if w.bytes > whole || whole.saturating_add(claimed) > self.free() {
+                continue;
+            }
+            let trial = trial.get_or_insert_with(|| self.without_backfills());
+            let kept_waiting = self.queue.iter().enumerate().any(|(j, a)| {
+                let first = j < i || (!a.resume && self.under_way(&a.group, now));
+                first
+                    && !self.held_back(a)
+                    && if a.resume {
+                        trial.swap_in_fits(a, now)
+                    } else {
+                        trial.servable(&a.group, a.bytes, a.preferred, now)
+                    }
+            });
+            // Every burst behind this one has the same waiters before it, and more.
+            return (!kept_waiting).then_some((i, w.bytes));
+        }
+        None
+    }
+
+    /// This GPU as if the bursts under way that `backfill` served had given back all they
+    /// hold and were over.
+    fn without_backfills(&self) -> Gpu {
+        let mut trial = self.clone();
+        for g in trial.groups.values_mut() {
+            if g.burst.backfilled && g.burst.started.is_some() {
+                g.burst.started = None;
+                for m in g.members.values_mut() {
+                    m.granted = 0;
+                }
+            }
+        }
+        trial
+    }
+
     /// Whether `group` has a burst under way (see the module doc): it was lent memory
     /// and has given none back since, it is on the device (a group swapped out cannot
     /// allocate until it is back), and it waits for the next step, or asked lately
@@ -272,13 +347,17 @@ impl Gpu {
         lately && after_others && g.burst.asked >= self.bursts.ended_start
     }
 
-    /// Whether `group` is growing: it waits, or asked lately and is on the device (a group
-    /// swapped out cannot allocate until it is back).
+    /// Whether `group` is growing: it is on the device, and it waits or asked lately. A
+    /// group swapped out cannot allocate until it is back, and its swap-in waits until
+    /// what it brings back fits beside the bursts under way: until then it rests on what
+    /// it holds. (Counted as growing, it kept a swap burst from being served even with
+    /// every resident holder swapped out: two growing claims never fit together.)
     fn growing(&self, group: &str, now: Instant) -> bool {
         let Some(g) = self.groups.get(group) else { return false };
         let resident = g.members.values().any(|m| m.residency == Residency::Resident);
-        self.queue.iter().any(|w| w.group == group)
-            || (resident && g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
+        resident
+            && (self.queue.iter().any(|w| w.group == group)
+                || g.last_ask.is_some_and(|t| now.saturating_duration_since(t) < GROWING_FOR))
     }
 
     /// Whether some member of `group` waits for a burst (not a swap-in).
@@ -313,6 +392,7 @@ impl Gpu {
                 g.burst.started = Some(tick);
                 g.burst.first = !g.burst.lent_before;
                 g.burst.lent_before = true;
+                g.burst.backfilled = false;
             }
             g.burst.asked = tick;
         }
@@ -386,6 +466,53 @@ impl Gpu {
 }
 
 impl Policy {
+    /// For operators chasing a stall (logged at debug): each GPU whose oldest waiter has
+    /// waited `after` or longer, with its queue and its holders as the queue sees them.
+    pub fn stall_report(&self, now: Instant, after: Duration) -> Vec<String> {
+        let mut out = Vec::new();
+        for (device, gpu) in &self.gpus {
+            let Some(oldest) = gpu.queue.iter().map(|w| w.since).min() else { continue };
+            if now.saturating_duration_since(oldest) < after {
+                continue;
+            }
+            let mut line = format!(
+                "gpu {} free {} shortfall {} outside {} wakers {} queue:",
+                super::uuid_string(device),
+                gpu.free() >> 20,
+                gpu.shortfall() >> 20,
+                gpu.outside() >> 20,
+                gpu.wakers.len()
+            );
+            for w in &gpu.queue {
+                line += &format!(
+                    " [{}#{} {}MiB{}{}{} {}ms]",
+                    w.group,
+                    w.conn,
+                    w.bytes >> 20,
+                    if w.resume { " resume" } else { "" },
+                    if w.continues { " step" } else { "" },
+                    if gpu.held_back(w) { " held-back" } else { "" },
+                    now.saturating_duration_since(w.since).as_millis()
+                );
+            }
+            line += " holders:";
+            for (name, conn, m) in gpu.members().filter(|(_, _, m)| m.granted > 0 || m.host_bytes > 0) {
+                line += &format!(
+                    " [{name}#{conn} granted {}MiB held {}MiB host {}MiB {:?}{}{}{}]",
+                    m.granted >> 20,
+                    m.held >> 20,
+                    m.host_bytes >> 20,
+                    m.residency,
+                    if m.swapping_in { " swapping-in" } else { "" },
+                    if gpu.under_way(name, now) { " under-way" } else { "" },
+                    if gpu.growing(name, now) { " growing" } else { "" },
+                );
+            }
+            out.push(line);
+        }
+        out
+    }
+
     /// Whether `conn`'s process is not on `device`: swapped out, or being so. A burst it
     /// asks for is held back until its swap-in (see the module doc).
     pub fn swapped_out(&self, conn: ConnId, device: &DeviceId) -> bool {
@@ -584,6 +711,7 @@ impl Policy {
             // loan): when every burst under way waits and none can be served, nothing
             // would come back, so the queue falls back to the safety rule alone, over every
             // waiter, holders first, then the head.
+            let mut backfilled = false;
             let next = next.or_else(|| {
                 let names = gpu.groups.keys();
                 if names.into_iter().any(|name| gpu.under_way(name, now) && !gpu.waits(name)) {
@@ -599,8 +727,19 @@ impl Policy {
                     gpu.grant_for(&w.group, w.bytes, w.bytes, now, true).map(|grant| (i, grant))
                 })
             });
+            // Then, behind waiters that cannot be served, a new burst that free memory
+            // holds whole and that cannot keep them waiting.
+            let next = next.or_else(|| {
+                let found = gpu.backfill(now);
+                backfilled = found.is_some();
+                found
+            });
             if let Some((w, grant)) = next.and_then(|(i, grant)| Some((gpu.queue.remove(i)?, grant))) {
+                let group = w.group.clone();
                 answers.push(Self::grant_waiter(gpu, device, w, grant, now));
+                if let Some(g) = gpu.groups.get_mut(&group).filter(|_| backfilled) {
+                    g.burst.backfilled = true;
+                }
                 continue;
             }
             let Some(victim) = Self::deadlocked(gpu, now) else { break };

@@ -14,6 +14,10 @@ use crate::status::EventKind;
 /// How often waiters are checked against their deadlines.
 const TICK: Duration = Duration::from_millis(5);
 
+/// How long the oldest waiter of a GPU waits before its queue is described at debug
+/// level, and how often then.
+const STALL_REPORT_EVERY: Duration = Duration::from_secs(5);
+
 /// How often holders are reminded to give back while bursts wait or a guarantee is owed.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
@@ -90,11 +94,18 @@ pub(super) async fn expire_waiters(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(TICK);
     let mut last_reclaim = Instant::now();
     let mut last_flush = Instant::now();
+    let mut last_stall_report = Instant::now();
     loop {
         tick.tick().await;
         if last_flush.elapsed() >= Duration::from_secs(1) {
             last_flush = Instant::now();
             shared.flush_logs();
+            if tracing::enabled!(tracing::Level::DEBUG) && last_stall_report.elapsed() >= STALL_REPORT_EVERY {
+                last_stall_report = Instant::now();
+                for line in shared.policy().stall_report(Instant::now(), STALL_REPORT_EVERY) {
+                    tracing::debug!("bursts have waited {STALL_REPORT_EVERY:?} or longer: {line}");
+                }
+            }
         }
         // Wakes first: one lends again, which may leave a queued burst without a chance,
         // refused at once by `expire`.

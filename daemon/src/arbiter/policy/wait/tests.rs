@@ -498,3 +498,78 @@ fn after_the_reconnect_grace_outside_memory_does_not_block_deadlock_breaking() {
     assert_eq!(answers.len(), 1);
     assert_eq!((answers[0].conn, answers[0].result), (1, Err(Denial::Deadlock)));
 }
+
+/// What a loaded run of `forty_eight_small_requests_that_fit_all_start_under_bursty_load`
+/// (tests/tests/guarantees.rs) stood still on for a minute: four swap servers (1 GiB
+/// requests, 7 GiB limits) and requests that leave 6 GiB to lend; one holds 3.8 GiB and
+/// works on it, two hold a little and wait for their next burst, which the safety rule
+/// keeps waiting (each could claim everything). Small servers' bursts queued behind them.
+fn small_bursts_behind_a_head_the_safety_rule_keeps_waiting() -> (Policy, Instant) {
+    const MIB: u64 = 1 << 20;
+    let start = Instant::now();
+    let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+    for (conn, group) in [(1, "load0"), (2, "load2"), (3, "load3")] {
+        p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 60_000) });
+        p.register(conn, GPU, 16 * GIB, GIB, 7 * GIB, 0, 0, 0).unwrap();
+    }
+    for (conn, group) in [(10, "small0"), (11, "small1")] {
+        p.hello(conn, peer(group, 60_000));
+        p.register(conn, GPU, 16 * GIB, 128 * MIB, 256 * MIB, 0, 0, 0).unwrap();
+    }
+    // The other requests: 6 GiB left to lend.
+    p.hello(20, peer("others", 60_000));
+    p.register(20, GPU, 16 * GIB, 7 * GIB - 256 * MIB, 7 * GIB - 256 * MIB, 0, 0, 0).unwrap();
+    let at = |s: u64| start + Duration::from_secs(s);
+    assert_eq!(p.acquire(2, GPU, 1, 3922 * MIB, 3922 * MIB, 0, false, at(0)), Outcome::Granted(3922 * MIB));
+    assert_eq!(p.acquire(3, GPU, 1, 210 * MIB, 210 * MIB, 0, false, at(3)), Outcome::Granted(210 * MIB));
+    assert_eq!(p.acquire(1, GPU, 1, 82 * MIB, 82 * MIB, 0, false, at(6)), Outcome::Granted(82 * MIB));
+    // Each asks for a new burst: neither could finish if the other claimed all it may.
+    assert_eq!(p.acquire(3, GPU, 2, 64 * MIB, 64 * MIB, 0, false, at(7)), Outcome::Queued);
+    assert!(p.settle(GPU, at(7)).is_empty());
+    assert_eq!(p.acquire(1, GPU, 2, 64 * MIB, 64 * MIB, 0, false, at(9)), Outcome::Queued);
+    assert!(p.settle(GPU, at(9)).is_empty());
+    assert_eq!((state(&p, 1), state(&p, 3)), ("waiting".into(), "waiting".into()));
+    (p, at(9))
+}
+
+#[test]
+fn a_small_burst_that_free_memory_holds_whole_is_not_kept_behind_a_head_that_cannot_be_served() {
+    const MIB: u64 = 1 << 20;
+    let (mut p, now) = small_bursts_behind_a_head_the_safety_rule_keeps_waiting();
+    // 1.8 GiB is free: a small server's burst (its whole claim, 128 MiB) finishes from it
+    // alone, and gives it back.
+    let answers = p.acquire_answers(10, GPU, 1, 50 * MIB, now);
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(10, Ok(50 * MIB))]);
+    assert_eq!(state(&p, 3), "waiting", "the head still waits");
+    let answers = p.acquire_answers(11, GPU, 1, 50 * MIB, now);
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(11, Ok(50 * MIB))]);
+}
+
+#[test]
+fn a_small_burst_waits_behind_a_head_that_the_memory_such_bursts_hold_would_serve() {
+    const MIB: u64 = 1 << 20;
+    let start = Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
+    // 12 GiB to lend. "a" holds 11 GiB (done growing), "head" waits for 2 GiB.
+    let mut p = policy_with(&[
+        (1, "a", GIB, 13 * GIB),
+        (2, "head", GIB, 8 * GIB),
+        (3, "s1", GIB, GIB + 256 * MIB),
+        (4, "s2", GIB, GIB + 256 * MIB),
+    ]);
+    assert_eq!(p.acquire(1, GPU, 1, 11 * GIB, 11 * GIB, 0, false, at(0)), Outcome::Granted(11 * GIB));
+    assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, at(3000)), Outcome::Queued);
+    assert!(p.settle(GPU, at(3000)).is_empty());
+    // A small burst that free memory holds whole goes past it: the head waits for memory
+    // to come back either way.
+    let answers = p.acquire_answers(3, GPU, 1, 128 * MIB, at(3000));
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(3, Ok(128 * MIB))]);
+    // 1 GiB comes back: the head would fit now but for the 128 MiB s1 holds. s2 waits
+    // rather than keep the head waiting longer.
+    assert!(p.release(1, GPU, GIB, 0, at(4000)).is_empty());
+    assert!(p.acquire_answers(4, GPU, 1, 128 * MIB, at(4000)).is_empty());
+    assert_eq!(state(&p, 4), "waiting");
+    // s1's burst ends: the head goes first.
+    let answers = p.release(3, GPU, 128 * MIB, 0, at(4500));
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(2, Ok(2 * GIB))]);
+}
