@@ -613,6 +613,42 @@ mod tests {
     }
 
     #[test]
+    fn holders_waiting_behind_a_swap_in_take_turns_instead_of_a_deadlock() {
+        // From a loaded run: two holders, back from host RAM, each wait for a step only the
+        // other's memory could serve, behind a third group's swap-in. One of them was
+        // refused at once (`Deadlock`, an out-of-memory error for a collision): the swap
+        // resolver serves a swap-in at the head as it serves a burst there.
+        let now = Instant::now();
+        let mut p = Policy::new(&[(GPU, 2304 * MIB)]);
+        for (conn, group) in [(3, "c"), (1, "a"), (2, "b")] {
+            p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
+            p.register(conn, GPU, 2304 * MIB, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
+            assert_eq!(
+                p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now),
+                Outcome::Granted(576 * MIB)
+            );
+            assert!(p.swapped(conn, GPU, 0, 576 * MIB, 256 * MIB, now).is_empty());
+        }
+        let rested = now + GROWING_FOR;
+        for conn in [1, 2] {
+            match p.acquire(conn, GPU, 2, 576 * MIB, 576 * MIB, 0, true, rested) {
+                Outcome::Queued => assert_eq!(p.settle(GPU, rested).len(), 1),
+                outcome => assert_eq!(outcome, Outcome::Granted(576 * MIB)),
+            }
+            assert!(p.swapped(conn, GPU, 576 * MIB, 0, 832 * MIB, rested).is_empty());
+        }
+        assert_eq!(p.status().gpus[0].free, 384 * MIB);
+        let later = rested + GROWING_FOR;
+        assert_eq!(p.acquire(3, GPU, 2, 576 * MIB, 576 * MIB, 0, true, later), Outcome::Queued);
+        assert_eq!(p.acquire(1, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
+        assert_eq!(p.acquire(2, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
+        let answers = p.settle(GPU, later);
+        assert!(answers.is_empty(), "nobody refused: {answers:?}");
+        let v = p.swap_victims(later, Duration::ZERO, u64::MAX);
+        assert_eq!(v.len(), 1, "one holder moved out for the swap-in: {v:?}");
+    }
+
+    #[test]
     fn a_swap_out_left_unanswered_does_not_block_the_gpu_for_ever() {
         let now = Instant::now();
         let mut p = Policy::new(&[(GPU, 16 * GIB)]);

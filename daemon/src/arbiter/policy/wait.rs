@@ -406,7 +406,8 @@ impl Gpu {
     }
 
     /// Whether waiter `w` could be served now if the members `victims` gave back all they
-    /// borrow (swapped out or ended): what the resolvers ask before acting.
+    /// borrow (swapped out or ended): what the resolvers ask before acting. A swap-in by
+    /// the rule the queue serves swap-ins with.
     pub(super) fn servable_without(&self, victims: &[ConnId], w: &Waiter, now: Instant) -> bool {
         let mut trial = self.clone();
         for group in trial.groups.values_mut() {
@@ -417,6 +418,9 @@ impl Gpu {
             }
         }
         trial.queue.retain(|q| !victims.contains(&q.conn));
+        if w.resume {
+            return trial.swap_in_fits(w, now);
+        }
         trial.servable(&w.group, w.bytes, w.preferred, now)
     }
 
@@ -812,18 +816,22 @@ impl Policy {
         if swapping || gpu.shortfall() > 0 || (gpu.outside() > 0 && now < gpu.reconnecting_until) {
             return None;
         }
-        // Swap bursts waiting for each other take turns instead: the swap resolver moves
-        // a holder of another group out (once it has had its quantum).
-        let head_swaps = gpu.head().is_some_and(|(_, w)| {
-            !w.resume
-                && gpu.groups.get(&w.group).and_then(|g| g.members.get(&w.conn)).is_some_and(|m| m.swaps)
-        });
-        let head_group = gpu.head().map(|(_, w)| w.group.clone()).unwrap_or_default();
-        let movable = gpu.members().any(|(name, _, m)| {
-            *name != head_group && m.swaps && m.granted > 0 && m.residency == Residency::Resident
-        });
-        if head_swaps && movable {
-            return None;
+        // Swap bursts (or a swap-in) waiting for holders that wait take turns instead:
+        // the swap resolver moves holders of other groups out (once they have had their
+        // quantum), if moving them all would serve the head.
+        if let Some((_, head)) = gpu.head() {
+            let head_swaps =
+                gpu.groups.get(&head.group).and_then(|g| g.members.get(&head.conn)).is_some_and(|m| m.swaps);
+            let movable: Vec<ConnId> = gpu
+                .members()
+                .filter(|(name, _, m)| {
+                    **name != head.group && m.swaps && m.granted > 0 && m.residency == Residency::Resident
+                })
+                .map(|(_, conn, _)| conn)
+                .collect();
+            if head_swaps && !movable.is_empty() && gpu.servable_without(&movable, head, now) {
+                return None;
+            }
         }
         let mut holders = gpu.members().filter(|(_, _, m)| m.granted > 0).peekable();
         holders.peek()?;
