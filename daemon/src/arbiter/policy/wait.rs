@@ -259,74 +259,6 @@ impl Gpu {
         Some(safe)
     }
 
-    /// A new burst behind waiters that cannot be served, to serve now (its place and its
-    /// grant, what it needs): one whose whole claim (all it may still borrow) free memory
-    /// holds beside what the bursts under way may still claim. It finishes without anyone
-    /// giving back, so the GPU is left no less safe than it was (it can go first in any
-    /// order there was). Only while no waiter ahead of it, nor a step of a burst under way,
-    /// could be served even if every burst so served gave back what it holds: served this
-    /// way, a burst never keeps those waiting beyond how long the bursts already served
-    /// so take. Without it, a head
-    /// that only a resolver's move can serve (the safety rule keeps it waiting) kept every
-    /// small burst behind it waiting, with memory free, until their timeouts.
-    pub(super) fn backfill(&self, now: Instant) -> Option<(usize, u64)> {
-        // Nothing is lent while guarantees are owed memory.
-        if self.shortfall() > 0 {
-            return None;
-        }
-        let mut trial: Option<Gpu> = None;
-        for (i, w) in self.queue.iter().enumerate() {
-            if w.resume || self.held_back(w) || self.under_way(&w.group, now) {
-                continue;
-            }
-            let Some(g) = self.groups.get(&w.group) else { continue };
-            let room = g.room();
-            let whole = room.min(self.lendable().saturating_sub(g.granted()));
-            // What bursts under way that do not wait may still claim (those that wait are
-            // checked below with the waiters ahead).
-            let claimed: u64 = self
-                .groups
-                .iter()
-                .filter(|(name, o)| {
-                    *name != &w.group && o.granted() > 0 && self.under_way(name, now) && !self.waits(name)
-                })
-                .map(|(_, o)| o.range().min(self.lendable()).saturating_sub(o.granted()))
-                .sum();
-            if w.bytes > whole || whole.saturating_add(claimed) > self.free() {
-                continue;
-            }
-            let trial = trial.get_or_insert_with(|| self.without_backfills());
-            let kept_waiting = self.queue.iter().enumerate().any(|(j, a)| {
-                let first = j < i || (!a.resume && self.under_way(&a.group, now));
-                first
-                    && !self.held_back(a)
-                    && if a.resume {
-                        trial.swap_in_fits(a, now)
-                    } else {
-                        trial.servable(&a.group, a.bytes, a.preferred, now)
-                    }
-            });
-            // Every burst behind this one has the same waiters before it, and more.
-            return (!kept_waiting).then_some((i, w.bytes));
-        }
-        None
-    }
-
-    /// This GPU as if the bursts under way that `backfill` served had given back all they
-    /// hold and were over.
-    fn without_backfills(&self) -> Gpu {
-        let mut trial = self.clone();
-        for g in trial.groups.values_mut() {
-            if g.burst.backfilled && g.burst.started.is_some() {
-                g.burst.started = None;
-                for m in g.members.values_mut() {
-                    m.granted = 0;
-                }
-            }
-        }
-        trial
-    }
-
     /// Whether `group` has a burst under way (see the module doc): it was lent memory
     /// and has given none back since, it is on the device (a group swapped out cannot
     /// allocate until it is back), and it waits for the next step, or asked lately
@@ -470,53 +402,6 @@ impl Gpu {
 }
 
 impl Policy {
-    /// For operators chasing a stall (logged at debug): each GPU whose oldest waiter has
-    /// waited `after` or longer, with its queue and its holders as the queue sees them.
-    pub fn stall_report(&self, now: Instant, after: Duration) -> Vec<String> {
-        let mut out = Vec::new();
-        for (device, gpu) in &self.gpus {
-            let Some(oldest) = gpu.queue.iter().map(|w| w.since).min() else { continue };
-            if now.saturating_duration_since(oldest) < after {
-                continue;
-            }
-            let mut line = format!(
-                "gpu {} free {} shortfall {} outside {} wakers {} queue:",
-                super::uuid_string(device),
-                gpu.free() >> 20,
-                gpu.shortfall() >> 20,
-                gpu.outside() >> 20,
-                gpu.wakers.len()
-            );
-            for w in &gpu.queue {
-                line += &format!(
-                    " [{}#{} {}MiB{}{}{} {}ms]",
-                    w.group,
-                    w.conn,
-                    w.bytes >> 20,
-                    if w.resume { " resume" } else { "" },
-                    if w.continues { " step" } else { "" },
-                    if gpu.held_back(w) { " held-back" } else { "" },
-                    now.saturating_duration_since(w.since).as_millis()
-                );
-            }
-            line += " holders:";
-            for (name, conn, m) in gpu.members().filter(|(_, _, m)| m.granted > 0 || m.host_bytes > 0) {
-                line += &format!(
-                    " [{name}#{conn} granted {}MiB held {}MiB host {}MiB {:?}{}{}{}]",
-                    m.granted >> 20,
-                    m.held >> 20,
-                    m.host_bytes >> 20,
-                    m.residency,
-                    if m.swapping_in { " swapping-in" } else { "" },
-                    if gpu.under_way(name, now) { " under-way" } else { "" },
-                    if gpu.growing(name, now) { " growing" } else { "" },
-                );
-            }
-            out.push(line);
-        }
-        out
-    }
-
     /// Whether `conn`'s process is not on `device`: swapped out, or being so. A burst it
     /// asks for is held back until its swap-in (see the module doc).
     pub fn swapped_out(&self, conn: ConnId, device: &DeviceId) -> bool {
@@ -849,5 +734,7 @@ impl Policy {
     }
 }
 
+mod backfill;
+mod stall;
 #[cfg(test)]
 mod tests;
