@@ -7,7 +7,9 @@
 //! from what is free plus what the groups before it give back. A grant that would leave
 //! the GPU unsafe is not made, so borrowers can never all be stuck holding part of a burst
 //! while waiting for each other: colliding bursts are served one after another instead of
-//! ending in out-of-memory. A borrower is *growing* while it waits or has asked within
+//! ending in out-of-memory. A grant after which its borrower could finish from free
+//! memory alone leaves the GPU no less safe (it can go first in any order there was), so
+//! it is made even where the others' claims could not all be met. A borrower is *growing* while it waits or has asked within
 //! [`GROWING_FOR`]; one that has not is counted as settled on what it holds (a server
 //! keeping a cache), so that memory it might want one day does not keep others waiting for
 //! ever. If a settled borrower grows again it waits like any other.
@@ -123,7 +125,8 @@ impl Gpu {
         (bytes > most).then_some(Denial::NeverFits)
     }
 
-    /// Whether lending `bytes` more to `group` leaves the GPU safe (see the module doc).
+    /// Whether lending `bytes` more to `group` leaves the GPU safe (see the module doc), or
+    /// no less safe than it was.
     /// Settled borrowers keep what they hold; growing ones must be able to finish, in some
     /// order, within what is free, what the growing before them give back, and what the
     /// settled leave.
@@ -133,9 +136,9 @@ impl Gpu {
             return false;
         }
         let mut settled = 0u64;
-        // (what it may still claim, what it holds) of each growing borrower, claims capped
-        // below by what the settled leave.
-        let mut growing: Vec<(u64, u64)> = Vec::new();
+        // (what it may still claim, what it holds, whether it asks) of each growing
+        // borrower, claims capped below by what the settled leave.
+        let mut growing: Vec<(u64, u64, bool)> = Vec::new();
         for (name, g) in &self.groups {
             let asker = name == group;
             let granted = g.granted() + if asker { bytes } else { 0 };
@@ -143,16 +146,24 @@ impl Gpu {
                 continue;
             }
             if asker || self.growing(name, now) {
-                growing.push((g.range(), granted));
+                growing.push((g.range(), granted, asker));
             } else {
                 settled += granted;
             }
         }
         let most = self.lendable().saturating_sub(settled);
-        let mut claims: Vec<(u64, u64)> = growing
-            .into_iter()
-            .map(|(range, granted)| (range.min(most).saturating_sub(granted), granted))
-            .collect();
+        let mut claims: Vec<(u64, u64)> = Vec::with_capacity(growing.len());
+        for (range, granted, asker) in growing {
+            let claim = range.min(most).saturating_sub(granted);
+            // An asker that can finish from what is free alone leaves the GPU no less safe
+            // than it was: it can go first in any order there was, and gives back more
+            // than it took. (Where others' claims already could not all be met, refusing
+            // it too kept a small burst waiting for nothing.)
+            if asker && claim as i128 <= free {
+                return true;
+            }
+            claims.push((claim, granted));
+        }
         // One resource: serving the smallest claims first finds an order if there is one.
         claims.sort_unstable();
         for (claim, granted) in claims {

@@ -541,8 +541,15 @@ fn a_small_burst_that_free_memory_holds_whole_is_not_kept_behind_a_head_that_can
     let answers = p.acquire_answers(10, GPU, 1, 50 * MIB, now);
     assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(10, Ok(50 * MIB))]);
     assert_eq!(state(&p, 3), "waiting", "the head still waits");
-    let answers = p.acquire_answers(11, GPU, 1, 50 * MIB, now);
+    // Its next step is served too: it still finishes from free memory alone, though the
+    // two swap servers' claims still cannot both be met.
+    let step = now + Duration::from_millis(10);
+    assert_eq!(p.acquire(10, GPU, 2, 50 * MIB, 50 * MIB, 0, false, step), Outcome::Queued);
+    let answers = p.settle(GPU, step);
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(10, Ok(50 * MIB))]);
+    let answers = p.acquire_answers(11, GPU, 1, 50 * MIB, step);
     assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(11, Ok(50 * MIB))]);
+    assert_eq!(state(&p, 3), "waiting");
 }
 
 #[test]
