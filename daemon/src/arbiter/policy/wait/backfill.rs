@@ -12,9 +12,9 @@ impl Gpu {
     /// order there was). Only while no waiter ahead of it, nor a step of a burst under way,
     /// could be served even if every burst so served gave back what it holds: served this
     /// way, a burst never keeps those waiting beyond how long the bursts already served
-    /// so take. Without it, a head
-    /// that only a resolver's move can serve (the safety rule keeps it waiting) kept every
-    /// small burst behind it waiting, with memory free, until their timeouts.
+    /// so take. Without it, a head that only a resolver's move can serve (the safety rule
+    /// keeps it waiting) kept every small burst behind it waiting, with memory free, until
+    /// their timeouts.
     pub(super) fn backfill(&self, now: Instant) -> Option<(usize, u64)> {
         // Nothing is lent while guarantees are owed memory.
         if self.shortfall() > 0 {
