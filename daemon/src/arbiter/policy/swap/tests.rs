@@ -327,16 +327,15 @@ fn a_swapped_out_process_gets_nothing_new_until_it_is_back() {
     assert_eq!(p.status().gpus[0].free, 1280 * MIB - 896 * MIB);
 }
 
-#[test]
-fn swap_bursts_waiting_for_each_other_take_turns_instead_of_a_deadlock() {
-    // Both came back in from host RAM and each waits for its next step, which only
-    // the other's memory could serve. Refusing one (a `Deadlock`) would be an
-    // out-of-memory error for a collision; swap moves one out and serves the other.
+/// Swap groups `(conn, name)` (256 MiB requests, 1280 MiB limits) on a GPU of `total`:
+/// each borrowed 576 MiB and was swapped out; a and b (conns 1 and 2) came back in, so
+/// 384 MiB is free. Returns the policy and a moment when neither is growing any more.
+fn back_from_host_ram(total: u64, groups: &[(ConnId, &str)]) -> (Policy, Instant) {
     let now = Instant::now();
-    let mut p = Policy::new(&[(GPU, 2 * GIB)]);
-    for (conn, group) in [(1, "a"), (2, "b")] {
+    let mut p = Policy::new(&[(GPU, total)]);
+    for &(conn, group) in groups {
         p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
-        p.register(conn, GPU, 2 * GIB, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
+        p.register(conn, GPU, total, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
         assert_eq!(p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now), Outcome::Granted(576 * MIB));
         assert!(p.swapped(conn, GPU, 0, 576 * MIB, 256 * MIB, now).is_empty());
     }
@@ -350,7 +349,15 @@ fn swap_bursts_waiting_for_each_other_take_turns_instead_of_a_deadlock() {
         assert!(p.swapped(conn, GPU, 576 * MIB, 0, 832 * MIB, rested).is_empty());
     }
     assert_eq!(p.status().gpus[0].free, 384 * MIB);
-    let later = rested + GROWING_FOR;
+    (p, rested + GROWING_FOR)
+}
+
+#[test]
+fn swap_bursts_waiting_for_each_other_take_turns_instead_of_a_deadlock() {
+    // Both came back in from host RAM and each waits for its next step, which only
+    // the other's memory could serve. Refusing one (a `Deadlock`) would be an
+    // out-of-memory error for a collision; swap moves one out and serves the other.
+    let (mut p, later) = back_from_host_ram(2 * GIB, &[(1, "a"), (2, "b")]);
     assert_eq!(p.acquire(1, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
     assert_eq!(p.acquire(2, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
     let answers = p.settle(GPU, later);
@@ -372,24 +379,7 @@ fn holders_waiting_behind_a_swap_in_take_turns_instead_of_a_deadlock() {
     // other's memory could serve, behind a third group's swap-in. One of them was
     // refused at once (`Deadlock`, an out-of-memory error for a collision): the swap
     // resolver serves a swap-in at the head as it serves a burst there.
-    let now = Instant::now();
-    let mut p = Policy::new(&[(GPU, 2304 * MIB)]);
-    for (conn, group) in [(3, "c"), (1, "a"), (2, "b")] {
-        p.hello(conn, Peer { resolver: Resolver::Swap, ..peer(group, 30_000) });
-        p.register(conn, GPU, 2304 * MIB, 256 * MIB, 1280 * MIB, 0, 0, 0).unwrap();
-        assert_eq!(p.acquire(conn, GPU, 1, 576 * MIB, 576 * MIB, 0, false, now), Outcome::Granted(576 * MIB));
-        assert!(p.swapped(conn, GPU, 0, 576 * MIB, 256 * MIB, now).is_empty());
-    }
-    let rested = now + GROWING_FOR;
-    for conn in [1, 2] {
-        match p.acquire(conn, GPU, 2, 576 * MIB, 576 * MIB, 0, true, rested) {
-            Outcome::Queued => assert_eq!(p.settle(GPU, rested).len(), 1),
-            outcome => assert_eq!(outcome, Outcome::Granted(576 * MIB)),
-        }
-        assert!(p.swapped(conn, GPU, 576 * MIB, 0, 832 * MIB, rested).is_empty());
-    }
-    assert_eq!(p.status().gpus[0].free, 384 * MIB);
-    let later = rested + GROWING_FOR;
+    let (mut p, later) = back_from_host_ram(2304 * MIB, &[(3, "c"), (1, "a"), (2, "b")]);
     assert_eq!(p.acquire(3, GPU, 2, 576 * MIB, 576 * MIB, 0, true, later), Outcome::Queued);
     assert_eq!(p.acquire(1, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
     assert_eq!(p.acquire(2, GPU, 3, 400 * MIB, 400 * MIB, 0, false, later), Outcome::Queued);
