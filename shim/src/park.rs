@@ -187,9 +187,14 @@ pub(crate) fn wake(e: &'static Enforcer, client: &Client) {
         let asked = Instant::now();
         match client.wake(device, e.config.wait_timeout) {
             Ok(granted) => {
-                e.ledger.add_granted(slice.ledger, granted);
-                let (moved, took) =
-                    if checkpoint { (0, Duration::ZERO) } else { crate::swap::swap_in(e, &slice) };
+                let (moved, took) = if checkpoint {
+                    e.ledger.add_granted(slice.ledger, granted);
+                    (0, Duration::ZERO)
+                } else {
+                    let bytes = crate::swap::host_bytes(slice.ledger);
+                    let charged = crate::swap::charge_swap_in(e, slice.ledger, bytes, granted);
+                    crate::swap::swap_in(e, &slice, charged)
+                };
                 devices().remove(&device);
                 let held = e.ledger.held_by_me(slice.ledger);
                 tracing::info!(

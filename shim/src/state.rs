@@ -287,7 +287,7 @@ pub(crate) struct Enforcer {
     pending: [AtomicU64; crate::ledger::MAX_DEVICES],
 }
 
-/// Counts bytes as pending while a thread waits for the arbiter (or maps what it granted).
+/// Counts bytes as pending while a thread waits for the arbiter.
 pub(crate) struct Pending<'a>(&'a AtomicU64, u64);
 
 impl Drop for Pending<'_> {
@@ -759,14 +759,6 @@ impl Enforcer {
                 }
             }
         }
-    }
-
-    /// Counts `bytes` on ledger device `device` as in use until the guard drops: a grant
-    /// being mapped (a swap-in) is not unused, and a reclaim must not give it back.
-    pub(crate) fn pending(&self, device: usize, bytes: u64) -> Option<Pending<'_>> {
-        let counter = self.pending.get(device)?;
-        counter.fetch_add(bytes, Ordering::AcqRel);
-        Some(Pending(counter, bytes))
     }
 
     /// Gives a charge back; with an arbiter, returns burst memory the group no longer

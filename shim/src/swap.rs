@@ -220,12 +220,12 @@ fn come_back(e: &'static Enforcer, client: &Client) {
     for (device, _) in swapped {
         let Some(slice) = e.slice_by_ledger(device) else { continue };
         let mut asked = 0u32;
-        let granted = loop {
+        let (granted, bytes) = loop {
             // Read anew each time: swapped-out memory freed meanwhile is not asked for
             // (the arbiter refuses a swap-in for more than is swapped out).
             let bytes = host_bytes(device);
             if bytes == 0 {
-                break 0;
+                break (0, 0);
             }
             let held = e.ledger.held_by_me(device);
             // The arbiter keeps a swap-in waiting an hour (its RESUME_WAIT) and answers
@@ -237,13 +237,13 @@ fn come_back(e: &'static Enforcer, client: &Client) {
             let away = !client.is_connected();
             let timeout = if away { e.config.wait_timeout } else { Duration::from_secs(3600) };
             match client.acquire(slice.uuid, bytes, bytes, held, timeout, true) {
-                Ok(granted) => break granted,
+                Ok(granted) => break (granted, bytes),
                 Err(_) if away && !client.is_connected() && device_has_room(&slice, bytes) => {
                     tracing::warn!(
                         bytes,
                         "the arbiter is away: swapping back in on the device's free memory"
                     );
-                    break bytes;
+                    break (bytes, bytes);
                 }
                 Err(why) => {
                     asked += 1;
@@ -263,16 +263,23 @@ fn come_back(e: &'static Enforcer, client: &Client) {
                 }
             }
         };
-        // The grant is in use from here: the swap-in charges each allocation only as it
-        // maps it, and an arbiter's reclaim meanwhile (a burst waits) must not take the
-        // rest for unused: lent to the burst, it would leave the swap-in without memory and
-        // the device holding more than the arbiter counts.
-        let _mapping = e.pending(device, granted);
-        e.ledger.add_granted(device, granted);
-        let (moved, took) = swap_in(e, &slice);
+        let charged = charge_swap_in(e, device, bytes, granted);
+        let (moved, took) = swap_in(e, &slice, charged);
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
         client.send_until_delivered(&report(e, &slice, SwapDirection::In, moved, took));
     }
+}
+
+/// Counts the `bytes` a swap-in is about to map as held, then its grant as lent: in this
+/// order, so that a thread allocating meanwhile (in this process or another of its group)
+/// finds no room in the grant. Had it taken some, the swap-in would map the rest of what
+/// the group was lent, and the allocation would find the device full. Counted held, the
+/// grant is also not unused, and a reclaim meanwhile (a burst waits) does not take it
+/// back. Returns what was charged, for [`swap_in`].
+pub(crate) fn charge_swap_in(e: &Enforcer, device: usize, bytes: u64, granted: u64) -> u64 {
+    e.ledger.force_charge(device, bytes);
+    e.ledger.add_granted(device, granted);
+    bytes
 }
 
 /// Whether the device of `slice` has `bytes` free now, as the driver counts (read in the
@@ -348,28 +355,35 @@ pub(crate) fn allocate(
             }
         }
     }
+    // The memory is made before the book is locked: waiting for the device to have it
+    // (a loan being taken back) must not hold up a swap-out the arbiter asks for meanwhile.
+    let handle = match create(e, ordinal, size) {
+        Ok(handle) => handle,
+        Err(status) => {
+            e.release(charge.device, charge.bytes);
+            return status;
+        }
+    };
     // The book stays locked until the allocation is in it, so that a swap-out either
-    // sees it or runs before it exists.
+    // sees it or runs before it is mapped.
     let mut book = book();
     let mut addr: u64 = 0;
     let mut status = call!(cuMemAddressReserve(&mut addr, size as usize, g as usize, 0, 0), 801);
     if status == SUCCESS {
-        match map_new(e, ordinal, addr, size) {
-            Ok(handle) => {
-                book.backings.insert(
-                    addr,
-                    Backing { size, ordinal, device: charge.device, context, handle, host: 0, pinned: false },
-                );
-                ACTIVE.store(true, Ordering::Release);
-                // SAFETY: `out` is the caller's out-pointer, checked non-null.
-                unsafe { out.write(addr) };
-                return SUCCESS;
-            }
-            Err(s) => {
-                status = s;
-                call!(cuMemAddressFree(addr, size as usize), 801);
-            }
+        status = map_at(ordinal, addr, size, handle);
+        if status == SUCCESS {
+            book.backings.insert(
+                addr,
+                Backing { size, ordinal, device: charge.device, context, handle, host: 0, pinned: false },
+            );
+            ACTIVE.store(true, Ordering::Release);
+            // SAFETY: `out` is the caller's out-pointer, checked non-null.
+            unsafe { out.write(addr) };
+            return SUCCESS;
         }
+        call!(cuMemAddressFree(addr, size as usize), 801);
+    } else {
+        call_real!(cuMemRelease(handle));
     }
     drop(book);
     e.release(charge.device, charge.bytes);
@@ -378,14 +392,30 @@ pub(crate) fn allocate(
 
 /// Creates `size` bytes of physical memory on `ordinal` and maps it read-write at `addr`.
 fn map_new(e: &Enforcer, ordinal: usize, addr: u64, size: u64) -> Result<u64, Status> {
+    let handle = create(e, ordinal, size)?;
+    match map_at(ordinal, addr, size, handle) {
+        SUCCESS => Ok(handle),
+        status => Err(status),
+    }
+}
+
+/// Creates `size` bytes of physical memory on `ordinal`, waiting while the device has
+/// none free for memory the group was lent (see `Enforcer::physical`).
+fn create(e: &Enforcer, ordinal: usize, size: u64) -> Result<u64, Status> {
     let prop = AllocationProp::device(ordinal);
     let mut handle = 0u64;
     let status = e.physical(|| {
         call_real!(cuMemCreate(&mut handle, size as usize, (&prop as *const AllocationProp).cast(), 0))
     });
-    if status != SUCCESS {
-        return Err(status);
+    if status == SUCCESS {
+        Ok(handle)
+    } else {
+        Err(status)
     }
+}
+
+/// Maps the physical memory `handle` read-write at `addr`; on failure it is released.
+fn map_at(ordinal: usize, addr: u64, size: u64, handle: u64) -> Status {
     let access = AccessDesc { location_type: 1, location_id: ordinal as i32, flags: 3 };
     let mut status = call_real!(cuMemMap(addr, size as usize, 0, handle, 0));
     if status == SUCCESS {
@@ -396,9 +426,8 @@ fn map_new(e: &Enforcer, ordinal: usize, addr: u64, size: u64) -> Result<u64, St
     }
     if status != SUCCESS {
         call_real!(cuMemRelease(handle));
-        return Err(status);
     }
-    Ok(handle)
+    status
 }
 
 /// Frees a VMM-backed allocation at `addr`; `None` if it is not one. An async free
@@ -601,8 +630,10 @@ pub(crate) fn swap_out(e: &Enforcer, slice: &Slice) -> SwappedOut {
 /// Maps new physical memory at every swapped-out address of `slice`'s device and copies
 /// the data back; opens the gate when nothing is swapped out any more. Returns the bytes
 /// moved and the time taken. A driver that has no memory yet is asked again until it
-/// has: the process waits, it is never left with unmapped memory.
-pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
+/// has: the process waits, it is never left with unmapped memory. `charged`: what
+/// [`charge_swap_in`] counted held for it (the difference from what is swapped out now,
+/// after frees meanwhile, is settled here).
+pub(crate) fn swap_in(e: &Enforcer, slice: &Slice, charged: u64) -> (u64, Duration) {
     let started = Instant::now();
     let mut book = book();
     let swapped: Vec<CUdeviceptr> = book
@@ -616,6 +647,13 @@ pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
         .iter()
         .filter_map(|a| book.backings.get(a).map(|b| (*a, b.size, b.ordinal, b.device)))
         .collect();
+    let mapping: u64 = plan.iter().map(|&(_, size, _, _)| size).sum();
+    if mapping > charged {
+        e.ledger.force_charge(slice.ledger, mapping - charged);
+    } else {
+        // Freed while in host RAM since it was charged: the grant keeps it as slack.
+        e.ledger.release(slice.ledger, charged - mapping);
+    }
     // Three stages on their own threads: device memory is created and mapped ahead of the
     // copy back (by as many threads as there are CPUs, up to four: making memory is the
     // slow part on a host whose pages are zeroed as they come), and host copies are freed
@@ -629,8 +667,7 @@ pub(crate) fn swap_in(e: &Enforcer, slice: &Slice) -> (u64, Duration) {
             let (plan, mapped_tx) = (&plan, mapped_tx.clone());
             scope.spawn(move || loop {
                 let next = plan.lock().unwrap_or_else(|p| p.into_inner()).next();
-                let Some((addr, size, ordinal, device)) = next else { break };
-                e.ledger.force_charge(device, size);
+                let Some((addr, size, ordinal, _)) = next else { break };
                 let handle = loop {
                     match map_new(e, ordinal, addr, size) {
                         Ok(h) => break h,

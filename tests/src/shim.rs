@@ -85,7 +85,12 @@ impl ShimSettings for Command {
         self.env("GPUFRAC_POD", pod)
     }
     fn log(&mut self, filter: impl AsRef<OsStr>) -> &mut Command {
-        self.env("GPUFRAC_LOG", filter)
+        // `GPUFRAC_TEST_SHIM_LOG` (a `GPUFRAC_LOG` filter) raises what every shimmed
+        // process of a test run writes, for a failure that needs the shim's reasons.
+        match std::env::var_os("GPUFRAC_TEST_SHIM_LOG") {
+            Some(raised) => self.env("GPUFRAC_LOG", raised),
+            None => self.env("GPUFRAC_LOG", filter),
+        }
     }
     fn park_after(&mut self, idle: impl AsRef<OsStr>) -> &mut Command {
         self.env("GPUFRAC_PARK_AFTER", idle)

@@ -185,6 +185,64 @@ fn a_swapped_out_process_that_allocates_waits_for_its_swap_in_not_its_wait_timeo
     a.finish();
 }
 
+/// What the device reports process `pid` holding on device 0: its own count, not
+/// gpufrac's.
+fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
+    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
+        .expect("open simgpu's state");
+    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
+}
+
+/// An allocation made while the process's swap-in is under way is not taken out of the
+/// swap-in's grant: it asks for its own. (The grant was counted before the swap-in had
+/// mapped it, and an allocation in that window fitted under it: the process then held
+/// more than the arbiter had lent it, and on a full device that allocation found no
+/// memory for its whole `GPUFRAC_WAIT_TIMEOUT`.) The holder keeps 1.75 GiB of bursts in
+/// 64 MiB allocations, so that its swap-in maps them one after another for a while.
+#[test]
+fn an_allocation_during_a_swap_in_does_not_take_the_swap_ins_memory() {
+    skip_on_real_gpu!(KERNELS);
+    const SMALL: u64 = 64 * MIB;
+    const COUNT: u64 = 28;
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("si.sock"), &["--swap-quantum", "0s"]);
+    let (ga, gb) = (unique("holder"), unique("burst"));
+    let mut cmd = swapper(&gpu, env!("CARGO_BIN_EXE_simgpu_probe"), &arbiter, &ga, "30s");
+    cmd.args(["hold-bursts", &GIB.to_string(), &SMALL.to_string(), &COUNT.to_string()]);
+    let mut a = ChildProcess::spawn(&mut cmd);
+    a.expect_line(&["PTRS"], TIMEOUT);
+    a.ready();
+    let mut b = requester(&gpu, &arbiter, &gb, "30s");
+    b.ready();
+    wait_for(&arbiter, "A swapped out", |s| process(s, &ga).is_some_and(|p| p.host_bytes >= SMALL * COUNT));
+    let swapped_out = device_figure(&gpu, a.pid());
+    // B leaves: A is offered its memory back. A allocates once the device shows its
+    // swap-in mapping.
+    b.close_stdin();
+    b.finish();
+    let started = Instant::now();
+    while device_figure(&gpu, a.pid()) == swapped_out && started.elapsed() < TIMEOUT {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    a.write_stdin(&format!("alloc {}\n", 64 * MIB));
+    let answer = a.expect_line(&["ALLOCATED", "NOT_ALLOCATED"], TIMEOUT);
+    assert!(answer.starts_with("ALLOCATED "), "A's allocation during its swap-in: {answer}");
+    let s = wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
+    let pa = process(&s, &ga).unwrap();
+    let lent = pa.request + pa.granted;
+    let on_device = device_figure(&gpu, a.pid());
+    assert!(
+        on_device <= lent,
+        "A holds {} on the device, more than the {} it was lent (request and grants): {pa:?}",
+        mib(on_device),
+        mib(lent)
+    );
+    a.write_stdin("check\n");
+    assert_eq!(a.expect_line(&["INTACT", "CORRUPT"], TIMEOUT), format!("INTACT {}", SMALL * COUNT));
+    a.close_stdin();
+    a.finish();
+}
+
 #[test]
 fn an_arbiter_killed_in_the_middle_of_a_swap_loses_nothing() {
     skip_on_real_gpu!(KERNELS);
