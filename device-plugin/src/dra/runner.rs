@@ -274,9 +274,17 @@ async fn keep_published(mut publisher: Publisher, gpus: Vec<GpuInfo>, triggers: 
     // When the next attempt after a failure may be made.
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
-        // Since when each GPU is unhealthy (the taint's time), kept across writes.
-        let now_healthy: Vec<(String, bool)> =
-            health.borrow_and_update().iter().map(|g| (g.uuid.clone(), g.healthy)).collect();
+        // Since when each GPU is unhealthy (the taint's time), kept across writes. A change
+        // read here is published even when the loop woke for something else: marked seen,
+        // it would not wake `changed()` below (an XID just after a registration's publish
+        // stayed unpublished so).
+        let (changed, now_healthy): (bool, Vec<(String, bool)>) = {
+            let seen = health.borrow_and_update();
+            (seen.has_changed(), seen.iter().map(|g| (g.uuid.clone(), g.healthy)).collect())
+        };
+        if changed {
+            pending = Some(Sync::IfChanged.or(pending));
+        }
         for (uuid, healthy) in now_healthy {
             if healthy {
                 unhealthy.remove(&uuid);
