@@ -532,6 +532,29 @@ impl SimGpu {
         }
     }
 
+    /// simgpu's own view of its devices (the `SIMGPU_STATE` file that its NVML and driver
+    /// read): what the device itself counts, per process and in all, beside any figure the
+    /// shim shows. Panics on a real GPU, where the test should have been skipped.
+    pub fn device_state(&self) -> simgpu_state::Machine {
+        assert!(!self.is_real(), "simgpu's device state read on a real GPU: the test should skip there");
+        let path = self.state_path();
+        let path = path.to_str().unwrap_or_else(|| panic!("simgpu's state path {path:?} is not UTF-8"));
+        simgpu_state::Machine::open(path, &self.device_totals())
+            .unwrap_or_else(|e| panic!("cannot open simgpu's state {path}: {e}"))
+    }
+
+    /// What simgpu's device `device` counts for process `pid` (all its contexts; 0 when it
+    /// holds nothing there): the figure NVML would report, whatever the shim believes.
+    pub fn held_by(&self, pid: u32, device: usize) -> u64 {
+        self.device_state().processes(device).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
+    }
+
+    /// What simgpu's device `device` counts for process `pid`, or `None` when the process is
+    /// not listed there at all (as NVML's process list would leave it out).
+    pub fn listed_holding(&self, pid: u32, device: usize) -> Option<u64> {
+        self.device_state().processes(device).into_iter().find(|p| p.pid == pid).map(|p| p.used)
+    }
+
     /// The `SIMGPU_CONTEXT_OVERHEAD` value (on a real GPU, the value asked for, not applied).
     pub fn context_overhead(&self) -> &str {
         &self.context_overhead

@@ -14,13 +14,6 @@ const LIMIT: u64 = 512 * MIB;
 const CHUNK: u64 = 16 * MIB;
 const SIMULATED: &str = "reads simgpu's own per-process figure and sizes a 4 GiB simulated device";
 
-/// What the device reports process `pid` holding on device 0 (0 when not listed).
-fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
-    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
-        .expect("open simgpu's state");
-    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
-}
-
 /// Starts `escapes CASE CHUNK [ARG]` under the shim with a 256 MiB request and a 512 MiB
 /// limit, plus `env`.
 fn start(gpu: &SimGpu, case: &str, arg: Option<&str>, env: &[(&str, &str)]) -> ChildProcess {
@@ -46,7 +39,7 @@ fn line(child: &mut ChildProcess, word: &str) -> Vec<i64> {
 /// lets the child go. Returns (held, the error that ended the allocations, the figure).
 fn held_within_limit(gpu: &SimGpu, child: &mut ChildProcess, case: &str) -> (u64, i64, u64) {
     let held = line(child, "HELD");
-    let figure = device_figure(gpu, child.pid());
+    let figure = gpu.held_by(child.pid(), 0);
     assert!(
         figure <= LIMIT,
         "{case}: the device reports the process holding {}, past its {} limit\n{}",
@@ -144,7 +137,7 @@ fn memory_taken_past_every_hook_is_charged_from_the_device_count() {
     assert_eq!(line(&mut child, "private_alloc"), vec![0], "the private copy allocates unseen");
     assert_eq!(line(&mut child, "past_limit"), vec![2], "1 TiB is refused");
     let held = line(&mut child, "HELD");
-    let figure = device_figure(&gpu, child.pid());
+    let figure = gpu.held_by(child.pid(), 0);
     // The shim's own context and first chunk, the private copy's context and its hidden
     // allocation: once a refusal made the shim look at the device's count, what it lets
     // the program hold besides stays under the limit (the unseen memory itself cannot be
@@ -294,8 +287,7 @@ fn an_export_loop_cannot_take_a_group_past_its_limit() {
     // open (an importer could hold it as well), and released: the memory lives on.
     let mut child = start(&gpu, "export", None, &[]);
     let held = line(&mut child, "HELD");
-    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
-        .expect("open simgpu's state");
+    let machine = gpu.device_state();
     // The device counts exported memory nobody maps under no process: its total is the
     // figure (the process is the only one on it).
     let used = machine.used(0);

@@ -197,11 +197,7 @@ fn a_ledger_folder_that_is_a_link_open_to_all_or_someone_elses_is_refused() {
 
 /// Polls the simulated device's memory in use until stopped; returns the most seen.
 fn watch_device(gpu: &SimGpu) -> (Arc<AtomicBool>, std::thread::JoinHandle<u64>) {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).unwrap(),
-    )
-    .unwrap();
+    let machine = gpu.device_state();
     let stop = Arc::new(AtomicBool::new(false));
     let most = Arc::new(AtomicU64::new(0));
     let (s, m) = (stop.clone(), most.clone());

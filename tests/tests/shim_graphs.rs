@@ -35,12 +35,6 @@ fn free_beside_the_graph(free: u64, graph: u64) -> bool {
     free <= room && free + 4096 >= room
 }
 
-fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
-    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
-        .expect("open simgpu's state");
-    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
-}
-
 #[test]
 fn the_graph_pool_is_charged_from_instantiation_to_the_graphs_end() {
     skip_on_real_gpu!(SIMULATED);
@@ -55,7 +49,7 @@ fn the_graph_pool_is_charged_from_instantiation_to_the_graphs_end() {
     assert_eq!(launched[0], graph, "the pool reserves the graph's allocation");
     assert!(free_beside_the_graph(launched[2], graph), "free while the pool holds it: {}", mib(launched[2]));
     numbers(&mut child, "RELAUNCHED");
-    let figure = device_figure(&gpu, child.pid());
+    let figure = gpu.held_by(child.pid(), 0);
     assert!(figure <= LIMIT, "the device reports {} against a {} limit", mib(figure), mib(LIMIT));
     child.write_stdin("trim\n");
     // Trimmed while the executable graph lives: still charged (its next launch takes the

@@ -20,11 +20,7 @@ const OUT_OF_MEMORY: i64 = 2;
 
 /// Polls the simulated devices' memory in use until stopped; returns the most seen on each.
 fn watch(gpu: &SimGpu, devices: usize) -> (Arc<AtomicBool>, std::thread::JoinHandle<Vec<u64>>) {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).expect("a device list"),
-    )
-    .expect("the simulated machine");
+    let machine = gpu.device_state();
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
     let watcher = std::thread::spawn(move || {
@@ -41,11 +37,7 @@ fn watch(gpu: &SimGpu, devices: usize) -> (Arc<AtomicBool>, std::thread::JoinHan
 }
 
 fn used_now(gpu: &SimGpu, device: usize) -> u64 {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).expect("a device list"),
-    )
-    .expect("the simulated machine");
+    let machine = gpu.device_state();
     machine.used(device)
 }
 

@@ -62,16 +62,6 @@ fn tool(gpu: &SimGpu, pid: u32, action: &str, extra: &[&str]) -> Answer {
     }
 }
 
-/// The device memory process `pid` holds as the machine's state file (and so NVML)
-/// reports it, and whether it is listed at all.
-fn held(gpu: &SimGpu, pid: u32) -> Option<u64> {
-    let devices = simgpu_state::parse_device_list(gpu.devices()).expect("the test's devices parse");
-    let path = gpu.state_path();
-    let machine = simgpu_state::Machine::open(path.to_str().expect("a UTF-8 temp dir"), &devices)
-        .unwrap_or_else(|e| panic!("cannot open the simulated machine: {e}"));
-    machine.processes(0).into_iter().find(|p| p.pid == pid).map(|p| p.used)
-}
-
 #[test]
 fn a_checkpointed_process_frees_the_device_and_comes_back_intact() {
     skip_on_real_gpu!(SIMULATOR);
@@ -79,7 +69,7 @@ fn a_checkpointed_process_frees_the_device_and_comes_back_intact() {
     let mut target = start_target(&gpu);
     let pid = target.pid();
     tool(&gpu, pid, "state", &[]).expect_state("running");
-    let before = held(&gpu, pid).expect("the target is listed while it runs");
+    let before = gpu.listed_holding(pid, 0).expect("the target is listed while it runs");
     assert_eq!(before, OVERHEAD + TARGET_MEMORY, "the target holds {}", mib(before));
 
     // Only a locked process can be checkpointed.
@@ -98,7 +88,7 @@ fn a_checkpointed_process_frees_the_device_and_comes_back_intact() {
     );
 
     tool(&gpu, pid, "checkpoint", &[]).expect_state("checkpointed");
-    assert_eq!(held(&gpu, pid), None, "a checkpointed process holds nothing and is not listed");
+    assert_eq!(gpu.listed_holding(pid, 0), None, "a checkpointed process holds nothing and is not listed");
     tool(&gpu, pid, "unlock", &[]).expect_error("CUDA_ERROR_ILLEGAL_STATE");
     tool(&gpu, pid, "checkpoint", &[]).expect_error("CUDA_ERROR_ILLEGAL_STATE");
 
@@ -113,7 +103,7 @@ fn a_checkpointed_process_frees_the_device_and_comes_back_intact() {
     other.finish();
 
     tool(&gpu, pid, "restore", &[]).expect_state("locked");
-    assert_eq!(held(&gpu, pid), Some(before), "restored, the target holds what it held");
+    assert_eq!(gpu.listed_holding(pid, 0), Some(before), "restored, the target holds what it held");
     assert!(
         target.silent_for(Duration::from_millis(200)),
         "a call returned before unlock: {}",

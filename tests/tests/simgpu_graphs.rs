@@ -18,16 +18,6 @@ const GRAPH_BYTES: u64 = 256 * MIB;
 const SMALL: u64 = 512 + 2 * MIB;
 const SIMULATOR: &str = "reads what the process holds from simgpu's device state (SIMGPU_STATE)";
 
-/// What the device says `pid` holds on device 0.
-fn held_by(gpu: &SimGpu, pid: u32) -> u64 {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).expect("a device list"),
-    )
-    .expect("the simulated machine");
-    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
-}
-
 /// The numbers after the first word of the next line starting with `word`.
 fn numbers(child: &mut ChildProcess, word: &str) -> Vec<u64> {
     let line = child.expect_line(&[word], TIMEOUT);
@@ -54,7 +44,7 @@ fn graph_memory_stays_with_the_process_until_trimmed() {
 
     let relaunched = numbers(&mut child, "RELAUNCHED");
     assert_eq!(relaunched, [GRAPH_BYTES, GRAPH_BYTES], "a second launch reuses the pool's memory");
-    let held = held_by(&gpu, pid);
+    let held = gpu.held_by(pid, 0);
     assert_eq!(
         held,
         OVERHEAD + SMALL + GRAPH_BYTES,
@@ -67,7 +57,7 @@ fn graph_memory_stays_with_the_process_until_trimmed() {
     assert_eq!(trimmed[0], 0, "cuDeviceGraphMemTrim gives the unused reservation back");
     assert_eq!(trimmed[1], DEVICE - OVERHEAD - SMALL, "the device has the memory back");
     assert_eq!(trimmed[2], 0, "the reserved high-water mark resets to the current value");
-    let held = held_by(&gpu, pid);
+    let held = gpu.held_by(pid, 0);
     assert_eq!(
         held,
         OVERHEAD + SMALL,

@@ -12,16 +12,6 @@ use gpufrac_e2e::{compile_c, skip_on_real_gpu, ChildProcess, SimGpu, TIMEOUT};
 const OVERHEAD: u64 = 64 * MIB;
 const SIMULATOR: &str = "reads what the process holds from simgpu's device state (SIMGPU_STATE)";
 
-/// What the device says `pid` holds on device 0, if NVML lists it at all.
-fn held_by(gpu: &SimGpu, pid: u32) -> Option<u64> {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).expect("a device list"),
-    )
-    .expect("the simulated machine");
-    machine.processes(0).iter().find(|p| p.pid == pid).map(|p| p.used)
-}
-
 #[test]
 fn a_green_context_takes_a_contexts_memory_and_gives_it_back() {
     skip_on_real_gpu!(SIMULATOR);
@@ -31,7 +21,7 @@ fn a_green_context_takes_a_contexts_memory_and_gives_it_back() {
     assert_eq!(split, "SPLIT 132 4 16 68", "132 SMs split in 4 groups of 16, 68 left");
     assert_eq!(child.expect_line(&["CREATED"], TIMEOUT), "CREATED 16 16", "the green context has its 16 SMs");
     child.expect_line(&["READY"], TIMEOUT);
-    let held = held_by(&gpu, child.pid());
+    let held = gpu.listed_holding(child.pid(), 0);
     assert_eq!(
         held,
         Some(OVERHEAD + MIB),
@@ -41,7 +31,7 @@ fn a_green_context_takes_a_contexts_memory_and_gives_it_back() {
     child.write_stdin("destroy\n");
     let destroyed = child.expect_line(&["DESTROYED"], TIMEOUT);
     assert_eq!(destroyed, "DESTROYED 201", "its CUcontext is gone: CUDA_ERROR_INVALID_CONTEXT");
-    let held = held_by(&gpu, child.pid());
+    let held = gpu.listed_holding(child.pid(), 0);
     assert_eq!(held, None, "destroyed, it gives everything back and NVML lists the process no more");
     child.close_stdin();
     child.expect_line(&["DONE"], TIMEOUT);
@@ -60,6 +50,6 @@ fn a_green_context_that_does_not_fit_is_refused() {
     assert_eq!(fields, [GIB / OVERHEAD, 2], "16 of 64 MiB fill 1 GiB; the 17th: CUDA_ERROR_OUT_OF_MEMORY");
     child.expect_line(&["DONE"], TIMEOUT);
     child.expect_exit_code(0);
-    let held = held_by(&gpu, child.pid());
+    let held = gpu.listed_holding(child.pid(), 0);
     assert!(held.is_none(), "all given back, got {:?}", held.map(mib));
 }

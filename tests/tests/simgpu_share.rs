@@ -16,11 +16,7 @@ const SIMULATOR: &str = "reads what each process holds from simgpu's device stat
 
 /// The device's figures: what each of `pids` holds on device 0, and the device's total.
 fn figures(gpu: &SimGpu, pids: &[u32]) -> (Vec<u64>, u64) {
-    let machine = simgpu_state::Machine::open(
-        gpu.state_path().to_str().expect("a UTF-8 path"),
-        &simgpu_state::parse_device_list(gpu.devices()).expect("a device list"),
-    )
-    .expect("the simulated machine");
+    let machine = gpu.device_state();
     let list = machine.processes(0);
     let held = pids.iter().map(|&pid| list.iter().filter(|p| p.pid == pid).map(|p| p.used).sum()).collect();
     (held, machine.used(0))

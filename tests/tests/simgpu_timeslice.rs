@@ -20,7 +20,6 @@ use serde_json::Value;
 use simgpu_state::Machine;
 
 const SIMULATOR: &str = "measures simgpu's own time-slicing through its shared state";
-const DEVICE_BYTES: u64 = 1 << 30;
 
 static TURN: Mutex<()> = Mutex::new(());
 
@@ -34,7 +33,7 @@ fn sim() -> SimGpu {
 
 /// The machine the test's processes share, opened (not joined) by the test.
 fn machine(sim: &SimGpu) -> Machine {
-    Machine::open(sim.state_path().to_str().expect("utf-8 path"), &[DEVICE_BYTES]).expect("open the machine")
+    sim.device_state()
 }
 
 fn flood_command(sim: &SimGpu, kernel_us: u64, depth: u32, seconds: f64) -> Command {

@@ -185,14 +185,6 @@ fn a_swapped_out_process_that_allocates_waits_for_its_swap_in_not_its_wait_timeo
     a.finish();
 }
 
-/// What the device reports process `pid` holding on device 0: its own count, not
-/// gpufrac's.
-fn device_figure(gpu: &SimGpu, pid: u32) -> u64 {
-    let machine = simgpu_state::Machine::open(gpu.state_path().to_str().expect("a UTF-8 path"), &[4 * GIB])
-        .expect("open simgpu's state");
-    machine.processes(0).iter().filter(|p| p.pid == pid).map(|p| p.used).sum()
-}
-
 /// An allocation made while the process's swap-in is under way is not taken out of the
 /// swap-in's grant: it asks for its own. (The grant was counted before the swap-in had
 /// mapped it, and an allocation in that window fitted under it: the process then held
@@ -215,13 +207,13 @@ fn an_allocation_during_a_swap_in_does_not_take_the_swap_ins_memory() {
     let mut b = requester(&gpu, &arbiter, &gb, "30s");
     b.ready();
     wait_for(&arbiter, "A swapped out", |s| process(s, &ga).is_some_and(|p| p.host_bytes >= SMALL * COUNT));
-    let swapped_out = device_figure(&gpu, a.pid());
+    let swapped_out = gpu.held_by(a.pid(), 0);
     // B leaves: A is offered its memory back. A allocates once the device shows its
     // swap-in mapping.
     b.close_stdin();
     b.finish();
     let started = Instant::now();
-    while device_figure(&gpu, a.pid()) == swapped_out && started.elapsed() < TIMEOUT {
+    while gpu.held_by(a.pid(), 0) == swapped_out && started.elapsed() < TIMEOUT {
         std::thread::sleep(Duration::from_millis(2));
     }
     a.write_stdin(&format!("alloc {}\n", 64 * MIB));
@@ -230,7 +222,7 @@ fn an_allocation_during_a_swap_in_does_not_take_the_swap_ins_memory() {
     let s = wait_for(&arbiter, "A back in", |s| state(s, &ga) == "running");
     let pa = process(&s, &ga).unwrap();
     let lent = pa.request + pa.granted;
-    let on_device = device_figure(&gpu, a.pid());
+    let on_device = gpu.held_by(a.pid(), 0);
     assert!(
         on_device <= lent,
         "A holds {} on the device, more than the {} it was lent (request and grants): {pa:?}",
