@@ -192,8 +192,8 @@ pub(crate) fn wake(e: &'static Enforcer, client: &Client) {
                     (0, Duration::ZERO)
                 } else {
                     let bytes = crate::swap::host_bytes(slice.ledger);
-                    let charged = crate::swap::charge_swap_in(e, slice.ledger, bytes, granted);
-                    crate::swap::swap_in(e, &slice, charged)
+                    crate::swap::charge_swap_in(e, slice.ledger, bytes, granted);
+                    crate::swap::swap_in(e, &slice, bytes)
                 };
                 devices().remove(&device);
                 let held = e.ledger.held_by_me(slice.ledger);

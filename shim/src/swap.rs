@@ -263,8 +263,8 @@ fn come_back(e: &'static Enforcer, client: &Client) {
                 }
             }
         };
-        let charged = charge_swap_in(e, device, bytes, granted);
-        let (moved, took) = swap_in(e, &slice, charged);
+        charge_swap_in(e, device, bytes, granted);
+        let (moved, took) = swap_in(e, &slice, bytes);
         tracing::info!(bytes = moved, ms = took.as_millis() as u64, "swapped burst memory back in");
         client.send_until_delivered(&report(e, &slice, SwapDirection::In, moved, took));
     }
@@ -275,11 +275,10 @@ fn come_back(e: &'static Enforcer, client: &Client) {
 /// finds no room in the grant. Had it taken some, the swap-in would map the rest of what
 /// the group was lent, and the allocation would find the device full. Counted held, the
 /// grant is also not unused, and a reclaim meanwhile (a burst waits) does not take it
-/// back. Returns what was charged, for [`swap_in`].
-pub(crate) fn charge_swap_in(e: &Enforcer, device: usize, bytes: u64, granted: u64) -> u64 {
+/// back. [`swap_in`] is then told `bytes` as what was charged.
+pub(crate) fn charge_swap_in(e: &Enforcer, device: usize, bytes: u64, granted: u64) {
     e.ledger.force_charge(device, bytes);
     e.ledger.add_granted(device, granted);
-    bytes
 }
 
 /// Whether the device of `slice` has `bytes` free now, as the driver counts (read in the
