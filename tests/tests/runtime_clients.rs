@@ -8,7 +8,9 @@
 //! device (16 GiB bare, its 4 GiB slice under the shim), allocate to exactly its room on
 //! every path (`cudaMalloc`, `cudaMallocAsync`, CuPy's memory pool and its stream-ordered
 //! pool) and stop there with its own out-of-memory error, round-trip data, and never reach
-//! a private-table slot simgpu does not implement.
+//! a private-table slot simgpu does not implement. CuPy's arrays also go through the swap
+//! resolver: moved to host RAM for another process's burst and back, bit for bit, at the
+//! same addresses (`cupy_swapped.py`).
 //!
 //! The checks are the Python scripts `tests/clients/cudart_check.py` and `cupy_check.py`;
 //! this file starts them with the expectations in `CLIENT_*` variables and reads their
@@ -29,7 +31,11 @@ use std::process::Command;
 use gpufrac_e2e::clients::{
     self, gpu, python_with, root, Leased, Under, CHUNK, DEVICE, INSTALL, LIMIT, OVERHEAD,
 };
-use gpufrac_e2e::{report_skip, skip_on_real_gpu, unique, Skip};
+use gpufrac_e2e::size::{mib, MIB};
+use gpufrac_e2e::{
+    compile_c, report_skip, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
+    Skip, TIMEOUT,
+};
 
 /// What simgpu writes on stderr when the runtime asks for a table or calls a slot it
 /// does not implement (`export_tables.rs`).
@@ -131,6 +137,81 @@ fn cupy_shimmed() {
     let lines = passes(client(&gpu, "cupy_check.py", true));
     assert_eq!(value(&lines, "device", "total"), LIMIT);
     filled_the_room(&lines, LIMIT, &["MemoryPool", "MemoryAsyncPool"]);
+}
+
+/// CuPy's arrays in a process whose burst memory the swap resolver takes for another's
+/// burst: moved to host RAM while CuPy sleeps, brought back when it copies them out, every
+/// byte where it was and every array at its address. The arrays come from CuPy's memory
+/// pool through the CUDA runtime (`cuGetProcAddress`'s hooks, not the linked ones), so
+/// this is the swap path as an inference server built on a runtime meets it.
+#[test]
+fn cupy_arrays_swapped_out_for_another_burst_come_back_bit_for_bit_at_their_addresses() {
+    skip_on_real_gpu!("the holder and the requester are sized to collide on a 2 GiB simgpu device");
+    const PIECE: u64 = 128 * MIB;
+    const PIECES: u64 = 8;
+    // 2 GiB, 64 MiB contexts: CuPy holds 1 GiB (half of it lent above its 512 MiB request)
+    // and the requester's 1 GiB only fits once that loan is in host RAM.
+    let gpu = SimGpu::new("2GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start_at(&gpu, gpu.lib_dir().join("cs.sock"), &["--swap-quantum", "0s"]);
+    let (holder_group, burst_group) = (unique("cupy-holder"), unique("burst"));
+    let swapping = |cmd: &mut Command, group: &str| {
+        cmd.memory_request("512MiB")
+            .memory_limit("1536MiB")
+            .resolver("swap")
+            .arbiter_socket(arbiter.socket())
+            .group(group)
+            .wait_timeout("30s");
+    };
+    let python = python_with(".venv", "cupy", INSTALL);
+    let mut cmd = gpu.shimmed(&python);
+    cmd.arg(root().join("tests/clients/cupy_swapped.py"))
+        .env("CLIENT_PIECE", PIECE.to_string())
+        .env("CLIENT_PIECES", PIECES.to_string())
+        .env_remove("PYTHONPATH");
+    swapping(&mut cmd, &holder_group);
+    let mut cupy = ChildProcess::spawn(&mut cmd);
+    assert_eq!(cupy.ready()[1], PIECE * PIECES);
+    let ptrs = cupy.expect_line(&["PTRS"], TIMEOUT);
+
+    let mut cmd = gpu.shimmed(compile_c("alloc_paths.c", &["MODE_DLSYM"], false));
+    cmd.args(["alloc", &(32 * MIB).to_string(), &(1024 * MIB).to_string()]);
+    swapping(&mut cmd, &burst_group);
+    let mut burst = ChildProcess::spawn(&mut cmd);
+    let got = burst.ready()[0];
+    assert_eq!(got, 1024 * MIB, "the requester's whole burst ({})", mib(got));
+    let s = wait_for(&arbiter, "CuPy's loan in host RAM", |s| {
+        s.gpus[0]
+            .processes
+            .iter()
+            .any(|p| p.group == holder_group && p.state == "swapped" && p.host_bytes > 0)
+    });
+    let swapped = s.gpus[0].processes.iter().find(|p| p.group == holder_group).map_or(0, |p| p.host_bytes);
+    assert!(swapped >= 3 * PIECE, "at least CuPy's lent arrays are in host RAM: {}", mib(swapped));
+
+    // CuPy copies its arrays out: it waits at the gate until the requester is done and its
+    // memory is back on the device.
+    cupy.write_stdin("check\n");
+    burst.finish();
+    let verdict = cupy.expect_line(&["INTACT", "CORRUPT"], TIMEOUT);
+    let addresses = ptrs.strip_prefix("PTRS ").expect("a PTRS line");
+    assert_eq!(
+        verdict,
+        format!("INTACT {} PTRS {addresses}", PIECE * PIECES),
+        "CuPy's arrays after the swap-in"
+    );
+    wait_for(&arbiter, "CuPy back in", |s| {
+        s.gpus[0]
+            .processes
+            .iter()
+            .any(|p| p.group == holder_group && p.state == "running" && p.host_bytes == 0)
+    });
+    cupy.close_stdin();
+    cupy.expect_line(&["OK"], TIMEOUT);
+    cupy.expect_exit_code(0);
+    let stderr = cupy.stderr_text();
+    assert!(!stderr.contains("Traceback") && !stderr.contains("panicked"), "{stderr}");
+    let log = arbiter.log_text();
+    assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
 }
 
 /// `script` in a group held to a compute share, beside a flood: it must pass as it does
