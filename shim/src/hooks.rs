@@ -67,7 +67,17 @@ macro_rules! hooks {
             $(
                 #[cfg_attr(not(test), no_mangle)]
                 pub extern "C" fn $iname($($iarg: $ity),*) -> Status {
-                    crate::ffi::guard(Lib::$ilib, || $imp($($iarg),*))
+                    crate::ffi::guard(Lib::$ilib, || {
+                        // Locked by the driver for a checkpoint park, a call that goes
+                        // on to the driver would block there: it waits for the wake
+                        // first (gated calls wait at the gate).
+                        if Lib::$ilib == Lib::Cuda && crate::thunks::held() {
+                            if let Err(status) = crate::thunks::wait_until_released() {
+                                return status;
+                            }
+                        }
+                        $imp($($iarg),*)
+                    })
                 }
             )*
             $(

@@ -53,6 +53,7 @@ mod real;
 pub mod records;
 mod state;
 mod swap;
+mod thunks;
 
 pub use ffi::{CUdeviceptr, Status};
 pub use real::Lib;

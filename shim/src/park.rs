@@ -142,6 +142,9 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
     let held = e.ledger.held_by_me(slice.ledger);
     let took = started.elapsed();
     if checkpoint {
+        // From here the driver may lock the process: calls the shim does not hook wait
+        // for the wake in their thunks rather than block inside the driver.
+        crate::thunks::set_held(true);
         tracing::info!(held, "parking: gate closed for the driver's checkpoint");
     } else {
         tracing::info!(
@@ -188,6 +191,8 @@ pub(crate) fn wake(e: &'static Enforcer, client: &Client) {
         match client.wake(device, e.config.wait_timeout) {
             Ok(granted) => {
                 let (moved, took) = if checkpoint {
+                    // The arbiter restored and unlocked the process before granting.
+                    crate::thunks::set_held(false);
                     e.ledger.add_granted(slice.ledger, granted);
                     (0, Duration::ZERO)
                 } else {
@@ -223,7 +228,10 @@ pub(crate) fn wake(e: &'static Enforcer, client: &Client) {
 
 /// The arbiter says this process is not parked on `device` (a park it gave up).
 pub(crate) fn unparked(device: DeviceId) {
-    if devices().remove(&device).is_some() {
+    if let Some(checkpoint) = devices().remove(&device) {
+        if checkpoint {
+            crate::thunks::set_held(false);
+        }
         tracing::info!("not parked any more: the arbiter gave the park up");
     }
     open_if_awake();

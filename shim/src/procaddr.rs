@@ -26,6 +26,14 @@ fn substitute(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulo
     if let ProcQuery::Found(exported) = resolve(name, version, flags) {
         if let Some(hook) = lookup(exported) {
             write(pfn, hook);
+            return;
+        }
+    }
+    // In a parkable process, what the shim does not hook waits for the wake while the
+    // driver holds the process for a checkpoint park (thunks.rs).
+    if name.starts_with("cu") && crate::state::enforcer_any().is_some_and(|e| e.config.park_after.is_some()) {
+        if let Some(thunk) = crate::ffi::read(pfn).and_then(crate::thunks::thunk_for) {
+            write(pfn, thunk);
         }
     }
 }

@@ -214,6 +214,96 @@ fn cupy_arrays_swapped_out_for_another_burst_come_back_bit_for_bit_at_their_addr
     assert!(log.contains("swapped out") && log.contains("swapped in"), "{log}");
 }
 
+/// Two CuPy "models" that are parkable, on a GPU that holds one: the second is admitted
+/// parked and loads once the first, idle, is parked for it (`mechanism`: the shim's swap or
+/// the driver's checkpoint); then the first reads its arrays back, which wakes it (the
+/// second, idle by then, is parked in turn), and finds every byte at its address. The
+/// CUDA runtime's first call after a park is one the shim does not hook (`cudaGetDevice`
+/// asks `cuCtxGetDevice`): locked by the driver's checkpoint, it blocked there for ever
+/// until the shim handed out thunks for unhooked entry points; and a model woken after
+/// its `GPUFRAC_PARK_AFTER` of restoring was parked again before its call ran, so the two
+/// parked each other in turn.
+fn cupy_models_take_turns(mechanism: &str) {
+    const PIECE: u64 = 64 * MIB;
+    const PIECES: u64 = 8;
+    let gpu = SimGpu::new("1GiB").with_context_overhead("64MiB");
+    let arbiter = Arbiter::start_at(
+        &gpu,
+        gpu.lib_dir().join("cp.sock"),
+        &["--oversubscribe", "2", "--park-with", mechanism],
+    );
+    let python = python_with(".venv", "cupy", INSTALL);
+    let model = |group: &str| {
+        let mut cmd = gpu.shimmed(&python);
+        cmd.arg(root().join("tests/clients/cupy_swapped.py"))
+            .env("CLIENT_PIECE", PIECE.to_string())
+            .env("CLIENT_PIECES", PIECES.to_string())
+            .env_remove("PYTHONPATH")
+            .memory_request("640MiB")
+            .park_after("300ms")
+            .arbiter_socket(arbiter.socket())
+            .group(group)
+            .wait_timeout("120s")
+            .log("info");
+        let mut child = ChildProcess::spawn(&mut cmd);
+        assert_eq!(child.ready()[1], PIECE * PIECES);
+        let ptrs = child.expect_line(&["PTRS"], TIMEOUT);
+        (child, ptrs)
+    };
+    let (first_group, second_group) = (unique("cupy-first"), unique("cupy-second"));
+    let (mut first, first_ptrs) = model(&first_group);
+    // Loads only once the first has been parked for it.
+    let (mut second, second_ptrs) = model(&second_group);
+    let s = gpufrac_e2e::status(&arbiter);
+    let state = |s: &gpufrac_daemon::status::Status, group: &str| {
+        s.gpus[0].processes.iter().find(|p| p.group == group).map(|p| (p.state.clone(), p.parks))
+    };
+    assert_eq!(
+        state(&s, &first_group).map(|(_, parks)| parks >= 1),
+        Some(true),
+        "the first was parked: {s:?}"
+    );
+
+    // The first's read-back wakes it: the second, idle, is parked for it.
+    for (model, ptrs, group) in
+        [(&mut first, &first_ptrs, &first_group), (&mut second, &second_ptrs, &second_group)]
+    {
+        model.write_stdin("check\n");
+        let verdict = model.expect_line(&["INTACT", "CORRUPT"], TIMEOUT);
+        let addresses = ptrs.strip_prefix("PTRS ").expect("a PTRS line");
+        assert_eq!(verdict, format!("INTACT {} PTRS {addresses}", PIECE * PIECES), "{group} after its wake");
+    }
+    let s = gpufrac_e2e::status(&arbiter);
+    assert_eq!(
+        state(&s, &second_group).map(|(_, parks)| parks >= 1),
+        Some(true),
+        "the second was parked: {s:?}"
+    );
+    for model in [&mut first, &mut second] {
+        model.close_stdin();
+        model.expect_line(&["OK"], TIMEOUT);
+        model.expect_exit_code(0);
+        let stderr = model.stderr_text();
+        assert!(!stderr.contains("Traceback") && !stderr.contains("panicked"), "{stderr}");
+    }
+    let how =
+        if mechanism == "checkpoint" { "parked by the driver's checkpoint" } else { "parked by the shim" };
+    let log = arbiter.log_text();
+    assert!(log.contains(how), "parks used {mechanism}:\n{log}");
+}
+
+#[test]
+fn cupy_models_take_turns_parked_by_the_shim() {
+    skip_on_real_gpu!("two CuPy models are sized to take turns on a 1 GiB simgpu device");
+    cupy_models_take_turns("shim");
+}
+
+#[test]
+fn cupy_models_take_turns_parked_by_the_driver_checkpoint() {
+    skip_on_real_gpu!("two CuPy models are sized to take turns on a 1 GiB simgpu device");
+    cupy_models_take_turns("checkpoint");
+}
+
 /// `script` in a group held to a compute share, beside a flood: it must pass as it does
 /// alone, while its copies, sets and synchronizes wait for its group's leases.
 fn leased(script: &str) -> Vec<String> {

@@ -553,6 +553,37 @@ mod tests {
     }
 
     #[test]
+    fn a_model_just_woken_is_not_parked_for_the_next_wake_before_its_call_runs() {
+        let now = Instant::now();
+        let (mut p, _) = models(4);
+        idle_since(&mut p, now, Duration::from_secs(5));
+        // m1 is parked ahead of time for m4's wake; m2 and m3 stay busy.
+        let orders = p.plan_parks(now);
+        assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [1]);
+        p.parked(1, GPU, GIB, 0, now);
+        let busy = |p: &mut Policy, at: Instant| {
+            for conn in [2, 3] {
+                p.peers.get_mut(&conn).unwrap().last_active = at;
+            }
+        };
+        assert_eq!(p.wake(4, GPU, 1, now), WakeOutcome::Woken { bytes: 0, restore: false });
+        // Its memory takes 1.5 s to come back, longer than its GPUFRAC_PARK_AFTER (1 s).
+        let back = now + Duration::from_millis(1500);
+        busy(&mut p, back);
+        p.woken(4, GPU, Some(MODEL), back);
+        // Room for m1's next wake is wanted, but m4 was woken for a call that has not run
+        // yet: it is not idle, though its last launch was 6.5 s ago.
+        let orders = p.plan_parks(back + Duration::from_millis(10));
+        assert!(orders.is_empty(), "{orders:?}");
+        assert_eq!(state(&p, 4), "running");
+        // Idle for its GPUFRAC_PARK_AFTER after the wake, it may be parked again.
+        let later = back + Duration::from_secs(2);
+        busy(&mut p, later);
+        let orders = p.plan_parks(later);
+        assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [4]);
+    }
+
+    #[test]
     fn a_firm_request_has_parkable_groups_parked_busy_or_not_and_owes_no_borrower() {
         let now = Instant::now();
         let (mut p, _) = models(3);

@@ -137,6 +137,7 @@ impl Policy {
     ) -> Vec<WakeAnswer> {
         let Some((gpu, group)) = self.member_gpu(conn, &device) else { return Vec::new() };
         let total = gpu.total;
+        let mut back = false;
         if let Some(g) = gpu.groups.get_mut(&group) {
             if let Some(m) = g.members.get_mut(&conn).filter(|m| m.park == MemberPark::Waking) {
                 m.park = MemberPark::Resident;
@@ -145,9 +146,18 @@ impl Policy {
                 if let Some(asked) = m.wake_asked.take() {
                     g.last_wake = now.saturating_duration_since(asked);
                 }
+                back = true;
             }
         }
-        Self::drain_wakers(device, gpu, now)
+        let answers = Self::drain_wakers(device, gpu, now);
+        // Woken for a call that waits: active from now, whatever it did before its park
+        // (it stood at its gate meanwhile). Taken for idle, it was parked again for the
+        // next wake before its call ran, and two models that fit one at a time parked
+        // each other for ever.
+        if let Some(peer) = self.peers.get_mut(&conn).filter(|_| back) {
+            peer.last_active = peer.last_active.max(now);
+        }
+        answers
     }
 
     /// Whether `conn` was told to park on `device` and has not answered.
