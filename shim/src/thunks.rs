@@ -60,6 +60,7 @@ pub(crate) fn wait_until_released() -> Result<(), Status> {
 
 /// The thunks' slow path, called with the caller's argument registers saved: 0 to go on
 /// into the driver, else the status to return. Never unwinds into the assembly.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 extern "C" fn thunk_wait() -> Status {
     std::panic::catch_unwind(wait_until_released).map_or(SUCCESS, |r| r.err().unwrap_or(SUCCESS))
 }
