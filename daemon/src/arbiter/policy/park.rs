@@ -533,15 +533,21 @@ mod tests {
         assert_eq!(state(&p, 4), "parked");
     }
 
-    #[test]
-    fn room_is_kept_for_the_next_wake_while_groups_are_parked() {
-        let now = Instant::now();
+    /// Four models idle for 5 s, m4 admitted parked: nobody asks yet, but m1, the least
+    /// recently active, is parked ahead of time for m4's wake.
+    fn m1_parked_ahead_of_m4(now: Instant) -> Policy {
         let (mut p, _) = models(4);
         idle_since(&mut p, now, Duration::from_secs(5));
-        // Nobody asks yet, but m4 is parked: one idle model is parked ahead of time.
         let orders = p.plan_parks(now);
         assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [1]);
         p.parked(1, GPU, GIB, 0, now);
+        p
+    }
+
+    #[test]
+    fn room_is_kept_for_the_next_wake_while_groups_are_parked() {
+        let now = Instant::now();
+        let mut p = m1_parked_ahead_of_m4(now);
         // Now m4's wake is served at once; while its memory comes back nothing else is
         // parked (the copy it waits for has the host to itself), then the next idle model
         // (m2) is parked ahead of m1's next wake.
@@ -555,12 +561,8 @@ mod tests {
     #[test]
     fn a_model_just_woken_is_not_parked_for_the_next_wake_before_its_call_runs() {
         let now = Instant::now();
-        let (mut p, _) = models(4);
-        idle_since(&mut p, now, Duration::from_secs(5));
-        // m1 is parked ahead of time for m4's wake; m2 and m3 stay busy.
-        let orders = p.plan_parks(now);
-        assert_eq!(orders.iter().map(|o| o.conn).collect::<Vec<_>>(), [1]);
-        p.parked(1, GPU, GIB, 0, now);
+        // m2 and m3 stay busy from here on.
+        let mut p = m1_parked_ahead_of_m4(now);
         let busy = |p: &mut Policy, at: Instant| {
             for conn in [2, 3] {
                 p.peers.get_mut(&conn).unwrap().last_active = at;
