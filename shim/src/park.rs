@@ -41,6 +41,10 @@ static ALLOCATING: AtomicU64 = AtomicU64::new(0);
 /// The devices this process is parked on, and whether the arbiter checkpointed it there.
 static DEVICES: Mutex<BTreeMap<DeviceId, bool>> = Mutex::new(BTreeMap::new());
 
+/// How long a checkpoint park waits, once calls the shim does not hook are held back,
+/// for one that passed just before to reach the driver.
+const THUNK_SETTLE: Duration = Duration::from_millis(5);
+
 /// How long a park waits for allocations under way before it declines (the group is not
 /// idle after all).
 const ALLOCATIONS_GRACE: Duration = Duration::from_millis(200);
@@ -143,8 +147,11 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
     let took = started.elapsed();
     if checkpoint {
         // From here the driver may lock the process: calls the shim does not hook wait
-        // for the wake in their thunks rather than block inside the driver.
+        // for the wake in their thunks rather than block inside the driver. A call that
+        // looked just before cannot be counted (a thunk jumps on, it does not return
+        // here): a moment lets it reach the driver before the lock, which waits for it.
         crate::thunks::set_held(true);
+        std::thread::sleep(THUNK_SETTLE);
         tracing::info!(held, "parking: gate closed for the driver's checkpoint");
     } else {
         tracing::info!(
@@ -185,6 +192,9 @@ pub(crate) fn wake(e: &'static Enforcer, client: &Client) {
     for (device, checkpoint) in parked {
         let Some(slice) = e.slice_by_uuid(&device) else {
             devices().remove(&device);
+            if checkpoint {
+                crate::thunks::set_held(false);
+            }
             continue;
         };
         let asked = Instant::now();

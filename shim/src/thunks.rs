@@ -22,7 +22,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::ffi::{Status, SUCCESS};
+use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 
 type Ptr = *mut std::ffi::c_void;
 
@@ -62,7 +62,8 @@ pub(crate) fn wait_until_released() -> Result<(), Status> {
 /// into the driver, else the status to return. Never unwinds into the assembly.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 extern "C" fn thunk_wait() -> Status {
-    std::panic::catch_unwind(wait_until_released).map_or(SUCCESS, |r| r.err().unwrap_or(SUCCESS))
+    // A wait that panicked must not let the call into the locked driver: it fails instead.
+    std::panic::catch_unwind(wait_until_released).map_or(OUT_OF_MEMORY, |r| r.err().unwrap_or(SUCCESS))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -238,5 +239,24 @@ mod tests {
         set_held(false);
         crate::gate::notify_waiters();
         assert_eq!(held_result.join().unwrap(), expected);
+    }
+
+    extern "C" fn minus(a: u64, b: u64) -> Status {
+        (a as i64 - b as i64) as Status
+    }
+
+    type Minus = extern "C" fn(u64, u64) -> Status;
+
+    #[test]
+    fn each_thunk_jumps_to_its_own_function_the_last_one_too() {
+        let other = thunk_for(minus as Minus as Ptr).expect("a thunk");
+        // SAFETY: the thunk jumps to `minus`, whose signature this is.
+        assert_eq!(unsafe { std::mem::transmute::<Ptr, Minus>(other) }(9, 4), 5);
+        // The last thunk, the farthest from the common part: its index and its jump.
+        x86_64::TARGETS[THUNKS - 1].store(minus as Minus as Ptr, Ordering::Release);
+        let last = x86_64::thunk(THUNKS - 1);
+        // SAFETY: as above; TARGETS[THUNKS - 1] is `minus`.
+        assert_eq!(unsafe { std::mem::transmute::<Ptr, Minus>(last) }(20, 7), 13);
+        x86_64::TARGETS[THUNKS - 1].store(std::ptr::null_mut(), Ordering::Release);
     }
 }
