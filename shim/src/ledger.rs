@@ -102,8 +102,9 @@ const LEDGER_SUFFIX: &str = ledgers::SUFFIX;
 /// How long an exiting member waits for the table (held for microseconds by joiners and
 /// by members leaving at the same moment) before leaving the file to the next sweep. Only
 /// a holder stalled meanwhile makes it wait: 10 ms was too little for a member that
-/// left at the same moment on a loaded machine (1 round in about 3,000 of
-/// `leftovers.rs`, in a loaded run of the whole suite), and the file stayed.
+/// left at the same moment on a loaded machine (round 3 of `leftovers.rs`'s 20, in one
+/// loaded run of the whole suite; not reproduced alone beside busy loops), and the file
+/// stayed.
 const LEAVE_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn file_name(group: &str) -> String {
