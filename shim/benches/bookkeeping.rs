@@ -6,7 +6,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use gpufrac_core::ledger::Ledger;
-use gpufrac_core::records::{Path, Record, Records};
+use gpufrac_core::records::{Context, Path, Record, Records};
 
 fn time(name: &str, n: u64, mut f: impl FnMut(u64)) {
     let mut best = f64::MAX;
@@ -51,5 +51,5 @@ fn main() {
 }
 
 fn rec() -> Record {
-    Record { bytes: 4096, device: 0, context: Some(0), path: Path::Linear, above_request: false }
+    Record { bytes: 4096, device: 0, context: Context::Unresolved, path: Path::Linear, above_request: false }
 }

@@ -371,26 +371,22 @@ fn after_primary_change(dev: c_int, status: Status) -> Status {
 }
 
 pub(crate) fn primary_release(dev: c_int) -> Status {
-    // Before the driver may destroy it: its streams are not watched any more.
-    crate::compute::forget_streams();
+    before_teardown();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease_v2(dev)))
 }
 
 pub(crate) fn primary_reset(dev: c_int) -> Status {
-    // Before the driver may destroy it: its streams are not watched any more.
-    crate::compute::forget_streams();
+    before_teardown();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset_v2(dev)))
 }
 
 pub(crate) fn primary_release_v1(dev: c_int) -> Status {
-    // Before the driver may destroy it: its streams are not watched any more.
-    crate::compute::forget_streams();
+    before_teardown();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxRelease(dev)))
 }
 
 pub(crate) fn primary_reset_v1(dev: c_int) -> Status {
-    // Before the driver may destroy it: its streams are not watched any more.
-    crate::compute::forget_streams();
+    before_teardown();
     after_primary_change(dev, call_real!(cuDevicePrimaryCtxReset(dev)))
 }
 
@@ -479,7 +475,13 @@ fn green_context_handle(green: Ptr) -> u64 {
 }
 
 pub(crate) fn green_ctx_destroy(green: Ptr) -> Status {
-    let ctx = if enforcer().is_some() { green_context_handle(green) } else { 0 };
+    let ctx = match enforcer() {
+        Some(e) => {
+            e.resolve_contexts();
+            green_context_handle(green)
+        }
+        None => 0,
+    };
     destroyed(ctx as Ptr, call_real!(cuGreenCtxDestroy(green)))
 }
 
@@ -489,13 +491,22 @@ pub(crate) fn ctx_create_v1(ctx: *mut Ptr, flags: c_uint, dev: c_int) -> Status 
 }
 
 pub(crate) fn ctx_destroy_v1(ctx: Ptr) -> Status {
-    crate::compute::forget_streams();
+    before_teardown();
     destroyed(ctx, call_real!(cuCtxDestroy(ctx)))
 }
 
 pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
-    crate::compute::forget_streams();
+    before_teardown();
     destroyed(ctx, call_real!(cuCtxDestroy_v2(ctx)))
+}
+
+/// Before the driver may destroy a context: its streams are not watched any more, and
+/// every allocation's context is known (see `Enforcer::resolve_contexts`).
+fn before_teardown() {
+    crate::compute::forget_streams();
+    if let Some(e) = enforcer() {
+        e.resolve_contexts();
+    }
 }
 
 /// After the driver destroyed context `ctx`: what it held goes back.

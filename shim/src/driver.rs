@@ -27,6 +27,7 @@ real_fns! {
     Cuda cuDeviceGetUuid(*mut [u8; 16], c_int);
     Cuda cuCtxGetCurrent(*mut *mut c_void);
     Cuda cuCtxGetDevice(*mut c_int);
+    Cuda cuPointerGetAttribute(*mut c_void, c_int, u64);
     Cuda cuCtxGetLimit(*mut usize, c_int);
     Cuda cuDeviceGetAttribute(*mut c_int, c_int, c_int);
     Cuda cuDevicePrimaryCtxGetState(c_int, *mut c_uint, *mut c_int);

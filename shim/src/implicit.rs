@@ -14,7 +14,7 @@ use crate::context::{signed_delta, usage};
 use crate::driver::call;
 use crate::ffi::{read, Status, OUT_OF_MEMORY, SUCCESS};
 use crate::hooks::call_real;
-use crate::records::{Path, Record};
+use crate::records::{Context, Path, Record};
 use crate::state::{enforcer, refused, Current, Enforcer};
 
 type Ptr = *mut c_void;
@@ -185,7 +185,7 @@ fn load(out: *mut Ptr, what: &str, real: impl FnMut() -> Status, unload: impl Fn
             let record = Record {
                 bytes,
                 device: slice.ledger,
-                context: Some(cur.id),
+                context: Context::Tracked(cur.id),
                 path: Path::Module,
                 above_request: false,
             };

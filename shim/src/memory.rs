@@ -14,7 +14,7 @@ use crate::driver::call;
 use crate::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
 use crate::hooks::call_real;
 use crate::pools::{self, Target};
-use crate::records::{Path, Record};
+use crate::records::{Context, Path, Record};
 use crate::state::{enforcer, refused, Charge, Current, Enforcer};
 
 type Ptr = *mut c_void;
@@ -27,14 +27,14 @@ fn settle(
     charge: Charge,
     key: Option<u64>,
     path: Path,
-    ctx: Option<usize>,
+    context: Context,
 ) -> Status {
     match key.filter(|_| status == SUCCESS) {
         Some(key) => {
             let record = Record {
                 bytes: charge.bytes,
                 device: charge.device,
-                context: ctx,
+                context,
                 path,
                 above_request: charge.above_request,
             };
@@ -59,10 +59,15 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnMut() -> S
 /// `linear`, for an allocation ordered on `stream` when there is one: one made while the
 /// stream is being captured into a graph belongs to the graph and is never VMM-backed.
 ///
-/// The hot path of an allocation within the request: the enforcer (two loads), the park
-/// check (one relaxed load), the current context (`cuCtxGetCurrent` and a scan of the
-/// tracked handles), one ledger addition, the driver, one record claimed. No lock, no
-/// system call, no time read, no logging unless refused.
+/// The hot path, an allocation within what the group may hold now in a process with one
+/// device that cannot be parked: the enforcer (two loads), the park flag (one load), one
+/// ledger addition, the driver, one record claimed. No lock, no system call, no time read,
+/// no logging, and no call to the driver but the allocation. The device to charge is the
+/// process's one device, so the current context is not asked (that call was 40 of the
+/// ~110 ns the shim added to a pair on simgpu); which context the allocation belongs to is
+/// asked only before a context may be torn down (`Context::Unresolved`). Everything else
+/// (more devices, a charge that does not fit, a burst that swap may back, a parkable
+/// process) is out of line, so that the hot path is a few cache lines of code.
 #[inline(always)]
 fn stream_ordered(
     bytes: u64,
@@ -70,6 +75,33 @@ fn stream_ordered(
     stream: Option<Ptr>,
     out: *mut CUdeviceptr,
     mut real: impl FnMut() -> Status,
+) -> Status {
+    if let Some(e) = enforcer().filter(|_| !crate::park::parkable()) {
+        if let Some(ordinal) = e.sole_ordinal() {
+            if let Some(charge) = e.charge_quick(ordinal, bytes) {
+                // Swap backs only bursts (`swap::backs`), and only with an arbiter.
+                if charge.above_request && e.arbiter.get().is_some() {
+                    return charged(e, ordinal, None, charge, path, stream, out, real);
+                }
+                let status = e.physical(&mut real);
+                return settle(e, status, charge, read(out), path, Context::Unresolved);
+            }
+        }
+    }
+    stream_ordered_slow(bytes, path, stream, out, real)
+}
+
+/// `stream_ordered` off its hot path: the current context asked of the driver (it says
+/// which device to charge, and a call without one gets the driver's answer rather than
+/// a wait for memory), the park check, and the slow charge.
+#[cold]
+#[inline(never)]
+fn stream_ordered_slow(
+    bytes: u64,
+    path: Path,
+    stream: Option<Ptr>,
+    out: *mut CUdeviceptr,
+    real: impl FnMut() -> Status,
 ) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     let _allocating = match crate::park::allocating() {
@@ -81,18 +113,41 @@ fn stream_ordered(
         Ok(c) => c,
         Err(status) => return status,
     };
+    charged(e, ordinal, Some(id), charge, path, stream, out, real)
+}
+
+/// The rest of `stream_ordered` once `charge` is taken on device `ordinal` (in context
+/// `id`, asked here if not known yet): swap backs the allocation with the VMM API where it
+/// may, else the driver makes it.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn charged(
+    e: &Enforcer,
+    ordinal: usize,
+    id: Option<usize>,
+    charge: Charge,
+    path: Path,
+    stream: Option<Ptr>,
+    out: *mut CUdeviceptr,
+    mut real: impl FnMut() -> Status,
+) -> Status {
     // Swap backs allocations only in a process with an arbiter (`swap::backs`): without
     // one, not even asked.
-    if matches!(path, Path::Linear | Path::Pooled)
+    let swapped = matches!(path, Path::Linear | Path::Pooled)
         && !out.is_null()
         && e.arbiter.get().is_some()
         && crate::swap::backs(e, ordinal, &charge)
-        && !stream.is_some_and(crate::swap::capturing)
-    {
+        && !stream.is_some_and(crate::swap::capturing);
+    let Some(id) = id.or_else(|| e.current().map(|c| c.id)) else {
+        e.release(charge.device, charge.bytes);
+        return e.untracked(real);
+    };
+    if swapped {
         return crate::swap::allocate(e, ordinal, e.contexts.handle(id), charge, out);
     }
     let status = e.physical(&mut real);
-    settle(e, status, charge, read(out), path, Some(id))
+    settle(e, status, charge, read(out), path, Context::Tracked(id))
 }
 
 /// Inlined whole into its exported hook, as `mem_free` is: each hot path is then one
@@ -164,7 +219,7 @@ fn pitched(
             }
         }
     }
-    settle(e, status, charge, made().map(|(p, _)| p), Path::Pitched, Some(id))
+    settle(e, status, charge, made().map(|(p, _)| p), Path::Pitched, Context::Tracked(id))
 }
 
 /// The pre-3.2 entry points the real driver still exports, with 32-bit addresses and
@@ -182,7 +237,7 @@ pub(crate) fn mem_alloc_v1(dptr: *mut c_uint, size: c_uint) -> Status {
         Err(status) => return status,
     };
     let status = e.physical(real);
-    settle(e, status, charge, read(dptr).map(u64::from), Path::Linear, Some(id))
+    settle(e, status, charge, read(dptr).map(u64::from), Path::Linear, Context::Tracked(id))
 }
 
 pub(crate) fn mem_alloc_pitch_v1(
@@ -506,7 +561,7 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
         }
     }
     let path = if mipmapped { Path::Mipmapped } else { Path::Array };
-    settle(e, status, charge, handle.map(|h| h as u64), path, Some(id))
+    settle(e, status, charge, handle.map(|h| h as u64), path, Context::Tracked(id))
 }
 
 pub(crate) fn array_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {
@@ -635,7 +690,7 @@ pub(crate) fn mem_create(
     if let (SUCCESS, Some(h)) = (status, read(handle)) {
         book(e).handles.insert(h, (1, 0));
     }
-    settle(e, status, charge, read(handle), Path::Physical, None)
+    settle(e, status, charge, read(handle), Path::Physical, Context::Unbound)
 }
 
 pub(crate) fn mem_release(handle: c_ulonglong) -> Status {

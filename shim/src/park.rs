@@ -59,6 +59,7 @@ pub(crate) fn enable() {
 }
 
 /// Whether this process may be parked.
+#[inline]
 pub(crate) fn parkable() -> bool {
     PARKABLE.load(SeqCst)
 }

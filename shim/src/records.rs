@@ -50,6 +50,20 @@ impl Path {
     }
 }
 
+/// The context an allocation belongs to: the driver frees the allocation with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Context {
+    /// Tied to no context (physical memory, `cuMemCreate`).
+    Unbound,
+    /// The tracked context of this id (`Contexts`).
+    Tracked(usize),
+    /// The context that was current when it was made, not asked of the driver then: in a
+    /// process with one device, the allocation hooks do not ask (see
+    /// `memory::stream_ordered`). Asked only before a context may be torn down
+    /// (`Enforcer::resolve_contexts`), which turns it into `Tracked`.
+    Unresolved,
+}
+
 /// What is recorded of one allocation, packed into one word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Record {
@@ -57,8 +71,8 @@ pub struct Record {
     pub bytes: u64,
     /// The ledger's device index.
     pub device: usize,
-    /// The context it belongs to (its index in the context table), if any.
-    pub context: Option<usize>,
+    /// The context it belongs to.
+    pub context: Context,
     /// How it was made.
     pub path: Path,
     /// Whether any of it lies above the group's request.
@@ -70,9 +84,10 @@ pub struct Record {
 /// the overflow map.
 const BYTES_BITS: u32 = 40;
 const CONTEXT_BITS: u32 = 10;
-const NO_CONTEXT: u64 = (1 << CONTEXT_BITS) - 1;
-/// Contexts a record can name: every id below `NO_CONTEXT`.
-pub(crate) const MAX_RECORD_CONTEXTS: usize = NO_CONTEXT as usize;
+const UNBOUND: u64 = (1 << CONTEXT_BITS) - 1;
+const UNRESOLVED: u64 = UNBOUND - 1;
+/// Contexts a record can name: every id below `UNRESOLVED`.
+pub(crate) const MAX_RECORD_CONTEXTS: usize = UNRESOLVED as usize;
 
 impl Record {
     #[inline]
@@ -81,28 +96,40 @@ impl Record {
         (self.bytes & ((1 << BYTES_BITS) - 1))
             | ((self.device as u64 & 0xf) << 40)
             | ((self.path as u64) << 44)
-            | (self.context.map_or(NO_CONTEXT, |c| c as u64 & NO_CONTEXT) << 48)
+            | (match self.context {
+                Context::Unbound => UNBOUND,
+                Context::Unresolved => UNRESOLVED,
+                Context::Tracked(id) => id as u64 & UNBOUND,
+            } << 48)
             | ((self.above_request as u64) << 58)
             | (1 << 59)
     }
 
     #[inline]
     fn unpack(word: u64) -> Option<Record> {
-        let context = (word >> 48) & NO_CONTEXT;
+        let context = match (word >> 48) & UNBOUND {
+            UNBOUND => Context::Unbound,
+            UNRESOLVED => Context::Unresolved,
+            id => Context::Tracked(id as usize),
+        };
         Some(Record {
             bytes: word & ((1 << BYTES_BITS) - 1),
             device: ((word >> 40) & 0xf) as usize,
             path: Path::from_bits((word >> 44) & 0xf)?,
-            context: (context != NO_CONTEXT).then_some(context as usize),
+            context,
             above_request: (word >> 58) & 1 == 1,
         })
     }
 
     /// Whether this record fits the packed form (allocations below 1 TiB, a context id
-    /// below `NO_CONTEXT`).
+    /// below `MAX_RECORD_CONTEXTS`).
     #[inline]
     fn packable(&self) -> bool {
-        self.bytes < 1 << BYTES_BITS && self.context.is_none_or(|c| (c as u64) < NO_CONTEXT)
+        self.bytes < 1 << BYTES_BITS
+            && match self.context {
+                Context::Tracked(id) => id < MAX_RECORD_CONTEXTS,
+                Context::Unbound | Context::Unresolved => true,
+            }
     }
 }
 
@@ -261,6 +288,35 @@ impl Records {
         out
     }
 
+    /// Gives each record whose context is `Context::Unresolved` the context `context_of`
+    /// answers for its key (`None`: left as it is). A record freed meanwhile is left
+    /// alone: its word is replaced only if it is still the one read (not hot).
+    pub fn resolve(&self, context_of: impl Fn(u64) -> Option<usize>) {
+        for slot in self.slots.iter() {
+            let key = slot.key.load(Ordering::Acquire);
+            let word = slot.word.load(Ordering::Acquire);
+            // The word read belongs to this key only if the slot kept it all along.
+            if key == EMPTY || key == TOMBSTONE || slot.key.load(Ordering::Acquire) != key {
+                continue;
+            }
+            let Some(r) = Record::unpack(word).filter(|r| r.context == Context::Unresolved) else { continue };
+            let Some(id) = context_of(key) else { continue };
+            let resolved = Record { context: Context::Tracked(id), ..r };
+            if resolved.packable() {
+                // Fails only if the record was freed (or freed and made again) meanwhile.
+                let _ =
+                    slot.word.compare_exchange(word, resolved.pack(), Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+        for (&key, r) in self.overflow().iter_mut() {
+            if r.context == Context::Unresolved {
+                if let Some(id) = context_of(key) {
+                    r.context = Context::Tracked(id);
+                }
+            }
+        }
+    }
+
     /// Every live record (for queries and tests; not hot).
     pub fn snapshot(&self) -> Vec<(u64, Record)> {
         let mut out: Vec<(u64, Record)> = (0..=self.mask)
@@ -282,7 +338,8 @@ mod tests {
     use super::*;
 
     fn rec(bytes: u64, ctx: Option<usize>) -> Record {
-        Record { bytes, device: 3, context: ctx, path: Path::Pitched, above_request: true }
+        let context = ctx.map_or(Context::Unbound, Context::Tracked);
+        Record { bytes, device: 3, context, path: Path::Pitched, above_request: true }
     }
 
     #[test]
@@ -312,14 +369,44 @@ mod tests {
             let r = Record {
                 bytes: 1 << 39,
                 device: 15,
-                context: Some(ctx),
+                context: Context::Tracked(ctx),
                 path: Path::Module,
                 above_request: false,
             };
             t.insert(key, r);
             assert_eq!(t.get(key), Some(r), "context {ctx}");
         }
-        assert_eq!(t.drain_where(|r| r.context == Some(64)).len(), 1);
+        assert_eq!(t.drain_where(|r| r.context == Context::Tracked(64)).len(), 1);
+    }
+
+    #[test]
+    fn unresolved_contexts_round_trip_and_resolve_in_place() {
+        let t = Records::new(16);
+        let unresolved = |bytes| Record { context: Context::Unresolved, ..rec(bytes, None) };
+        // 40 records in a table of 16: some in the overflow map.
+        for k in 1..=40u64 {
+            t.insert(k * 4096, if k % 4 == 0 { rec(k, Some(1)) } else { unresolved(k) });
+        }
+        t.insert(1 << 60, rec(3, None));
+        assert_eq!(t.get(4096), Some(unresolved(1)));
+        // Keys below 20 pages were made in context 5, the others in 6; one the driver
+        // does not know stays unresolved.
+        t.resolve(|key| match key / 4096 {
+            7 => None,
+            k if k < 20 => Some(5),
+            _ => Some(6),
+        });
+        for k in 1..=40u64 {
+            let want = match k {
+                _ if k % 4 == 0 => rec(k, Some(1)),
+                7 => unresolved(7),
+                _ if k < 20 => rec(k, Some(5)),
+                _ => rec(k, Some(6)),
+            };
+            assert_eq!(t.get(k * 4096), Some(want), "record {k}");
+        }
+        assert_eq!(t.get(1 << 60), Some(rec(3, None)), "an unbound record is no context's");
+        assert_eq!(t.drain_where(|r| r.context == Context::Tracked(5)).len(), 14);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::arbiter::{Client, NotGranted, Registration};
 use crate::driver::call;
 use crate::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::ledger::Ledger;
-use crate::records::Records;
+use crate::records::{Context, Records};
 use gpufrac_common::protocol::Denial;
 
 /// The least time a guaranteed or granted allocation waits for its memory with an arbiter:
@@ -269,7 +269,10 @@ pub(crate) struct Enforcer {
     pub physical: Records,
     /// Loaded modules and libraries by handle: their code and globals.
     pub modules: Records,
-    pub contexts: Contexts,
+    /// Boxed: 21 KiB of handles, which would otherwise put the allocation hooks' fields
+    /// on pages apart (each page one more TLB entry to find again after the driver's
+    /// system calls).
+    pub contexts: Box<Contexts>,
     pub vmm: Mutex<crate::memory::VmmBook>,
     /// Stream-ordered memory pools and their allocations.
     pub pools: crate::pools::PoolBook,
@@ -326,7 +329,7 @@ impl Enforcer {
             arrays: Records::new(1 << 12),
             physical: Records::new(1 << 14),
             modules: Records::new(1 << 10),
-            contexts: Contexts::new(),
+            contexts: Box::new(Contexts::new()),
             vmm: Mutex::new(Default::default()),
             pools: Default::default(),
             backstop: Default::default(),
@@ -565,6 +568,37 @@ impl Enforcer {
         }
     }
 
+    /// The CUDA ordinal of this process's one device, when it has exactly one: every
+    /// allocation is on it, whichever context is current.
+    #[inline]
+    pub(crate) fn sole_ordinal(&self) -> Option<usize> {
+        (self.slices().len() == 1).then_some(0)
+    }
+
+    /// Asks the driver which context each allocation recorded as [`Context::Unresolved`]
+    /// was made in (`CU_POINTER_ATTRIBUTE_CONTEXT`), adopting contexts made elsewhere as
+    /// [`Enforcer::current`] does, so that the teardown of a context releases exactly what
+    /// the driver frees with it. Called just before the driver may destroy a context: one
+    /// driver call per such allocation, where a process ends or resets a device. An
+    /// allocation made in that context after this call (another thread, at the same
+    /// moment) stays unresolved and charged: counted too long, never too short.
+    pub(crate) fn resolve_contexts(&self) {
+        let Some(ordinal) = self.sole_ordinal() else { return };
+        self.pointers.resolve(|key| {
+            let mut ctx: *mut c_void = std::ptr::null_mut();
+            const CONTEXT: std::ffi::c_int = 1;
+            let asked =
+                call!(cuPointerGetAttribute((&mut ctx as *mut *mut c_void).cast(), CONTEXT, key), 801);
+            if asked != SUCCESS || ctx.is_null() {
+                return None;
+            }
+            let handle = ctx as u64;
+            self.contexts
+                .find(handle)
+                .or_else(|| self.contexts.add(handle, ordinal, 0, false).map(|(id, _)| id))
+        });
+    }
+
     /// The calling thread's current context, tracked (adopted if created elsewhere).
     #[inline(always)]
     pub(crate) fn current(&self) -> Option<Current> {
@@ -604,6 +638,14 @@ impl Enforcer {
             );
         }
         OUT_OF_MEMORY
+    }
+
+    /// The first try of [`Enforcer::charge`] alone: `None` if the charge does not fit now
+    /// (or the device is unknown), for the caller to take the slow path.
+    #[inline(always)]
+    pub(crate) fn charge_quick(&self, ordinal: usize, bytes: u64) -> Option<Charge> {
+        let slice = self.slice(ordinal)?;
+        self.try_charge(&slice, bytes, self.cap(&slice)).ok()
     }
 
     /// Charges `bytes` on CUDA device `ordinal` if the group stays within its limit. The
@@ -860,13 +902,13 @@ impl Enforcer {
         if let Some(slice) = self.slice(ordinal) {
             self.release(slice.ledger, charged);
         }
-        for (_, r) in self.pointers.drain_where(|r| r.context == Some(id)) {
+        for (_, r) in self.pointers.drain_where(|r| r.context == Context::Tracked(id)) {
             self.release(r.device, r.bytes);
         }
-        for (_, r) in self.arrays.drain_where(|r| r.context == Some(id)) {
+        for (_, r) in self.arrays.drain_where(|r| r.context == Context::Tracked(id)) {
             self.release(r.device, r.bytes);
         }
-        for (_, r) in self.modules.drain_where(|r| r.context == Some(id)) {
+        for (_, r) in self.modules.drain_where(|r| r.context == Context::Tracked(id)) {
             self.release(r.device, r.bytes);
         }
         self.pools.context_gone(self, id);

@@ -20,6 +20,10 @@
  *   export           rounds of cuMemCreate (exportable to a file descriptor),
  *                    cuMemExportToShareableHandle (the descriptor kept open) and
  *                    cuMemRelease, until one fails
+ *   teardown BYTES   allocates BYTES in the primary context, creates a context of its own
+ *                    (cuCtxCreate_v2), allocates BYTES there, destroys that context
+ *                    (cuCtxDestroy_v2, which frees what was allocated in it), and allocates
+ *                    in the primary context again
  *   race N           N rounds of: two threads retain the primary context at once, and
  *                    it is released twice (destroyed); then allocates
  *   bypass BYTES     allocates through the shim, then BYTES through a private copy of the
@@ -230,6 +234,17 @@ int main(int argc, char **argv) {
         CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate");
         CUcontext c = NULL;
         step("context", create(&c, 0, 0));
+        fill(cuMemAlloc_v2, chunk);
+    } else if (!strcmp(which, "teardown")) {
+        CUresult (*create)(CUcontext *, unsigned, int) = sym("cuCtxCreate_v2");
+        CUresult (*destroy)(CUcontext) = sym("cuCtxDestroy_v2");
+        CUdeviceptr kept = 0, freed_with_context = 0;
+        CUcontext own = NULL;
+        primary();
+        step("kept", cuMemAlloc_v2(&kept, (size_t)arg));
+        step("context", create(&own, 0, 0));
+        step("in-context", cuMemAlloc_v2(&freed_with_context, (size_t)arg));
+        step("destroyed", destroy(own));
         fill(cuMemAlloc_v2, chunk);
     } else if (!strcmp(which, "race")) {
         CUresult (*release)(int) = sym("cuDevicePrimaryCtxRelease_v2");

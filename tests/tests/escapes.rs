@@ -122,6 +122,29 @@ fn memory_in_the_seventieth_context_is_counted() {
 }
 
 #[test]
+fn a_destroyed_context_gives_back_exactly_what_was_allocated_in_it() {
+    skip_on_real_gpu!(SIMULATED);
+    // One device: the allocation hooks do not ask for the current context, and the
+    // teardown must still tell the two contexts' allocations apart.
+    let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
+    let mut child = start(&gpu, "teardown", Some(&(128 * MIB).to_string()), &[]);
+    for step in ["kept", "context", "in-context", "destroyed"] {
+        assert_eq!(line(&mut child, step), vec![0], "{step} succeeds\n{}", child.diagnostics());
+    }
+    let (held, error, figure) = held_within_limit(&gpu, &mut child, "teardown");
+    assert_eq!(error, 2, "the allocations end in CUDA_ERROR_OUT_OF_MEMORY");
+    // The primary context (64 MiB) and the 128 MiB kept in it stay charged; the created
+    // context and the 128 MiB allocated in it went with it. Counted too long, the room left
+    // would be 192 MiB; too short, past the limit on the device.
+    assert_eq!(
+        held,
+        LIMIT - 64 * MIB - 128 * MIB,
+        "after the teardown the group may hold its limit less the primary context and what stayed in it (device figure {})",
+        mib(figure)
+    );
+}
+
+#[test]
 fn memory_taken_past_every_hook_is_charged_from_the_device_count() {
     skip_on_real_gpu!(SIMULATED);
     let gpu = SimGpu::new(DEVICE).with_context_overhead("64MiB");
