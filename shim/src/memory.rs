@@ -67,7 +67,7 @@ fn linear(bytes: u64, path: Path, out: *mut CUdeviceptr, real: impl FnMut() -> S
 /// ~110 ns the shim added to a pair on simgpu); which context the allocation belongs to is
 /// asked only before a context may be torn down (`Context::Unresolved`). Everything else
 /// (more devices, a charge that does not fit, a burst that swap may back, a parkable
-/// process) is out of line, so that the hot path is a few cache lines of code.
+/// process, a stream-ordered allocation) is out of line, so that the hot path is a few cache lines of code.
 #[inline(always)]
 fn stream_ordered(
     bytes: u64,
@@ -76,7 +76,9 @@ fn stream_ordered(
     out: *mut CUdeviceptr,
     mut real: impl FnMut() -> Status,
 ) -> Status {
-    if let Some(e) = enforcer().filter(|_| !crate::park::parkable()) {
+    // A stream-ordered allocation keeps its context asked: memory from a pool belongs to
+    // no context, and the driver may answer no context for it later.
+    if let Some(e) = enforcer().filter(|_| path != Path::Pooled && !crate::park::parkable()) {
         if let Some(ordinal) = e.sole_ordinal() {
             if let Some(charge) = e.charge_quick(ordinal, bytes) {
                 // Swap backs only bursts (`swap::backs`), and only with an arbiter.

@@ -18,7 +18,8 @@
  *
  * Usage: shim_bench <flags> <pairs> <launches> <size>...
  * Prints, per size, "pair <size> <mean ns> <quickest twentieth ns> <CPU ns>", then
- * "launch <mean ns> <CPU ns>" (launches in chunks of 4096, rounded down, at least one):
+ * "launch <mean ns> <CPU ns>" (launches in chunks of 4096, rounded down, at least one, each
+ * queued behind 5 ms of device work):
  * wall-clock time per call, and the calling thread's CPU time per call in the median
  * chunk (CLOCK_THREAD_CPUTIME_ID, user and system), which other processes on a busy
  * machine move much less: it does not count the time the thread waited for a CPU.
@@ -226,16 +227,33 @@ static double pairs_in_process(size_t size) {
     return median(added, ROUNDS_IN_PROCESS);
 }
 
-/* The same for launches (the queue drained after each chunk, untimed). */
+/* simgpu's "sleep" kernel, which keeps the stream's worker busy. */
+static CUfunction sleeper;
+
+/* Queues 5 ms of device work ahead of a chunk of launches, so that its launches queue
+ * behind a busy device, as an inference server's do. Launched to an idle simgpu stream,
+ * each launch may instead find the stream's worker thread waiting for work and wake it (a
+ * system call), and how many do depends on how soon that thread runs on the other CPU,
+ * which moves the time of a launch by hundreds of nanoseconds between runs. */
+static void occupy(CUstream stream) {
+    unsigned long long us = 5000;
+    void *params[1] = {&us};
+    CHECK(cu.launch(sleeper, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
+}
+
+/* The same for launches (each chunk queued behind `occupy`, the queue drained after each
+ * chunk, untimed). */
 static double launches_in_process(CUfunction f, CUstream stream) {
     const long chunk = 4096;
     double added[ROUNDS_IN_PROCESS];
     void *params[1] = {NULL};
     for (int r = 0; r < ROUNDS_IN_PROCESS; r++) {
+        occupy(stream);
         double t = cpu_ns();
         for (long i = 0; i < chunk; i++) CHECK(cu.launch(f, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
         double hooked = cpu_ns() - t;
         CHECK(cu.synchronize(stream));
+        occupy(stream);
         t = cpu_ns();
         for (long i = 0; i < chunk; i++) CHECK(own.launch(f, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
         double bare = cpu_ns() - t;
@@ -259,6 +277,7 @@ int main(int argc, char **argv) {
     CUstream stream = NULL;
     CHECK(cu.load(&module, "bench"));
     CHECK(cu.function(&noop, module, "simgpu_noop"));
+    CHECK(cu.function(&sleeper, module, "simgpu_sleep_us"));
     CHECK(cu.stream_create(&stream, 1));
 
     for (int i = 4; i < argc; i++) pairs(strtoull(argv[i], NULL, 0), n);
@@ -267,23 +286,25 @@ int main(int argc, char **argv) {
     for (long i = 0; i < 4096; i++) /* warm up */
         CHECK(cu.launch(noop, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
     CHECK(cu.synchronize(stream));
-    /* Chunks of 4096, the queue drained after each (so that memory use does not distort
-     * the timing): the mean wall-clock time (drains included), and the median chunk's CPU
-     * time (launches only: a drain's CPU time is how long it spun while simgpu's worker
-     * thread waited for a CPU, which other processes decide). */
+    /* Chunks of 4096, each queued behind `occupy` and the queue drained after each (so
+     * that memory use does not distort the timing): the mean wall-clock time and the
+     * median chunk's CPU time, of the launches only (a drain's CPU time is how long it
+     * spun while simgpu's worker thread waited for a CPU, which other processes decide). */
     enum { LAUNCH_CHUNK = 4096, MOST_LAUNCH_CHUNKS = 1024 };
     static double launch_cpu[MOST_LAUNCH_CHUNKS];
     long launch_chunks = launches / LAUNCH_CHUNK;
     if (launch_chunks < 1) launch_chunks = 1;
     if (launch_chunks > MOST_LAUNCH_CHUNKS) launch_chunks = MOST_LAUNCH_CHUNKS;
-    double start = now_ns();
+    double launching = 0;
     for (long c = 0; c < launch_chunks; c++) {
-        double u = cpu_ns();
+        occupy(stream);
+        double start = now_ns(), u = cpu_ns();
         for (long i = 0; i < LAUNCH_CHUNK; i++) CHECK(cu.launch(noop, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL));
         launch_cpu[c] = (cpu_ns() - u) / (double)LAUNCH_CHUNK;
+        launching += now_ns() - start;
         CHECK(cu.synchronize(stream));
     }
-    double wall = (now_ns() - start) / (double)(launch_chunks * LAUNCH_CHUNK);
+    double wall = launching / (double)(launch_chunks * LAUNCH_CHUNK);
     printf("launch %.1f %.1f\n", wall, median(launch_cpu, (int)launch_chunks));
 
     cuuint64_t flags = strtoull(argv[1], NULL, 0);

@@ -11,7 +11,8 @@
 //! rounds of the shimmed run's time less its bare partner's, and "middle half" the range
 //! of the middle half of those differences (how much the rounds disagree). The times are
 //! the calling thread's CPU time (user and system) per call in each run's median chunk
-//! (20 chunks of pairs, chunks of 4096 launches): on a busy machine other processes move
+//! (20 chunks of pairs, chunks of 4096 launches, each queued behind 5 ms of simulated
+//! device work, as a server's launches queue behind a busy GPU): on a busy machine other processes move
 //! wall-clock time far more than the shim does, CPU time much less, and the median chunk
 //! less than the mean. The next column is the added
 //! wall-clock time, for pairs of each run's quickest twentieth (the pairs are timed in 20
@@ -154,7 +155,7 @@ fn startup(preload: Option<&std::path::Path>, runs: usize) -> f64 {
 
 fn settings() -> Settings {
     let mut s = Settings {
-        rounds: 11,
+        rounds: 21,
         pairs: 20_000,
         launches: 200_000,
         sizes: [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20].into(),
