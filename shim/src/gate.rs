@@ -90,6 +90,21 @@ pub(crate) fn enter() -> Result<Pass, Status> {
     enter_on(std::ptr::null_mut)
 }
 
+/// The real function in `real` if the call may go straight to it: nobody tracks or leases
+/// this process's calls and the function is resolved. The call is counted; null otherwise
+/// (the caller goes through [`enter_on`]).
+#[inline(always)]
+pub(crate) fn pass_quickly(real: &std::sync::atomic::AtomicPtr<std::ffi::c_void>) -> *mut std::ffi::c_void {
+    if SLOW.load(Relaxed) != 0 {
+        return std::ptr::null_mut();
+    }
+    let p = real.load(std::sync::atomic::Ordering::Acquire);
+    if !p.is_null() {
+        ENTERED.store(ENTERED.load(Relaxed).wrapping_add(1), Relaxed);
+    }
+    p
+}
+
 /// [`enter`] for a call that starts work on the stream `stream()` names (evaluated only
 /// on the slow path): a leased process's call waits for its lease, except on a stream
 /// being captured.

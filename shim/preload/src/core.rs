@@ -30,6 +30,12 @@ static HANDLE: AtomicUsize = AtomicUsize::new(0);
 /// The core's `gpufrac_core_lookup`, once attached.
 static LOOKUP: AtomicUsize = AtomicUsize::new(0);
 
+/// The core's hook for entry point `entry` if the core is attached; null otherwise.
+#[inline(always)]
+pub(crate) fn attached_hook(entry: usize) -> Ptr {
+    HOOKS.get(entry).map_or(std::ptr::null_mut(), |slot| slot.load(Ordering::Acquire))
+}
+
 /// The core's hook for entry point `entry`, loading the core at the first call; `None`
 /// if the core cannot be loaded.
 #[inline]

@@ -3,7 +3,8 @@
 //! against so that a bad pointer is an error code rather than a crash.
 //!
 //! Device memory is host memory: each allocation is its own anonymous mapping, reserved
-//! lazily (`MAP_NORESERVE`), so a simulated 80 GiB device costs only what is touched.
+//! lazily (`MAP_NORESERVE`), so a simulated 80 GiB device costs only what is touched; a
+//! freed one is kept for the next allocation of its length ([`Spare`]).
 //! Charges against the device are the requested size rounded up to [`ALLOC_ALIGN`].
 
 use std::collections::{BTreeMap, HashMap};
@@ -89,6 +90,44 @@ pub(crate) struct Registry {
     pub reservations: BTreeMap<u64, Reservation>,
     pub physical: HashMap<u64, Physical>,
     pub next_handle: u64,
+    /// Ranges freed and kept for reuse (see [`Spare`]).
+    pub spare: Spare,
+}
+
+/// Freed linear ranges kept mapped for the next allocation of the same length, as a real
+/// driver keeps the memory it suballocates from instead of returning it on every free.
+/// Without this every `cuMemAlloc`+`cuMemFree` pair was an `mmap` and a `munmap`, which
+/// on a virtual machine cost 1.5-2.5 µs with the figure set per process by where the
+/// kernel placed the mappings: noise ten times the size of what benchmarks compare.
+/// Bounded, so a process holds at most [`Spare::MAX_BYTES`] it is not using.
+#[derive(Default)]
+pub(crate) struct Spare {
+    ranges: Vec<(u64, u64)>,
+    bytes: u64,
+}
+
+impl Spare {
+    const MAX_RANGES: usize = 16;
+    const MAX_BYTES: u64 = 128 << 20;
+
+    /// A kept range of exactly `len` bytes, if there is one.
+    fn take(&mut self, len: u64) -> Option<u64> {
+        let at = self.ranges.iter().rposition(|&(_, l)| l == len)?;
+        self.bytes -= len;
+        Some(self.ranges.swap_remove(at).0)
+    }
+
+    /// Keeps `[addr, addr + len)` for reuse, or unmaps it when the bounds are reached.
+    /// Ranges below 4 GiB go back to the kernel: the pre-3.2 API needs that window.
+    fn keep(&mut self, addr: u64, len: u64) {
+        let low = addr < 1 << 32;
+        if low || self.ranges.len() == Self::MAX_RANGES || self.bytes + len > Self::MAX_BYTES {
+            unmap(addr, len);
+            return;
+        }
+        self.bytes += len;
+        self.ranges.push((addr, len));
+    }
 }
 
 pub(crate) static REGISTRY: LazyLock<RwLock<Registry>> = LazyLock::new(Default::default);
@@ -235,6 +274,14 @@ pub(crate) fn allocate_in(size: u64, charge: u64, kind: Kind, window: Window) ->
     if charged > 0 {
         d.slot.charge(ctx.device, charged).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     }
+    let record = Allocation { size, charged, device: ctx.device, ctx: ctx.handle(), kind, freeing: false };
+    if window == Window::Any {
+        let mut reg = REGISTRY.write();
+        if let Some(addr) = reg.spare.take(size) {
+            reg.allocs.insert(addr, record);
+            return Ok(addr);
+        }
+    }
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     let mapped = match window {
         Window::Any => map_anonymous(size, prot),
@@ -247,7 +294,6 @@ pub(crate) fn allocate_in(size: u64, charge: u64, kind: Kind, window: Window) ->
             return Err(e);
         }
     };
-    let record = Allocation { size, charged, device: ctx.device, ctx: ctx.handle(), kind, freeing: false };
     REGISTRY.write().allocs.insert(addr, record);
     Ok(addr)
 }
@@ -257,7 +303,7 @@ pub(crate) fn allocate_in(size: u64, charge: u64, kind: Kind, window: Window) ->
 pub(crate) fn release_allocation(reg: &mut Registry, addr: u64) -> Option<Allocation> {
     let a = reg.allocs.remove(&addr)?;
     if a.kind != Kind::Graph {
-        unmap(addr, a.size);
+        reg.spare.keep(addr, a.size);
     }
     match a.kind {
         Kind::Pooled(pool) => crate::pool::returned(pool, a.device, a.charged),

@@ -39,7 +39,7 @@ pub const DEFAULT_DEVICES: &str = "16GiB";
 
 /// Bumped whenever the layout of [`Shared`] changes meaning (the size is in the magic too):
 /// a process of another layout resets the file instead of misreading it.
-const LAYOUT_VERSION: u64 = 4;
+const LAYOUT_VERSION: u64 = 5;
 const MAGIC: u64 =
     0x5349_4d47_0000_0000 | (LAYOUT_VERSION << 24) | (std::mem::size_of::<Shared>() as u64 & 0xff_ffff);
 
@@ -111,6 +111,11 @@ pub enum StateError {
 #[repr(C)]
 struct DeviceRecord {
     total: AtomicU64,
+    /// Bytes charged on this device: the live records' `used` plus the objects' `unowned`,
+    /// changed with every change to them, so that a charge is one compare-and-swap and no
+    /// lock. A process killed between charging this and its record leaves the bytes
+    /// counted here until the machine is reset: counted too long, never too short.
+    charged: AtomicU64,
     /// Nanoseconds that kernels have run on this device, for utilization.
     busy_ns: AtomicU64,
     /// Number of XID events injected so far, and the code of the last one.
@@ -318,6 +323,7 @@ impl Machine {
         let i = self.shm.claim_slot(MAX_PROCESSES, &table).ok_or(StateError::TooManyProcesses)?;
         let rec = &self.shared().processes[i];
         self.forget_waits(rec);
+        self.forget_usage(rec);
         clear_record(rec);
         // A dead process's slot not yet reaped: its shared objects pass on.
         self.leave_all_objects(i, true);
@@ -562,6 +568,7 @@ impl Machine {
             if rec.in_use.load(Ordering::Acquire) == 1 && !self.slot_alive(i) {
                 rec.in_use.store(0, Ordering::Release);
                 self.forget_waits(rec);
+                self.forget_usage(rec);
                 clear_record(rec);
                 self.leave_all_objects(i, true);
             }
@@ -571,6 +578,30 @@ impl Machine {
 
     fn slot_alive(&self, index: usize) -> bool {
         self.shm.slot_alive(index)
+    }
+
+    /// Takes a process's memory off the devices' charged totals and zeroes its usage.
+    fn forget_usage(&self, rec: &ProcessRecord) {
+        for (device, used) in rec.used.iter().enumerate() {
+            self.uncharge(device, used.swap(0, Ordering::AcqRel));
+        }
+    }
+
+    /// Takes `bytes` off `device`'s charged total.
+    pub(crate) fn uncharge(&self, device: usize, bytes: u64) {
+        if let Some(dev) = self.shared().devices.get(device).filter(|_| bytes > 0) {
+            let _ = dev
+                .charged
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| Some(c.saturating_sub(bytes)));
+        }
+    }
+
+    /// Adds `bytes` to `device`'s charged total without a bound: memory that moved to
+    /// a holder from one whose usage was already taken off.
+    pub(crate) fn recharge(&self, device: usize, bytes: u64) {
+        if let Some(dev) = self.shared().devices.get(device) {
+            dev.charged.fetch_add(bytes, Ordering::AcqRel);
+        }
     }
 
     /// Takes back the waits of a process that is gone (or leaving) from the devices'
@@ -621,25 +652,31 @@ impl<'a> ProcessSlot<'a> {
 
     /// Charges `bytes` on `device` to this process if the device has them free.
     pub fn charge(&self, device: usize, bytes: u64) -> Result<(), OutOfMemory> {
-        let total = self.machine.total(device);
-        let _guard = self.machine.shm.lock_table();
-        let mut used = self.machine.sum_used(device);
-        if used.saturating_add(bytes) > total {
+        let (Some(dev), Some(used)) =
+            (self.machine.shared().devices.get(device), self.record().used.get(device))
+        else {
+            return Err(OutOfMemory { free: 0 });
+        };
+        let total = dev.total.load(Ordering::Relaxed);
+        let fits = |c: u64| c.checked_add(bytes).filter(|&n| n <= total);
+        if dev.charged.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits).is_err() {
             // Only look for dead processes when it matters: their memory may be the room.
+            let _guard = self.machine.shm.lock_table();
             self.machine.reap_dead();
-            used = self.machine.sum_used(device);
+            if let Err(charged) = dev.charged.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits) {
+                return Err(OutOfMemory { free: total.saturating_sub(charged) });
+            }
         }
-        if used.saturating_add(bytes) > total {
-            return Err(OutOfMemory { free: total.saturating_sub(used) });
-        }
-        self.record().used[device].fetch_add(bytes, Ordering::Relaxed);
+        // The device first, the record second: see `DeviceRecord::charged`.
+        used.fetch_add(bytes, Ordering::AcqRel);
         Ok(())
     }
 
     /// Gives back `bytes` on `device`.
     pub fn release(&self, device: usize, bytes: u64) {
         let Some(u) = self.record().used.get(device) else { return };
-        let _ = u.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(bytes)));
+        let before = u.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(bytes)));
+        self.machine.uncharge(device, before.unwrap_or_default().min(bytes));
     }
 
     /// Counts a context created on `device` (NVML lists the process while it has one).
@@ -667,6 +704,7 @@ impl Drop for ProcessSlot<'_> {
         let rec = self.record();
         rec.in_use.store(0, Ordering::Release);
         self.machine.forget_waits(rec);
+        self.machine.forget_usage(rec);
         clear_record(rec);
         self.machine.leave_all_objects(self.index, true);
         let token = rec.token.load(Ordering::Relaxed);
@@ -682,6 +720,7 @@ impl Drop for ProcessSlot<'_> {
 fn reset(s: &Shared, devices: &[u64]) {
     for (i, dev) in s.devices.iter().enumerate() {
         dev.total.store(devices.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+        dev.charged.store(0, Ordering::Relaxed);
         dev.busy_ns.store(0, Ordering::Relaxed);
         dev.xid_count.store(0, Ordering::Relaxed);
         dev.last_xid.store(0, Ordering::Relaxed);

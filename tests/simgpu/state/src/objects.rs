@@ -145,6 +145,15 @@ impl Machine {
         let after = list.first().copied();
         let (size, device) = (r.size.load(Ordering::Relaxed), r.device.load(Ordering::Relaxed) as usize);
         if before != after {
+            // The device's charged total changes only when the memory's count starts or
+            // ends here: moving it between holders leaves it, except from a holder whose
+            // usage was already taken off (`gone`).
+            let counted_before = before.is_some_and(|h| Some(h) != gone || h == EXPORT_HOLDER);
+            match (counted_before, after.is_some()) {
+                (true, false) => self.uncharge(device, size),
+                (false, true) => self.recharge(device, size),
+                _ => {}
+            }
             if let Some(u) = self.objects().unowned.get(device) {
                 if before == Some(EXPORT_HOLDER) {
                     let _ = u
