@@ -612,3 +612,47 @@ pub(crate) fn free_all_of_context(ctx: usize) {
     drop(reg);
     crate::array::free_all_of_context(ctx);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn mapped(len: u64) -> u64 {
+        map_anonymous(len, libc::PROT_READ | libc::PROT_WRITE).expect("a mapping")
+    }
+
+    #[test]
+    fn freed_ranges_are_reused_by_length_within_bounds() {
+        let mut spare = Spare::default();
+        let first = mapped(MIB);
+        spare.keep(first, MIB);
+        assert_eq!(spare.take(2 * MIB), None, "only a range of the same length");
+        assert_eq!(spare.take(MIB), Some(first));
+        assert_eq!(spare.take(MIB), None, "taken once");
+
+        // At most MAX_RANGES ranges are kept; the rest go back to the kernel.
+        (0..Spare::MAX_RANGES + 4).for_each(|_| spare.keep(mapped(MIB), MIB));
+        assert_eq!(spare.ranges.len(), Spare::MAX_RANGES);
+        assert_eq!(spare.bytes, Spare::MAX_RANGES as u64 * MIB);
+        while spare.take(MIB).is_some() {}
+        assert_eq!(spare.bytes, 0);
+
+        // At most MAX_BYTES: a third 64 MiB range is not kept.
+        (0..3).for_each(|_| spare.keep(mapped(64 * MIB), 64 * MIB));
+        assert_eq!(spare.bytes, Spare::MAX_BYTES);
+        assert_eq!(spare.ranges.len(), 2);
+        while let Some(addr) = spare.take(64 * MIB) {
+            unmap(addr, 64 * MIB);
+        }
+    }
+
+    #[test]
+    fn ranges_below_4_gib_are_never_kept() {
+        let mut spare = Spare::default();
+        let low = map_low(MIB, libc::PROT_READ | libc::PROT_WRITE).expect("a low mapping");
+        spare.keep(low, MIB);
+        assert_eq!(spare.take(MIB), None, "the pre-3.2 API needs that window");
+    }
+}

@@ -72,6 +72,72 @@ fn processes_share_devices_and_killed_processes_release_memory() {
 }
 
 #[test]
+fn charges_made_at_once_never_pass_the_device_and_all_come_back() {
+    let state = temp_state("race");
+    let machine = Machine::open(&state, &[1024 * MIB]).expect("open");
+    // Slots in one process stand for processes; a charge takes no lock, so threads
+    // charging at once are what the device's bound must hold against.
+    let slots: Vec<_> = (0..4).map(|_| machine.attach().expect("attach")).collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let start = std::sync::Barrier::new(slots.len());
+    let (fitted, refused) = std::thread::scope(|s| {
+        let watcher = s.spawn(|| {
+            let mut looks = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                assert!(machine.used(0) <= 1024 * MIB, "the device held more than its size");
+                looks += 1;
+            }
+            looks
+        });
+        let workers: Vec<_> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| {
+                let start = &start;
+                s.spawn(move || {
+                    start.wait();
+                    let (mut fitted, mut refused) = (0u32, 0u32);
+                    let mut seed = 0x9e37_79b9_u64 + i as u64;
+                    // Each keeps its last three charges: together they want up to 3 GiB.
+                    let mut held = std::collections::VecDeque::new();
+                    for _ in 0..20_000 {
+                        if held.len() == 3 {
+                            slot.release(0, held.pop_front().expect("held"));
+                        }
+                        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                        let bytes = (seed >> 33) % (256 * MIB) + 1;
+                        if slot.charge(0, bytes).is_ok() {
+                            fitted += 1;
+                            held.push_back(bytes);
+                        } else {
+                            refused += 1;
+                        }
+                        std::thread::yield_now();
+                    }
+                    held.into_iter().for_each(|bytes| slot.release(0, bytes));
+                    (fitted, refused)
+                })
+            })
+            .collect();
+        let totals = workers
+            .into_iter()
+            .map(|w| w.join().expect("worker"))
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(watcher.join().expect("watcher") > 0);
+        totals
+    });
+    assert!(
+        fitted > 0 && refused > 0,
+        "the charges should have collided: {fitted} fitted, {refused} refused"
+    );
+    assert_eq!(machine.used(0), 0);
+    // Nothing was lost on the way: the whole device fits again.
+    slots[0].charge(0, 1024 * MIB).expect("every charge came back");
+    let _ = simgpu_state::remove_state(&state);
+}
+
+#[test]
 fn killed_zombie_releases_memory_before_it_is_reaped() {
     let state = temp_state("zombie");
     let machine = Machine::open(&state, &[1024 * MIB]).expect("open");

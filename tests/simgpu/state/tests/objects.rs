@@ -18,6 +18,14 @@ fn temp_state(name: &str) -> String {
 
 /// What NVML would list for slot holders: the machine's per-process figures are by PID,
 /// and both slots here are this process, so the test reads each slot's own `held`.
+/// Asserts that `slot` can charge exactly `room` more bytes on device 0: what a charge
+/// decides by (the device's charged total), which must follow every change of owner.
+fn assert_room(slot: &simgpu_state::ProcessSlot<'_>, room: u64) {
+    assert!(slot.charge(0, room + 1).is_err(), "more than {room} bytes of room");
+    slot.charge(0, room).unwrap_or_else(|e| panic!("{room} bytes should fit: {e:?}"));
+    slot.release(0, room);
+}
+
 #[test]
 fn ownership_follows_the_holders_and_open_exports_keep_the_memory() {
     let state = temp_state("owner");
@@ -39,6 +47,7 @@ fn ownership_follows_the_holders_and_open_exports_keep_the_memory() {
     exporter.leave_object(id);
     assert_eq!((exporter.held(0), importer.held(0)), (0, 0), "owned by the open descriptor");
     assert_eq!(machine.used(0), SIZE, "still alive, still counted");
+    assert_room(&exporter, 1024 * MIB - SIZE);
 
     // The descriptor closes: the importer owns it now.
     drop(fd);
@@ -48,6 +57,7 @@ fn ownership_follows_the_holders_and_open_exports_keep_the_memory() {
 
     importer.leave_object(id);
     assert_eq!(machine.used(0), 0, "nobody holds it: freed");
+    assert_room(&exporter, 1024 * MIB);
     assert!(!std::path::Path::new(&machine.object_path(id)).exists(), "its name is gone");
     drop(file);
     let _ = simgpu_state::remove_state(&state);
@@ -79,8 +89,10 @@ fn only_exported_descriptors_keep_it_and_a_dead_owner_passes_it_on() {
     drop(owner);
     assert_eq!(importer.held(0), SIZE, "the importer inherits the charge");
     assert_eq!(machine.used(0), SIZE);
+    assert_room(&importer, 1024 * MIB - SIZE);
     importer.leave_object(id);
     assert_eq!(machine.used(0), 0);
+    assert_room(&importer, 1024 * MIB);
     let _ = simgpu_state::remove_state(&state);
 }
 
