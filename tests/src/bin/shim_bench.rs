@@ -22,8 +22,12 @@
 //! rounds' medians): what the shim's code costs, apart from where the driver's mappings
 //! land in a process that has the shim loaded.
 //!
+//! Launches are timed in more processes than pairs: each round adds `--launch-runs`
+//! (default 2) bare-and-shimmed runs of launches only, because a launch's figure moves
+//! by several ns with where a process's mappings land.
+//!
 //! Run: `cargo build --release --workspace && target/release/shim_bench
-//! [--rounds N] [--pairs N] [--launches N] [--sizes 4KiB,1MiB,...] [--shim PATH]`
+//! [--rounds N] [--launch-runs N] [--pairs N] [--launches N] [--sizes 4KiB,1MiB,...] [--shim PATH]`
 //! (`--shim`: another build's `libgpufrac.so`, with its `libgpufrac_core.so` beside it).
 
 use std::path::PathBuf;
@@ -60,6 +64,10 @@ struct Run {
 
 struct Settings {
     rounds: usize,
+    /// Extra runs per round and path that time launches only (`--launch-runs`): a
+    /// launch's figure moves by several ns with where a process's mappings land, so its
+    /// median takes more processes than a pair's, whose cost is ten times larger.
+    launch_runs: usize,
     pairs: usize,
     launches: usize,
     sizes: Vec<u64>,
@@ -115,7 +123,7 @@ fn run(program: &PathBuf, path: &Path, sim: &SimGpuDir, shim: bool, s: &Settings
 fn print_row(
     path: &str,
     call: &str,
-    rounds: &[(Run, Run)],
+    rounds: &[&(Run, Run)],
     cpu: &dyn Fn(&Run) -> f64,
     wall: &dyn Fn(&Run) -> f64,
     inside: f64,
@@ -156,6 +164,7 @@ fn startup(preload: Option<&std::path::Path>, runs: usize) -> f64 {
 fn settings() -> Settings {
     let mut s = Settings {
         rounds: 21,
+        launch_runs: 2,
         pairs: 20_000,
         launches: 200_000,
         sizes: [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20].into(),
@@ -168,6 +177,7 @@ fn settings() -> Settings {
             || value.parse::<usize>().unwrap_or_else(|_| panic!("shim_bench: {flag} {value}: not a count"));
         match flag.as_str() {
             "--rounds" => s.rounds = count().max(1),
+            "--launch-runs" => s.launch_runs = count(),
             "--pairs" => s.pairs = count().max(20),
             "--launches" => s.launches = count().max(1),
             "--sizes" => {
@@ -177,7 +187,9 @@ fn settings() -> Settings {
                     .collect()
             }
             "--shim" => s.shim = PathBuf::from(&value),
-            _ => panic!("shim_bench: unknown option {flag} (--rounds, --pairs, --launches, --sizes, --shim)"),
+            _ => panic!(
+                "shim_bench: unknown option {flag} (--rounds, --launch-runs, --pairs, --launches, --sizes, --shim)"
+            ),
         }
     }
     s
@@ -197,21 +209,30 @@ fn main() {
     let programs: Vec<PathBuf> =
         PATHS.iter().map(|p| compile_c("shim_bench.c", &[p.define], p.define == "MODE_LINKED")).collect();
     println!(
-        "shim_bench: {} rounds; per run {} alloc+free pairs at each size and {} launches; bare simgpu and under the shim alternately",
-        s.rounds, s.pairs, s.launches
+        "shim_bench: {} rounds, each with {} more runs of launches only; per run {} alloc+free pairs at each size and {} launches; bare simgpu and under the shim alternately",
+        s.rounds, s.launch_runs, s.pairs, s.launches
     );
-    // runs[path][round] = (bare, shimmed)
+    let launch_only = Settings { launch_runs: 0, pairs: 20, sizes: vec![4 << 10], shim: s.shim.clone(), ..s };
+    // Bare and shimmed, one right after the other, the order flipping every round.
+    let pair = |i: usize, round: usize, s: &Settings| {
+        let path = &PATHS[i];
+        if round % 2 == 0 {
+            let bare = run(&programs[i], path, &sim, false, s);
+            (bare, run(&programs[i], path, &sim, true, s))
+        } else {
+            let shimmed = run(&programs[i], path, &sim, true, s);
+            (run(&programs[i], path, &sim, false, s), shimmed)
+        }
+    };
+    // runs[path][round] = (bare, shimmed); launch_runs[path] also holds the launch-only runs.
     let mut runs: Vec<Vec<(Run, Run)>> = PATHS.iter().map(|_| vec![]).collect();
+    let mut launch_runs: Vec<Vec<(Run, Run)>> = PATHS.iter().map(|_| vec![]).collect();
     for round in 0..s.rounds {
-        for (i, path) in PATHS.iter().enumerate() {
-            let (bare, shimmed) = if round % 2 == 0 {
-                let bare = run(&programs[i], path, &sim, false, &s);
-                (bare, run(&programs[i], path, &sim, true, &s))
-            } else {
-                let shimmed = run(&programs[i], path, &sim, true, &s);
-                (run(&programs[i], path, &sim, false, &s), shimmed)
-            };
-            runs[i].push((bare, shimmed));
+        for i in 0..PATHS.len() {
+            runs[i].push(pair(i, round, &s));
+            for extra in 0..s.launch_runs {
+                launch_runs[i].push(pair(i, round + extra + 1, &launch_only));
+            }
         }
     }
 
@@ -224,10 +245,12 @@ fn main() {
         for (k, &size) in s.sizes.iter().enumerate() {
             let call = format!("alloc+free {}", size_name(size));
             let inside = median(rounds.iter().map(|(_, s)| s.inside[k]).collect());
-            print_row(path.name, &call, rounds, &|r| r.pairs[k].2, &|r| r.pairs[k].1, inside);
+            let rounds: Vec<&(Run, Run)> = rounds.iter().collect();
+            print_row(path.name, &call, &rounds, &|r| r.pairs[k].2, &|r| r.pairs[k].1, inside);
         }
-        let inside = median(rounds.iter().map(|(_, s)| s.inside_launch).collect());
-        print_row(path.name, "cuLaunchKernel", rounds, &|r| r.launch.1, &|r| r.launch.0, inside);
+        let launches: Vec<&(Run, Run)> = rounds.iter().chain(&launch_runs[i]).collect();
+        let inside = median(launches.iter().map(|(_, s)| s.inside_launch).collect());
+        print_row(path.name, "cuLaunchKernel", &launches, &|r| r.launch.1, &|r| r.launch.0, inside);
     }
 
     let shim = s.shim.clone();
