@@ -216,7 +216,7 @@ fn main() {
     // Bare and shimmed, one right after the other, the order flipping every round.
     let pair = |i: usize, round: usize, s: &Settings| {
         let path = &PATHS[i];
-        if round % 2 == 0 {
+        if round.is_multiple_of(2) {
             let bare = run(&programs[i], path, &sim, false, s);
             (bare, run(&programs[i], path, &sim, true, s))
         } else {
