@@ -10,7 +10,9 @@
 //! Run: `cargo build --release --workspace && target/release/compute_bench [--seconds 10]
 //! [--only split,alone,latency] [--server 2000/8000]` (about 2 minutes on 2 cores;
 //! `--server` sets the latency server's kernel and mean gap between requests, in µs, and
-//! `--flood-kernel-us` the floods' kernels, 1000 by default).
+//! `--flood-kernel-us` the floods' kernels, 1000 by default). `COMPUTE_BENCH_LIMIT_LOG` and
+//! `COMPUTE_BENCH_LATENCY_LOG` name files to write the arbiter's words for the limit's row
+//! and the leased latency row, to follow their leases one by one.
 
 use std::time::Duration;
 
@@ -238,7 +240,11 @@ fn main() {
             s99 / p99,
             throughput(&shared[1])
         );
-        println!("| (the leases in that row) | {} |", leases(&bench.arbiter.log_text()[logged..]));
+        let log = bench.arbiter.log_text();
+        println!("| (the leases in that row) | {} |", leases(&log[logged..]));
+        if let Some(path) = std::env::var_os("COMPUTE_BENCH_LATENCY_LOG") {
+            let _ = std::fs::write(path, &log[logged..]);
+        }
     }
 }
 
