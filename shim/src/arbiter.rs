@@ -44,7 +44,7 @@ impl std::fmt::Display for NotGranted {
             NotGranted::Denied(Denial::OverLimit) => "the group's GPUFRAC_MEMORY_LIMIT is reached",
             NotGranted::Denied(Denial::UnknownDevice) => "the arbiter does not know this device",
             NotGranted::Denied(Denial::Deadlock) => {
-                "every borrower was waiting with memory used outside gpufrac in the way; this one held the most"
+                "every borrower was waiting, each holding memory another needs, and this one had no unused loan to give back"
             }
             NotGranted::Denied(Denial::NeverFits) => "the burst is larger than the GPU could ever lend",
             NotGranted::Denied(Denial::NotSwapped) => "a swap-in for more than this process has swapped out",

@@ -665,6 +665,7 @@ impl Enforcer {
             }
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
             let preferred = need.max(Self::chunk(&slice));
+            let lent_before = self.ledger.my_granted(dev);
             match client.acquire(
                 slice.uuid,
                 need,
@@ -681,6 +682,27 @@ impl Enforcer {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
                 Err(why) => {
+                    // Every borrower waited, each holding part of what another needs, and
+                    // this process was picked to break the circle: what it was lent and
+                    // does not use (a share of a burst not yet allocated) goes back, and it
+                    // asks again behind the others, which that memory lets finish. Only
+                    // with nothing unused to give does its allocation fail. (The reader
+                    // thread may give it back first, for the arbiter's reclaim sent along:
+                    // what counts is that this process's loan shrank.)
+                    if why == NotGranted::Denied(Denial::Deadlock) && started.elapsed() < wait {
+                        pending = None;
+                        self.give_back(&slice, 0);
+                        let left = self.ledger.my_granted(dev);
+                        if left < lent_before {
+                            tracing::debug!(
+                                ordinal,
+                                need,
+                                given = lent_before - left,
+                                "gpufrac: a waiting burst gave back its unused loan"
+                            );
+                            continue 'charge;
+                        }
+                    }
                     tracing::warn!(
                         ordinal,
                         bytes,
@@ -712,9 +734,10 @@ impl Enforcer {
         }
     }
 
-    /// Returns this process's grant beyond what the group uses plus `slack`.
-    fn give_back(&self, slice: &Slice, slack: u64) {
-        let Some(client) = self.arbiter.get() else { return };
+    /// Returns this process's grant beyond what the group uses plus `slack`; returns what
+    /// was given back.
+    fn give_back(&self, slice: &Slice, slack: u64) -> u64 {
+        let Some(client) = self.arbiter.get() else { return 0 };
         let device = slice.ledger;
         let allowed = slice.request + self.ledger.group_granted(device);
         let in_use = self.ledger.held_fast(device) + self.pending[device].load(Ordering::Acquire);
@@ -724,7 +747,9 @@ impl Enforcer {
             if taken > 0 {
                 client.release(slice.uuid, taken, self.ledger.held_by_me(device));
             }
+            return taken;
         }
+        0
     }
 
     /// Calls the driver; with an arbiter, an out-of-memory answer for memory the group is

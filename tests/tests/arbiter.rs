@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpufrac_common::protocol::{Reply, Request};
 use gpufrac_daemon::status::Status;
 use gpufrac_e2e::size::{mib, GIB, MIB};
 use gpufrac_e2e::{
@@ -464,4 +465,80 @@ fn a_missing_socket_folder_is_refused_unless_asked_for() {
     let log = String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr).into_owned();
     let total = format!("total={}", gpufrac_common::size::format_size(gpu.device_total(0)));
     assert!(log.contains(&total) && log.contains(" GiB quantum="), "{log}");
+}
+
+/// A circle of waits that the queue's safety rule did not see coming (here memory used
+/// outside gpufrac, in the demo under a loaded CI a burst taken for settled): S waits
+/// holding a loan it does not use, R waits holding one it uses. S is refused, and its
+/// shim does not turn that into out-of-memory: it gives the unused loan back, R is
+/// served with it, and S is served in turn once memory comes back.
+#[test]
+fn a_circle_of_waits_is_broken_without_out_of_memory() {
+    skip_on_real_gpu!("the outsider and the loans fill simgpu's 8 GiB device exactly");
+    let gpu = SimGpu::new("8GiB").with_context_overhead("64MiB");
+    let started = Instant::now();
+    let arbiter = Arbiter::start(&gpu);
+    let device = gpufrac_e2e::raw_client::device_id(&arbiter);
+    // R, by hand: 1 GiB guaranteed, 512 MiB borrowed and in use.
+    let hello = gpufrac_e2e::raw_client::hello(&unique("r"), "", gpufrac_common::Resolver::Wait, 0, 60_000);
+    let mut r = gpufrac_e2e::raw_client::RawClient::hello(&arbiter, &hello);
+    r.send(&Request::Register {
+        device,
+        total: 8 * GIB,
+        request: GIB,
+        limit: 5 * GIB,
+        held: 0,
+        granted: 0,
+        swapped: 0,
+    });
+    assert!(matches!(r.reply(), Reply::Registered { .. }));
+    let (reply, _) = r.acquire(device, 1, 512 * MIB, GIB + 512 * MIB);
+    assert!(matches!(reply, Reply::Granted { bytes, .. } if bytes == 512 * MIB), "{reply:?}");
+    // S: a 512 MiB model, then a 1.5 GiB batch freed again; its shim keeps a loan for
+    // the next (a quarter of what it may borrow: 1 GiB above what it uses).
+    let mut s = gpu.shimmed(artifact("simgpu_probe"));
+    s.memory_request("1GiB")
+        .memory_limit("5GiB")
+        .resolver("wait")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("s"))
+        .wait_timeout("60s")
+        .args(["hold-bursts", &(512 * MIB).to_string(), &(1536 * MIB).to_string(), "1"]);
+    let mut s = ChildProcess::spawn(&mut s);
+    s.ready();
+    s.write_stdin("free\n");
+    s.expect_line(&["FREED"], TIMEOUT);
+    // A program without the shim takes all but 384 MiB of what is left to lend.
+    let mut outsider =
+        ChildProcess::spawn(gpu.command(compile_c("alloc_paths.c", &["MODE_DLSYM"], false)).args([
+            "alloc",
+            &CHUNK.to_string(),
+            &(4608 * MIB).to_string(),
+        ]));
+    outsider.ready();
+    wait_for(&arbiter, "the outsider seen", |s| s.gpus[0].outside >= 4608 * MIB);
+    // (Memory outside gpufrac may be shims reconnecting for the arbiter's first seconds.)
+    std::thread::sleep(Duration::from_secs(6).saturating_sub(started.elapsed()));
+    // S's next batch needs 1 GiB more than it holds, and waits.
+    s.write_stdin(&format!("alloc {}\n", 2 * GIB));
+    wait_for(&arbiter, "S waiting", |st| state_of(st, "s") == Some("waiting"));
+    // R needs 768 MiB more: neither fits, each waits holding a loan. S's is unused: S
+    // gives it back, and R is served with it.
+    let (reply, _) = r.acquire(device, 2, 768 * MIB, GIB + 512 * MIB);
+    assert!(
+        matches!(reply, Reply::Granted { .. }),
+        "R is served with what S gave back: {reply:?}\n{}\n{}",
+        s.diagnostics(),
+        arbiter.log_text()
+    );
+    assert!(s.silent_for(Duration::from_millis(500)), "S still waits: {}", s.diagnostics());
+    // Memory comes back: S is served, no out-of-memory error on the way.
+    r.send(&Request::Release { device, bytes: 1280 * MIB, held: GIB });
+    outsider.kill();
+    outsider.wait(TIMEOUT);
+    let line = s.expect_line(&["ALLOCATED", "NOT_ALLOCATED"], TIMEOUT);
+    assert!(line.starts_with("ALLOCATED"), "{line}\n{}\n{}", s.diagnostics(), arbiter.log_text());
+    assert!(arbiter.log_text().contains("a circle of waits broken"), "{}", arbiter.log_text());
+    s.close_stdin();
+    s.expect_line(&["DONE"], TIMEOUT);
 }

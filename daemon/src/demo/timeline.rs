@@ -94,6 +94,11 @@ impl Timeline {
             }
             summary.granted_after_wait += 1;
             format!("{who} granted {} after {waited} ms", bytes())
+        } else if line.contains("a circle of waits broken") {
+            // The shim gives back its unused loan and asks again; an out-of-memory error,
+            // if it had none, shows in the server's own lines.
+            self.queued.remove(&who);
+            format!("{who} is refused its burst to break a circle of waits: it gives back its unused loan and asks again")
         } else if line.contains("burst denied") {
             summary.denied += 1;
             self.queued.remove(&who);

@@ -410,6 +410,18 @@ impl Gpu {
     fn borrows(&self, group: &str) -> bool {
         self.groups.get(group).is_some_and(|g| g.granted() > 0)
     }
+
+    /// What member `conn` of `group` was lent and does not use, as far as the ledger
+    /// knows: its grant beyond what the group holds over its request (a group's
+    /// processes share its request, so the group's use is counted against each grant).
+    fn unused_loan(&self, group: &str, conn: ConnId) -> u64 {
+        let Some(g) = self.groups.get(group) else { return 0 };
+        let Some(m) = g.members.get(&conn) else { return 0 };
+        let held = g.members.values().fold(0u64, |sum, m| sum.saturating_add(m.held));
+        let used_of_loans = held.saturating_sub(g.request);
+        let unused_of_loans = g.granted().saturating_sub(used_of_loans);
+        m.granted.min(unused_of_loans)
+    }
 }
 
 impl Policy {
@@ -643,9 +655,10 @@ impl Policy {
                 continue;
             }
             let Some(victim) = Self::deadlocked(gpu, now) else { break };
-            // Only when something outside the ledger's rules (memory used outside gpufrac
-            // grew) left every borrower waiting with nobody to serve: refuse the one
-            // holding the most, whose out-of-memory error makes it free what it holds.
+            // Every borrower waits with nobody to serve: something outside the safety
+            // rule's view put them there (memory used outside gpufrac grew, or a burst
+            // paused so long, on a starved CPU, that it was taken for settled and others
+            // were lent what it still needed). One is refused (see `deadlocked`).
             let Some(w) = gpu.queue.iter().position(|w| w.conn == victim).and_then(|i| gpu.queue.remove(i))
             else {
                 break;
@@ -731,14 +744,19 @@ impl Policy {
         }
         let mut holders = gpu.members().filter(|(_, _, m)| m.granted > 0).peekable();
         holders.peek()?;
-        let mut victim: Option<(ConnId, u64)> = None;
-        for (_, conn, m) in holders {
+        // The victim is refused its burst: a shim then gives back what it was lent and
+        // does not use (its share of a burst not allocated yet) and asks again, so the
+        // one with the most unused loan goes first; with none unused anywhere, the one
+        // holding the most, whose out-of-memory error makes it free what it holds.
+        let mut victim: Option<(ConnId, (u64, u64))> = None;
+        for (group, conn, m) in holders {
             gpu.waiter(conn)?;
             // A process not on the device waits for its swap-in (a burst of it is held
             // back): refusing that burst would free nothing.
             let bursts = gpu.queue.iter().any(|w| w.conn == conn && !w.resume && !gpu.held_back(w));
-            if bursts && victim.is_none_or(|(_, most)| m.granted > most) {
-                victim = Some((conn, m.granted));
+            let rank = (gpu.unused_loan(group, conn), m.granted);
+            if bursts && victim.is_none_or(|(_, best)| rank > best) {
+                victim = Some((conn, rank));
             }
         }
         victim.map(|(conn, _)| conn)

@@ -65,7 +65,13 @@ impl Shared {
                     if let (Denial::Timeout, Some(gpu)) = (reason, gpu) {
                         self.metrics.timeouts.get_or_create(gpu).inc();
                     }
-                    tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
+                    if reason == Denial::Deadlock {
+                        // Not an out-of-memory error yet: its shim gives back what it was
+                        // lent and does not use, and asks again.
+                        tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "a circle of waits broken: every borrower waited, this one is refused its burst");
+                    } else {
+                        tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
+                    }
                     let detail = format!("{reason:?} after waiting {} ms", a.waited.as_millis());
                     let bytes = asked.map_or(0, |q| q.bytes);
                     self.record(a.conn, pid, uuid.clone(), EventKind::Denied, bytes, detail);

@@ -580,3 +580,37 @@ fn a_small_burst_waits_behind_a_head_that_the_memory_such_bursts_hold_would_serv
     let answers = p.release(3, GPU, 128 * MIB, 0, at(4500));
     assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), [(2, Ok(2 * GIB))]);
 }
+
+#[test]
+fn a_circle_of_waits_is_broken_by_the_borrower_with_an_unused_loan() {
+    let now = Instant::now();
+    let later = now + RECONNECT_GRACE + Duration::from_secs(1);
+    let mut p = Policy::new(&[(GPU, 16 * GIB)]);
+    for (conn, pid, group) in [(1, 101, "a"), (2, 102, "b")] {
+        p.hello(conn, Peer { pid, ..peer(group, 60_000) });
+        p.register(conn, GPU, 16 * GIB, 4 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+    }
+    // 8 GiB to lend: a borrows 3 GiB and uses them, b borrows 2 GiB and has freed what
+    // it allocated with them (a shim keeps a loan while it may grow again).
+    assert_eq!(p.acquire(1, GPU, 1, 3 * GIB, 3 * GIB, 4 * GIB, false, now), Outcome::Granted(3 * GIB));
+    let settled = now + GROWING_FOR + Duration::from_millis(1);
+    assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 4 * GIB, false, settled), Outcome::Granted(2 * GIB));
+    // Then a process outside gpufrac takes the rest, and both ask for more.
+    p.observe_processes(GPU, &[(200, 3 * GIB)], later);
+    assert_eq!(p.acquire(1, GPU, 2, 2 * GIB, 2 * GIB, 7 * GIB, false, later), Outcome::Queued);
+    assert_eq!(p.acquire(2, GPU, 2, 2 * GIB, 2 * GIB, 4 * GIB, false, later), Outcome::Queued);
+    // Nobody can be served. a holds the most, but all of it in use: refusing a would be an
+    // out-of-memory error. b's loan is unused: b is refused, gives it back, asks again.
+    let answers = p.settle(GPU, later);
+    assert_eq!(
+        answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(),
+        vec![(2, Err(Denial::Deadlock))]
+    );
+    let answers = p.release(2, GPU, 2 * GIB, 4 * GIB, later);
+    assert_eq!(answers.iter().map(|a| (a.conn, a.result)).collect::<Vec<_>>(), vec![(1, Ok(2 * GIB))]);
+    assert_eq!(
+        p.acquire(2, GPU, 3, 4 * GIB, 4 * GIB, 4 * GIB, false, later),
+        Outcome::Queued,
+        "b waits its turn"
+    );
+}
