@@ -81,6 +81,10 @@ static SYNCING: AtomicU64 = AtomicU64::new(0);
 /// Calls held because their process has enough work in flight (a lease is not given back
 /// while one waits).
 static HELD: AtomicU64 = AtomicU64::new(0);
+/// Calls waiting at the gate for a lease: a lease that came is not given back while one
+/// has not woken yet (on an idle machine a thread's wake-up can take longer than the lease
+/// thread's two looks, and the lease went back and forth unused).
+static AWAITING: AtomicU64 = AtomicU64::new(0);
 
 /// A device's lease as this process keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -289,7 +293,14 @@ pub(crate) fn wait_for_lease(stream: *mut c_void) -> (Option<usize>, bool) {
         if PASS.load(SeqCst) && monotonic_ns() < UNTIL_NS.load(SeqCst) {
             continue;
         }
+        AWAITING.fetch_add(1, SeqCst);
         let _ = GATE_OPENED.wait_timeout(guard, WAIT_SLICE);
+        let delay = thread::gate_wake_delay();
+        if !delay.is_zero() {
+            // The test build's stand-in for a woken thread that the scheduler runs late.
+            std::thread::sleep(delay);
+        }
+        AWAITING.fetch_sub(1, SeqCst);
     }
 }
 

@@ -19,7 +19,7 @@ const STREAM_SLOTS: usize = 8;
 /// The work a leased process may have queued on the GPU before its next call waits, as
 /// estimated from its streams' marks: what a cut holder's drain can take, and so what a
 /// neighbour that cuts it waits for.
-pub(super) const IN_FLIGHT_NS: u64 = 3_000_000;
+pub(super) const IN_FLIGHT_NS: u64 = 2_000_000;
 /// Calls always allowed in flight on a stream, whatever they are estimated to take: two,
 /// so that the next is queued while one runs (a stream of long kernels never idles for a
 /// wake-up).

@@ -11,7 +11,9 @@ use super::drain::DeviceClock;
 use super::streams::{
     streams_idle, CtxSetCurrent, EventElapsed, EventQuery, ExchangeCaptureMode, Marks, StreamQuery,
 };
-use super::{instant_ns, lock, publish, Local, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT};
+use super::{
+    instant_ns, lock, publish, Local, AWAITING, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT,
+};
 use crate::real::{resolve, Lib};
 
 /// How often the lease thread looks at the streams while a lease runs or drains.
@@ -58,6 +60,9 @@ pub(super) fn run() {
     let mut clock = DeviceClock::new();
     let delay = test_delay();
     let mut delayed: Option<u32> = None;
+    // For the debug log: how the drain under way went (its first look's lateness, and
+    // the looks that found a call inside, a stream busy, or the device's clock unsettled).
+    let mut drain_looks = DrainLooks::default();
     let mut leases = lock(&LEASES);
     loop {
         if !delay.is_zero() {
@@ -99,8 +104,10 @@ pub(super) fn run() {
                     }
                     // Nothing to run: idle at the last look, and no call since.
                     let count = crate::gate::activity();
-                    let quiet =
-                        HELD.load(SeqCst) == 0 && SYNCING.load(SeqCst) == 0 && IN_LEASE.load(SeqCst) == 0;
+                    let quiet = HELD.load(SeqCst) == 0
+                        && SYNCING.load(SeqCst) == 0
+                        && IN_LEASE.load(SeqCst) == 0
+                        && AWAITING.load(SeqCst) == 0;
                     if was_idle && count == calls && !wanted && quiet {
                         sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
                         clock.all_done();
@@ -114,19 +121,36 @@ pub(super) fn run() {
                 Local::Draining { lease, ended } => {
                     if !clock.began(device, lease) {
                         clock.begin(device, lease);
+                        drain_looks = DrainLooks {
+                            first_late: now.saturating_duration_since(ended),
+                            ..DrainLooks::default()
+                        };
                     }
                     let inside = IN_LEASE.load(SeqCst);
                     if inside == 0 {
                         clock.mark_tails();
                     }
                     let late = now.saturating_duration_since(ended);
-                    if (inside == 0 && idle() && clock.settled()) || late >= DRAIN_AT_MOST {
+                    let (is_idle, settled) = (inside == 0 && idle(), inside == 0 && clock.settled());
+                    drain_looks.count(inside, is_idle, settled);
+                    if (is_idle && settled) || late >= DRAIN_AT_MOST {
                         // Polling says when the drain is over; the device's clock says how
                         // long it was (the polled figure adds this thread's lateness).
                         let late = Instant::now().saturating_duration_since(ended);
                         let drain = clock.end(device, lease, instant_ns(ended)).map_or(late, |d| d.min(late));
                         let drain_us = (drain.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
                         let more = WANT.swap(false, SeqCst);
+                        tracing::debug!(
+                            lease,
+                            drain_us,
+                            polled_us = late.as_micros() as u64,
+                            first_look_late_us = drain_looks.first_late.as_micros() as u64,
+                            looks = drain_looks.looks,
+                            inside = drain_looks.inside,
+                            busy = drain_looks.busy,
+                            unsettled = drain_looks.unsettled,
+                            "gpufrac: lease done"
+                        );
                         sends.push(Request::LeaseDone { device, lease, drain_us, more });
                         *local = Local::Wait { wanted: more.then_some(now) };
                         changed = true;
@@ -172,18 +196,51 @@ pub(super) fn run() {
     }
 }
 
+/// How long a call that waited at the gate for a lease takes to wake: a test build's
+/// stand-in for a scheduler that runs woken threads late
+/// (`GPUFRAC_TEST_GATE_WAKE_DELAY_US`, read once); always zero in a release build.
+pub(super) fn gate_wake_delay() -> Duration {
+    static DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| test_env_us("GPUFRAC_TEST_GATE_WAKE_DELAY_US"))
+}
+
+/// How a drain's looks went, for the debug log.
+#[derive(Default)]
+struct DrainLooks {
+    first_late: Duration,
+    looks: u32,
+    inside: u32,
+    busy: u32,
+    unsettled: u32,
+}
+
+impl DrainLooks {
+    fn count(&mut self, inside: u64, idle: bool, settled: bool) {
+        self.looks += 1;
+        self.inside += u32::from(inside > 0);
+        self.busy += u32::from(inside == 0 && !idle);
+        self.unsettled += u32::from(inside == 0 && !settled);
+    }
+}
+
 /// How long the lease thread sleeps at each drain's first look: a test build's stand-in for
 /// a busy CPU (`GPUFRAC_TEST_DRAIN_LOOK_DELAY_US`), so that a test can tell a drain timed by
 /// the device from one timed by this thread; always zero in a release build.
 fn test_delay() -> Duration {
+    test_env_us("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US")
+}
+
+/// A test build's delay in µs from the environment variable `name`; zero when unset or in
+/// a release build.
+fn test_env_us(name: &str) -> Duration {
     if !cfg!(debug_assertions) {
         return Duration::ZERO;
     }
-    let Ok(value) = std::env::var("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US") else { return Duration::ZERO };
+    let Ok(value) = std::env::var(name) else { return Duration::ZERO };
     match value.parse() {
         Ok(us) => Duration::from_micros(us),
         Err(_) => {
-            tracing::warn!(%value, "GPUFRAC_TEST_DRAIN_LOOK_DELAY_US is not a whole number of microseconds; ignored");
+            tracing::warn!(%value, "{name} is not a whole number of microseconds; ignored");
             Duration::ZERO
         }
     }

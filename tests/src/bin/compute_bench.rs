@@ -12,7 +12,8 @@
 //! `--server` sets the latency server's kernel and mean gap between requests, in µs, and
 //! `--flood-kernel-us` the floods' kernels, 1000 by default). `COMPUTE_BENCH_LIMIT_LOG` and
 //! `COMPUTE_BENCH_LATENCY_LOG` name files to write the arbiter's words for the limit's row
-//! and the leased latency row, to follow their leases one by one.
+//! and the leased latency row, to follow their leases one by one; `COMPUTE_BENCH_SHIM_LOG`
+//! a folder for the shims' debug logs (their drains look by look), a file per process.
 
 use std::time::Duration;
 
@@ -32,6 +33,12 @@ struct Bench {
     arbiter: Arbiter,
 }
 
+/// Where the shims' debug logs go, one file per process named by its pid
+/// (`COMPUTE_BENCH_SHIM_LOG`, a folder), if anywhere.
+fn shim_log_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("COMPUTE_BENCH_SHIM_LOG").map(std::path::PathBuf::from)
+}
+
 /// A workload's compute share: `None` runs it bare (no shim).
 type Share<'a> = Option<(&'a str, &'a str)>;
 
@@ -47,7 +54,7 @@ impl Bench {
                 .env("GPUFRAC_GROUP", unique("compute-bench"))
                 .env("GPUFRAC_COMPUTE_REQUEST", request)
                 .env("GPUFRAC_COMPUTE_LIMIT", limit)
-                .env("GPUFRAC_LOG", "warn");
+                .env("GPUFRAC_LOG", if shim_log_dir().is_some() { "debug" } else { "warn" });
         }
         let mut child = ChildProcess::spawn(&mut cmd);
         child.expect_line(&["ready"], Duration::from_secs(30));
@@ -84,6 +91,10 @@ impl Bench {
             .map(|l| {
                 let line = l.expect_line(&["report"], timeout);
                 l.expect_exit_code(0);
+                if let Some(dir) = shim_log_dir() {
+                    let path = dir.join(format!("{}.log", l.pid()));
+                    let _ = std::fs::write(path, l.stderr_text());
+                }
                 serde_json::from_str(line.trim_start_matches("report "))
                     .unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
             })
