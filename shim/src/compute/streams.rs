@@ -170,6 +170,15 @@ pub(super) fn over_bound(index: usize) -> bool {
     true
 }
 
+/// Calls queued and not known finished on the bounded streams, and the longest a call
+/// takes on any of them by its marks (0: not known), for the lease thread's debug log.
+pub(super) fn in_flight_summary() -> (u64, u64) {
+    SLOTS.iter().filter(|s| !s.events[0].load(Relaxed).is_null()).fold((0, 0), |(calls, cost), s| {
+        let queued = s.calls.load(SeqCst).saturating_sub(s.done.load(SeqCst));
+        (calls.saturating_add(queued), cost.max(s.cost_ns.load(Relaxed)))
+    })
+}
+
 /// After a gated call on bounded slot `index`: records a mark once the calls since the
 /// last one add up to [`MARK_EVERY_NS`] (atomics and, then, one `cuEventRecord`).
 pub(crate) fn after_call(index: usize) {

@@ -121,8 +121,11 @@ pub(super) fn run() {
                 Local::Draining { lease, ended } => {
                     if !clock.began(device, lease) {
                         clock.begin(device, lease);
+                        let (queued, cost_ns) = super::streams::in_flight_summary();
                         drain_looks = DrainLooks {
                             first_late: now.saturating_duration_since(ended),
+                            queued,
+                            cost_us: cost_ns / 1000,
                             ..DrainLooks::default()
                         };
                     }
@@ -145,6 +148,8 @@ pub(super) fn run() {
                             drain_us,
                             polled_us = late.as_micros() as u64,
                             first_look_late_us = drain_looks.first_late.as_micros() as u64,
+                            queued_at_first_look = drain_looks.queued,
+                            call_cost_us = drain_looks.cost_us,
                             looks = drain_looks.looks,
                             inside = drain_looks.inside,
                             busy = drain_looks.busy,
@@ -208,6 +213,9 @@ pub(super) fn gate_wake_delay() -> Duration {
 #[derive(Default)]
 struct DrainLooks {
     first_late: Duration,
+    /// Calls queued and not known finished at the first look, and what a call takes.
+    queued: u64,
+    cost_us: u64,
     looks: u32,
     inside: u32,
     busy: u32,
