@@ -70,6 +70,27 @@ fn flood(
     load(gpu, arbiter, share, &args)
 }
 
+/// A flood alone with a compute request of 20% and a limit of 50% (leased), measured for
+/// 3 s after `warmup`, with one of the test build's delays (`delay`: its variable and µs).
+fn slowed_flood(gpu: &SimGpu, arbiter: &Arbiter, warmup: u32, delay: (&str, u64)) -> ChildProcess {
+    let (kernel, warmup) = (KERNEL_US.to_string(), warmup.to_string());
+    let args = ["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", &warmup, "--seconds", "3"];
+    let mut cmd = gpu.shimmed(artifact("compute_load"));
+    cmd.args(args)
+        .memory_request("512MiB")
+        .arbiter_socket(arbiter.socket())
+        .group(unique("compute"))
+        .compute_request("20%")
+        .compute_limit("50%")
+        .env(delay.0, delay.1.to_string());
+    if let Ok(filter) = std::env::var("COMPUTE_SHIM_LOG") {
+        cmd.env("GPUFRAC_LOG", filter);
+    }
+    let mut child = ChildProcess::spawn(&mut cmd);
+    child.expect_line(&["ready"], Duration::from_secs(30));
+    child
+}
+
 /// A server answering Poisson requests of one 2 ms kernel, 8 ms apart on average.
 fn server(
     gpu: &SimGpu,
@@ -219,18 +240,7 @@ fn a_lease_waits_for_the_calls_woken_for_it() {
     let (_turn, gpu) = gpu();
     let arbiter = arbiter(&gpu);
     let bare = run(vec![flood(&gpu, &arbiter, None, 1, 3)])[0];
-    let (kernel, delay) = (KERNEL_US.to_string(), 2000.to_string());
-    let mut cmd = gpu.shimmed(artifact("compute_load"));
-    cmd.args(["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", "1", "--seconds", "3"])
-        .memory_request("512MiB")
-        .arbiter_socket(arbiter.socket())
-        .group(unique("compute"))
-        .compute_request("20%")
-        .compute_limit("50%")
-        .env("GPUFRAC_TEST_GATE_WAKE_DELAY_US", &delay);
-    let mut late = vec![ChildProcess::spawn(&mut cmd)];
-    late[0].expect_line(&["ready"], Duration::from_secs(30));
-    let half = run(late)[0];
+    let half = run(vec![slowed_flood(&gpu, &arbiter, 1, ("GPUFRAC_TEST_GATE_WAKE_DELAY_US", 2000))])[0];
     let part = half / bare;
     let said = format!(
         "alone with a limit of 50%, its calls waking 2 ms late, it did {:.1}% of a bare flood's kernels ({half:.0} and {bare:.0} per second)",
@@ -244,27 +254,14 @@ fn a_lease_waits_for_the_calls_woken_for_it() {
 /// started, as the GPU stamped it, not how late the holder's lease thread saw that work
 /// end: here the lease thread sleeps 40 ms at each drain's first look (a test build's
 /// stand-in for a busy CPU), which a polled drain would report, and charge, whole. A flood
-/// of 1 ms kernels, two or three in flight, drains in a few ms.
+/// of 1 ms kernels, two in flight, drains in a few ms.
 #[test]
 fn a_drain_is_timed_by_the_device_not_by_a_late_lease_thread() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
     const DELAY_US: u64 = 40_000;
     let (_turn, gpu) = gpu();
     let arbiter = arbiter(&gpu);
-    let (kernel, delay) = (KERNEL_US.to_string(), DELAY_US.to_string());
-    let mut cmd = gpu.shimmed(artifact("compute_load"));
-    cmd.args(["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", "0", "--seconds", "3"])
-        .memory_request("512MiB")
-        .arbiter_socket(arbiter.socket())
-        .group(unique("compute"))
-        .compute_request("20%")
-        .compute_limit("50%")
-        .env("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US", &delay);
-    if let Ok(filter) = std::env::var("COMPUTE_SHIM_LOG") {
-        cmd.env("GPUFRAC_LOG", filter);
-    }
-    let mut flood = vec![ChildProcess::spawn(&mut cmd)];
-    flood[0].expect_line(&["ready"], Duration::from_secs(30));
+    let mut flood = vec![slowed_flood(&gpu, &arbiter, 0, ("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US", DELAY_US))];
     go(&mut flood);
     reports(&mut flood);
     let log = arbiter.log_text();
