@@ -505,6 +505,9 @@ pub(crate) fn ctx_destroy(ctx: Ptr) -> Status {
 /// Before the driver may destroy a context: its streams are not watched any more, and
 /// every allocation's context is known (see `Enforcer::resolve_contexts`).
 fn before_teardown() {
+    // A test build's stand-in for a thread descheduled here, between the hook's look at a
+    // checkpoint park and the driver (`GPUFRAC_TEST_TEARDOWN_DELAY_US`).
+    std::thread::sleep(crate::test_env_us("GPUFRAC_TEST_TEARDOWN_DELAY_US"));
     crate::compute::forget_streams();
     if let Some(e) = enforcer() {
         e.resolve_contexts();

@@ -73,12 +73,16 @@ macro_rules! hooks {
                     crate::ffi::guard(Lib::$ilib, || {
                         // Locked by the driver for a checkpoint park, a call that goes
                         // on to the driver would block there: it waits for the wake
-                        // first (gated calls wait at the gate).
-                        if Lib::$ilib == Lib::Cuda && crate::thunks::held() {
-                            if let Err(status) = crate::thunks::wait_until_released() {
-                                return status;
+                        // first, and a park waits for it while it is under way (gated
+                        // calls wait at the gate).
+                        let _to_driver = if Lib::$ilib == Lib::Cuda {
+                            match crate::park::to_driver() {
+                                Ok(counted) => Some(counted),
+                                Err(status) => return status,
                             }
-                        }
+                        } else {
+                            None
+                        };
                         $imp($($iarg),*)
                     })
                 }

@@ -57,3 +57,19 @@ mod thunks;
 
 pub use ffi::{CUdeviceptr, Status};
 pub use real::Lib;
+
+/// A test build's delay in µs from the environment variable `name`; zero when unset or in
+/// a release build.
+pub(crate) fn test_env_us(name: &str) -> std::time::Duration {
+    if !cfg!(debug_assertions) {
+        return std::time::Duration::ZERO;
+    }
+    let Ok(value) = std::env::var(name) else { return std::time::Duration::ZERO };
+    match value.parse() {
+        Ok(us) => std::time::Duration::from_micros(us),
+        Err(_) => {
+            tracing::warn!(%value, "{name} is not a whole number of microseconds; ignored");
+            std::time::Duration::ZERO
+        }
+    }
+}

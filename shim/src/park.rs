@@ -38,6 +38,10 @@ static PARKABLE: AtomicBool = AtomicBool::new(false);
 static PARKED: AtomicBool = AtomicBool::new(false);
 /// Allocation calls between their look at `PARKED` and their end.
 static ALLOCATING: AtomicU64 = AtomicU64::new(0);
+/// Hooked calls between their look at the driver's hold (`thunks::held`) and their end:
+/// a checkpoint park waits for them before the driver may lock the process, since one that
+/// looked before the hold would otherwise reach the locked driver and block there.
+static HOOKED: AtomicU64 = AtomicU64::new(0);
 /// The devices this process is parked on, and whether the arbiter checkpointed it there.
 static DEVICES: Mutex<BTreeMap<DeviceId, bool>> = Mutex::new(BTreeMap::new());
 
@@ -45,8 +49,8 @@ static DEVICES: Mutex<BTreeMap<DeviceId, bool>> = Mutex::new(BTreeMap::new());
 /// for one that passed just before to reach the driver.
 const THUNK_SETTLE: Duration = Duration::from_millis(5);
 
-/// How long a park waits for allocations under way before it declines (the group is not
-/// idle after all).
+/// How long a park waits for allocations under way (and, for a checkpoint, any hooked
+/// call on its way to the driver) before it declines (the group is not idle after all).
 const ALLOCATIONS_GRACE: Duration = Duration::from_millis(200);
 
 fn devices() -> MutexGuard<'static, BTreeMap<DeviceId, bool>> {
@@ -78,6 +82,38 @@ impl Drop for Allocating {
         if self.0 {
             ALLOCATING.fetch_sub(1, SeqCst);
         }
+    }
+}
+
+/// A hooked call on its way to the driver; counted out when it drops.
+pub(crate) struct ToDriver(bool);
+
+impl Drop for ToDriver {
+    fn drop(&mut self) {
+        if self.0 {
+            HOOKED.fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// Enters a hooked call that goes on to the driver: while the driver holds the process
+/// locked for a checkpoint park it waits for the wake first; in a parkable process it is
+/// counted until it ends, so that a park that holds the process meanwhile waits for it
+/// rather than let it into the locked driver. One relaxed load in other processes.
+#[inline]
+pub(crate) fn to_driver() -> Result<ToDriver, Status> {
+    if !PARKABLE.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(ToDriver(false));
+    }
+    loop {
+        // Counted in before looking (both sequentially consistent): a park that set the
+        // hold either sees this call in the count or is seen by it.
+        HOOKED.fetch_add(1, SeqCst);
+        if !crate::thunks::held_now() {
+            return Ok(ToDriver(true));
+        }
+        HOOKED.fetch_sub(1, SeqCst);
+        crate::thunks::wait_until_released()?;
     }
 }
 
@@ -123,17 +159,27 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
         return;
     }
     let was_parked = PARKED.swap(true, SeqCst);
+    let was_held = crate::thunks::held_now();
+    if checkpoint {
+        // From here hooked calls wait for the wake rather than go on to the driver, which
+        // may lock the process; the ones under way are waited for below.
+        crate::thunks::set_held(true);
+    }
+    let busy = || ALLOCATING.load(SeqCst) != 0 || (checkpoint && HOOKED.load(SeqCst) != 0);
     let deadline = started + ALLOCATIONS_GRACE;
-    while ALLOCATING.load(SeqCst) != 0 && Instant::now() < deadline {
+    while busy() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(1));
     }
-    if ALLOCATING.load(SeqCst) != 0 {
+    if busy() {
         // Busy after all: not parked. The arbiter hears it is resident.
+        if checkpoint && !was_held {
+            crate::thunks::set_held(false);
+        }
         if !was_parked {
             PARKED.store(false, SeqCst);
             crate::gate::notify_waiters();
         }
-        tracing::debug!("declined to park: allocations under way");
+        tracing::debug!("declined to park: calls under way");
         let held = e.ledger.held_by_me(slice.ledger);
         client.send_until_delivered(&Request::Woken { device, held, micros: 0 });
         return;
@@ -148,10 +194,9 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
     let took = started.elapsed();
     if checkpoint {
         // From here the driver may lock the process: calls the shim does not hook wait
-        // for the wake in their thunks rather than block inside the driver. A call that
-        // looked just before cannot be counted (a thunk jumps on, it does not return
+        // for the wake in their thunks rather than block inside the driver. A thunk that
+        // looked just before the hold cannot be counted (it jumps on, it does not return
         // here): a moment lets it reach the driver before the lock, which waits for it.
-        crate::thunks::set_held(true);
         std::thread::sleep(THUNK_SETTLE);
         tracing::info!(held, "parking: gate closed for the driver's checkpoint");
     } else {

@@ -43,6 +43,11 @@ pub(crate) fn held() -> bool {
     HELD.load(Ordering::Relaxed)
 }
 
+/// [`held`], ordered with the count of hooked calls (`park::to_driver`).
+pub(crate) fn held_now() -> bool {
+    HELD.load(Ordering::SeqCst)
+}
+
 /// What a call that reached the driver while it holds the process locked does first: waits
 /// for the wake. `Err` (out-of-memory) if the wake failed.
 #[cold]

@@ -110,6 +110,48 @@ fn parkable_models_take_turns_parked_by_the_driver_checkpoint() {
     models_take_turns("checkpoint");
 }
 
+/// A model's thread is inside a hook, between its look at a checkpoint park and the
+/// driver, releasing its context as the CUDA runtime does at exit, when the arbiter parks
+/// the model with the driver's checkpoint: the park waits for that call (and declines
+/// while it takes longer than the park's grace), so the call never reaches the locked
+/// driver. A test build's delay holds the thread inside the hook. Before, the call
+/// blocked in the driver for ever: a CuPy model's exit hung, once in a while.
+#[test]
+fn a_context_released_as_a_checkpoint_park_begins_does_not_block_in_the_locked_driver() {
+    skip_on_real_gpu!(SIMGPU);
+    // Two models whose requests do not fit together: the second is admitted parked and
+    // the first, idle, is parked for it.
+    let gpu = SimGpu::new("1GiB").with_context_overhead("64MiB");
+    let arbiter = arbiter(&gpu, "checkpoint");
+    let small = |group: &str, teardown_delay: Option<&str>| {
+        let mut cmd = member(&gpu, env!("CARGO_BIN_EXE_parkable_model"), &arbiter, group);
+        cmd.memory_request("640MiB").park_after("300ms").wait_timeout("60s");
+        cmd.args(["--model", "256MiB", "--chunk", "128MiB", "--seed", "1"]);
+        if let Some(us) = teardown_delay {
+            cmd.env("GPUFRAC_TEST_TEARDOWN_DELAY_US", us);
+        }
+        ChildProcess::spawn(&mut cmd)
+    };
+    let mut first = small(&unique("releasing"), Some("3000000"));
+    first.expect_line(&["READY"], TIMEOUT);
+    std::thread::sleep(Duration::from_millis(500));
+    first.write_stdin("RELEASE\n");
+    let mut second = small(&unique("second"), None);
+    assert_eq!(first.expect_line(&["RELEASED"], TIMEOUT), "RELEASED CUDA_SUCCESS", "{}", arbiter.log_text());
+    second.expect_line(&["READY"], TIMEOUT);
+    let log = arbiter.log_text();
+    let pid = first.pid().to_string();
+    let declined = log
+        .lines()
+        .filter(|l| l.contains("a park was declined") && log_field(l, "pid") == Some(pid.as_str()))
+        .count();
+    assert!(declined >= 1, "a park of the first came while its release was inside the hook:\n{log}");
+    for model in [&mut first, &mut second] {
+        model.write_stdin("QUIT\n");
+        model.expect_exit_code(0);
+    }
+}
+
 /// Three parkable models fill the GPU and are busy; a non-parkable group asking 2 GiB is
 /// admitted beside them (they are not guaranteed against it), two of them are parked for
 /// it, and its allocation succeeds: it is never parked, and the parked models come back

@@ -206,7 +206,7 @@ pub(super) fn run() {
 /// (`GPUFRAC_TEST_GATE_WAKE_DELAY_US`, read once); always zero in a release build.
 pub(super) fn gate_wake_delay() -> Duration {
     static DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *DELAY.get_or_init(|| test_env_us("GPUFRAC_TEST_GATE_WAKE_DELAY_US"))
+    *DELAY.get_or_init(|| crate::test_env_us("GPUFRAC_TEST_GATE_WAKE_DELAY_US"))
 }
 
 /// How a drain's looks went, for the debug log.
@@ -235,21 +235,5 @@ impl DrainLooks {
 /// a busy CPU (`GPUFRAC_TEST_DRAIN_LOOK_DELAY_US`), so that a test can tell a drain timed by
 /// the device from one timed by this thread; always zero in a release build.
 fn test_delay() -> Duration {
-    test_env_us("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US")
-}
-
-/// A test build's delay in µs from the environment variable `name`; zero when unset or in
-/// a release build.
-fn test_env_us(name: &str) -> Duration {
-    if !cfg!(debug_assertions) {
-        return Duration::ZERO;
-    }
-    let Ok(value) = std::env::var(name) else { return Duration::ZERO };
-    match value.parse() {
-        Ok(us) => Duration::from_micros(us),
-        Err(_) => {
-            tracing::warn!(%value, "{name} is not a whole number of microseconds; ignored");
-            Duration::ZERO
-        }
-    }
+    crate::test_env_us("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US")
 }

@@ -9,10 +9,12 @@
 //! ```
 //!
 //! stdin, one command per line: `REQ <id>` (a request, on chunk `id` modulo the chunks),
-//! `CHECK` (every chunk), `QUIT`. stdout, one line each, flushed: `READY <model bytes>`
+//! `CHECK` (every chunk), `RELEASE` (its primary context released, as the CUDA runtime
+//! does at exit; nothing else may follow but `QUIT`), `QUIT`. stdout, one line each, flushed: `READY <model bytes>`
 //! once loaded; `OK <id> us=<microseconds>` per request served (the time from reading it to
 //! its answer, a wake included); `FAIL <id> <CUDA error name>` when a call failed (a wake
-//! refused after GPUFRAC_WAIT_TIMEOUT: out-of-memory); `CHECKED <chunks>`. stderr:
+//! refused after GPUFRAC_WAIT_TIMEOUT: out-of-memory); `CHECKED <chunks>`; `RELEASED
+//! <CUDA error name>`. stderr:
 //! `FAILED init|model <error>` (exit 3), `CORRUPT ...` (exit 4), a bad argument (exit 2).
 
 use std::io::BufRead;
@@ -114,6 +116,11 @@ fn main() {
                     None => say(&format!("CHECKED {}", model.len())),
                     Some(e) => say(&format!("FAIL check {e}")),
                 }
+            }
+            (Some("RELEASE"), _) => {
+                // SAFETY: device 0, whose primary context `init` retained.
+                let status = unsafe { cudarc::driver::sys::cuDevicePrimaryCtxRelease_v2(0) };
+                say(&format!("RELEASED {}", error_name(status)));
             }
             (Some("QUIT"), _) => break,
             _ => say(&format!("FAIL {line:?} unknown command")),
