@@ -8,11 +8,16 @@
 //! lost (1: none). Prints a table; asserts nothing.
 //!
 //! Run: `cargo build --release --workspace && target/release/compute_bench [--seconds 10]
-//! [--only split,alone,latency] [--server 2000/8000]` (about 2 minutes on 2 cores;
-//! `--server` sets the latency server's kernel and mean gap between requests, in µs, and
-//! `--flood-kernel-us` the floods' kernels, 1000 by default). `COMPUTE_BENCH_LIMIT_LOG` and
+//! [--only split,alone,latency] [--server 2000/8000] [--rounds 1]` (about 2 minutes on 2
+//! cores; `--server` sets the latency server's kernel and mean gap between requests, in µs,
+//! `--flood-kernel-us` the floods' kernels, 1000 by default, and `--rounds` how many times
+//! the latency server runs alone and then leased, each leased p99 judged against the alone
+//! of its round). Each row says how much CPU time the hypervisor took from this machine
+//! while it ran (`/proc/stat`'s steal): on a shared VM a latency row with seconds of it
+//! measures the host, not the leases. `COMPUTE_BENCH_LIMIT_LOG` and
 //! `COMPUTE_BENCH_LATENCY_LOG` name files to write the arbiter's words for the limit's row
-//! and the leased latency row, to follow their leases one by one; `COMPUTE_BENCH_SHIM_LOG`
+//! and the leased latency row (a file per round, `.1`, `.2`, … after the name, with
+//! `--rounds`), to follow their leases one by one; `COMPUTE_BENCH_SHIM_LOG`
 //! a folder for the shims' debug logs (their drains look by look), a file per process.
 
 use std::time::Duration;
@@ -31,6 +36,20 @@ struct Bench {
     flood_kernel_us: u64,
     gpu: SimGpu,
     arbiter: Arbiter,
+    /// The CPU time the hypervisor took from this machine during the last [`Bench::run`]
+    /// (its steal time), if the kernel reports it.
+    last_steal: std::cell::Cell<Option<f64>>,
+}
+
+/// The CPU time the hypervisor has given other guests while this machine's CPUs wanted to
+/// run (`steal` of `/proc/stat`'s `cpu` line), in seconds summed over its CPUs; `None`
+/// where the kernel does not say. A latency measured while it grows measures the host.
+fn steal_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: f64 = stat.lines().next()?.split_whitespace().nth(8)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
 }
 
 /// Where the shims' debug logs go, one file per process named by its pid
@@ -63,6 +82,7 @@ impl Bench {
 
     /// Starts the measured part of every workload together and returns their reports.
     fn run(&self, mut loads: Vec<ChildProcess>) -> Vec<serde_json::Value> {
+        let steal_before = steal_s();
         for l in &mut loads {
             l.write_stdin("go\n");
         }
@@ -86,7 +106,7 @@ impl Bench {
             eprintln!("  arbiter halfway (per mille as %): {}", seen.join("; "));
         }
         let timeout = Duration::from_secs_f64(self.seconds + 60.0);
-        loads
+        let reports = loads
             .iter_mut()
             .map(|l| {
                 let line = l.expect_line(&["report"], timeout);
@@ -98,7 +118,16 @@ impl Bench {
                 serde_json::from_str(line.trim_start_matches("report "))
                     .unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
             })
-            .collect()
+            .collect();
+        self.last_steal.set(steal_before.zip(steal_s()).map(|(before, after)| after - before));
+        reports
+    }
+
+    /// Prints a row of the table: the configuration, its result and the steal time of
+    /// the run behind it.
+    fn row(&self, configuration: &str, result: &str) {
+        let steal = self.last_steal.get().map_or("unknown".to_owned(), |s| format!("{s:.2} s"));
+        println!("| {configuration} | {result} | {steal} |");
     }
 
     fn flood(&self, share: Share) -> ChildProcess {
@@ -126,9 +155,10 @@ fn main() {
     let mut seconds = 10.0;
     let (mut server_kernel_us, mut server_gap_us, mut flood_kernel_us) = (2000, 8000, 1000);
     let mut only: Option<Vec<String>> = None;
+    let mut rounds = 1;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
-    const USAGE: &str = "usage: compute_bench [--seconds S] [--only split,alone,latency] [--server KERNEL_US/MEAN_GAP_US] [--flood-kernel-us N]";
+    const USAGE: &str = "usage: compute_bench [--seconds S] [--only split,alone,latency] [--server KERNEL_US/MEAN_GAP_US] [--flood-kernel-us N] [--rounds N]";
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
@@ -142,6 +172,14 @@ fn main() {
             "--seconds" => {
                 seconds = value.parse().ok().filter(|s: &f64| *s > 0.0 && *s <= 600.0).unwrap_or_else(|| {
                     eprintln!("compute_bench: --seconds {value:?}: expected seconds above 0, at most 600");
+                    std::process::exit(2)
+                })
+            }
+            "--rounds" => {
+                rounds = value.parse().ok().filter(|r| (1..=100).contains(r)).unwrap_or_else(|| {
+                    eprintln!(
+                        "compute_bench: --rounds {value:?}: expected 1 to 100 rounds of the latency rows"
+                    );
                     std::process::exit(2)
                 })
             }
@@ -177,19 +215,27 @@ fn main() {
     let socket = gpu.lib_dir().join(format!("{}.sock", unique("compute-bench")));
     let filter = std::ffi::OsStr::new("info,gpufrac_daemon::arbiter::policy::compute=debug");
     let arbiter = Arbiter::start_with_env(&gpu, socket, &[], &[("GPUFRAC_LOG", filter)]);
-    let bench = Bench { seconds, server_kernel_us, server_gap_us, flood_kernel_us, gpu, arbiter };
+    let bench = Bench {
+        seconds,
+        server_kernel_us,
+        server_gap_us,
+        flood_kernel_us,
+        gpu,
+        arbiter,
+        last_steal: std::cell::Cell::new(None),
+    };
     println!(
         "compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU, floods of {flood_kernel_us} µs kernels"
     );
-    println!("| configuration | result |");
-    println!("| --- | --- |");
+    println!("| configuration | result | the host's steal during it |");
+    println!("| --- | --- | --- |");
 
     // Every flood is measured against the same flood alone, bare, in this run.
     let mut alone_rate = None;
     let mut alone = |bench: &Bench| -> f64 {
         *alone_rate.get_or_insert_with(|| {
             let rate = throughput(&bench.run(vec![bench.flood(None)])[0]);
-            println!("| one flood alone, bare (the reference) | {rate:.0} kernels/s |");
+            bench.row("one flood alone, bare (the reference)", &format!("{rate:.0} kernels/s"));
             rate
         })
     };
@@ -197,65 +243,127 @@ fn main() {
         let reference = alone(&bench);
         let bare = bench.run(vec![bench.flood(None), bench.flood(None)]);
         let (a, b) = (throughput(&bare[0]) / reference, throughput(&bare[1]) / reference);
-        println!(
-            "| two floods, bare (the GPU's time-slicing) | normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}%, sum {:.3} |",
-            a / (a + b) * 100.0,
-            b / (a + b) * 100.0,
-            a + b
+        bench.row(
+            "two floods, bare (the GPU's time-slicing)",
+            &format!(
+                "normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}%, sum {:.3}",
+                a / (a + b) * 100.0,
+                b / (a + b) * 100.0,
+                a + b
+            ),
         );
         let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
         let (a, b) = (throughput(&shared[0]) / reference, throughput(&shared[1]) / reference);
-        println!(
-            "| two floods, compute requests 30% and 70% | normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}% (off by {:+.1} points), sum {:.3} |",
-            a / (a + b) * 100.0,
-            b / (a + b) * 100.0,
-            (a / (a + b) - 0.3) * 100.0,
-            a + b
+        bench.row(
+            "two floods, compute requests 30% and 70%",
+            &format!(
+                "normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}% (off by {:+.1} points), sum {:.3}",
+                a / (a + b) * 100.0,
+                b / (a + b) * 100.0,
+                (a / (a + b) - 0.3) * 100.0,
+                a + b
+            ),
         );
     }
     if wanted("alone") {
         let reference = alone(&bench);
         let whole = throughput(&bench.run(vec![bench.flood(Some(("30%", "100%")))])[0]) / reference;
-        println!("| one flood alone, request 30%, limit 100% (the GPU open) | normalized {whole:.3} |");
+        bench.row(
+            "one flood alone, request 30%, limit 100% (the GPU open)",
+            &format!("normalized {whole:.3}"),
+        );
         let logged = bench.arbiter.log_text().len();
         let half = throughput(&bench.run(vec![bench.flood(Some(("20%", "50%")))])[0]) / reference;
-        println!(
-            "| one flood alone, request 20%, limit 50% | normalized {half:.3} (off by {:+.1} points) |",
-            (half - 0.5) * 100.0
+        bench.row(
+            "one flood alone, request 20%, limit 50%",
+            &format!("normalized {half:.3} (off by {:+.1} points)", (half - 0.5) * 100.0),
         );
         let log = bench.arbiter.log_text();
-        println!("| (the leases in that row) | {} |", leases(&log[logged..]));
+        println!("| (the leases in that row) | {} | |", leases(&log[logged..]));
         if let Some(path) = std::env::var_os("COMPUTE_BENCH_LIMIT_LOG") {
             // The arbiter's words for that row, to follow its leases one by one.
             let _ = std::fs::write(path, &log[logged..]);
         }
     }
     if wanted("latency") {
+        latency(&bench, rounds);
+    }
+}
+
+/// The latency rows: the server alone and beside a flood with requests of 50% each,
+/// `rounds` times, then beside the same flood bare (once, after the rounds). Each round's leased p99 is
+/// judged against the server alone in the same round, so that a stretch of the host's
+/// steal lands on both sides as often as not; the rounds' steal says which ones it hit.
+fn latency(bench: &Bench, rounds: u32) {
+    let (kernel_us, gap_us) = (bench.server_kernel_us, bench.server_gap_us);
+    let mut within = 0;
+    let mut missed = Vec::new();
+    for round in 1..=rounds {
+        let of_round = if rounds > 1 { format!(" (round {round})") } else { String::new() };
         let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);
+        let alone_steal = bench.last_steal.get();
         let (p50, p99) = queueing(&alone[0]);
-        println!(
-            "| latency server alone (request 50%; {server_kernel_us} µs kernels, Poisson arrivals every {server_gap_us} µs on average) | queueing p50 {p50:.2} ms, p99 {p99:.2} ms |"
-        );
-        let bare = bench.run(vec![bench.server(None), bench.flood(None)]);
-        let (b50, b99) = queueing(&bare[0]);
-        println!(
-            "| latency server beside a flood, bare | queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.0} kernels/s |",
-            b99 / p99,
-            throughput(&bare[1])
+        bench.row(
+            &format!(
+                "latency server alone{of_round} (request 50%; {kernel_us} µs kernels, Poisson arrivals every {gap_us} µs on average)"
+            ),
+            &format!("queueing p50 {p50:.2} ms, p99 {p99:.2} ms"),
         );
         let logged = bench.arbiter.log_text().len();
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
+        let leased_steal = bench.last_steal.get();
         let (s50, s99) = queueing(&shared[0]);
-        println!(
-            "| latency server beside a flood, requests 50% / 50% | queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.0} kernels/s |",
-            s99 / p99,
-            throughput(&shared[1])
+        bench.row(
+            &format!("latency server beside a flood, requests 50% / 50%{of_round}"),
+            &format!(
+                "queueing p50 {s50:.2} ms, p99 {s99:.2} ms ({:.1}x alone), flood {:.0} kernels/s",
+                s99 / p99,
+                throughput(&shared[1])
+            ),
         );
         let log = bench.arbiter.log_text();
-        println!("| (the leases in that row) | {} |", leases(&log[logged..]));
+        println!("| (the leases in that row) | {} | |", leases(&log[logged..]));
         if let Some(path) = std::env::var_os("COMPUTE_BENCH_LATENCY_LOG") {
+            // A file per round when there are several: `<path>.<round>`.
+            let mut path = std::path::PathBuf::from(path);
+            if rounds > 1 {
+                path.as_mut_os_string().push(format!(".{round}"));
+            }
             let _ = std::fs::write(path, &log[logged..]);
         }
+        if round == rounds {
+            let bare = bench.run(vec![bench.server(None), bench.flood(None)]);
+            let (b50, b99) = queueing(&bare[0]);
+            bench.row(
+                "latency server beside a flood, bare",
+                &format!(
+                    "queueing p50 {b50:.2} ms, p99 {b99:.2} ms ({:.1}x alone), flood {:.0} kernels/s",
+                    b99 / p99,
+                    throughput(&bare[1])
+                ),
+            );
+        }
+        if s99 <= 2.0 * p99 {
+            within += 1;
+        } else {
+            let steal = |s: Option<f64>| s.map_or("unknown".to_owned(), |s| format!("{s:.2} s"));
+            missed.push(format!(
+                "round {round} at {:.1}x (steal {} alone, {} leased)",
+                s99 / p99,
+                steal(alone_steal),
+                steal(leased_steal)
+            ));
+        }
+    }
+    if rounds > 1 {
+        let result = format!(
+            "{within} of {rounds}{}{}",
+            if missed.is_empty() { "" } else { "; beyond: " },
+            missed.join(", ")
+        );
+        println!(
+            "| rounds whose leased p99 was within 2x of the server alone in the same round | {result} | |"
+        );
     }
 }
 
