@@ -12,9 +12,11 @@
 //! cores; `--server` sets the latency server's kernel and mean gap between requests, in µs,
 //! `--flood-kernel-us` the floods' kernels, 1000 by default, and `--rounds` how many times
 //! the latency server runs alone and then leased, each leased p99 judged against the alone
-//! of its round). Each row says how much CPU time the hypervisor took from this machine
-//! while it ran (`/proc/stat`'s steal): on a shared VM a latency row with seconds of it
-//! measures the host, not the leases. `COMPUTE_BENCH_LIMIT_LOG` and
+//! of its round). Each row says what the host did meanwhile: how much CPU time the
+//! hypervisor took from this machine (`/proc/stat`'s steal) and how late, at worst, a
+//! thread sleeping 2 ms at a time woke (stops of the VM the guest is not told of as steal
+//! show there). On a shared VM, a latency row with either measures the host, not the
+//! leases. `COMPUTE_BENCH_LIMIT_LOG` and
 //! `COMPUTE_BENCH_LATENCY_LOG` name files to write the arbiter's words for the limit's row
 //! and the leased latency row (a file per round, `.1`, `.2`, … after the name, with
 //! `--rounds`), to follow their leases one by one; `COMPUTE_BENCH_SHIM_LOG`
@@ -36,9 +38,40 @@ struct Bench {
     flood_kernel_us: u64,
     gpu: SimGpu,
     arbiter: Arbiter,
-    /// The CPU time the hypervisor took from this machine during the last [`Bench::run`]
-    /// (its steal time), if the kernel reports it.
-    last_steal: std::cell::Cell<Option<f64>>,
+    /// What the host did to this machine during the last [`Bench::run`].
+    last_host: std::cell::Cell<HostSeen>,
+}
+
+/// What the host did to this machine while a row ran: the CPU time the hypervisor took
+/// (steal, if the kernel reports it), and the worst lateness of a thread sleeping 2 ms
+/// again and again beside the workloads, which also shows the stops a guest is not told
+/// of as steal.
+#[derive(Debug, Default, Clone, Copy)]
+struct HostSeen {
+    steal_s: Option<f64>,
+    worst_late: Duration,
+}
+
+impl std::fmt::Display for HostSeen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.steal_s {
+            Some(s) => write!(f, "{s:.2} s")?,
+            None => f.write_str("unknown")?,
+        }
+        write!(f, "; {:.1} ms", self.worst_late.as_secs_f64() * 1000.0)
+    }
+}
+
+/// Sleeps 2 ms again and again until `stop`, and returns the worst lateness of a wake.
+fn watch_wakes(stop: &std::sync::atomic::AtomicBool) -> Duration {
+    const NAP: Duration = Duration::from_millis(2);
+    let mut worst = Duration::ZERO;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let asleep = std::time::Instant::now();
+        std::thread::sleep(NAP);
+        worst = worst.max(asleep.elapsed().saturating_sub(NAP));
+    }
+    worst
 }
 
 /// The CPU time the hypervisor has given other guests while this machine's CPUs wanted to
@@ -83,7 +116,30 @@ impl Bench {
     /// Starts the measured part of every workload together and returns their reports.
     fn run(&self, mut loads: Vec<ChildProcess>) -> Vec<serde_json::Value> {
         let steal_before = steal_s();
-        for l in &mut loads {
+        /// Stops the watcher however the measurement ends (a panic too: the scope joins it).
+        struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let watcher = scope.spawn(|| watch_wakes(&stop));
+            let reports = {
+                let _stop = StopOnDrop(&stop);
+                self.measure(&mut loads)
+            };
+            let worst_late = watcher.join().unwrap_or_default();
+            let steal = steal_before.zip(steal_s()).map(|(before, after)| after - before);
+            self.last_host.set(HostSeen { steal_s: steal, worst_late });
+            reports
+        })
+    }
+
+    /// [`Bench::run`]'s measurement: starts the workloads and collects their reports.
+    fn measure(&self, loads: &mut [ChildProcess]) -> Vec<serde_json::Value> {
+        for l in loads.iter_mut() {
             l.write_stdin("go\n");
         }
         // Halfway: what the arbiter sees and decides, for each group with a share.
@@ -106,7 +162,7 @@ impl Bench {
             eprintln!("  arbiter halfway (per mille as %): {}", seen.join("; "));
         }
         let timeout = Duration::from_secs_f64(self.seconds + 60.0);
-        let reports = loads
+        loads
             .iter_mut()
             .map(|l| {
                 let line = l.expect_line(&["report"], timeout);
@@ -118,16 +174,13 @@ impl Bench {
                 serde_json::from_str(line.trim_start_matches("report "))
                     .unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
             })
-            .collect();
-        self.last_steal.set(steal_before.zip(steal_s()).map(|(before, after)| after - before));
-        reports
+            .collect()
     }
 
-    /// Prints a row of the table: the configuration, its result and the steal time of
-    /// the run behind it.
+    /// Prints a row of the table: the configuration, its result and what the host did
+    /// during the run behind it.
     fn row(&self, configuration: &str, result: &str) {
-        let steal = self.last_steal.get().map_or("unknown".to_owned(), |s| format!("{s:.2} s"));
-        println!("| {configuration} | {result} | {steal} |");
+        println!("| {configuration} | {result} | {} |", self.last_host.get());
     }
 
     fn flood(&self, share: Share) -> ChildProcess {
@@ -222,12 +275,12 @@ fn main() {
         flood_kernel_us,
         gpu,
         arbiter,
-        last_steal: std::cell::Cell::new(None),
+        last_host: std::cell::Cell::new(HostSeen::default()),
     };
     println!(
         "compute_bench: {seconds} s measured after {WARMUP_S} s of warm-up, one simulated GPU, floods of {flood_kernel_us} µs kernels"
     );
-    println!("| configuration | result | the host's steal during it |");
+    println!("| configuration | result | the host during it: steal; a 2 ms sleep's worst lateness |");
     println!("| --- | --- | --- |");
 
     // Every flood is measured against the same flood alone, bare, in this run.
@@ -293,7 +346,7 @@ fn main() {
 /// The latency rows: the server alone and beside a flood with requests of 50% each,
 /// `rounds` times, then beside the same flood bare (once, after the rounds). Each round's leased p99 is
 /// judged against the server alone in the same round, so that a stretch of the host's
-/// steal lands on both sides as often as not; the rounds' steal says which ones it hit.
+/// stop lands on both sides as often as not; each row says what the host did meanwhile.
 fn latency(bench: &Bench, rounds: u32) {
     let (kernel_us, gap_us) = (bench.server_kernel_us, bench.server_gap_us);
     let mut within = 0;
@@ -301,7 +354,7 @@ fn latency(bench: &Bench, rounds: u32) {
     for round in 1..=rounds {
         let of_round = if rounds > 1 { format!(" (round {round})") } else { String::new() };
         let alone = bench.run(vec![bench.server(Some(("50%", "100%")))]);
-        let alone_steal = bench.last_steal.get();
+        let alone_host = bench.last_host.get();
         let (p50, p99) = queueing(&alone[0]);
         bench.row(
             &format!(
@@ -311,7 +364,7 @@ fn latency(bench: &Bench, rounds: u32) {
         );
         let logged = bench.arbiter.log_text().len();
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
-        let leased_steal = bench.last_steal.get();
+        let leased_host = bench.last_host.get();
         let (s50, s99) = queueing(&shared[0]);
         bench.row(
             &format!("latency server beside a flood, requests 50% / 50%{of_round}"),
@@ -346,12 +399,9 @@ fn latency(bench: &Bench, rounds: u32) {
         if s99 <= 2.0 * p99 {
             within += 1;
         } else {
-            let steal = |s: Option<f64>| s.map_or("unknown".to_owned(), |s| format!("{s:.2} s"));
             missed.push(format!(
-                "round {round} at {:.1}x (steal {} alone, {} leased)",
-                s99 / p99,
-                steal(alone_steal),
-                steal(leased_steal)
+                "round {round} at {:.1}x (the host: {alone_host} alone, {leased_host} leased)",
+                s99 / p99
             ));
         }
     }
