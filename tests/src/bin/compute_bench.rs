@@ -365,6 +365,7 @@ fn latency(bench: &Bench, rounds: u32) {
         let logged = bench.arbiter.log_text().len();
         let shared = bench.run(vec![bench.server(Some(("50%", "100%"))), bench.flood(Some(("50%", "100%")))]);
         let leased_host = bench.last_host.get();
+        eprintln!("  the leased server's longest-queued requests{of_round}: {}", worst_requests(&shared[0]));
         let (s50, s99) = queueing(&shared[0]);
         bench.row(
             &format!("latency server beside a flood, requests 50% / 50%{of_round}"),
@@ -415,6 +416,31 @@ fn latency(bench: &Bench, rounds: u32) {
             "| rounds whose leased p99 was within 2x of the server alone in the same round | {result} | |"
         );
     }
+}
+
+/// A server's longest-queued requests from its report (`worst`): when each arrived (UTC,
+/// to find it in the logs) and where its time went.
+fn worst_requests(report: &serde_json::Value) -> String {
+    let started_ms = report["started_unix_ms"].as_f64().unwrap_or(0.0);
+    let Some(worst) = report["worst"].as_array() else { return "none reported".to_owned() };
+    let ms = |r: &serde_json::Value, key: &str| r[key].as_f64().unwrap_or(0.0) / 1000.0;
+    worst
+        .iter()
+        .map(|r| {
+            let at = (started_ms + r["at_ms"].as_f64().unwrap_or(0.0)) / 1000.0 % 86_400.0;
+            format!(
+                "{:02}:{:02}:{:06.3} queued {:.1} ms (began {:.1} ms late, launch {:.1} ms, sync {:.1} ms)",
+                (at / 3600.0) as u32,
+                (at % 3600.0 / 60.0) as u32,
+                at % 60.0,
+                ms(r, "queueing_us"),
+                ms(r, "began_late_us"),
+                ms(r, "launch_us"),
+                ms(r, "sync_us")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// What the leases took in a row (`row`: the arbiter's log from the row's start): each

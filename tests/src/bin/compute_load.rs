@@ -9,8 +9,15 @@
 //! report {"mode":"flood","pid":1234,"kernels":9800,"wall_s":10.0}
 //! compute_load requests --kernel-us 2000 --mean-gap-us 8000 --seconds 10 --seed 7
 //! report {"mode":"requests","pid":1235,"kernels":1250,"wall_s":10.0,
-//!  "queueing_us":{"p50":95.0,"p99":2400.0,"max":3100.0,"mean":310.0}}
+//!  "queueing_us":{"p50":95.0,"p99":2400.0,"max":3100.0,"mean":310.0},
+//!  "worst":[{"at_ms":5123.4,"queueing_us":9100.0,"began_late_us":6000.0,"launch_us":1100.0,
+//!  "sync_us":2050.0},...],"started_unix_ms":1795000000000}
 //! ```
+//!
+//! `worst`: the requests that queued longest (at most eight), each with its arrival after
+//! the measured part's start (`started_unix_ms`, wall clock) and where its time went: how
+//! late it began after its arrival (behind earlier requests, or this thread not running),
+//! its launch (a wait for a compute lease included) and its synchronize.
 //!
 //! A request's *queueing delay* is the time from its arrival to its answer, less its
 //! kernel's own device time: the wait behind earlier requests of this server, behind
@@ -32,6 +39,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUfunction, CUresult, CUstream};
 use gpufrac_e2e::rng::Rng;
+
+/// How many of the longest-queued requests the report lists.
+const WORST: usize = 8;
 
 const USAGE: &str = "usage: compute_load flood --kernel-us N --depth N --seconds S [--warmup S] [--now]\n       compute_load requests --kernel-us N --mean-gap-us N --seconds S [--seed N] [--warmup S] [--now]";
 
@@ -170,6 +180,9 @@ fn main() {
         }
     }
     let started = Instant::now();
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     let mut kernels = 0u64;
     let mut report = serde_json::json!({ "pid": std::process::id() });
     if o.flood {
@@ -184,6 +197,10 @@ fn main() {
     } else {
         let mut rng = Rng::new(o.seed);
         let mut delays = Vec::new();
+        // Each request's arrival (from the start), queueing, and where its time went: how
+        // late after its arrival it began (behind earlier requests, or this thread not
+        // running), its launch (a wait for its group's lease included), its synchronize.
+        let mut served: Vec<[f64; 5]> = Vec::new();
         let mut arrival = started;
         loop {
             // Exponential gap: -ln(U) * mean, U in (0, 1].
@@ -196,10 +213,22 @@ fn main() {
             if let Some(wait) = arrival.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
+            let began = Instant::now();
             launch(sleep, stream, o.kernel_us);
+            let launched = Instant::now();
             sync();
-            let answered = Instant::now().duration_since(arrival).as_secs_f64() * 1e6;
-            delays.push((answered - o.kernel_us as f64).max(0.0));
+            let done = Instant::now();
+            let answered = done.duration_since(arrival).as_secs_f64() * 1e6;
+            let queueing = (answered - o.kernel_us as f64).max(0.0);
+            delays.push(queueing);
+            let us = |d: Duration| d.as_secs_f64() * 1e6;
+            served.push([
+                us(arrival.duration_since(started)) / 1000.0,
+                queueing,
+                us(began.saturating_duration_since(arrival)),
+                us(launched - began),
+                us(done - launched),
+            ]);
             kernels += 1;
         }
         delays.sort_by(f64::total_cmp);
@@ -211,7 +240,18 @@ fn main() {
             "max": delays.last().copied().unwrap_or(0.0),
             "mean": mean,
         });
+        served.sort_by(|a, b| b[1].total_cmp(&a[1]));
+        report["worst"] = served
+            .iter()
+            .take(WORST)
+            .map(|r| {
+                serde_json::json!({
+                    "at_ms": r[0], "queueing_us": r[1], "began_late_us": r[2], "launch_us": r[3], "sync_us": r[4],
+                })
+            })
+            .collect();
     }
+    report["started_unix_ms"] = started_unix_ms.into();
     report["kernels"] = kernels.into();
     report["wall_s"] = started.elapsed().as_secs_f64().into();
     println!("report {report}");
