@@ -24,13 +24,14 @@
 //!   of the time (plus one period's burst).
 //! - A group with nothing to run gives the lease back at once (its shim sees its work done
 //!   and no new call), so a group alone gets up to its limit and idle time is never kept.
-//! - A group that becomes active (it had not wanted for a while) joins with a pass one
-//!   lease behind the others': it is owed, so a holder that has held at least [`MIN_HOLD`]
-//!   is cut short for it. A group that wants again after giving its lease back cuts the
-//!   holder's lease to end once the holder's running pass reaches its own (at once if it
-//!   already has). A latency-sensitive server thus waits for the holder's drain (which the
-//!   holder's shim keeps to a few ms), not for its lease; groups that keep wanting
-//!   (they say so in `LeaseDone`) take turns by their planned leases.
+//! - A group that wants again (it had not wanted for a while, or gave its lease back)
+//!   keeps what it did not use of its request, up to [`OWED_LEASES`] of its leases: its
+//!   pass is brought up to the others' less that, never lowered. Owed, it cuts the holder
+//!   short once the holder has held [`MIN_HOLD`]; otherwise it cuts the holder's lease to
+//!   end once the holder's running pass reaches its own. A latency-sensitive server thus
+//!   waits for the holder's drain (which the holder's shim keeps to a few ms), not for its
+//!   lease; groups that keep wanting (they say so in `LeaseDone`) take turns by their
+//!   planned leases.
 //! - When one group alone wants the GPU and its limit is the whole GPU, the GPU is *open*
 //!   to it: no lease, its calls pass untouched, until another group wants it. Only once
 //!   the others have been quiet for [`OPEN_AFTER_QUIET`], though: a leased holder's shim
@@ -61,6 +62,13 @@ pub const OPEN_AFTER_QUIET: Duration = Duration::from_secs(1);
 /// late on a busy machine, and a bucket already at its cap would lose what accrued
 /// meanwhile (a limit of 50% alone got 49.3% of the time, not 50%).
 pub const REFILL_SLACK: Duration = Duration::from_millis(1);
+/// What a group that wants the GPU again may be owed, in its leases: what it did not use
+/// of its request while it did not want, at most this much. One lease was too little for
+/// a latency server whose Poisson requests bunch up now and then: past one lease it took
+/// turns with a flood's 20 ms leases until its queue was gone, and its p99 read 12x that
+/// alone. Three leases (60 ms of a 50/50 pair's GPU) hold a burst of several requests in
+/// a row, and bound how long an owed group keeps the others waiting.
+pub const OWED_LEASES: f64 = 3.0;
 /// How long after its lease's end the arbiter waits for a holder's `LeaseDone`.
 pub const DRAIN_GRACE: Duration = Duration::from_millis(250);
 /// The stretch over which status shows what each group held.
@@ -229,13 +237,14 @@ impl LeaseBook {
             return false;
         }
         c.wanting = true;
-        // A group back from idleness (long, or since it gave its last lease back) may not
-        // bank credit from its idle time, but it keeps up to one lease of what it did not
-        // use: its pass is brought up to the others' less one lease, never lowered. A
-        // server that uses less than its request thus goes ahead of a flood at once; one
-        // that uses more than its request still takes turns by it (its own pass is higher).
+        // A group back from idleness (long, or since it gave its last lease back) keeps
+        // what it did not use of its request, up to OWED_LEASES of its leases: its pass is
+        // brought up to the others' less that, never lowered. A server that uses less than
+        // its request thus goes ahead of a flood at once, and a burst of its requests is
+        // served in a row; one that used more than its request takes turns by it (its own
+        // pass is higher).
         let active_lately = c.last_seen.is_some_and(|t| now.saturating_duration_since(t) < PERIOD);
-        let credit = planned.as_secs_f64() / c.weight();
+        let credit = OWED_LEASES * planned.as_secs_f64() / c.weight();
         c.pass = c.pass.max(vt - credit);
         c.last_seen = Some(now);
         c.wanted_since = Some((now, !active_lately));

@@ -251,25 +251,52 @@ fn a_group_back_from_giving_its_lease_back_cuts_a_flood_while_it_used_less_than_
         t += Duration::from_millis(if round % 5 == 4 { 15 } else { 3 });
         assert!(book.done("server", lease, Duration::ZERO, false, t));
     }
-    // A server that held long (50 ms, more than its request while the flood wanted)
-    // takes turns by its request: it waits for the flood's running pass to reach its own.
+    // A burst of the server's requests, more than one lease serves, after it used less
+    // than its request: it is owed, so it holds lease after lease while its queue lasts,
+    // up to OWED_LEASES of them, not taking turns with the flood's 20 ms leases.
     book.step(t);
     let h = book.holder.clone().unwrap();
     assert_eq!(h.group, "flood");
-    book.want("server", t + Duration::from_millis(5));
+    assert!(book.want("server", t + Duration::from_millis(5)), "owed: the flood is cut");
     t += Duration::from_millis(7);
     assert!(book.done("flood", h.lease, Duration::from_millis(2), true, t));
+    let burst_start = t;
+    let mut server_leases = 0;
+    loop {
+        book.step(t);
+        let Grant::Held { lease, until } = book.grant("server", t) else { break };
+        assert_eq!(until - t, PERIOD / 2, "the server's planned lease");
+        server_leases += 1;
+        t = until;
+        assert!(book.done("server", lease, Duration::ZERO, true, t));
+    }
+    let owed = PERIOD.mul_f64(OWED_LEASES / 2.0);
+    // A burst of 50 ms, two and a half of its leases, is served in a row.
+    assert!(t - burst_start >= Duration::from_millis(50), "served in a row for {:?}", t - burst_start);
+    assert!(t - burst_start <= owed + PERIOD / 2, "and no longer than it was owed: {:?}", t - burst_start);
+    // Past what it was owed it takes turns by its request: the flood's whole lease, then
+    // its own.
+    let Grant::Held { lease, until } = book.grant("flood", t) else { panic!("{book:?}") };
+    assert_eq!(until - t, PERIOD / 2, "after {server_leases} of the server's leases");
+    assert!(book.done("flood", lease, Duration::ZERO, true, until));
+    t = until;
     book.step(t);
-    let Grant::Held { lease, .. } = book.grant("server", t) else { panic!("{book:?}") };
-    // Its 20 ms lease, and 30 ms of drain.
-    t += Duration::from_millis(50);
-    assert!(book.done("server", lease, Duration::from_millis(30), false, t));
+    let Grant::Held { lease, until } = book.grant("server", t) else { panic!("{book:?}") };
+    // It runs 10 ms past its lease's end and has nothing more; it wants again 1 ms into
+    // the flood's next lease. Having held 10 ms more than its request's part since it was
+    // owed nothing, it waits until the flood's running pass reaches its own: the flood's
+    // lease is cut 10 ms in, not at once.
+    t = until + Duration::from_millis(10);
+    assert!(book.done("server", lease, Duration::from_millis(10), false, t));
     book.step(t);
     assert!(book.holds("flood"));
     let t2 = t + Duration::from_millis(1);
     assert!(book.want("server", t2), "its turn comes within the flood's lease");
-    let cut = book.holder.as_ref().unwrap().until;
-    assert!(cut > t2 + Duration::from_millis(20), "it held 50 ms: the flood goes on, to {:?}", cut - t2);
+    let cut = book.holder.as_ref().unwrap().until - t;
+    assert!(
+        cut >= Duration::from_millis(9) && cut <= Duration::from_millis(11),
+        "the flood's lease is cut when its running pass reaches the server's: {cut:?}"
+    );
 }
 
 #[test]
