@@ -1,8 +1,11 @@
 """CuPy (cupy-cuda12x, its own copy of NVIDIA's CUDA runtime inside): the device and its
 memory as the shim shows them, arrays through CuPy's memory pool and through the
 stream-ordered pool (cudaMallocAsync) until CuPy's OutOfMemoryError, and host <-> device
-round trips, plain and on a stream with pinned memory. No kernels: simgpu runs none, so
+round trips, plain, on a stream with pinned memory and on threads' per-thread default
+streams. No kernels: simgpu runs none, so
 only what CuPy does with copies and memsets (asarray, get, zeros, set) is used."""
+
+import threading
 
 import cupy
 import numpy as np
@@ -62,6 +65,34 @@ elapsed = cupy.cuda.get_elapsed_time(start, end)
 assert elapsed >= 0, elapsed
 del a
 report("stream", bytes=data.nbytes, elapsed_ms=f"{elapsed:.3f}")
+
+
+# On threads' per-thread default streams (CU_STREAM_PER_THREAD): six threads one after
+# another, then three at once, each ending after its round trip (under a compute share,
+# more threads than the shim bounds, whose bounds go back as they end).
+def per_thread_round_trip(seed, results):
+    ptds = cupy.cuda.Stream.ptds
+    want = np.full(1 << 20, seed, dtype=np.uint8)
+    with ptds:
+        x = cupy.empty(want.shape, dtype=np.uint8)
+        x.set(want, stream=ptds)
+        got = x.get(stream=ptds)
+        ptds.synchronize()
+    results[seed] = np.array_equal(got, want)
+
+
+per_thread = {}
+for seed in range(6):
+    t = threading.Thread(target=per_thread_round_trip, args=(seed, per_thread))
+    t.start()
+    t.join()
+together = [threading.Thread(target=per_thread_round_trip, args=(seed, per_thread)) for seed in range(6, 9)]
+for t in together:
+    t.start()
+for t in together:
+    t.join()
+assert per_thread == {seed: True for seed in range(9)}, per_thread
+report("per-thread", threads=len(per_thread))
 
 
 def out_of_memory(e):

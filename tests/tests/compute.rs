@@ -70,6 +70,33 @@ fn flood(
     load(gpu, arbiter, share, &args)
 }
 
+/// [`flood`] with its kernels on the thread's per-thread default stream
+/// (`CU_STREAM_PER_THREAD`), as a program built with `--default-stream per-thread` sends
+/// them.
+fn per_thread_flood(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    share: Option<(&str, &str)>,
+    warmup: u32,
+    seconds: u32,
+) -> ChildProcess {
+    let (kernel, warmup, seconds) = (KERNEL_US.to_string(), warmup.to_string(), seconds.to_string());
+    let args = [
+        "flood",
+        "--kernel-us",
+        &kernel,
+        "--depth",
+        "16",
+        "--warmup",
+        &warmup,
+        "--seconds",
+        &seconds,
+        "--stream",
+        "per-thread",
+    ];
+    load(gpu, arbiter, share, &args)
+}
+
 /// A flood alone with a compute request of 20% and a limit of 50% (leased), measured for
 /// 3 s after `warmup`, with one of the test build's delays (`delay`: its variable and µs).
 fn slowed_flood(gpu: &SimGpu, arbiter: &Arbiter, warmup: u32, delay: (&str, u64)) -> ChildProcess {
@@ -196,6 +223,34 @@ fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
     assert!(sum >= 0.7 * bare, "time was lost to the hand-overs: {said}");
     let log = arbiter.log_text();
     assert!(log.contains("GPU leased"), "{log}");
+}
+
+/// A group whose kernels go to its threads' per-thread default streams is held to its
+/// request like any other: its lease's end waits for the work it queued there (which the
+/// lease thread, on another thread, cannot query as a stream), and that work is bounded
+/// like a watched stream's. Unwatched, its 16 queued kernels ran on into the next
+/// holder's lease under the GPU's time-slicing, and its drains were not counted.
+#[test]
+fn a_group_on_the_per_thread_default_stream_is_held_to_its_request() {
+    skip_on_real_gpu!(SIMGPU_KERNELS);
+    let (_turn, gpu) = gpu();
+    let arbiter = arbiter(&gpu);
+    let alone_own = run(vec![flood(&gpu, &arbiter, None, 1, 4)])[0];
+    let alone_per_thread = run(vec![per_thread_flood(&gpu, &arbiter, None, 1, 4)])[0];
+    let mut both = vec![
+        per_thread_flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 12),
+        flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 12),
+    ];
+    go(&mut both);
+    let got = reports(&mut both);
+    let (small, large) = (throughput(&got[0]) / alone_per_thread, throughput(&got[1]) / alone_own);
+    let share = small / (small + large);
+    let said = format!(
+        "normalized throughputs {small:.3} (per-thread default stream, request 30%) and {large:.3} (its own stream, 70%): the 30% group's share {:.1}%",
+        share * 100.0
+    );
+    eprintln!("{said}");
+    assert!((share - 0.3).abs() <= 0.03, "{said}");
 }
 
 #[test]

@@ -327,6 +327,7 @@ fn cupy_leased() {
     let lines = leased("cupy_check.py");
     filled_the_room(&lines, LIMIT, &["MemoryPool", "MemoryAsyncPool"]);
     line(&lines, "stream");
+    assert_eq!(value(&lines, "per-thread", "threads"), 9, "{lines:?}");
 }
 
 #[test]

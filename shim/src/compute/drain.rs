@@ -19,8 +19,8 @@
 //!   at most the polled figure).
 //!
 //! What cannot be timed this way falls back to the polled figure for the whole drain: a
-//! call on a stream that is not watched (a thread's per-thread default stream, a ninth
-//! stream), the legacy stream's unmarked tail (recording on it from this thread could make
+//! call on a stream that is not watched (a ninth stream, the per-thread default stream of
+//! a fifth thread or of a context other than its slot's), the legacy stream's unmarked tail (recording on it from this thread could make
 //! a capture elsewhere depend on the legacy stream), a stream capturing at the drain's
 //! end, a context without a reference, two devices draining at once. Nothing here runs on
 //! the launch path, records on a capturing stream, or synchronizes anything.
@@ -32,8 +32,8 @@ use std::time::Duration;
 use gpufrac_common::protocol::DeviceId;
 
 use super::streams::{
-    capturing, mark, CtxSetCurrent, EventElapsed, EventQuery, StreamQuery, LEGACY_SLOT, RING, SLOTS,
-    SLOT_COUNT, STREAMS, STREAMS_LOCK,
+    capturing, mark, CtxSetCurrent, EventElapsed, EventQuery, StreamQuery, RING, SLOTS, SLOT_COUNT, STREAMS,
+    STREAMS_LOCK,
 };
 use super::{lock, monotonic_ns};
 use crate::ffi::{Status, SUCCESS};
@@ -206,12 +206,13 @@ impl DeviceClock {
             if calls == self.last_calls[index] || slot.marked.load(SeqCst) == calls {
                 continue;
             }
-            let stream =
-                if index == LEGACY_SLOT { std::ptr::null_mut() } else { STREAMS[index].load(SeqCst) };
+            // The legacy stream's tail is not marked from here (the module's doc), nor a
+            // thread's per-thread default stream's, which is another thread's to mark (its
+            // calls all are).
+            let stream = STREAMS.get(index).map_or(std::ptr::null_mut(), |s| s.load(SeqCst));
             // SAFETY: a stream a call of this process used, not destroyed (cuStreamDestroy
             // clears its slot under the lock held here), not capturing (checked first).
-            let busy = index != LEGACY_SLOT
-                && !stream.is_null()
+            let busy = !stream.is_null()
                 && !capturing(stream)
                 && unsafe { (driver.stream_query)(stream) } == NOT_READY;
             if busy {

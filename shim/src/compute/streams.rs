@@ -3,6 +3,7 @@
 //! finished and what a call takes, so a call waits while its process has more than
 //! [`IN_FLIGHT_NS`] queued.
 
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::atomic::{
     AtomicBool, AtomicPtr, AtomicU64,
@@ -29,9 +30,16 @@ pub(super) const RING: usize = 16;
 /// A mark is recorded once the calls since the last one are estimated to take this long
 /// (or after every call while nothing is known): small kernels share a mark.
 const MARK_EVERY_NS: u64 = 250_000;
-/// Bounded streams: the watched ones, then the legacy default stream.
-pub(super) const SLOT_COUNT: usize = STREAM_SLOTS + 1;
+/// Threads whose per-thread default stream is bounded, a slot each while the thread lives.
+const PER_THREAD_SLOTS: usize = 4;
+/// Bounded streams: the watched ones, the legacy default stream, then the per-thread
+/// default streams of the first threads that use theirs.
+pub(super) const SLOT_COUNT: usize = STREAM_SLOTS + 1 + PER_THREAD_SLOTS;
 pub(super) const LEGACY_SLOT: usize = STREAM_SLOTS;
+const FIRST_PER_THREAD_SLOT: usize = STREAM_SLOTS + 1;
+/// A per-thread slot's owner once its thread has ended: its marks are still watched until
+/// all are reached, then the slot is free.
+const ENDED: u64 = u64::MAX;
 /// `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`, the default streams' special handles.
 const LEGACY: usize = 0x1;
 pub(super) const PER_THREAD: usize = 0x2;
@@ -43,6 +51,18 @@ pub(super) static STREAMS: [AtomicPtr<c_void>; STREAM_SLOTS] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; STREAM_SLOTS];
 /// The context of the legacy default stream used in a lease (null: none).
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// Per per-thread slot: its owner thread's token (0: free; [`ENDED`]).
+static OWNERS: [AtomicU64; PER_THREAD_SLOTS] = [const { AtomicU64::new(0) }; PER_THREAD_SLOTS];
+static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
+/// The key whose destructor frees a thread's per-thread slot when the thread ends (made at
+/// `resolve_driver`; u64::MAX: none).
+static THREAD_END_KEY: AtomicU64 = AtomicU64::new(u64::MAX);
+thread_local! {
+    /// This thread's token (0: none yet) and per-thread slot (index + 1; 0: none). Constant
+    /// initializers and no destructor: reading them allocates nothing and registers nothing.
+    static TOKEN: Cell<u64> = const { Cell::new(0) };
+    static OWN_SLOT: Cell<usize> = const { Cell::new(0) };
+}
 /// Real driver functions, resolved at `start` (never on the launch path).
 static IS_CAPTURING: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static IS_CAPTURING_PTSZ: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
@@ -137,6 +157,69 @@ pub(super) fn resolve_driver() {
         EVENT_RECORD.store(resolve(Lib::Cuda, "cuEventRecord"), Relaxed);
     }
     EVENT_DESTROY.store(resolve(Lib::Cuda, "cuEventDestroy_v2"), Relaxed);
+    if THREAD_END_KEY.load(SeqCst) == u64::MAX {
+        let mut key: libc::pthread_key_t = 0;
+        // SAFETY: pthread_key_create with a live out-parameter and a destructor that only
+        // stores to atomics (the shim is never unloaded, so the function stays).
+        if unsafe { libc::pthread_key_create(&mut key, Some(thread_ended)) } == 0 {
+            THREAD_END_KEY.store(u64::from(key), SeqCst);
+        }
+    }
+}
+
+/// A thread that owned a per-thread slot ended (`value`: the slot's index + 1): its work
+/// may still run, so the slot is watched until its marks are reached ([`streams_idle`]).
+extern "C" fn thread_ended(value: *mut c_void) {
+    let slot = (value as usize).wrapping_sub(1).wrapping_sub(FIRST_PER_THREAD_SLOT);
+    if let Some(owner) = OWNERS.get(slot) {
+        owner.store(ENDED, SeqCst);
+    }
+}
+
+/// Whether slot `index` is a thread's per-thread default stream.
+pub(super) fn is_per_thread_slot(index: usize) -> bool {
+    index >= FIRST_PER_THREAD_SLOT
+}
+
+/// The calling thread's per-thread default stream's slot, if it has one or can take a free
+/// one (the cold path, once per thread: its token, a ring of marks, and the key that frees
+/// the slot when the thread ends). Bounded only in the context the slot was made in, as
+/// the legacy stream is.
+fn per_thread_slot() -> Option<usize> {
+    let token = TOKEN.with(|t| {
+        if t.get() == 0 {
+            t.set(NEXT_TOKEN.fetch_add(1, Relaxed));
+        }
+        t.get()
+    });
+    let ctx = current_context();
+    if ctx.is_null() {
+        return None;
+    }
+    let cached = OWN_SLOT.with(Cell::get);
+    if let Some(index) = cached.checked_sub(1) {
+        if OWNERS[index - FIRST_PER_THREAD_SLOT].load(Relaxed) == token {
+            let slot_ctx = SLOTS[index].ctx.load(Relaxed);
+            if slot_ctx.is_null() {
+                // Its context was destroyed (the rings forgotten): a ring in this one.
+                make_ring(index, ctx);
+            } else if slot_ctx != ctx {
+                return None;
+            }
+            return Some(index);
+        }
+    }
+    let at = OWNERS.iter().position(|o| o.compare_exchange(0, token, SeqCst, SeqCst).is_ok())?;
+    let index = FIRST_PER_THREAD_SLOT + at;
+    OWN_SLOT.with(|s| s.set(index + 1));
+    let key = THREAD_END_KEY.load(SeqCst);
+    if key != u64::MAX {
+        // SAFETY: a key made by pthread_key_create; a non-null value makes its destructor
+        // run when this thread ends.
+        unsafe { libc::pthread_setspecific(key as libc::pthread_key_t, (index + 1) as *const c_void) };
+    }
+    make_ring(index, ctx);
+    Some(index)
 }
 
 /// Whether a call on `index`'s stream waits for the process's work in flight to shrink.
@@ -185,7 +268,11 @@ pub(crate) fn after_call(index: usize) {
     let slot = &SLOTS[index];
     let pending = slot.calls.load(SeqCst).saturating_sub(slot.marked.load(SeqCst));
     let cost = slot.cost_ns.load(Relaxed);
-    if pending > 0 && (cost == 0 || pending.saturating_mul(cost) >= MARK_EVERY_NS) {
+    // A per-thread default stream is marked after every call: nobody else can mark its
+    // tail, nor query it, so its marks alone say when its work is done.
+    if pending > 0
+        && (cost == 0 || pending.saturating_mul(cost) >= MARK_EVERY_NS || is_per_thread_slot(index))
+    {
         mark(index);
     }
 }
@@ -204,7 +291,13 @@ pub(super) fn mark(index: usize) {
     let room = (recorded.saturating_sub(seen) as usize) < RING - 1;
     let at = recorded as usize % RING;
     let event = slot.events[at].load(SeqCst);
-    let stream = if index == LEGACY_SLOT { std::ptr::null_mut() } else { STREAMS[index].load(SeqCst) };
+    // A per-thread slot's marks are recorded by its own thread (only its calls mark it),
+    // on its per-thread default stream.
+    let stream = match index {
+        LEGACY_SLOT => std::ptr::null_mut(),
+        i if is_per_thread_slot(i) => PER_THREAD as *mut c_void,
+        i => STREAMS[i].load(SeqCst),
+    };
     let ring = !slot.events[0].load(SeqCst).is_null();
     if room && ring && !record.is_null() && !event.is_null() && (index == LEGACY_SLOT || !stream.is_null()) {
         let calls = slot.calls.load(SeqCst);
@@ -292,7 +385,7 @@ pub(super) fn capturing(stream: *mut c_void) -> bool {
 pub(super) fn watch(stream: *mut c_void) -> Option<usize> {
     let handle = stream as usize;
     if handle == PER_THREAD {
-        return None;
+        return per_thread_slot();
     }
     if handle == 0 || handle == LEGACY {
         let ctx = current_context();
@@ -436,6 +529,23 @@ pub(super) fn streams_idle(
             NOT_READY => idle = false,
             // Gone (destroyed through a path not hooked, its context destroyed): unwatched.
             _ => slot.store(std::ptr::null_mut(), Relaxed),
+        }
+    }
+    // Per-thread default streams cannot be queried from this thread: every call on one is
+    // marked, so it is idle once its marks are reached. A slot whose thread ended is free
+    // then.
+    for (at, owner) in OWNERS.iter().enumerate() {
+        let slot = &SLOTS[FIRST_PER_THREAD_SLOT + at];
+        // Without a ring (none could be made, or its context was destroyed) nothing of it
+        // is known: it is not waited for, as a stream not watched is not.
+        let done = slot.events[0].load(SeqCst).is_null()
+            || (slot.seen.load(SeqCst) >= slot.recorded.load(SeqCst)
+                && slot.marked.load(SeqCst) == slot.calls.load(SeqCst));
+        match owner.load(SeqCst) {
+            0 => {}
+            ENDED if done && owner.compare_exchange(ENDED, 0, SeqCst, SeqCst).is_ok() => slot.reset(),
+            _ if !done => idle = false,
+            _ => {}
         }
     }
     let ctx = LEGACY_CTX.load(Relaxed);

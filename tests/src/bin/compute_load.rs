@@ -14,6 +14,9 @@
 //!  "sync_us":2050.0},...],"started_unix_ms":1795000000000}
 //! ```
 //!
+//! `--stream per-thread` sends the kernels to the thread's per-thread default stream
+//! (`CU_STREAM_PER_THREAD`) instead of a stream of its own.
+//!
 //! `worst`: the requests that queued longest (at most eight), each with its arrival after
 //! the measured part's start (`started_unix_ms`, wall clock) and where its time went: how
 //! late it began after its arrival (behind earlier requests, or this thread not running),
@@ -43,7 +46,7 @@ use gpufrac_e2e::rng::Rng;
 /// How many of the longest-queued requests the report lists.
 const WORST: usize = 8;
 
-const USAGE: &str = "usage: compute_load flood --kernel-us N --depth N --seconds S [--warmup S] [--now]\n       compute_load requests --kernel-us N --mean-gap-us N --seconds S [--seed N] [--warmup S] [--now]";
+const USAGE: &str = "usage: compute_load flood --kernel-us N --depth N --seconds S [--warmup S] [--stream own|per-thread] [--now]\n       compute_load requests --kernel-us N --mean-gap-us N --seconds S [--seed N] [--warmup S] [--stream own|per-thread] [--now]";
 
 fn usage(problem: &str) -> ! {
     eprintln!("compute_load: {problem}\n{USAGE}");
@@ -60,6 +63,9 @@ struct Options {
     seed: u64,
     now: bool,
     warmup: f64,
+    /// Its kernels go to the calling thread's per-thread default stream
+    /// (`CU_STREAM_PER_THREAD`), not a stream of its own.
+    per_thread: bool,
 }
 
 fn parse(args: &[String]) -> Options {
@@ -91,6 +97,13 @@ fn parse(args: &[String]) -> Options {
                 seconds = match value.parse::<f64>() {
                     Ok(v) if v.is_finite() && v > 0.0 && v <= 3600.0 => Some(v),
                     _ => usage(&format!("--seconds {value:?}: expected a number above 0, at most 3600")),
+                }
+            }
+            "--stream" => {
+                o.per_thread = match value.as_str() {
+                    "own" => false,
+                    "per-thread" => true,
+                    _ => usage(&format!("--stream {value:?}: expected own or per-thread")),
                 }
             }
             "--warmup" => {
@@ -151,7 +164,12 @@ fn main() {
                 sys::cuModuleGetFunction(&mut sleep, module, c"simgpu_sleep_us".as_ptr()),
             );
             let mut stream = null_mut();
-            check("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1));
+            if o.per_thread {
+                // CU_STREAM_PER_THREAD: this thread's per-thread default stream.
+                stream = 0x2 as CUstream;
+            } else {
+                check("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1));
+            }
             (sleep, stream)
         }
     };
