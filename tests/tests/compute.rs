@@ -65,20 +65,19 @@ fn flood(
     warmup: u32,
     seconds: u32,
 ) -> ChildProcess {
-    let (kernel, warmup, seconds) = (KERNEL_US.to_string(), warmup.to_string(), seconds.to_string());
-    let args = ["flood", "--kernel-us", &kernel, "--depth", "16", "--warmup", &warmup, "--seconds", &seconds];
-    load(gpu, arbiter, share, &args)
+    flood_on(gpu, arbiter, share, warmup, seconds, "own")
 }
 
-/// [`flood`] with its kernels on the thread's per-thread default stream
-/// (`CU_STREAM_PER_THREAD`), as a program built with `--default-stream per-thread` sends
-/// them.
-fn per_thread_flood(
+/// [`flood`] with its kernels on `stream`: `own` (a stream it made) or `per-thread` (the
+/// thread's per-thread default stream, `CU_STREAM_PER_THREAD`, as a program built with
+/// `--default-stream per-thread` sends them).
+fn flood_on(
     gpu: &SimGpu,
     arbiter: &Arbiter,
     share: Option<(&str, &str)>,
     warmup: u32,
     seconds: u32,
+    stream: &str,
 ) -> ChildProcess {
     let (kernel, warmup, seconds) = (KERNEL_US.to_string(), warmup.to_string(), seconds.to_string());
     let args = [
@@ -92,7 +91,7 @@ fn per_thread_flood(
         "--seconds",
         &seconds,
         "--stream",
-        "per-thread",
+        stream,
     ];
     load(gpu, arbiter, share, &args)
 }
@@ -176,6 +175,28 @@ fn p99_ms(report: &serde_json::Value) -> f64 {
     report["queueing_us"]["p99"].as_f64().unwrap() / 1000.0
 }
 
+/// Two floods with compute requests of 30% (its kernels on `stream`, as [`flood_on`]) and
+/// 70%, measured together for 12 s (a share read over 6 s beside two busy loops strayed
+/// 27.6-31.3% in eight runs, and once 26.8% in a loaded whole-suite run); `during` runs
+/// while they do. Their throughputs normalized by `alone`, and the 30% group's share.
+fn split_30_70(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    stream: &str,
+    alone: f64,
+    during: impl FnOnce(),
+) -> ([f64; 2], f64) {
+    let mut both = vec![
+        flood_on(gpu, arbiter, Some(("30%", "100%")), 2, 12, stream),
+        flood(gpu, arbiter, Some(("70%", "100%")), 2, 12),
+    ];
+    go(&mut both);
+    during();
+    let got = reports(&mut both);
+    let got = [throughput(&got[0]) / alone, throughput(&got[1]) / alone];
+    (got, got[0] / (got[0] + got[1]))
+}
+
 #[test]
 fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
     skip_on_real_gpu!(SIMGPU_KERNELS);
@@ -190,23 +211,16 @@ fn two_saturating_groups_split_the_gpu_by_their_compute_requests() {
         .iter()
         .map(|t| t / alone)
         .sum();
-    // Measured for 12 s: a share read over 6 s beside two busy loops strayed 27.6-31.3%
-    // (eight runs), and once 26.8% in a loaded whole-suite run.
-    let mut both = vec![
-        flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 12),
-        flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 12),
-    ];
-    go(&mut both);
-    // While they run, both hold the GPU by turns; the arbiter says so.
-    let status = wait_for(&arbiter, "both groups holding leases", |s| {
-        let p = &s.gpus[0].processes;
-        !s.gpus[0].compute_open && p.len() == 2 && p.iter().all(|p| p.compute_held_pm > 100)
+    let (got, share) = split_30_70(&gpu, &arbiter, "own", alone, || {
+        // While they run, both hold the GPU by turns; the arbiter says so.
+        let status = wait_for(&arbiter, "both groups holding leases", |s| {
+            let p = &s.gpus[0].processes;
+            !s.gpus[0].compute_open && p.len() == 2 && p.iter().all(|p| p.compute_held_pm > 100)
+        });
+        let large = status.gpus[0].processes.iter().find(|p| p.compute_request_pm == 700).unwrap();
+        assert_eq!((large.compute_limit_pm, large.compute_allowance_pm), (1000, 700));
     });
-    let large = status.gpus[0].processes.iter().find(|p| p.compute_request_pm == 700).unwrap();
-    assert_eq!((large.compute_limit_pm, large.compute_allowance_pm), (1000, 700));
-    let got: Vec<f64> = reports(&mut both).iter().map(|r| throughput(r) / alone).collect();
     let sum = got[0] + got[1];
-    let share = got[0] / sum;
     let said = format!(
         "normalized throughputs {:.3} and {:.3} (sum {sum:.3}, bare time-slicing {bare:.3}) against {alone:.0} kernels/s alone: the 30% group's share {:.1}%",
         got[0],
@@ -238,13 +252,7 @@ fn a_group_on_the_per_thread_default_stream_is_held_to_its_request() {
     // One reference for both (their kernels take the same device time): a share is then
     // the ratio of their own throughputs, which a slow reference run cannot move.
     let alone = run(vec![flood(&gpu, &arbiter, None, 1, 4)])[0];
-    let mut both = vec![
-        per_thread_flood(&gpu, &arbiter, Some(("30%", "100%")), 2, 12),
-        flood(&gpu, &arbiter, Some(("70%", "100%")), 2, 12),
-    ];
-    go(&mut both);
-    let got: Vec<f64> = reports(&mut both).iter().map(|r| throughput(r) / alone).collect();
-    let share = got[0] / (got[0] + got[1]);
+    let (got, share) = split_30_70(&gpu, &arbiter, "per-thread", alone, || {});
     let said = format!(
         "normalized throughputs {:.3} (per-thread default stream, request 30%) and {:.3} (its own stream, 70%) against {alone:.0} kernels/s alone: the 30% group's share {:.1}%",
         got[0],
