@@ -296,27 +296,10 @@ fn main() {
         let reference = alone(&bench);
         let bare = bench.run(vec![bench.flood(None), bench.flood(None)]);
         let (a, b) = (throughput(&bare[0]) / reference, throughput(&bare[1]) / reference);
-        bench.row(
-            "two floods, bare (the GPU's time-slicing)",
-            &format!(
-                "normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}%, sum {:.3}",
-                a / (a + b) * 100.0,
-                b / (a + b) * 100.0,
-                a + b
-            ),
-        );
+        bench.row("two floods, bare (the GPU's time-slicing)", &split(a, b, None));
         let shared = bench.run(vec![bench.flood(Some(("30%", "100%"))), bench.flood(Some(("70%", "100%")))]);
         let (a, b) = (throughput(&shared[0]) / reference, throughput(&shared[1]) / reference);
-        bench.row(
-            "two floods, compute requests 30% and 70%",
-            &format!(
-                "normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}% (off by {:+.1} points), sum {:.3}",
-                a / (a + b) * 100.0,
-                b / (a + b) * 100.0,
-                (a / (a + b) - 0.3) * 100.0,
-                a + b
-            ),
-        );
+        bench.row("two floods, compute requests 30% and 70%", &split(a, b, Some(0.3)));
     }
     if wanted("alone") {
         let reference = alone(&bench);
@@ -341,6 +324,19 @@ fn main() {
     if wanted("latency") {
         latency(&bench, rounds);
     }
+}
+
+/// Two floods' normalized throughputs `a` and `b` as a row says them: each one's share of
+/// their sum, how far the first's is from `target` if it has one, and the sum.
+fn split(a: f64, b: f64, target: Option<f64>) -> String {
+    let share = a / (a + b);
+    let off = target.map_or(String::new(), |t| format!(" (off by {:+.1} points)", (share - t) * 100.0));
+    format!(
+        "normalized {a:.3} / {b:.3}, shares {:.1}% / {:.1}%{off}, sum {:.3}",
+        share * 100.0,
+        (1.0 - share) * 100.0,
+        a + b
+    )
 }
 
 /// The latency rows: the server alone and beside a flood with requests of 50% each,
