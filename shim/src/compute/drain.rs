@@ -20,9 +20,10 @@
 //!
 //! What cannot be timed this way falls back to the polled figure for the whole drain: a
 //! call on a stream that is not watched (a ninth stream, the per-thread default stream of
-//! a fifth thread or of a context other than its slot's), the legacy stream's unmarked tail (recording on it from this thread could make
-//! a capture elsewhere depend on the legacy stream), a stream capturing at the drain's
-//! end, a context without a reference, two devices draining at once. Nothing here runs on
+//! a fifth thread or of a context other than its slot's), the legacy stream's unmarked
+//! tail (recording on it from this thread could make a capture elsewhere depend on the
+//! legacy stream), a stream capturing at the drain's end, a context without a reference,
+//! two devices draining at once. Nothing here runs on
 //! the launch path, records on a capturing stream, or synchronizes anything.
 
 use std::ffi::c_void;

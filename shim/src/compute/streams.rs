@@ -182,9 +182,10 @@ pub(super) fn is_per_thread_slot(index: usize) -> bool {
 }
 
 /// The calling thread's per-thread default stream's slot, if it has one or can take a free
-/// one (the cold path, once per thread: its token, a ring of marks, and the key that frees
-/// the slot when the thread ends). Bounded only in the context the slot was made in, as
-/// the legacy stream is.
+/// one. Each leased call on that stream reads two thread-locals, the current context (as
+/// the legacy stream's calls do) and its slot's owner; a thread's first takes the slot
+/// (the cold path: a token, a ring of marks, and the key that frees the slot when the
+/// thread ends). Bounded only in the context the slot was made in, as the legacy stream is.
 fn per_thread_slot() -> Option<usize> {
     let token = TOKEN.with(|t| {
         if t.get() == 0 {
