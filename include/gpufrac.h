@@ -46,11 +46,26 @@ uint64_t gpufrac_request(int device);
 uint64_t gpufrac_limit(int device);
 uint64_t gpufrac_held(int device);
 
+/*
+ * Registers release(data), called when the process gives back GPU memory it keeps and
+ * does not use: when the arbiter needs memory lent to this process back (a burst waits
+ * for it, a guarantee is owed it, the process is about to be parked or swapped out) or
+ * after GPUFRAC_GIVE_BACK_IDLE without GPU work. A native server with a pool of its own
+ * frees the blocks it caches there (cuMemFree or cudaFree); the shim then returns them.
+ * PyTorch's and CuPy's pools need no registration. release runs on a thread of the
+ * shim's, never during a stream capture, one call at a time; it must not wait for the
+ * program's own GPU work to finish. At most 16 functions; returns 0, or -1 (release is
+ * NULL, the table is full, or the shim's core cannot be loaded). Registering loads the
+ * shim's core if the program made no CUDA call yet.
+ */
+int gpufrac_on_give_back(void (*release)(void *data), void *data);
+
 typedef unsigned int (*gpufrac_version_fn)(void);
 typedef int (*gpufrac_enabled_fn)(void);
 typedef int (*gpufrac_device_count_fn)(void);
 typedef int (*gpufrac_device_info_fn)(int, struct gpufrac_device_info *);
 typedef uint64_t (*gpufrac_value_fn)(int);
+typedef int (*gpufrac_on_give_back_fn)(void (*)(void *), void *);
 
 #ifdef __cplusplus
 }

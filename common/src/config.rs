@@ -33,6 +33,11 @@ use crate::{parse_duration, parse_size, ComputeSpec, Resolver, SizeError, SizeSp
 const COMPUTE_REQUEST: &str = "GPUFRAC_COMPUTE_REQUEST";
 const COMPUTE_LIMIT: &str = "GPUFRAC_COMPUTE_LIMIT";
 
+/// `GPUFRAC_GIVE_BACK_IDLE` when unset: long enough that a server between requests keeps
+/// its pools warm, short enough that a neighbour's burst finds idle pooled memory free
+/// well within a wait (`GPUFRAC_WAIT_TIMEOUT`, 30 s by default).
+pub const DEFAULT_GIVE_BACK_IDLE: Duration = Duration::from_secs(10);
+
 /// The static name of a compute variable (errors carry `&'static str`).
 fn compute_name(input: &str) -> &'static str {
     if input == COMPUTE_LIMIT {
@@ -77,6 +82,10 @@ pub struct Config {
     /// Idle this long, the group may be parked (its device memory moved to host RAM);
     /// `None`: never parked.
     pub park_after: Option<Duration>,
+    /// Idle this long (no launches, copies or sets) while the group holds memory above its
+    /// request, the process gives back what its frameworks keep and do not use
+    /// (`GPUFRAC_GIVE_BACK_IDLE`); `None`: only when the arbiter asks.
+    pub give_back_idle: Option<Duration>,
     /// The group's share of each GPU's time (`GPUFRAC_COMPUTE_REQUEST`,
     /// `GPUFRAC_COMPUTE_LIMIT`); `None`: no compute control, the GPU's own time-slicing.
     pub compute: Option<ComputeSpec>,
@@ -164,6 +173,14 @@ impl Config {
             Some(text) => Some(parse_duration("GPUFRAC_PARK_AFTER", &text)?),
             None => None,
         };
+        let give_back_idle = match get("GPUFRAC_GIVE_BACK_IDLE") {
+            Some(text) if matches!(text.trim(), "0" | "off") => None,
+            Some(text) => match parse_duration("GPUFRAC_GIVE_BACK_IDLE", &text)? {
+                zero if zero.is_zero() => None,
+                idle => Some(idle),
+            },
+            None => Some(DEFAULT_GIVE_BACK_IDLE),
+        };
         let group = match get("GPUFRAC_GROUP") {
             Some(text) => {
                 let ok = !text.is_empty()
@@ -239,6 +256,7 @@ impl Config {
             priority,
             wait_timeout,
             park_after,
+            give_back_idle,
             compute,
             group,
             arbiter_socket,
@@ -435,6 +453,20 @@ mod tests {
         assert_eq!(c.park_after, Some(Duration::from_secs(300)));
         let err = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_PARK_AFTER", "idle")]).unwrap_err();
         assert!(err.to_string().starts_with("invalid GPUFRAC_PARK_AFTER=\"idle\""), "{err}");
+    }
+
+    #[test]
+    fn give_back_idle_defaults_to_ten_seconds_and_0_or_off_disables_it() {
+        let with = |value: &str| read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_GIVE_BACK_IDLE", value)]);
+        let c = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB")]).unwrap().unwrap();
+        assert_eq!(c.give_back_idle, Some(DEFAULT_GIVE_BACK_IDLE));
+        assert_eq!(with("2s").unwrap().unwrap().give_back_idle, Some(Duration::from_secs(2)));
+        assert_eq!(with("500ms").unwrap().unwrap().give_back_idle, Some(Duration::from_millis(500)));
+        for off in ["0", "off", "0s"] {
+            assert_eq!(with(off).unwrap().unwrap().give_back_idle, None, "{off}");
+        }
+        let err = with("soon").unwrap_err();
+        assert!(err.to_string().starts_with("invalid GPUFRAC_GIVE_BACK_IDLE=\"soon\""), "{err}");
     }
 
     #[test]

@@ -222,6 +222,9 @@ procs! {
     "cuGraphUpload": [11010 => "cuGraphUpload"] ptds "cuGraphUpload_ptsz";
     "cuGraphExecDestroy": [10000 => "cuGraphExecDestroy"];
     "cuDeviceGraphMemTrim": [11040 => "cuDeviceGraphMemTrim"];
+    // cudaTypedefs.h: the mode argument came in 10.1 (`_v2`).
+    "cuStreamBeginCapture": [10000 => "cuStreamBeginCapture", 10010 => "cuStreamBeginCapture_v2"] ptds "cuStreamBeginCapture_v2_ptsz";
+    "cuStreamEndCapture": [10000 => "cuStreamEndCapture"] ptds "cuStreamEndCapture_ptsz";
 }
 
 #[cfg(test)]

@@ -407,12 +407,17 @@ impl Client {
     }
 
     /// Tells the arbiter, once a second and only when it moved, how many launches, copies
-    /// and sets passed the gate: its measure of whether this process is idle.
+    /// and sets passed the gate: its measure of whether this process is idle. Also watches for idleness with memory above the request, to give back what the
+    /// frameworks keep (`GPUFRAC_GIVE_BACK_IDLE`).
     fn report_activity(self: Arc<Client>) {
         let mut last = None;
+        let mut idle = crate::give_back::IdleWatch::new();
         loop {
             std::thread::sleep(Duration::from_secs(1));
             let count = crate::gate::activity();
+            if let Some(e) = crate::state::enforcer() {
+                idle.tick(e, count);
+            }
             let moved = last != Some(count) && self.connected.load(Ordering::Acquire);
             if moved && self.write(&Request::Activity { count }.encode()) {
                 last = Some(count);

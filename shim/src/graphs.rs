@@ -267,3 +267,69 @@ pub(crate) fn mem_trim(dev: c_int) -> Status {
     }
     status
 }
+
+/// Stream captures under way in this process (begun, not yet ended).
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: the
+/// capture ended all the same (with no graph).
+const CAPTURE_ENDED_BROKEN: [Status; 2] = [901, 904];
+
+/// Whether some stream of this process is being captured into a graph now.
+pub(crate) fn capture_under_way() -> bool {
+    CAPTURES.load(Ordering::Acquire) != 0
+}
+
+/// Counts a capture that `begin` started.
+fn begin_counted(begin: impl FnOnce() -> Status) -> Status {
+    // Counted before the driver starts it: a give-back that looks meanwhile waits.
+    CAPTURES.fetch_add(1, Ordering::AcqRel);
+    let status = begin();
+    if status != SUCCESS {
+        capture_ended();
+    }
+    status
+}
+
+/// Counts a capture that `end` ended (with a graph, or broken).
+fn end_counted(end: impl FnOnce() -> Status) -> Status {
+    let status = end();
+    if status == SUCCESS || CAPTURE_ENDED_BROKEN.contains(&status) {
+        capture_ended();
+    }
+    status
+}
+
+fn capture_ended() {
+    let _ = CAPTURES.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+}
+
+/// `cuStreamBeginCapture` (CUDA 10.0, global mode).
+pub(crate) fn begin_capture_v1(stream: Ptr) -> Status {
+    begin_counted(|| call_real!(cuStreamBeginCapture(stream)))
+}
+
+/// `cuStreamBeginCapture_ptsz`.
+pub(crate) fn begin_capture_v1_ptsz(stream: Ptr) -> Status {
+    begin_counted(|| call_real!(cuStreamBeginCapture_ptsz(stream)))
+}
+
+/// `cuStreamBeginCapture_v2`.
+pub(crate) fn begin_capture(stream: Ptr, mode: c_uint) -> Status {
+    begin_counted(|| call_real!(cuStreamBeginCapture_v2(stream, mode)))
+}
+
+/// `cuStreamBeginCapture_v2_ptsz`.
+pub(crate) fn begin_capture_ptsz(stream: Ptr, mode: c_uint) -> Status {
+    begin_counted(|| call_real!(cuStreamBeginCapture_v2_ptsz(stream, mode)))
+}
+
+/// `cuStreamEndCapture`.
+pub(crate) fn end_capture(stream: Ptr, graph: *mut Ptr) -> Status {
+    end_counted(|| call_real!(cuStreamEndCapture(stream, graph)))
+}
+
+/// `cuStreamEndCapture_ptsz`.
+pub(crate) fn end_capture_ptsz(stream: Ptr, graph: *mut Ptr) -> Status {
+    end_counted(|| call_real!(cuStreamEndCapture_ptsz(stream, graph)))
+}

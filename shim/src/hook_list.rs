@@ -76,6 +76,14 @@ macro_rules! hook_list {
                 Cuda cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) => crate::graphs::launch_ptsz;
                 Cuda cuGraphExecDestroy(exec: Ptr) => crate::graphs::exec_destroy;
                 Cuda cuDeviceGraphMemTrim(dev: c_int) => crate::graphs::mem_trim;
+                // Captures under way: what frameworks keep is not given back meanwhile (a
+                // free from another thread would invalidate a global-mode capture).
+                Cuda cuStreamBeginCapture(stream: Ptr) => crate::graphs::begin_capture_v1;
+                Cuda cuStreamBeginCapture_ptsz(stream: Ptr) => crate::graphs::begin_capture_v1_ptsz;
+                Cuda cuStreamBeginCapture_v2(stream: Ptr, mode: c_uint) => crate::graphs::begin_capture;
+                Cuda cuStreamBeginCapture_v2_ptsz(stream: Ptr, mode: c_uint) => crate::graphs::begin_capture_ptsz;
+                Cuda cuStreamEndCapture(stream: Ptr, graph: *mut Ptr) => crate::graphs::end_capture;
+                Cuda cuStreamEndCapture_ptsz(stream: Ptr, graph: *mut Ptr) => crate::graphs::end_capture_ptsz;
                 // Every allocation path.
                 Cuda cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => crate::memory::mem_alloc;
                 Cuda cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint)

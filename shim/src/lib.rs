@@ -13,7 +13,8 @@
 //!   `graphs`: what CUDA graphs' memory pool keeps); `pools`: what
 //!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
 //!   the group's own only;
-//! - `gate`: what launches, copies and sets pass through;
+//! - `gate`: what launches, copies and sets pass through; `give_back`: what frameworks
+//!   keep (PyTorch, CuPy, registered release functions), emptied when the memory is wanted;
 //! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
 //!   `backstop`: the device's own count, compared on the slow paths;
 //! - `state`, `init`: setup at the first CUDA call, from the settings of
@@ -37,6 +38,7 @@ mod device;
 mod driver;
 mod ffi;
 pub mod gate;
+mod give_back;
 mod graphs;
 mod hooks;
 mod implicit;

@@ -158,6 +158,9 @@ pub(crate) fn park(e: &'static Enforcer, client: &Client, device: DeviceId, chec
         client.send_until_delivered(&Request::Parked { device, host_bytes, held, micros: 0 });
         return;
     }
+    // Only memory in use is moved: what the frameworks keep and do not use goes back
+    // first (waited for a bounded time).
+    crate::give_back::ask_and_wait(e, crate::give_back::Why::Moving, crate::give_back::BEFORE_MOVING);
     let was_parked = PARKED.swap(true, SeqCst);
     let was_held = crate::thunks::held_now();
     if checkpoint {

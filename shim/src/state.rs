@@ -375,6 +375,8 @@ impl Enforcer {
             Reply::Reclaim { device } => {
                 if let Some(slice) = self.slice_by_uuid(device) {
                     self.give_back(&slice, 0);
+                    // What the frameworks keep and do not use follows, from their pools.
+                    crate::give_back::ask(self, crate::give_back::Why::Asked);
                 }
             }
             Reply::SwapOut { device } => crate::swap::swap_out_requested(*device),

@@ -55,9 +55,9 @@ class DriverBackend:
 
 
 class TorchBackend:
-    """A PyTorch server: tensors from the caching allocator, the cache emptied after each
-    burst so that the memory goes back to the driver (and the arbiter) as a server
-    configured to share would."""
+    """A PyTorch server as people write one: tensors from the caching allocator, which
+    keeps what each burst frees; the shim empties that cache when a neighbour needs the
+    memory (docs/shim.md, "What frameworks keep, given back")."""
 
     def __init__(self):
         import torch
@@ -76,8 +76,8 @@ class TorchBackend:
         return isinstance(e, self.torch.OutOfMemoryError)
 
     def release(self):
+        # No empty_cache(): the server keeps its pool, as servers do.
         self.torch.cuda.synchronize()
-        self.torch.cuda.empty_cache()
 
 
 def bursty(a):

@@ -81,3 +81,20 @@ forward! {
     /// What the group holds on `device` in bytes (0 if unknown).
     fn gpufrac_held(device: c_int) -> u64 = 0;
 }
+
+/// Registers `release(data)`, called on a thread of the shim's when the process gives back
+/// memory it keeps and does not use; 0, or -1 (a null function, a full table, no core).
+/// Loads the core: a program that registers one uses the GPU.
+#[no_mangle]
+pub extern "C" fn gpufrac_on_give_back(release: Option<unsafe extern "C" fn(*mut c_void)>, data: *mut c_void) -> c_int {
+    crate::core::attach();
+    match in_core(c"gpufrac_on_give_back") {
+        // SAFETY: the core's function of this name has this signature (gpufrac.h).
+        Some(f) => unsafe {
+            std::mem::transmute::<*mut c_void, extern "C" fn(Option<unsafe extern "C" fn(*mut c_void)>, *mut c_void) -> c_int>(f)(
+                release, data,
+            )
+        },
+        None => -1,
+    }
+}

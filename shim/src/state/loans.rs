@@ -146,6 +146,12 @@ impl Enforcer {
         }
     }
 
+    /// Returns all of this process's grant that the group does not use (no slack): after
+    /// the process's pools were emptied for a give-back.
+    pub(crate) fn give_back_unused(&self, slice: &Slice) -> u64 {
+        self.give_back(slice, 0)
+    }
+
     /// Returns this process's grant beyond what the group uses plus `slack`; returns what
     /// was given back.
     pub(super) fn give_back(&self, slice: &Slice, slack: u64) -> u64 {

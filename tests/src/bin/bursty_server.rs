@@ -11,7 +11,7 @@
 //! ```text
 //! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] [--hold MS]
 //!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS]
-//!               [--chance PCT --tick-ms MS --seconds N]
+//!               [--chance PCT --tick-ms MS --seconds N] [--pooled]
 //! ```
 //!
 //! Output, one line each, flushed:
@@ -32,13 +32,21 @@
 //! and keeps its cache: memory kept that way is a resting loan, which a swap may move to
 //! host RAM and back while it is kept.
 //!
+//! With `--pooled` the server keeps what each burst frees in a pool of its own, as CuPy's
+//! memory pool and PyTorch's caching allocator do: the next burst takes its steps from the
+//! pool first, and nothing is freed back to the driver unless the shim asks for it. The
+//! pool registers its release with `gpufrac_on_give_back` (looked up at run time, so it
+//! also runs bare), which frees every block the pool keeps.
+//!
 //! With `--verify` every step of a burst is filled with its own value (simgpu's
 //! `simgpu_fill_u32`) and checked after the hold with `simgpu_checksum_u32`, and the model
 //! is checked after every burst. The checksums are written into the model's first 8 bytes,
 //! a scratch slot that is not part of the checked model, so the program allocates exactly
 //! `base + bursts` and nothing else.
 
+use std::ffi::c_void;
 use std::process::exit;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
@@ -46,7 +54,8 @@ use gpufrac_e2e::device_model::{alloc, check, error_name, free_all, init, say, B
 use gpufrac_e2e::rng::Rng;
 
 const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] \
-[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS] [--chance PCT --tick-ms MS --seconds N]";
+[--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS] [--chance PCT --tick-ms MS --seconds N] \
+[--pooled]";
 
 /// The smallest size accepted for `--base`, `--burst` and `--step`.
 const MIN_SIZE: u64 = 4096;
@@ -68,6 +77,8 @@ struct Args {
     gap_max_ms: u64,
     seed: u64,
     verify: bool,
+    /// `--pooled`: freed bursts are kept in the server's own pool.
+    pooled: bool,
     /// `--chance`: per tick, in percent; `None`: bursts `--gap-ms` apart.
     chance: Option<u64>,
     tick: Duration,
@@ -94,6 +105,7 @@ fn parse_args(argv: &[String]) -> Args {
         gap_max_ms: 1500,
         seed: u64::from(std::process::id()),
         verify: false,
+        pooled: false,
         chance: None,
         tick: Duration::from_millis(100),
         seconds: Duration::from_secs(20),
@@ -102,6 +114,10 @@ fn parse_args(argv: &[String]) -> Args {
     while let Some(flag) = it.next() {
         if flag == "--verify" {
             args.verify = true;
+            continue;
+        }
+        if flag == "--pooled" {
+            args.pooled = true;
             continue;
         }
         if flag == "--help" || flag == "-h" {
@@ -199,6 +215,66 @@ fn words(block: &Block, scratch_in_it: bool) -> (u64, usize) {
     (block.ptr + 4 * skip, (block.bytes / 4 - skip) as usize)
 }
 
+/// The blocks a `--pooled` server keeps after freeing them, with the context they belong
+/// to (the release runs on a thread of the shim's, where it must be made current).
+struct Pool {
+    blocks: Vec<Block>,
+    context: usize,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool { blocks: Vec::new(), context: 0 });
+
+fn pool() -> std::sync::MutexGuard<'static, Pool> {
+    POOL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A step of `bytes`: from the pool when it keeps a block of that size, else `cuMemAlloc`.
+fn take(bytes: u64, pooled: bool) -> Result<Block, CUresult> {
+    if pooled {
+        let mut pool = pool();
+        if let Some(at) = pool.blocks.iter().position(|b| b.bytes == bytes) {
+            return Ok(pool.blocks.swap_remove(at));
+        }
+    }
+    alloc(bytes)
+}
+
+/// Frees `blocks`, or keeps them in the pool.
+fn give_up(blocks: &mut Vec<Block>, pooled: bool) {
+    if pooled {
+        pool().blocks.append(blocks);
+    } else {
+        free_all(blocks);
+    }
+}
+
+/// The pool's release, registered with `gpufrac_on_give_back`: frees what it keeps.
+extern "C" fn release_pool(_: *mut c_void) {
+    let mut pool = pool();
+    // SAFETY: the context the server made current on its own thread, alive until exit.
+    unsafe { sys::cuCtxSetCurrent(pool.context as sys::CUcontext) };
+    free_all(&mut pool.blocks);
+}
+
+/// Registers [`release_pool`] with the shim, if one is loaded.
+fn register_pool() {
+    type OnGiveBack = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void) -> i32;
+    let mut context = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the server's context is current on this thread.
+    unsafe { sys::cuCtxGetCurrent(&mut context) };
+    pool().context = context as usize;
+    // SAFETY: looks a symbol up in the process's global scope; gpufrac.h gives its type.
+    let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_on_give_back".as_ptr()) };
+    if !found.is_null() {
+        // SAFETY: `gpufrac_on_give_back` has this signature (include/gpufrac.h).
+        let on_give_back = unsafe { std::mem::transmute::<*mut c_void, OnGiveBack>(found) };
+        // SAFETY: the function is valid for the process's life and ignores its argument.
+        if unsafe { on_give_back(release_pool, std::ptr::null_mut()) } != 0 {
+            eprintln!("bursty_server: gpufrac_on_give_back refused the pool's release");
+        }
+    }
+}
+
 fn corrupt(what: String) -> ! {
     eprintln!("CORRUPT {what}");
     exit(4)
@@ -258,6 +334,9 @@ fn main() {
     if args.verify {
         check_model(&k, &model, scratch, 0);
     }
+    if args.pooled {
+        register_pool();
+    }
     say(&format!("READY {}", args.base));
 
     let (mut ok, mut oom) = (0u32, 0u32);
@@ -290,7 +369,7 @@ fn main() {
                 std::thread::sleep(args.step_pause);
                 paused += args.step_pause;
             }
-            match alloc(bytes) {
+            match take(bytes, args.pooled) {
                 Ok(b) => burst.push(b),
                 Err(r) => {
                     failed = Some(r);
@@ -301,7 +380,7 @@ fn main() {
         let ms = started.elapsed().saturating_sub(paused).as_millis();
         let got_ms = started.elapsed().as_millis();
         if let Some(r) = failed {
-            free_all(&mut burst);
+            give_up(&mut burst, args.pooled);
             oom += 1;
             say(&format!("BURST {i} oom after_ms={ms} error={}", error_name(r)));
             continue;
@@ -317,7 +396,7 @@ fn main() {
         let kept_from = match args.keep {
             Some(keep) if burst.len() > 1 => {
                 let mut first = vec![burst.remove(0)];
-                free_all(&mut first);
+                give_up(&mut first, args.pooled);
                 std::thread::sleep(keep);
                 1
             }
@@ -335,7 +414,7 @@ fn main() {
                 }
             }
         }
-        free_all(&mut burst);
+        give_up(&mut burst, args.pooled);
         let freed_ms = started.elapsed().as_millis();
         if args.verify {
             check_model(&k, &model, scratch, i);
@@ -344,5 +423,6 @@ fn main() {
         say(&format!("BURST {i} ok at_ms={at_ms} got_ms={got_ms} freed_ms={freed_ms} wait_ms={ms}"));
     }
     free_all(&mut model);
+    free_all(&mut pool().blocks);
     say(&format!("DONE bursts={played} ok={ok} oom={oom}"));
 }

@@ -1,7 +1,10 @@
 //! The priority resolver: a waiting burst whose group uses it may end holders of burst
 //! memory of lower priority, or of equal priority and idle, as few as make it fit; never
 //! one of higher priority. Ending them is the server's work (SIGTERM, then SIGKILL, through
-//! a pidfd); their memory comes back when their connection closes. A requester whose
+//! a pidfd); their memory comes back when their connection closes. Nobody is ended for a
+//! burst until it has waited [`GIVE_BACK_FIRST`]: the holders were asked at once to give
+//! back what they keep unused (a framework's pool, emptied by the shim), which usually
+//! serves it without ending anyone. A requester whose
 //! priority no entitlement vouches for ends only its own user's processes (the burst waits
 //! instead), and a process without a pidfd is never chosen.
 
@@ -10,6 +13,10 @@ use std::time::{Duration, Instant};
 use gpufrac_common::Resolver;
 
 use super::{ConnId, Policy, Victim};
+
+/// How long a priority burst waits for the holders' give-back before it ends any of them
+/// (emptying a framework's pool of a few GiB takes a few hundred ms).
+pub const GIVE_BACK_FIRST: Duration = Duration::from_millis(500);
 
 impl Policy {
     /// For each waiting burst whose group uses the priority resolver and cannot be served:
@@ -21,6 +28,9 @@ impl Policy {
         let mut chosen: Vec<Victim> = Vec::new();
         for gpu in self.gpus.values() {
             for w in gpu.queue.iter().filter(|w| !gpu.held_back(w)) {
+                if now.saturating_duration_since(w.since) < GIVE_BACK_FIRST {
+                    continue;
+                }
                 let Some(asker) = self.peers.get(&w.conn).filter(|p| p.resolver == Resolver::Priority) else {
                     continue;
                 };
@@ -100,6 +110,9 @@ mod tests {
             assert_eq!(outcome, Outcome::Granted(gib * GIB), "holder {conn}");
         }
         assert_eq!(p.acquire(5, GPU, 1, 3 * GIB, 3 * GIB, 0, false, now), Outcome::Queued);
+        // Not before the holders had their chance to give back what they keep unused.
+        assert!(p.priority_victims(now + GIVE_BACK_FIRST / 2, Duration::from_secs(300), &[]).is_empty());
+        let now = now + GIVE_BACK_FIRST;
         let v = p.priority_victims(now, Duration::from_secs(300), &[]);
         assert_eq!(v.len(), 1, "one holder of 3 GiB is enough: {v:?}");
         assert_eq!((v[0].conn, v[0].bytes), (1, 3 * GIB));
@@ -123,13 +136,14 @@ mod tests {
         p.observe_processes(GPU, &[(200, 8 * GIB)], now);
         assert_eq!(p.acquire(2, GPU, 1, 2 * GIB, 2 * GIB, 0, false, now), Outcome::Queued);
         // Ending or swapping low's 3 GiB would only take the GPU from 3 GiB short to 0.
-        assert!(p.priority_victims(now, Duration::from_secs(300), &[]).is_empty());
+        let later = now + GIVE_BACK_FIRST;
+        assert!(p.priority_victims(later, Duration::from_secs(300), &[]).is_empty());
         p.peers.get_mut(&2).unwrap().resolver = Resolver::Swap;
         assert!(p.swap_victims(now + Duration::from_secs(60), Duration::ZERO, u64::MAX).is_empty());
         // With the outsider at 4 GiB, low's 3 GiB make 2 GiB fit (16 - 15 + 3 = 4).
         p.observe_processes(GPU, &[(200, 4 * GIB)], now);
         p.peers.get_mut(&2).unwrap().resolver = Resolver::Priority;
-        let v = p.priority_victims(now, Duration::from_secs(300), &[]);
+        let v = p.priority_victims(later, Duration::from_secs(300), &[]);
         assert_eq!(v.iter().map(|v| v.conn).collect::<Vec<_>>(), vec![1]);
     }
 }

@@ -39,6 +39,13 @@
 //! out-of-memory error or a server that failed. The arbiter's INFO lines per second (per
 //! server) are printed under the table: what an operator's log receives.
 //!
+//! Three more run only when `--only` names them: `wait-pooled`, `priority-pooled` and
+//! `swap-pooled`, the same as `wait`, `priority` and `swap` with servers that keep what
+//! their bursts free in a pool of their own (`bursty_server --pooled`, as CuPy and
+//! PyTorch keep it), which only the shim's give-back empties. With both kinds in one run
+//! each resolver's line under the table gives the pooled servers' wait p99 as a ratio of
+//! the freeing ones'.
+//!
 //! Two more configurations run only when `--only` names them: `park-shim` and
 //! `park-checkpoint`, many mostly idle parkable models on a GPU that holds a third of them
 //! (`--models 12`, `--requests 60`; see `park.rs`). They print a table of their own:
@@ -88,11 +95,13 @@ const SAMPLE_PERIOD: Duration = Duration::from_millis(20);
 mod park;
 
 const CONFIGS: [&str; 5] = ["static", "bare", "wait", "priority", "swap"];
+/// The arbitrated configurations with pooled servers; run only when `--only` names them.
+const POOLED_CONFIGS: [&str; 3] = ["wait-pooled", "priority-pooled", "swap-pooled"];
 /// Run only when `--only` names them.
 const PARK_CONFIGS: [&str; 2] = ["park-shim", "park-checkpoint"];
 
 const USAGE: &str = "usage: density_bench [--servers N] [--bursts N] [--device SIZE] \
-[--only static,bare,wait,priority,swap,park-shim,park-checkpoint] [--verify] [--rounds N] [--busy N] \
+[--only static,bare,wait,priority,swap,wait-pooled,priority-pooled,swap-pooled,park-shim,park-checkpoint] [--verify] [--rounds N] [--busy N] \
 [--context SIZE] [--context-create-time DURATION] [--check] [--svg PATH] [--models N] [--requests N]";
 
 struct Options {
@@ -210,10 +219,12 @@ fn parse_options() -> Options {
             _ => {
                 let mut only = Vec::new();
                 for word in value.split(',').map(str::trim) {
-                    let Some(c) = CONFIGS.iter().chain(&PARK_CONFIGS).find(|&&c| c == word) else {
+                    let Some(c) = CONFIGS.iter().chain(&POOLED_CONFIGS).chain(&PARK_CONFIGS).find(|&&c| c == word)
+                    else {
                         bad(format!(
-                            "--only: unknown configuration {word:?}; known: {},{}",
+                            "--only: unknown configuration {word:?}; known: {},{},{}",
                             CONFIGS.join(","),
+                            POOLED_CONFIGS.join(","),
                             PARK_CONFIGS.join(",")
                         ))
                     };
@@ -226,7 +237,7 @@ fn parse_options() -> Options {
         }
     }
     let request = BASE + o.context + MARGIN;
-    let arbitrated = o.only.iter().any(|c| ["wait", "priority", "swap"].contains(c));
+    let arbitrated = o.only.iter().any(|c| !matches!(*c, "static" | "bare") && !PARK_CONFIGS.contains(c));
     if arbitrated && o.servers as u64 * request > o.device {
         bad(format!(
             "{} servers with a request of {} MiB each need {} MiB, more than --device {} MiB: \
@@ -412,10 +423,15 @@ fn run(config: &str, o: &Options) -> Outcome {
 
     let context = if o.context == 0 { "0".to_owned() } else { format!("{}MiB", o.context.div_ceil(MIB)) };
     let gpu = SimGpu::new(&format!("{}MiB", o.device.div_ceil(MIB))).with_context_overhead(&context);
+    // `wait-pooled` is `wait` with servers that keep their freed bursts.
+    let (resolver, pooled) = match config.strip_suffix("-pooled") {
+        Some(resolver) => (resolver, true),
+        None => (config, false),
+    };
     let arbiter = (!matches!(config, "static" | "bare")).then(|| {
         // The arbiter picks the metrics port and says which (`Arbiter::metrics_addr`).
         let mut args = vec!["--metrics", "127.0.0.1:0"];
-        if config == "swap" {
+        if resolver == "swap" {
             args.extend(["--swap-quantum", "1s"]);
         }
         Arbiter::start_at(&gpu, gpu.lib_dir().join("arbiter.sock"), &args)
@@ -443,7 +459,10 @@ fn run(config: &str, o: &Options) -> Outcome {
                 if o.verify {
                     cmd.arg("--verify");
                 }
-                match config {
+                if pooled {
+                    cmd.arg("--pooled");
+                }
+                match resolver {
                     "bare" => {}
                     "static" => {
                         cmd.env("LD_PRELOAD", artifact("libgpufrac.so"))
@@ -643,7 +662,7 @@ fn main() {
         o.busy
     );
     let mut results = Vec::new();
-    for config in CONFIGS.iter().filter(|c| o.only.contains(c)) {
+    for config in CONFIGS.iter().chain(&POOLED_CONFIGS).filter(|c| o.only.contains(c)) {
         results.push((*config, run(config, &o)));
     }
     let parked: Vec<(&str, park::ParkOutcome)> = PARK_CONFIGS
@@ -696,6 +715,23 @@ fn main() {
         (Some(_), Some(_)) => println!("gpufrac (wait) servers per GPU / static: static fits no server"),
         _ => println!("gpufrac (wait) servers per GPU / static: run both wait and static to compare"),
     }
+    for pooled in POOLED_CONFIGS {
+        let freeing = pooled.trim_end_matches("-pooled");
+        if let (Some(p), Some(f)) = (find(pooled), find(freeing)) {
+            let (pp, fp) = (percentile(&p.waits, 99.0), percentile(&f.waits, 99.0));
+            let ratio = match (pp, fp) {
+                (Some(pp), Some(fp)) => format!("{:.2}x", pp as f64 / (fp as f64).max(1.0)),
+                _ => "-".to_owned(),
+            };
+            println!(
+                "{pooled}: burst wait p99 {} against {} with servers that free ({freeing}): {ratio}; out-of-memory errors {} against {}",
+                ms(pp),
+                ms(fp),
+                p.oom,
+                f.oom
+            );
+        }
+    }
     for (config, r) in &results {
         for note in &r.notes {
             println!("- {config}: {note}");
@@ -705,7 +741,7 @@ fn main() {
         write_chart(path, &o, &results);
     }
     if o.check {
-        if let Some(w) = find("wait") {
+        for w in ["wait", "wait-pooled"].into_iter().filter_map(find) {
             if w.broken_rounds > 0 {
                 eprintln!(
                     "density_bench: --check: {} round(s) under wait broke the promise",
