@@ -457,7 +457,8 @@ mod tests {
 
     #[test]
     fn give_back_idle_defaults_to_ten_seconds_and_0_or_off_disables_it() {
-        let with = |value: &str| read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_GIVE_BACK_IDLE", value)]);
+        let with =
+            |value: &str| read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_GIVE_BACK_IDLE", value)]);
         let c = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB")]).unwrap().unwrap();
         assert_eq!(c.give_back_idle, Some(DEFAULT_GIVE_BACK_IDLE));
         assert_eq!(with("2s").unwrap().unwrap().give_back_idle, Some(Duration::from_secs(2)));

@@ -185,7 +185,11 @@ fn worker(e: &'static Enforcer, client: Arc<Client>, rx: Receiver<Command>) {
             Command::SwapOut(uuid) => {
                 let Some(slice) = e.slice_by_uuid(&uuid) else { continue };
                 // What the frameworks keep and do not use goes back rather than to host RAM.
-                crate::give_back::ask_and_wait(e, crate::give_back::Why::Moving, crate::give_back::BEFORE_MOVING);
+                crate::give_back::ask_and_wait(
+                    e,
+                    crate::give_back::Why::Moving,
+                    crate::give_back::BEFORE_MOVING,
+                );
                 let out = swap_out(e, &slice);
                 tracing::info!(
                     bytes = out.bytes,

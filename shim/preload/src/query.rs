@@ -86,14 +86,18 @@ forward! {
 /// memory it keeps and does not use; 0, or -1 (a null function, a full table, no core).
 /// Loads the core: a program that registers one uses the GPU.
 #[no_mangle]
-pub extern "C" fn gpufrac_on_give_back(release: Option<unsafe extern "C" fn(*mut c_void)>, data: *mut c_void) -> c_int {
+pub extern "C" fn gpufrac_on_give_back(
+    release: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> c_int {
     crate::core::attach();
     match in_core(c"gpufrac_on_give_back") {
         // SAFETY: the core's function of this name has this signature (gpufrac.h).
         Some(f) => unsafe {
-            std::mem::transmute::<*mut c_void, extern "C" fn(Option<unsafe extern "C" fn(*mut c_void)>, *mut c_void) -> c_int>(f)(
-                release, data,
-            )
+            std::mem::transmute::<
+                *mut c_void,
+                extern "C" fn(Option<unsafe extern "C" fn(*mut c_void)>, *mut c_void) -> c_int,
+            >(f)(release, data)
         },
         None => -1,
     }

@@ -112,9 +112,8 @@ pub(crate) fn ask(e: &'static Enforcer, why: Why) -> u64 {
 pub(crate) fn ask_and_wait(e: &'static Enforcer, why: Why, timeout: Duration) -> bool {
     let ticket = ask(e, why);
     let queue = lock(&QUEUE);
-    let (queue, _) = CHANGED
-        .wait_timeout_while(queue, timeout, |q| q.served < ticket)
-        .unwrap_or_else(|p| p.into_inner());
+    let (queue, _) =
+        CHANGED.wait_timeout_while(queue, timeout, |q| q.served < ticket).unwrap_or_else(|p| p.into_inner());
     queue.served >= ticket
 }
 
@@ -160,8 +159,9 @@ fn release(e: &'static Enforcer, why: Why) -> u64 {
         // as its argument (gpufrac.h); it runs on a thread of ours, as documented there.
         unsafe { (r.release)(r.data as *mut c_void) };
     }
-    let ordinals: Vec<usize> =
-        (0..e.device_count()).filter(|&o| e.slice(o).is_some_and(|s| e.ledger.held_by_me(s.ledger) > 0)).collect();
+    let ordinals: Vec<usize> = (0..e.device_count())
+        .filter(|&o| e.slice(o).is_some_and(|s| e.ledger.held_by_me(s.ledger) > 0))
+        .collect();
     let frameworks = python::release_frameworks(&ordinals);
     for &device in &devices {
         // What stream-ordered pools keep (CuPy's async pool, PyTorch's cudaMallocAsync
@@ -186,48 +186,62 @@ fn release(e: &'static Enforcer, why: Why) -> u64 {
             why.as_str()
         );
     } else {
-        tracing::debug!(frameworks = %names, ms, why = why.as_str(), "gpufrac: give-back found nothing kept");
+        tracing::debug!(frameworks = %names, ms, why = why.as_str(), ?ordinals, held_before, "gpufrac: give-back found nothing kept");
     }
     given
 }
 
+/// The longest an idle process goes between two give-backs while it holds memory above
+/// its request that its pools did not give back (live data, or a call still under way).
+const IDLE_ASK_AT_MOST_EVERY: Duration = Duration::from_secs(300);
+
 /// Watches for an idle process holding memory above its request: called about once a
 /// second with the count of launches, copies and sets ([`crate::gate::activity`]).
+///
+/// "Idle" is no new call: one long call (a copy of GiBs) looks idle while it runs, and a
+/// give-back then finds the pools still in use. So while the process stays idle above its
+/// request, it asks again after twice as long each time (`GPUFRAC_GIVE_BACK_IDLE`, 2x, 4x,
+/// ... at most every five minutes), never more than that.
 pub(crate) struct IdleWatch {
     count: u64,
     since: Instant,
-    given: bool,
+    /// Idle this long (since `since`), the next give-back is asked for.
+    next: Duration,
 }
 
 impl IdleWatch {
     /// A watch that starts now.
     pub(crate) fn new() -> IdleWatch {
-        IdleWatch { count: u64::MAX, since: Instant::now(), given: false }
+        IdleWatch { count: u64::MAX, since: Instant::now(), next: Duration::ZERO }
     }
 
-    /// Asks for a give-back once per idle stretch of `GPUFRAC_GIVE_BACK_IDLE`.
+    /// Asks for a give-back after `GPUFRAC_GIVE_BACK_IDLE` without activity, and again
+    /// later (see above) while memory above the request is still held.
     pub(crate) fn tick(&mut self, e: &'static Enforcer, count: u64) {
         let Some(after) = e.config.give_back_idle else { return };
         if count != self.count {
-            (self.count, self.since, self.given) = (count, Instant::now(), false);
+            (self.count, self.since, self.next) = (count, Instant::now(), after);
             return;
         }
-        if self.given || self.since.elapsed() < after {
+        if self.since.elapsed() < self.next {
             return;
         }
         let above_request = (0..e.device_count())
             .filter_map(|o| e.slice(o))
             .any(|s| e.ledger.held(s.ledger) > s.request || e.ledger.my_granted(s.ledger) > 0);
         if above_request {
-            self.given = true;
             ask(e, Why::Idle);
         }
+        self.next = (self.next * 2).min(self.next.max(IDLE_ASK_AT_MOST_EVERY));
     }
 }
 
 /// `gpufrac_on_give_back` of `gpufrac.h`: 0, or -1 for a null function or a full table.
 #[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn gpufrac_on_give_back(release: Option<unsafe extern "C" fn(*mut c_void)>, data: *mut c_void) -> c_int {
+pub extern "C" fn gpufrac_on_give_back(
+    release: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> c_int {
     let registered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match release {
         Some(release) => register(release, data),
         None => false,

@@ -114,7 +114,8 @@ unsafe fn run(api: &Api, source: &CStr) -> (String, String) {
             (api.err_clear)();
             return (String::new(), "no memory for a namespace".into());
         }
-        let result = (api.run_string)(source.as_ptr(), FILE_INPUT, namespace, namespace, std::ptr::null_mut());
+        let result =
+            (api.run_string)(source.as_ptr(), FILE_INPUT, namespace, namespace, std::ptr::null_mut());
         let outcome = if result.is_null() {
             (api.err_clear)();
             (String::new(), "the release code did not run".into())

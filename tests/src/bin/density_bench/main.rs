@@ -219,7 +219,8 @@ fn parse_options() -> Options {
             _ => {
                 let mut only = Vec::new();
                 for word in value.split(',').map(str::trim) {
-                    let Some(c) = CONFIGS.iter().chain(&POOLED_CONFIGS).chain(&PARK_CONFIGS).find(|&&c| c == word)
+                    let Some(c) =
+                        CONFIGS.iter().chain(&POOLED_CONFIGS).chain(&PARK_CONFIGS).find(|&&c| c == word)
                     else {
                         bad(format!(
                             "--only: unknown configuration {word:?}; known: {},{},{}",
