@@ -248,3 +248,83 @@ fn torch_idle_pool_goes_back_by_itself() {
     let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
     idle_pool_goes_back(&python, "torch");
 }
+
+/// A parkable pooled server, idle, is parked for a newcomer: its pool is emptied first,
+/// so only the model (512 MiB) is copied to host RAM, not the 2 GiB the pool keeps; woken
+/// by its next command, its model is intact.
+fn parking_moves_only_what_is_in_use(python: &PathBuf, framework: &str) {
+    let _turn = turn();
+    let gpu = gpu();
+    let arbiter = Arbiter::start_at(
+        &gpu,
+        gpu.lib_dir().join("park.sock"),
+        &["--oversubscribe", "3", "--park-with", "shim"],
+    );
+    let parkable = |request: &str, limit: &str, model: u64, park_after: &str, group: &str| {
+        let mut cmd = gpu.command(artifact("gpufrac"));
+        cmd.args([
+            "run",
+            "--request",
+            request,
+            "--limit",
+            limit,
+            "--park-after",
+            park_after,
+            "--wait-timeout",
+            "30s",
+        ])
+        .arg("--group")
+        .arg(unique(group))
+        .arg("--arbiter-socket")
+        .arg(arbiter.socket())
+        .arg("--")
+        .arg(python)
+        .arg(root().join("tests/clients/pooled_server.py"))
+        .env("CLIENT_FRAMEWORK", framework)
+        .env("CLIENT_MODEL", model.to_string())
+        .env("GPUFRAC_LOG", "info")
+        .env("GPUFRAC_GIVE_BACK_IDLE", "off")
+        .env_remove("PYTHONPATH");
+        ChildProcess::spawn(&mut cmd)
+    };
+    let mut pooled = parkable("1GiB", "3GiB", MODEL, "1s", "pooled");
+    pooled.ready();
+    pooled.expect_line(&["LOADED"], TIMEOUT);
+    served(&mut pooled, BATCH);
+    assert!(gpu.held_by(pooled.pid(), 0) >= MODEL + BATCH, "the pool keeps the batch");
+    // 1 GiB + 3 GiB of parkable requests on a 4 GiB GPU less the contexts: the newcomer's
+    // 2.5 GiB model needs the idle server parked.
+    let mut newcomer = parkable("3GiB", "3GiB", 2560 * MIB, "1h", "newcomer");
+    newcomer.ready();
+    newcomer.expect_line(&["LOADED"], TIMEOUT);
+    let stderr = pooled.stderr_text();
+    let parked =
+        stderr.lines().find(|l| l.contains("parked: device memory moved to host RAM")).unwrap_or_else(|| {
+            panic!("the pooled server was not parked by the shim: {stderr}\n{}", arbiter.log_text())
+        });
+    let moved: u64 = gpufrac_e2e::log_field(parked, "host_bytes").and_then(|v| v.parse().ok()).expect(parked);
+    assert!(
+        (MODEL..=MODEL + 64 * MIB).contains(&moved),
+        "parking copied {} to host RAM, the model being {}: {parked}",
+        mib(moved),
+        mib(MODEL)
+    );
+    // Emptied when the newcomer's guarantee asked, or at the latest by the park itself.
+    assert!(stderr.contains("gave back memory the process kept"), "{stderr}");
+    finish(newcomer);
+    model_intact(&mut pooled);
+    finish(pooled);
+}
+
+#[test]
+fn cupy_parking_a_pooled_server_moves_only_what_is_in_use() {
+    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
+    parking_moves_only_what_is_in_use(&python_with(".venv", "cupy", INSTALL), "cupy");
+}
+
+#[test]
+fn torch_parking_a_pooled_server_moves_only_what_is_in_use() {
+    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
+    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
+    parking_moves_only_what_is_in_use(&python, "torch");
+}

@@ -21,18 +21,27 @@ const FILE_INPUT: c_int = 257;
 
 type Object = *mut c_void;
 
+type IntQuery = unsafe extern "C" fn() -> c_int;
+type GilRelease = unsafe extern "C" fn(c_int);
+type RunString = unsafe extern "C" fn(*const c_char, c_int, Object, Object, *mut c_void) -> Object;
+type NewObject = unsafe extern "C" fn() -> Object;
+type DictGet = unsafe extern "C" fn(Object, *const c_char) -> Object;
+type AsUtf8 = unsafe extern "C" fn(Object) -> *const c_char;
+type DecRef = unsafe extern "C" fn(Object);
+type ErrClear = unsafe extern "C" fn();
+
 /// The few C API functions used, found in the process's global scope.
 struct Api {
-    is_initialized: unsafe extern "C" fn() -> c_int,
-    is_finalizing: unsafe extern "C" fn() -> c_int,
-    gil_ensure: unsafe extern "C" fn() -> c_int,
-    gil_release: unsafe extern "C" fn(c_int),
-    run_string: unsafe extern "C" fn(*const c_char, c_int, Object, Object, *mut c_void) -> Object,
-    dict_new: unsafe extern "C" fn() -> Object,
-    dict_get: unsafe extern "C" fn(Object, *const c_char) -> Object,
-    as_utf8: unsafe extern "C" fn(Object) -> *const c_char,
-    decref: unsafe extern "C" fn(Object),
-    err_clear: unsafe extern "C" fn(),
+    is_initialized: IntQuery,
+    is_finalizing: IntQuery,
+    gil_ensure: IntQuery,
+    gil_release: GilRelease,
+    run_string: RunString,
+    dict_new: NewObject,
+    dict_get: DictGet,
+    as_utf8: AsUtf8,
+    decref: DecRef,
+    err_clear: ErrClear,
 }
 
 /// The address of `name` in the process's global scope, if defined.
@@ -43,12 +52,12 @@ fn global(name: &CStr) -> Option<*mut c_void> {
     (!f.is_null()).then_some(f)
 }
 
-/// `global(name)` as a function pointer of the type the caller expects.
+/// The function at `address` as a `$type`.
 macro_rules! function {
-    ($name:literal) => {
-        // SAFETY: each name is a CPython C API function whose signature (stable since
-        // Python 3.7) is the type of the field it fills.
-        unsafe { std::mem::transmute::<*mut c_void, _>(global($name)?) }
+    ($address:expr, $type:ty) => {
+        // SAFETY: each is a CPython C API function whose signature (stable since Python
+        // 3.7) is `$type`.
+        unsafe { std::mem::transmute::<*mut c_void, $type>($address) }
     };
 }
 
@@ -59,17 +68,16 @@ impl Api {
         // `Py_IsFinalizing` is public from 3.13; `_Py_IsFinalizing` before.
         let finalizing = global(c"Py_IsFinalizing").or_else(|| global(c"_Py_IsFinalizing"))?;
         Some(Api {
-            is_initialized: function!(c"Py_IsInitialized"),
-            // SAFETY: either query is `int (void)`.
-            is_finalizing: unsafe { std::mem::transmute::<*mut c_void, _>(finalizing) },
-            gil_ensure: function!(c"PyGILState_Ensure"),
-            gil_release: function!(c"PyGILState_Release"),
-            run_string: function!(c"PyRun_StringFlags"),
-            dict_new: function!(c"PyDict_New"),
-            dict_get: function!(c"PyDict_GetItemString"),
-            as_utf8: function!(c"PyUnicode_AsUTF8"),
-            decref: function!(c"Py_DecRef"),
-            err_clear: function!(c"PyErr_Clear"),
+            is_initialized: function!(global(c"Py_IsInitialized")?, IntQuery),
+            is_finalizing: function!(finalizing, IntQuery),
+            gil_ensure: function!(global(c"PyGILState_Ensure")?, IntQuery),
+            gil_release: function!(global(c"PyGILState_Release")?, GilRelease),
+            run_string: function!(global(c"PyRun_StringFlags")?, RunString),
+            dict_new: function!(global(c"PyDict_New")?, NewObject),
+            dict_get: function!(global(c"PyDict_GetItemString")?, DictGet),
+            as_utf8: function!(global(c"PyUnicode_AsUTF8")?, AsUtf8),
+            decref: function!(global(c"Py_DecRef")?, DecRef),
+            err_clear: function!(global(c"PyErr_Clear")?, ErrClear),
         })
     }
 }

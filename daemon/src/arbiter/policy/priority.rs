@@ -88,6 +88,7 @@ impl Policy {
 mod tests {
     use super::super::testing::*;
     use super::super::*;
+    use super::GIVE_BACK_FIRST;
 
     #[test]
     fn priority_ends_the_fewest_lower_priority_or_idle_holders_never_higher() {
