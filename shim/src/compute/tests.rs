@@ -21,7 +21,12 @@ fn a_leased_process_passes_only_while_it_holds_and_a_waiting_call_wants() {
             passed.store(inside, SeqCst);
         })
     };
-    std::thread::sleep(Duration::from_millis(30));
+    // Polled, not slept: on a loaded machine the caller may take a while to start, and a
+    // failed assertion here would leave the lease table to hang the next test.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !WANT.load(SeqCst) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert!(!passed.load(SeqCst), "a call passed without a lease");
     assert!(WANT.load(SeqCst), "the waiting call wants the GPU");
     told(device, LeaseState::Held { lease: 1, micros: 50_000 });
