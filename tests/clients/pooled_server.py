@@ -1,6 +1,8 @@
 """An inference server written as people write them: its framework (CLIENT_FRAMEWORK,
 `cupy` or `torch`) keeps freed memory in its pool, and nothing in this file empties it
-(no `free_all_blocks`, no `empty_cache`). It loads a model of CLIENT_MODEL bytes with a
+(no `free_all_blocks`, no `empty_cache`). With CLIENT_ALLOCATOR=async a CuPy server
+allocates from CUDA's stream-ordered pool (`cupy.cuda.MemoryAsyncPool`), which keeps
+what is freed into it the same way. It loads a model of CLIENT_MODEL bytes with a
 pattern of its own and says `READY <pid> <model bytes>`, then `LOADED seconds=<s>` (how
 long the model took to load; `alloc`: of that, the wait for its memory); then, one command per line on
 standard input:
@@ -22,6 +24,9 @@ MODEL = int(os.environ["CLIENT_MODEL"])
 
 if FRAMEWORK == "cupy":
     import cupy
+
+    if os.environ.get("CLIENT_ALLOCATOR") == "async":
+        cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
 
     def to_device(array, host):
         array.set(host)

@@ -109,12 +109,16 @@ fn finish(mut child: ChildProcess) -> String {
 
 /// Two pooled servers, one batch each: the second is served within a second of the first
 /// one's end, with no out-of-memory, from what the first one's pool gave back.
-fn second_batch_served_from_the_first_ones_pool(python: &PathBuf, framework: &str) {
+fn second_batch_served_from_the_first_ones_pool(python: &PathBuf, framework: &str, allocator: &str) {
     let _turn = turn();
     let gpu = gpu();
     let arbiter = Arbiter::start(&gpu);
-    let mut first = server(&gpu, python, framework, &arbiter, &[("GPUFRAC_GIVE_BACK_IDLE", "off")]);
-    let mut second = server(&gpu, python, framework, &arbiter, &[("GPUFRAC_GIVE_BACK_IDLE", "off")]);
+    // CuPy's allocator by name (`pooled_server.py`), PyTorch's by its own setting.
+    let setting = if framework == "torch" { "PYTORCH_CUDA_ALLOC_CONF" } else { "CLIENT_ALLOCATOR" };
+    let allocator = if allocator == "default" { "" } else { allocator };
+    let env = [("GPUFRAC_GIVE_BACK_IDLE", "off"), (setting, allocator)];
+    let mut first = server(&gpu, python, framework, &arbiter, &env);
+    let mut second = server(&gpu, python, framework, &arbiter, &env);
     served(&mut first, BATCH);
     // The first server's pool keeps its batch: the GPU counts it held.
     let kept = gpu.held_by(first.pid(), 0);
@@ -211,7 +215,14 @@ fn idle_pool_goes_back(python: &PathBuf, framework: &str) {
 #[test]
 fn cupy_second_batch_is_served_from_the_first_servers_pool() {
     skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
-    second_batch_served_from_the_first_ones_pool(&python_with(".venv", "cupy", INSTALL), "cupy");
+    second_batch_served_from_the_first_ones_pool(&python_with(".venv", "cupy", INSTALL), "cupy", "default");
+}
+
+/// The same with CuPy allocating from CUDA's stream-ordered pool (`MemoryAsyncPool`).
+#[test]
+fn cupy_async_pool_second_batch_is_served_from_the_first_servers_pool() {
+    skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
+    second_batch_served_from_the_first_ones_pool(&python_with(".venv", "cupy", INSTALL), "cupy", "async");
 }
 
 #[test]
@@ -232,7 +243,11 @@ const NO_TORCH: &str = "PyTorch is not installed (6.8 GB of CUDA wheels; see tes
 fn torch_second_batch_is_served_from_the_first_servers_pool() {
     skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
     let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
-    second_batch_served_from_the_first_ones_pool(&python, "torch");
+    // Each setting of PyTorch's caching allocator keeps freed memory its own way.
+    for conf in ["default", "expandable_segments:True", "backend:cudaMallocAsync"] {
+        eprintln!("PYTORCH_CUDA_ALLOC_CONF={conf}");
+        second_batch_served_from_the_first_ones_pool(&python, "torch", conf);
+    }
 }
 
 #[test]

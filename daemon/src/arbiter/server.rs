@@ -31,7 +31,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{DeviceId, Reply};
 use tokio::sync::{mpsc, Notify};
@@ -170,6 +170,9 @@ pub struct Shared {
     checkpoint_api: std::sync::OnceLock<Option<Arc<crate::checkpoint::CheckpointApi>>>,
     /// Wakes the lease task (compute shares): a shim wanted, was done, came or went.
     leases_changed: Notify,
+    /// When each holder was last asked to give back on a GPU: asked at most once per
+    /// `ASK_AGAIN_AFTER`, and at once when it becomes one to ask.
+    asked_to_give_back: Mutex<HashMap<(ConnId, DeviceId), Instant>>,
 }
 
 /// What the server keeps of an open connection to act on it from elsewhere.
@@ -230,6 +233,7 @@ impl Shared {
             queued: Mutex::new(HashMap::new()),
             checkpoint_api: std::sync::OnceLock::new(),
             leases_changed: Notify::new(),
+            asked_to_give_back: Mutex::new(HashMap::new()),
         })
     }
 

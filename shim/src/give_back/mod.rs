@@ -57,6 +57,14 @@ struct Registered {
 /// is there (a Python thread may hold the interpreter's lock).
 pub(crate) const BEFORE_MOVING: Duration = Duration::from_secs(2);
 
+/// Asked by the arbiter, the give-back waits until the process has been quiet this long
+/// (no launch, copy, set or allocation): a server in the middle of a batch takes what it
+/// needs from its pool, and emptying the pool then would only make it allocate again.
+const QUIET: Duration = Duration::from_millis(50);
+
+/// ... but never longer than this: a server that never pauses still gives back.
+const QUIET_AT_MOST: Duration = Duration::from_secs(1);
+
 /// At most this many registered release functions.
 pub(crate) const MAX_REGISTERED: usize = 16;
 
@@ -136,9 +144,28 @@ fn worker(e: &'static Enforcer) {
             let queue = CHANGED.wait_while(queue, |q| q.served >= q.asked).unwrap_or_else(|p| p.into_inner());
             (queue.asked, queue.why)
         };
+        if why == Why::Asked {
+            wait_for_quiet();
+        }
         release(e, why);
         lock(&QUEUE).served = target;
         CHANGED.notify_all();
+    }
+}
+
+/// Returns once the process made no launch, copy, set or allocation for [`QUIET`], or
+/// after [`QUIET_AT_MOST`].
+fn wait_for_quiet() {
+    let started = Instant::now();
+    let (mut count, mut since) = (crate::gate::activity(), started);
+    while started.elapsed() < QUIET_AT_MOST {
+        std::thread::sleep(QUIET / 5);
+        let now = crate::gate::activity();
+        if now != count {
+            (count, since) = (now, Instant::now());
+        } else if since.elapsed() >= QUIET {
+            return;
+        }
     }
 }
 

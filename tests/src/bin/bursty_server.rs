@@ -1,6 +1,7 @@
 //! A simulated inference server with a bursty trace, for the density benchmark and the
 //! tests: it loads a "model" (`--base`), then plays `--bursts` bursts, each after a random
-//! gap, each allocating `--burst` bytes in `--step`-sized `cuMemAlloc` calls, holding them
+//! gap, each allocating `--burst` bytes in `--step`-sized `cuMemAlloc` calls (each step
+//! followed by a one-word kernel on it, as a server computes while its batch grows), holding them
 //! `--hold` ms and freeing them. It calls the driver through `cudarc::driver::sys`
 //! (dlopen + dlsym), so it runs bare on simgpu and under the shim alike.
 //!
@@ -370,7 +371,12 @@ fn main() {
                 paused += args.step_pause;
             }
             match take(bytes, args.pooled) {
-                Ok(b) => burst.push(b),
+                Ok(b) => {
+                    // A layer's work on what it got: a server computes as its batch grows.
+                    k.fill(b.ptr, value(i, burst.len()), 1)
+                        .unwrap_or_else(|r| cuda_failed("computing a step", r));
+                    burst.push(b)
+                }
                 Err(r) => {
                     failed = Some(r);
                     break;

@@ -67,6 +67,12 @@ use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, RESUME_WAIT
 /// time as allocators grow; a pause this long means the burst is over or settled).
 pub const GROWING_FOR: Duration = Duration::from_secs(2);
 
+/// Silent this long (no ask, no step waiting), a holder whose burst is under way is asked
+/// too while others wait: a server whose framework keeps its batch in a pool asks for
+/// nothing more and gives nothing back by itself, and its shim empties the pool when
+/// asked. A burst that allocates as it computes asks again well within this.
+pub const ASK_SILENT_AFTER: Duration = Duration::from_millis(200);
+
 /// How finely a grant between what a burst needs and what it prefers is sized.
 const GRANT_STEP: u64 = 16 << 20;
 
@@ -554,9 +560,12 @@ impl Policy {
 
     /// Connections that hold burst grants on a GPU where someone waits or a guarantee is
     /// owed memory: they are asked to give back what they do not use. Not, while bursts
-    /// merely wait, members of growing groups: what they were lent is part of what they
-    /// may claim anyway (giving it back would not make the GPU safer), and they are about
-    /// to use it. Never a member whose swap-in is under way: its grant is being mapped.
+    /// merely wait, members of groups whose burst is under way and that asked within
+    /// [`ASK_SILENT_AFTER`] or wait for a step: what they were lent is part of what they
+    /// may claim anyway, and they are about to use it. A burst under way that went silent
+    /// is asked: its memory may sit in a framework's pool, which only the give-back empties
+    /// (and giving memory back ends its burst). Never a member whose swap-in is under way:
+    /// its grant is being mapped.
     pub fn contended_holders(&self, now: Instant) -> Vec<(ConnId, DeviceId)> {
         let mut out = Vec::new();
         for (&device, gpu) in &self.gpus {
@@ -564,8 +573,16 @@ impl Policy {
             if gpu.queue.is_empty() && !owed {
                 continue;
             }
+            let silent = |name: &str| {
+                !gpu.queue.iter().any(|w| w.group == name)
+                    && gpu
+                        .groups
+                        .get(name)
+                        .and_then(|g| g.last_ask)
+                        .is_none_or(|t| now.saturating_duration_since(t) >= ASK_SILENT_AFTER)
+            };
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now)) {
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now) || silent(name)) {
                     out.push((conn, device));
                 }
             }

@@ -21,6 +21,11 @@ const STALL_REPORT_EVERY: Duration = Duration::from_secs(5);
 /// How often holders are reminded to give back while bursts wait or a guarantee is owed.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
+/// How often a holder is asked again to give back while bursts wait: its framework's pool
+/// may hold a batch that ended since (its shim waits for a quiet moment before emptying
+/// it, so a busy holder is not disturbed by being asked often).
+const ASK_AGAIN_AFTER: Duration = Duration::from_millis(100);
+
 impl Shared {
     /// The priority resolver: ends the holders chosen for waiting priority bursts.
     pub(super) fn resolve_priority(&self) {
@@ -80,11 +85,20 @@ impl Shared {
         }
     }
 
-    /// While bursts wait, holders of grants are asked to give back what they do not use.
+    /// While bursts wait, holders of grants are asked to give back what they do not use:
+    /// each at once when it becomes one to ask (a burst queues, a holder goes silent),
+    /// then again every [`ASK_AGAIN_AFTER`] while it stays one.
     pub(super) fn ask_to_give_back(&self) {
-        let holders = self.policy().contended_holders(Instant::now());
+        let now = Instant::now();
+        let holders = self.policy().contended_holders(now);
+        let mut asked = self.asked_to_give_back.lock().unwrap_or_else(|p| p.into_inner());
+        asked.retain(|_, at| now.saturating_duration_since(*at) < ASK_AGAIN_AFTER);
         for (conn, device) in holders {
-            self.send(conn, &Reply::Reclaim { device });
+            // Asked within ASK_AGAIN_AFTER: its give-back is under way.
+            if let std::collections::hash_map::Entry::Vacant(entry) = asked.entry((conn, device)) {
+                entry.insert(now);
+                self.send(conn, &Reply::Reclaim { device });
+            }
         }
     }
 }
@@ -114,11 +128,12 @@ pub(super) async fn expire_waiters(shared: Arc<Shared>) {
         if !answers.is_empty() {
             shared.deliver(answers);
         }
-        // Keep reminding holders while anyone waits (they keep no slack meanwhile), and
-        // let the priority resolver look again (holders become idle over time).
+        // Ask holders while anyone waits (they keep no slack meanwhile; each at most once
+        // per RECLAIM_EVERY), and let the priority resolver look again (holders become
+        // idle over time).
+        shared.ask_to_give_back();
         if last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
-            shared.ask_to_give_back();
             shared.resolve_priority();
         }
         shared.resolve_swap();
