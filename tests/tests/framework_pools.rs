@@ -17,7 +17,8 @@ use std::process::Command;
 use gpufrac_e2e::clients::{python_with, root, INSTALL};
 use gpufrac_e2e::size::{mib, MIB};
 use gpufrac_e2e::{
-    artifact, report_skip, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, SimGpu, Skip, TIMEOUT,
+    artifact, report_skip, skip_on_real_gpu, unique, wait_for, Arbiter, ChildProcess, ShimSettings, SimGpu,
+    Skip, TIMEOUT,
 };
 
 const GIB: u64 = 1024 * MIB;
@@ -342,4 +343,47 @@ fn torch_parking_a_pooled_server_moves_only_what_is_in_use() {
     skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
     let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
     parking_moves_only_what_is_in_use(&python, "torch");
+}
+
+/// A native server with a pool of its own (`bursty_server --pooled`) that registered its
+/// release with `gpufrac_on_give_back`: a neighbour's burst waiting for what the pool
+/// keeps is served within a second, with no out-of-memory error, by that release.
+#[test]
+fn a_native_pools_registered_release_serves_a_neighbours_burst() {
+    skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
+    let _turn = turn();
+    let gpu = gpu();
+    let arbiter = Arbiter::start(&gpu);
+    let bursty = |linger: &str| {
+        let mut cmd = gpu.shimmed(artifact("bursty_server"));
+        cmd.memory_request("1GiB")
+            .memory_limit("3GiB")
+            .wait_timeout("15s")
+            .arbiter_socket(arbiter.socket())
+            .group(unique("native"))
+            .log("info")
+            .env("GPUFRAC_GIVE_BACK_IDLE", "off")
+            .args(["--pooled", "--base", "512MiB", "--burst", "2GiB", "--step", "64MiB", "--hold", "0"])
+            .args(["--bursts", "1", "--gap-ms", "0-0", "--linger-ms", linger]);
+        ChildProcess::spawn(&mut cmd)
+    };
+    // The first keeps its burst in its pool, and lingers.
+    let mut first = bursty("60000");
+    first.ready();
+    let line = first.expect_line(&["BURST"], TIMEOUT);
+    assert!(line.starts_with("BURST 0 ok"), "{line}");
+    assert!(gpu.held_by(first.pid(), 0) >= MODEL + BATCH, "the pool keeps the burst");
+    let mut second = bursty("0");
+    second.ready();
+    let line = second.expect_line(&["BURST"], TIMEOUT);
+    assert!(line.starts_with("BURST 0 ok"), "the neighbour's burst: {line}\n{}", first.stderr_text());
+    let waited: u64 = gpufrac_e2e::log_field(&line, "wait_ms").and_then(|v| v.parse().ok()).expect(&line);
+    assert!(waited <= 1000, "the neighbour's burst waited {waited} ms for the pool: {line}");
+    second.expect_line(&["DONE"], TIMEOUT);
+    first.kill();
+    let stderr = first.stderr_text();
+    assert!(
+        stderr.contains("gave back memory the process kept") && stderr.contains("registered=1"),
+        "{stderr}"
+    );
 }

@@ -12,7 +12,7 @@
 //! ```text
 //! bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] [--hold MS]
 //!               [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS]
-//!               [--chance PCT --tick-ms MS --seconds N] [--pooled]
+//!               [--chance PCT --tick-ms MS --seconds N] [--pooled] [--linger-ms MS]
 //! ```
 //!
 //! Output, one line each, flushed:
@@ -39,6 +39,9 @@
 //! pool registers its release with `gpufrac_on_give_back` (looked up at run time, so it
 //! also runs bare), which frees every block the pool keeps.
 //!
+//! With `--linger-ms MS` it waits that long after its last burst, before it frees the model
+//! (and what its pool keeps) and says `DONE`.
+//!
 //! With `--verify` every step of a burst is filled with its own value (simgpu's
 //! `simgpu_fill_u32`) and checked after the hold with `simgpu_checksum_u32`, and the model
 //! is checked after every burst. The checksums are written into the model's first 8 bytes,
@@ -56,7 +59,7 @@ use gpufrac_e2e::rng::Rng;
 
 const USAGE: &str = "usage: bursty_server [--base SIZE] [--burst SIZE] [--step SIZE] [--step-ms MS] \
 [--hold MS] [--bursts N] [--gap-ms MIN-MAX] [--seed N] [--verify] [--keep-ms MS] [--chance PCT --tick-ms MS --seconds N] \
-[--pooled]";
+[--pooled] [--linger-ms MS]";
 
 /// The smallest size accepted for `--base`, `--burst` and `--step`.
 const MIN_SIZE: u64 = 4096;
@@ -80,6 +83,8 @@ struct Args {
     verify: bool,
     /// `--pooled`: freed bursts are kept in the server's own pool.
     pooled: bool,
+    /// `--linger-ms`: how long to wait after the last burst.
+    linger: Duration,
     /// `--chance`: per tick, in percent; `None`: bursts `--gap-ms` apart.
     chance: Option<u64>,
     tick: Duration,
@@ -107,6 +112,7 @@ fn parse_args(argv: &[String]) -> Args {
         seed: u64::from(std::process::id()),
         verify: false,
         pooled: false,
+        linger: Duration::ZERO,
         chance: None,
         tick: Duration::from_millis(100),
         seconds: Duration::from_secs(20),
@@ -143,6 +149,7 @@ fn parse_args(argv: &[String]) -> Args {
             "--chance",
             "--tick-ms",
             "--seconds",
+            "--linger-ms",
         ];
         if !known.contains(&name) {
             bad(format!("unknown argument {flag:?}"));
@@ -167,6 +174,7 @@ fn parse_args(argv: &[String]) -> Args {
             "--step" => args.step = size(&value),
             "--hold" => args.hold = Duration::from_millis(number(&value)),
             "--keep-ms" => args.keep = Some(Duration::from_millis(number(&value))),
+            "--linger-ms" => args.linger = Duration::from_millis(number(&value)),
             "--step-ms" => args.step_pause = Duration::from_millis(number(&value)),
             "--bursts" => {
                 args.bursts = u32::try_from(number(&value))
@@ -428,6 +436,7 @@ fn main() {
         ok += 1;
         say(&format!("BURST {i} ok at_ms={at_ms} got_ms={got_ms} freed_ms={freed_ms} wait_ms={ms}"));
     }
+    std::thread::sleep(args.linger);
     free_all(&mut model);
     free_all(&mut pool().blocks);
     say(&format!("DONE bursts={played} ok={ok} oom={oom}"));
