@@ -60,6 +60,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId};
+use gpufrac_common::Resolver;
 
 use super::{Answer, ConnId, Gpu, Outcome, Policy, Residency, Waiter, RESUME_WAIT};
 
@@ -581,8 +582,13 @@ impl Policy {
                         .and_then(|g| g.last_ask)
                         .is_none_or(|t| now.saturating_duration_since(t) >= ASK_SILENT_AFTER)
             };
+            // Not swap groups: the swap resolver moves their loans to host RAM, their
+            // pools emptied first, and a swap holder given back mid-burst was lent its
+            // grant again behind others (out-of-memory in density_bench's swap run).
+            let swaps = |conn: ConnId| self.peers.get(&conn).is_some_and(|p| p.resolver == Resolver::Swap);
             for (name, conn, m) in gpu.members() {
-                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now) || silent(name)) {
+                let silent_burst = silent(name) && m.residency == Residency::Resident && !swaps(conn);
+                if m.granted > 0 && !m.swapping_in && (owed || !gpu.under_way(name, now) || silent_burst) {
                     out.push((conn, device));
                 }
             }
