@@ -38,6 +38,33 @@ fn gpu() -> SimGpu {
     SimGpu::new("4GiB").with_context_overhead("64MiB")
 }
 
+/// `gpufrac run FLAGS --group GROUP-… --arbiter-socket … -- python pooled_server.py`, its
+/// model `model` bytes, logging at INFO.
+fn pooled_server(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    flags: &[&str],
+    group: &str,
+    (python, framework): (&PathBuf, &str),
+    model: u64,
+) -> Command {
+    let mut cmd = gpu.command(artifact("gpufrac"));
+    cmd.arg("run")
+        .args(flags)
+        .arg("--group")
+        .arg(unique(group))
+        .arg("--arbiter-socket")
+        .arg(arbiter.socket())
+        .arg("--")
+        .arg(python)
+        .arg(root().join("tests/clients/pooled_server.py"))
+        .env("CLIENT_FRAMEWORK", framework)
+        .env("CLIENT_MODEL", model.to_string())
+        .env("GPUFRAC_LOG", "info")
+        .env_remove("PYTHONPATH");
+    cmd
+}
+
 /// `pooled_server.py` under `gpufrac run` with a 1 GiB request and a 3 GiB limit.
 fn server(
     gpu: &SimGpu,
@@ -46,18 +73,8 @@ fn server(
     arbiter: &Arbiter,
     extra: &[(&str, &str)],
 ) -> ChildProcess {
-    let mut cmd = gpu.command(artifact("gpufrac"));
-    cmd.args(["run", "--request", "1GiB", "--limit", "3GiB", "--wait-timeout", "15s", "--group"])
-        .arg(unique("pooled"))
-        .arg("--arbiter-socket")
-        .arg(arbiter.socket())
-        .arg("--")
-        .arg(python)
-        .arg(root().join("tests/clients/pooled_server.py"))
-        .env("CLIENT_FRAMEWORK", framework)
-        .env("CLIENT_MODEL", MODEL.to_string())
-        .env("GPUFRAC_LOG", "info")
-        .env_remove("PYTHONPATH");
+    let flags = ["--request", "1GiB", "--limit", "3GiB", "--wait-timeout", "15s"];
+    let mut cmd = pooled_server(gpu, arbiter, &flags, "pooled", (python, framework), MODEL);
     for (name, value) in extra {
         cmd.env(name, value);
     }
@@ -150,17 +167,8 @@ fn newcomers_guarantee_from_the_pool(python: &PathBuf, framework: &str) {
     served(&mut pooled, BATCH);
     // 64 MiB context + 512 MiB model + 2 GiB kept: 1.3 GiB free of 4 GiB. The newcomer's
     // 2 GiB request is admitted (1 + 2 GiB of guarantees) and owed what the pool keeps.
-    let mut cmd = gpu.command(artifact("gpufrac"));
-    cmd.args(["run", "--request", "2GiB", "--group"])
-        .arg(unique("newcomer"))
-        .arg("--arbiter-socket")
-        .arg(arbiter.socket())
-        .arg("--")
-        .arg(python)
-        .arg(root().join("tests/clients/pooled_server.py"))
-        .env("CLIENT_FRAMEWORK", framework)
-        .env("CLIENT_MODEL", (1536 * MIB).to_string())
-        .env_remove("PYTHONPATH");
+    let mut cmd =
+        pooled_server(&gpu, &arbiter, &["--request", "2GiB"], "newcomer", (python, framework), 1536 * MIB);
     let mut newcomer = ChildProcess::spawn(&mut cmd);
     newcomer.ready();
     let loaded = newcomer.expect_line(&["LOADED"], TIMEOUT);
@@ -226,19 +234,42 @@ fn cupy_async_pool_second_batch_is_served_from_the_first_servers_pool() {
     second_batch_served_from_the_first_ones_pool(&python_with(".venv", "cupy", INSTALL), "cupy", "async");
 }
 
-#[test]
-fn cupy_newcomers_guarantee_is_paid_from_the_pool_and_the_server_lives() {
-    skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
-    newcomers_guarantee_from_the_pool(&python_with(".venv", "cupy", INSTALL), "cupy");
-}
-
-#[test]
-fn cupy_idle_pool_goes_back_by_itself() {
-    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
-    idle_pool_goes_back(&python_with(".venv", "cupy", INSTALL), "cupy");
-}
-
 const NO_TORCH: &str = "PyTorch is not installed (6.8 GB of CUDA wheels; see tests/requirements-torch.txt)";
+
+/// A scenario as two tests: with CuPy (in the test environment), and with PyTorch where
+/// installed (a `pytorch` skip elsewhere).
+macro_rules! with_cupy_and_torch {
+    ($cupy:ident, $torch:ident, $scenario:ident) => {
+        #[test]
+        fn $cupy() {
+            skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
+            $scenario(&python_with(".venv", "cupy", INSTALL), "cupy");
+        }
+
+        #[test]
+        fn $torch() {
+            skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
+            let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
+            $scenario(&python, "torch");
+        }
+    };
+}
+
+with_cupy_and_torch!(
+    cupy_newcomers_guarantee_is_paid_from_the_pool_and_the_server_lives,
+    torch_newcomers_guarantee_is_paid_from_the_pool_and_the_server_lives,
+    newcomers_guarantee_from_the_pool
+);
+with_cupy_and_torch!(
+    cupy_idle_pool_goes_back_by_itself,
+    torch_idle_pool_goes_back_by_itself,
+    idle_pool_goes_back
+);
+with_cupy_and_torch!(
+    cupy_parking_a_pooled_server_moves_only_what_is_in_use,
+    torch_parking_a_pooled_server_moves_only_what_is_in_use,
+    parking_moves_only_what_is_in_use
+);
 
 #[test]
 fn torch_second_batch_is_served_from_the_first_servers_pool() {
@@ -249,20 +280,6 @@ fn torch_second_batch_is_served_from_the_first_servers_pool() {
         eprintln!("PYTORCH_CUDA_ALLOC_CONF={conf}");
         second_batch_served_from_the_first_ones_pool(&python, "torch", conf);
     }
-}
-
-#[test]
-fn torch_newcomers_guarantee_is_paid_from_the_pool_and_the_server_lives() {
-    skip_on_real_gpu!("the servers are sized to collide on a 4 GiB simgpu device");
-    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
-    newcomers_guarantee_from_the_pool(&python, "torch");
-}
-
-#[test]
-fn torch_idle_pool_goes_back_by_itself() {
-    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
-    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
-    idle_pool_goes_back(&python, "torch");
 }
 
 /// A parkable pooled server, idle, is parked for a newcomer: its pool is emptied first,
@@ -277,30 +294,10 @@ fn parking_moves_only_what_is_in_use(python: &PathBuf, framework: &str) {
         &["--oversubscribe", "3", "--park-with", "shim"],
     );
     let parkable = |request: &str, limit: &str, model: u64, park_after: &str, group: &str| {
-        let mut cmd = gpu.command(artifact("gpufrac"));
-        cmd.args([
-            "run",
-            "--request",
-            request,
-            "--limit",
-            limit,
-            "--park-after",
-            park_after,
-            "--wait-timeout",
-            "30s",
-        ])
-        .arg("--group")
-        .arg(unique(group))
-        .arg("--arbiter-socket")
-        .arg(arbiter.socket())
-        .arg("--")
-        .arg(python)
-        .arg(root().join("tests/clients/pooled_server.py"))
-        .env("CLIENT_FRAMEWORK", framework)
-        .env("CLIENT_MODEL", model.to_string())
-        .env("GPUFRAC_LOG", "info")
-        .env("GPUFRAC_GIVE_BACK_IDLE", "off")
-        .env_remove("PYTHONPATH");
+        let flags =
+            ["--request", request, "--limit", limit, "--park-after", park_after, "--wait-timeout", "30s"];
+        let mut cmd = pooled_server(&gpu, &arbiter, &flags, group, (python, framework), model);
+        cmd.env("GPUFRAC_GIVE_BACK_IDLE", "off");
         ChildProcess::spawn(&mut cmd)
     };
     let mut pooled = parkable("1GiB", "3GiB", MODEL, "1s", "pooled");
@@ -330,19 +327,6 @@ fn parking_moves_only_what_is_in_use(python: &PathBuf, framework: &str) {
     finish(newcomer);
     model_intact(&mut pooled);
     finish(pooled);
-}
-
-#[test]
-fn cupy_parking_a_pooled_server_moves_only_what_is_in_use() {
-    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
-    parking_moves_only_what_is_in_use(&python_with(".venv", "cupy", INSTALL), "cupy");
-}
-
-#[test]
-fn torch_parking_a_pooled_server_moves_only_what_is_in_use() {
-    skip_on_real_gpu!("the servers are sized for a 4 GiB simgpu device");
-    let Some(python) = torch_python() else { return report_skip(Skip::PyTorch, NO_TORCH) };
-    parking_moves_only_what_is_in_use(&python, "torch");
 }
 
 /// A native server with a pool of its own (`bursty_server --pooled`) that registered its

@@ -171,7 +171,7 @@ pub struct Shared {
     /// Wakes the lease task (compute shares): a shim wanted, was done, came or went.
     leases_changed: Notify,
     /// When each holder was last asked to give back on a GPU: asked at most once per
-    /// `ASK_AGAIN_AFTER`, and at once when it becomes one to ask.
+    /// `ASK_AGAIN_AFTER`.
     asked_to_give_back: Mutex<HashMap<(ConnId, DeviceId), Instant>>,
 }
 

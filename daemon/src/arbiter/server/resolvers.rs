@@ -21,9 +21,8 @@ const STALL_REPORT_EVERY: Duration = Duration::from_secs(5);
 /// How often holders are reminded to give back while bursts wait or a guarantee is owed.
 const RECLAIM_EVERY: Duration = Duration::from_millis(200);
 
-/// How often a holder is asked again to give back while bursts wait: its framework's pool
-/// may hold a batch that ended since (its shim waits for a quiet moment before emptying
-/// it, so a busy holder is not disturbed by being asked often).
+/// A holder is asked to give back at most this often (bursts that queue one after another
+/// each ask): its shim's give-back is under way.
 const ASK_AGAIN_AFTER: Duration = Duration::from_millis(100);
 
 impl Shared {
@@ -85,9 +84,11 @@ impl Shared {
         }
     }
 
-    /// While bursts wait, holders of grants are asked to give back what they do not use:
-    /// each at once when it becomes one to ask (a burst queues, a holder goes silent),
-    /// then again every [`ASK_AGAIN_AFTER`] while it stays one.
+    /// While bursts wait, holders of grants are asked to give back what they do not use
+    /// (when a burst queues, and every [`RECLAIM_EVERY`] while any waits), each at most
+    /// once per [`ASK_AGAIN_AFTER`]. (Asked at every tick, a holder that had just
+    /// registered again after an arbiter restart was asked within milliseconds, and a
+    /// waiter's entry was lost: `arbiter::a_restarted_arbiter_lends_nothing_…`.)
     pub(super) fn ask_to_give_back(&self) {
         let now = Instant::now();
         let holders = self.policy().contended_holders(now);
@@ -128,12 +129,12 @@ pub(super) async fn expire_waiters(shared: Arc<Shared>) {
         if !answers.is_empty() {
             shared.deliver(answers);
         }
-        // Ask holders while anyone waits (they keep no slack meanwhile; each at most once
-        // per RECLAIM_EVERY), and let the priority resolver look again (holders become
-        // idle over time).
-        shared.ask_to_give_back();
+        // Keep asking holders while anyone waits (they keep no slack meanwhile; a pooled
+        // one may have finished its batch since), and let the priority resolver look
+        // again (holders become idle over time).
         if last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
+            shared.ask_to_give_back();
             shared.resolve_priority();
         }
         shared.resolve_swap();
