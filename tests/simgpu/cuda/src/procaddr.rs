@@ -61,14 +61,6 @@ static SIMGPU_PROCS: &[(&str, &[Version])] = &[
             (12030, "cuStreamGetCaptureInfo_v3", Some("cuStreamGetCaptureInfo_v3_ptsz")),
         ],
     ),
-    (
-        "cuStreamBeginCapture",
-        &[
-            (10000, "cuStreamBeginCapture", Some("cuStreamBeginCapture_ptsz")),
-            (10010, "cuStreamBeginCapture_v2", Some("cuStreamBeginCapture_v2_ptsz")),
-        ],
-    ),
-    ("cuStreamEndCapture", &[(10000, "cuStreamEndCapture", Some("cuStreamEndCapture_ptsz"))]),
     ("cuThreadExchangeStreamCaptureMode", &[(10010, "cuThreadExchangeStreamCaptureMode", None)]),
     ("cuGraphCreate", &[(10000, "cuGraphCreate", None)]),
     ("cuGraphDestroy", &[(10000, "cuGraphDestroy", None)]),
