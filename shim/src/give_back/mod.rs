@@ -177,6 +177,11 @@ fn release(e: &'static Enforcer, why: Why) -> u64 {
         tracing::debug!(why = why.as_str(), "gpufrac: give-back deferred: a stream capture is under way");
         return 0;
     }
+    // Parked (a park went on without waiting longer for this run): the memory is in host
+    // RAM or checkpointed, and a free would wait at the closed gate.
+    if crate::park::parked() {
+        return 0;
+    }
     let started = Instant::now();
     let devices: Vec<usize> = (0..e.device_count()).filter_map(|o| e.slice(o)).map(|s| s.ledger).collect();
     let held_before: u64 = devices.iter().map(|&d| e.ledger.held_by_me(d)).sum();
@@ -189,7 +194,9 @@ fn release(e: &'static Enforcer, why: Why) -> u64 {
     let ordinals: Vec<usize> = (0..e.device_count())
         .filter(|&o| e.slice(o).is_some_and(|s| e.ledger.held_by_me(s.ledger) > 0))
         .collect();
-    let frameworks = python::release_frameworks(&ordinals);
+    // Checked again once the interpreter's lock is held: the wait for it may have outlasted
+    // a park's patience, and a free at the closed gate would hold that lock until the wake.
+    let frameworks = python::release_frameworks(&ordinals, || !crate::park::parked());
     for &device in &devices {
         // What stream-ordered pools keep (CuPy's async pool, PyTorch's cudaMallocAsync
         // backend) is trimmed by the shim itself.

@@ -87,8 +87,9 @@ static ERROR_LOGGED: AtomicBool = AtomicBool::new(false);
 
 /// Empties the pools of the Python frameworks the program imported, on CUDA `devices`;
 /// returns the frameworks emptied. Waits for the interpreter's lock as long as a Python
-/// thread holds it (the caller bounds its own wait, not this thread's).
-pub(super) fn release_frameworks(devices: &[usize]) -> Vec<String> {
+/// thread holds it (the caller bounds its own wait, not this thread's), then runs only if
+/// `still_wanted()` says so.
+pub(super) fn release_frameworks(devices: &[usize], still_wanted: impl Fn() -> bool) -> Vec<String> {
     let Some(api) = Api::find() else { return Vec::new() };
     let Ok(source) = CString::new(format!("devices = {devices:?}\n{RELEASE}")) else { return Vec::new() };
     // SAFETY: CPython's C API as documented for threads it did not create: the queries
@@ -99,6 +100,10 @@ pub(super) fn release_frameworks(devices: &[usize]) -> Vec<String> {
             return Vec::new();
         }
         let state = (api.gil_ensure)();
+        if !still_wanted() || (api.is_finalizing)() != 0 {
+            (api.gil_release)(state);
+            return Vec::new();
+        }
         let outcome = run(&api, &source);
         (api.gil_release)(state);
         let (summary, error) = outcome;
