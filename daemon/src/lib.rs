@@ -1,5 +1,6 @@
-//! The node side of gpufrac: the arbiter daemon (to come) and the `gpufrac` CLI's
-//! commands. Binaries in `src/bin/` are thin wrappers over this library.
+//! The node side of gpufrac: the arbiter daemon (`gpufrac-arbiter`: its policy, server and
+//! metrics in [`arbiter`]) and the `gpufrac` CLI's commands (`run`, `status`, `top`,
+//! `demo`). Binaries in `src/bin/` are thin wrappers over this library.
 #![deny(missing_docs)]
 
 pub mod arbiter;

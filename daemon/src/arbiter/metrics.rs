@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicU64;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::status::{ProcessStatus, Status};
+use super::document::{ProcessStatus, Status};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuKind {
@@ -479,7 +479,7 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::GpuStatus;
+    use crate::arbiter::document::GpuStatus;
 
     /// The sample lines of `text` whose name starts with the family `name` (its `_total`,
     /// `_bucket`, ...).

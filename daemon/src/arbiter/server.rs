@@ -36,12 +36,12 @@ use std::time::{Duration, Instant};
 use gpufrac_common::protocol::{DeviceId, Reply};
 use tokio::sync::{mpsc, Notify};
 
+use super::document::{EventKind, EventLog};
 use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics};
 use super::policy::{uuid_string, ConnId, Policy};
 use crate::entitlement::identity::Pidfd;
 use crate::entitlement::Entitlements;
-use crate::status::{EventKind, EventLog};
 
 mod backstop;
 mod bursts;

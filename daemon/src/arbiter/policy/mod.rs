@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use gpufrac_common::protocol::{Denial, DeviceId};
 use gpufrac_common::{ComputeSpec, Resolver};
 
-use crate::status::{GpuStatus, ProcessStatus, Status};
+use super::document::{GpuStatus, ProcessStatus, Status};
 
 mod backstop;
 mod compute;

@@ -9,10 +9,10 @@ use gpufrac_common::protocol::{Denial, DeviceId, Reply, SwapDirection};
 use super::connection::Connection;
 use super::frames::reply;
 use super::Shared;
+use crate::arbiter::document::EventKind;
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::Outcome;
 use crate::arbiter::policy::{uuid_string, Answer, ConnId};
-use crate::status::EventKind;
 
 /// A burst that waited at least this long is logged at INFO (shorter waits at debug: a
 /// burst asks in chunks, and most chunks wait a little while bursts take turns).

@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use super::{Shared, Who};
+use crate::arbiter::document::{now_ms, Document, Event, EventKind, QueuedBurst, Status};
 use crate::arbiter::policy::{uuid_string, ConnId};
-use crate::status::{Document, Event, EventKind, QueuedBurst, Status};
 
 /// Most processes listed in a status document, over all GPUs (and [`MAX_LISTED_PER_GPU`]
 /// per GPU): about 1 KiB each at most, well under the CLI's limit on a status frame.
@@ -99,7 +99,7 @@ impl Shared {
         let (uid, group) = self.policy().peer(conn).map_or((u32::MAX, String::new()), |p| {
             (p.uid, crate::entitlement::shown_group(&p.group).to_owned())
         });
-        let event = Event { at_ms: crate::status::now_ms(), gpu, pid, uid, group, kind, bytes, detail };
+        let event = Event { at_ms: now_ms(), gpu, pid, uid, group, kind, bytes, detail };
         self.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
     }
 

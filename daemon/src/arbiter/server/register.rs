@@ -8,10 +8,10 @@ use gpufrac_common::protocol::{DeviceId, Reply};
 use super::connection::Connection;
 use super::frames::reply;
 use super::Shared;
+use crate::arbiter::document::EventKind;
 use crate::arbiter::metrics::Refusal;
 use crate::arbiter::policy::uuid_string;
 use crate::entitlement::believe_register;
-use crate::status::EventKind;
 
 /// A `Register`: the connection joins the GPU's ledger under its group, its request and
 /// limit capped by its entitlement (on the GPU's own size); the reply says what its group

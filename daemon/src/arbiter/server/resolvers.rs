@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use gpufrac_common::protocol::Reply;
 
 use super::Shared;
+use crate::arbiter::document::EventKind;
 use crate::arbiter::policy::{uuid_string, ConnId};
-use crate::status::EventKind;
 
 /// How often waiters are checked against their deadlines.
 const TICK: Duration = Duration::from_millis(5);
