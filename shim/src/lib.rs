@@ -4,22 +4,17 @@
 //! `libgpufrac.so` (`shim/preload`) is, and loads this library beside it at the process's
 //! first CUDA or NVML call, so that processes that never use the GPU do not pay for it.
 //!
-//! Layout:
-//! - `hook_list`: the one list of hooked symbols, shared with `libgpufrac.so`; `hooks`:
-//!   the exports, `dlsym` and `cuGetProcAddress` answers and the real functions' pointers
-//!   built from it;
-//! - `memory`, `context`, `implicit`, `device`, `nvml`: what the implemented hooks do
-//!   (`implicit`: memory the driver takes without a size argument: heaps, modules;
-//!   `graphs`: what CUDA graphs' memory pool keeps); `pools`: what
-//!   stream-ordered pools keep, held to the limit; `processes`: NVML's process lists,
-//!   the group's own only;
-//! - `gate`: what launches, copies and sets pass through; `give_back`: what frameworks
-//!   keep (PyTorch, CuPy, registered release functions), emptied when the memory is wanted;
-//! - `ledger`: what the group holds, shared by its processes; `records`: per allocation;
-//!   `backstop`: the device's own count, compared on the slow paths;
-//! - `state`, `init`: setup at the first CUDA call, from the settings of
-//!   `gpufrac_common::config`; `real`, `driver`: the real libraries; `procaddr`: `dlsym`
-//!   and `cuGetProcAddress`; `query`: `gpufrac.h`.
+//! Layout: one folder per layer, each importing only the layers below it.
+//! - `driver`: the host program's boundary (`ffi`), the real libraries (`library`), the
+//!   hook list and the one table of real functions built from it (`table`, `call_real!`);
+//! - `books`: the group's ledger, shared by its processes, and this process's records;
+//! - `enforcer`: the process's state set up at the first CUDA call, charging and giving
+//!   back against the request and limit, loans from the arbiter, the device's own count;
+//! - `control`: the gate every launch passes, the compute lease, swap, parking, the
+//!   thunks, giving back what frameworks keep, and the arbiter client;
+//! - `hooks`: what each implemented hook does (memory, contexts, implicit memory, pools,
+//!   graphs, the virtual device, NVML, `cuInit`, `gpufrac.h`'s queries);
+//! - `registry`: the exports, `dlsym` and `cuGetProcAddress` answers, built from the list.
 //!
 //! Nothing runs before the program's first CUDA or NVML call: no threads, no sockets.
 #![deny(missing_docs)]
@@ -28,37 +23,19 @@
 #![cfg_attr(test, allow(dead_code))]
 
 #[macro_use]
-mod hook_list;
-
-mod arbiter;
-mod backstop;
-mod compute;
-mod context;
-mod device;
 mod driver;
-mod ffi;
-pub mod gate;
-mod give_back;
-mod graphs;
-mod hooks;
-mod implicit;
-mod init;
-pub mod ledger;
-mod memory;
-mod nvml;
-mod park;
-mod pools;
-mod procaddr;
-mod processes;
-pub mod query;
-mod real;
-pub mod records;
-mod state;
-mod swap;
-mod thunks;
 
-pub use ffi::{CUdeviceptr, Status};
-pub use real::Lib;
+mod books;
+mod control;
+mod enforcer;
+mod hooks;
+mod registry;
+
+pub use books::{group_ledger as ledger, records};
+pub use control::gate;
+pub use driver::ffi::{CUdeviceptr, Status};
+pub use driver::library::Lib;
+pub use hooks::query;
 
 /// A test build's delay in µs from the environment variable `name`; zero when unset or in
 /// a release build.

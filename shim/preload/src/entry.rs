@@ -54,7 +54,7 @@ macro_rules! loading_entry_point {
 
 macro_rules! entry_points {
     (
-        implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $imp:path ; )* }
+        implemented { $( $ilib:ident $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ) => $($imp:ident)::+ ; )* }
         gated { $( $gname:ident ( $($garg:ident : $gty:ty),* $(,)? ) $(@ $stream:expr)? ; )* }
     ) => {
         /// Every hooked symbol, numbered as in the list (and in the core's table).

@@ -12,7 +12,7 @@
 //! unaccounted. Nothing here can panic: there is no unwinding to contain at the exports.
 #![deny(missing_docs)]
 
-#[path = "../../src/hook_list.rs"]
+#[path = "../../src/driver/hook_list.rs"]
 #[macro_use]
 mod hook_list;
 

@@ -1,0 +1,576 @@
+//! The shim's side of the arbiter protocol (`GPUFRAC_ARBITER_SOCKET`). Started at
+//! `cuInit`, never before: it connects, says who the process is and registers each
+//! device (a refused registration fails `cuInit`), then one background thread reads
+//! replies and, if the arbiter goes away, reconnects with backoff and re-registers what
+//! the process holds and was granted, so the arbiter's ledger is rebuilt with nothing
+//! lost. Meanwhile the process keeps what it holds; bursts wait for the arbiter up to
+//! `GPUFRAC_WAIT_TIMEOUT`. Allocations within what was granted never touch the socket.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use gpufrac_common::protocol::{read_frame, Denial, DeviceId, Reply, Request, MAX_FRAME};
+
+/// (held, granted, swapped out to host) of this process on a device, for re-registration.
+pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64, u64) + Send + Sync>;
+/// Carries out a command the arbiter pushed (reclaim, swap out, resume).
+pub(crate) type PushFn = Box<dyn Fn(&Reply) + Send + Sync>;
+
+/// Longest a write to the arbiter may block before the connection is given up.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long after a reclaim request this process keeps no slack grant.
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
+
+/// Why a burst was not granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotGranted {
+    /// The arbiter said no.
+    Denied(Denial),
+    /// No answer in time: the arbiter is away (`connected` false) or slow.
+    NoAnswer { connected: bool },
+}
+
+impl std::fmt::Display for NotGranted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NotGranted::Denied(Denial::Timeout) => {
+                "GPUFRAC_WAIT_TIMEOUT passed while the memory was lent to others"
+            }
+            NotGranted::Denied(Denial::OverLimit) => "the group's GPUFRAC_MEMORY_LIMIT is reached",
+            NotGranted::Denied(Denial::UnknownDevice) => "the arbiter does not know this device",
+            NotGranted::Denied(Denial::Deadlock) => {
+                "every borrower was waiting, each holding memory another needs, and this one had no unused loan to give back"
+            }
+            NotGranted::Denied(Denial::NeverFits) => "the burst is larger than the GPU could ever lend",
+            NotGranted::Denied(Denial::NotSwapped) => "a swap-in for more than this process has swapped out",
+            NotGranted::NoAnswer { connected: false } => {
+                "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT (it is unreachable)"
+            }
+            NotGranted::NoAnswer { connected: true } => "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT",
+        })
+    }
+}
+
+/// What a device's registration says; held and granted are read when (re)registering.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Registration {
+    pub device: DeviceId,
+    pub total: u64,
+    pub request: u64,
+    pub limit: u64,
+}
+
+struct Waiting {
+    frame: Vec<u8>,
+    device: DeviceId,
+    reply: Option<Reply>,
+    /// The asking thread gave up; a grant arriving now is given straight back.
+    abandoned: bool,
+}
+
+/// The connection to the arbiter.
+pub(crate) struct Client {
+    path: PathBuf,
+    hello: Request,
+    /// Set once, after the first `Welcome` (fractions are of the memory it says the
+    /// arbiter manages) or without one.
+    registrations: OnceLock<Vec<Registration>>,
+    /// The connection greeted at the start, until the registrations go on it.
+    greeted: Mutex<Option<UnixStream>>,
+    /// Per device, the memory the arbiter manages (its first `Welcome`).
+    managed: Mutex<HashMap<DeviceId, u64>>,
+    usage: UsageFn,
+    pushed: PushFn,
+    /// Devices someone waits on, until when.
+    contended: Mutex<HashMap<DeviceId, Instant>>,
+    writer: Mutex<Option<UnixStream>>,
+    waiting: Mutex<HashMap<u64, Waiting>>,
+    answered: Condvar,
+    next_seq: AtomicU64,
+    connected: AtomicBool,
+    /// Per device, the request and limit the arbiter believes (its last `Registered`).
+    believed: Mutex<HashMap<DeviceId, (u64, u64)>>,
+    /// Per device, what a context takes there as the arbiter learnt it (its last
+    /// `Registered`; absent or 0: not known).
+    contexts: Mutex<HashMap<DeviceId, u64>>,
+    /// Per device, this process's clean measurement of a context, told to the arbiter at
+    /// once if connected and again at every (re)connection.
+    measured: Mutex<HashMap<DeviceId, u64>>,
+    /// This process's PID as the arbiter sees it (its `Welcome`), 0 until known.
+    seen_pid: AtomicU32,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Connects, says who the process is and registers every device.
+fn handshake(c: &Client) -> Result<UnixStream, Handshake> {
+    register(c, greet(c)?)
+}
+
+/// Connects and says who the process is; the `Welcome` says the PID the arbiter sees and,
+/// the first time, the memory it manages of each GPU.
+fn greet(c: &Client) -> Result<UnixStream, Handshake> {
+    let mut stream = UnixStream::connect(&c.path).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+    let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
+    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(io)?;
+    stream.write_all(&c.hello.encode()).map_err(io)?;
+    let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+    match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
+        Reply::Welcome { pid, managed, .. } => {
+            c.seen_pid.store(pid, Ordering::Relaxed);
+            // The slices were resolved against the first arbiter's sizes and stay so: a
+            // restarted one with another --gpu-memory holds them to its own.
+            let mut known = lock(&c.managed);
+            if known.is_empty() {
+                known.extend(managed);
+            }
+        }
+        other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
+    }
+    Ok(stream)
+}
+
+/// Registers every device on a greeted connection; the answers come back synchronously.
+fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake> {
+    let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
+    let registrations = c.registrations.get().map_or(&[][..], Vec::as_slice);
+    for r in registrations {
+        let (held, granted, swapped) = (c.usage)(&r.device);
+        let frame = Request::Register {
+            device: r.device,
+            total: r.total,
+            request: r.request,
+            limit: r.limit,
+            held,
+            granted,
+            swapped,
+        }
+        .encode();
+        stream.write_all(&frame).map_err(io)?;
+    }
+    let mut answers = 0;
+    while answers < registrations.len() {
+        let body = read_frame(&mut stream, MAX_FRAME).map_err(|e| Handshake::Unreachable(e.to_string()))?;
+        match Reply::decode(&body).map_err(|e| Handshake::Unreachable(e.to_string()))? {
+            Reply::Registered { device, request, limit, parked, context } => {
+                answers += 1;
+                lock(&c.believed).insert(device, (request, limit));
+                lock(&c.contexts).insert(device, context);
+                if context > request {
+                    tracing::warn!(
+                        request,
+                        context,
+                        "gpufrac: GPUFRAC_MEMORY_REQUEST ({request} bytes) is smaller than a context on this GPU ({context} bytes): \
+                         the context alone takes memory above the request, a loan that a guarantee can take back"
+                    );
+                }
+                if parked {
+                    crate::control::park::admitted_parked(device);
+                }
+                // The arbiter believes what this process's entitlement allows (docs/security.md):
+                // say so at each registration, so that a cut request or limit is no mystery.
+                let declared = registrations.iter().find(|r| r.device == device);
+                if let Some(r) = declared.filter(|r| request < r.request || limit < r.limit) {
+                    tracing::warn!(
+                        declared_request = r.request,
+                        declared_limit = r.limit,
+                        request,
+                        limit,
+                        "the arbiter holds this process to less than it declared (its entitlement): memory past its request is counted as used outside gpufrac, bursts past its limit are refused"
+                    );
+                }
+            }
+            Reply::Refused { reason, .. } => return Err(Handshake::Refused(reason)),
+            // The arbiter may tell a registered device's lease before the last answer.
+            Reply::Lease { device, state } => crate::control::compute::told(device, state),
+            other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
+        }
+    }
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok(stream)
+}
+
+/// The memory the arbiter at `path` manages of each GPU, asked with `hello` on a
+/// connection of its own that registers nothing (for a process that reads NVML without
+/// `cuInit`); empty when it cannot be reached.
+pub(crate) fn managed_sizes(path: &Path, hello: Request) -> HashMap<DeviceId, u64> {
+    let ask = || -> Result<HashMap<DeviceId, u64>, String> {
+        let mut stream = UnixStream::connect(path).map_err(|e| e.to_string())?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
+        stream.write_all(&hello.encode()).map_err(|e| e.to_string())?;
+        match Reply::decode(&read_frame(&mut stream, MAX_FRAME).map_err(|e| e.to_string())?) {
+            Ok(Reply::Welcome { managed, .. }) => Ok(managed.into_iter().collect()),
+            other => Err(format!("unexpected {other:?}")),
+        }
+    };
+    ask().unwrap_or_else(|why| {
+        tracing::warn!(socket = %path.display(), "cannot ask the arbiter what it manages of each GPU ({why}): NVML shows slices of the whole GPU");
+        HashMap::new()
+    })
+}
+
+enum Handshake {
+    Unreachable(String),
+    Refused(String),
+}
+
+impl Client {
+    /// Connects to the arbiter at `path` and says who the process is, to learn the
+    /// memory it manages ([`Client::managed`]) before the process's slices are decided;
+    /// [`Client::start`] registers them. An arbiter that cannot be reached is no error.
+    pub(crate) fn connect(path: &Path, hello: Request, usage: UsageFn, pushed: PushFn) -> Arc<Client> {
+        let client = Arc::new(Client {
+            path: path.to_owned(),
+            hello,
+            registrations: OnceLock::new(),
+            greeted: Mutex::new(None),
+            managed: Mutex::new(HashMap::new()),
+            usage,
+            pushed,
+            contended: Mutex::new(HashMap::new()),
+            writer: Mutex::new(None),
+            waiting: Mutex::new(HashMap::new()),
+            answered: Condvar::new(),
+            next_seq: AtomicU64::new(1),
+            connected: AtomicBool::new(false),
+            believed: Mutex::new(HashMap::new()),
+            contexts: Mutex::new(HashMap::new()),
+            measured: Mutex::new(HashMap::new()),
+            seen_pid: AtomicU32::new(0),
+        });
+        match greet(&client) {
+            Ok(stream) => *lock(&client.greeted) = Some(stream),
+            Err(Handshake::Unreachable(why) | Handshake::Refused(why)) => {
+                tracing::warn!(socket = %path.display(), "arbiter unreachable ({why}); bursts wait for it");
+            }
+        }
+        client
+    }
+
+    /// The memory the arbiter manages of `device`, if it said (its first `Welcome`).
+    pub(crate) fn managed(&self, device: &DeviceId) -> Option<u64> {
+        lock(&self.managed).get(device).copied()
+    }
+
+    /// Registers `registrations` (on the connection [`Client::connect`] greeted, if it
+    /// was) and starts the client's threads. A refusal is an error (for `cuInit`); an
+    /// arbiter that cannot be reached is not: the client keeps trying in the background.
+    pub(crate) fn start(self: &Arc<Client>, registrations: Vec<Registration>) -> Result<(), String> {
+        let path = &self.path;
+        let client = self.clone();
+        let _ = client.registrations.set(registrations);
+        let greeted = lock(&client.greeted).take();
+        let first = match greeted.map(|stream| register(&client, stream)) {
+            None => None,
+            Some(Ok(stream)) => Some(stream),
+            Some(Err(Handshake::Refused(reason))) => {
+                return Err(format!("gpufrac: the arbiter refused this process: {reason}"))
+            }
+            Some(Err(Handshake::Unreachable(why))) => {
+                tracing::warn!(socket = %path.display(), "arbiter unreachable ({why}); bursts wait for it");
+                None
+            }
+        };
+        let background = client.clone();
+        std::thread::Builder::new()
+            .name("gpufrac-arbiter".into())
+            .spawn(move || background.run(first))
+            .map_err(|e| format!("gpufrac: cannot start the arbiter client thread: {e}"))?;
+        let reporter = client.clone();
+        std::thread::Builder::new()
+            .name("gpufrac-activity".into())
+            .spawn(move || reporter.report_activity())
+            .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
+        Ok(())
+    }
+
+    /// This process's PID as the arbiter sees it (the host's, in a container), once the
+    /// arbiter has answered.
+    pub(crate) fn seen_pid(&self) -> Option<u32> {
+        Some(self.seen_pid.load(Ordering::Relaxed)).filter(|&pid| pid != 0)
+    }
+
+    /// The request and limit the arbiter believes for `device`, once it has registered.
+    pub(crate) fn believed(&self, device: &DeviceId) -> Option<(u64, u64)> {
+        lock(&self.believed).get(device).copied()
+    }
+
+    /// What a context takes on `device`, if the arbiter knew it at registration.
+    pub(crate) fn context_bytes(&self, device: &DeviceId) -> Option<u64> {
+        lock(&self.contexts).get(device).copied().filter(|&bytes| bytes > 0)
+    }
+
+    /// Reads replies; reconnects when the arbiter goes away.
+    fn run(self: Arc<Client>, mut stream: Option<UnixStream>) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let Some(mut reader) = stream.take() else {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                match handshake(&self) {
+                    Ok(s) => {
+                        tracing::info!(socket = %self.path.display(), "reconnected to the arbiter");
+                        crate::control::compute::rejoin();
+                        backoff = Duration::from_millis(50);
+                        stream = Some(s);
+                    }
+                    Err(Handshake::Refused(reason)) => {
+                        tracing::error!("the restarted arbiter refused this process: {reason}");
+                    }
+                    Err(Handshake::Unreachable(_)) => {}
+                }
+                continue;
+            };
+            // Requests are written under the `waiting` lock: a write must not block for
+            // ever on an arbiter that stopped reading.
+            match reader.try_clone() {
+                Ok(w) if w.set_write_timeout(Some(WRITE_TIMEOUT)).is_ok() => *lock(&self.writer) = Some(w),
+                _ => continue,
+            }
+            {
+                // Bursts asked while the arbiter was away are asked again. Under the lock
+                // `acquire` sends under, so each is sent exactly once on this connection:
+                // a burst asked twice would be granted twice.
+                let mut waiting = lock(&self.waiting);
+                self.connected.store(true, Ordering::Release);
+                waiting.retain(|_, w| !w.abandoned);
+                for w in waiting.values().filter(|w| w.reply.is_none()) {
+                    self.write(&w.frame);
+                }
+            }
+            for (&device, &bytes) in lock(&self.measured).iter() {
+                self.write(&Request::ContextMeasured { device, bytes }.encode());
+            }
+            loop {
+                let body = match read_frame(&mut reader, MAX_FRAME) {
+                    Ok(body) => body,
+                    Err(e) => {
+                        tracing::warn!("lost the arbiter: {e}");
+                        break;
+                    }
+                };
+                match Reply::decode(&body) {
+                    Ok(reply @ (Reply::Granted { .. } | Reply::Denied { .. })) => {
+                        let (seq, granted) = match reply {
+                            Reply::Granted { seq, bytes } => (seq, bytes),
+                            Reply::Denied { seq, .. } => (seq, 0),
+                            _ => continue,
+                        };
+                        let mut waiting = lock(&self.waiting);
+                        match waiting.get_mut(&seq) {
+                            Some(w) if w.abandoned => {
+                                let device = w.device;
+                                waiting.remove(&seq);
+                                drop(waiting);
+                                if granted > 0 {
+                                    let (held, _, _) = (self.usage)(&device);
+                                    self.release(device, granted, held);
+                                }
+                            }
+                            Some(w) => {
+                                w.reply = Some(reply);
+                                drop(waiting);
+                                self.answered.notify_all();
+                            }
+                            None => tracing::warn!(seq, granted, "an answer to a burst nobody asked for"),
+                        }
+                    }
+                    Ok(command @ Reply::Reclaim { device }) => {
+                        lock(&self.contended).insert(device, Instant::now() + CONTENDED_FOR);
+                        (self.pushed)(&command);
+                    }
+                    Ok(
+                        command @ (Reply::SwapOut { .. }
+                        | Reply::Resume { .. }
+                        | Reply::Park { .. }
+                        | Reply::Unparked { .. }),
+                    ) => (self.pushed)(&command),
+                    Ok(Reply::Lease { device, state }) => crate::control::compute::told(device, state),
+                    Ok(other) => tracing::debug!("arbiter says {other:?}"),
+                    Err(e) => {
+                        tracing::warn!("bad frame from the arbiter: {e}");
+                        break;
+                    }
+                }
+            }
+            self.connected.store(false, Ordering::Release);
+            *lock(&self.writer) = None;
+            crate::control::compute::forget();
+        }
+    }
+
+    /// Tells the arbiter, once a second and only when it moved, how many launches, copies
+    /// and sets passed the gate: its measure of whether this process is idle. Also watches for idleness with memory above the request, to give back what the
+    /// frameworks keep (`GPUFRAC_GIVE_BACK_IDLE`).
+    fn report_activity(self: Arc<Client>) {
+        let mut last = None;
+        let mut idle = crate::control::give_back::IdleWatch::new();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let count = crate::control::gate::activity();
+            if let Some(e) = crate::enforcer::enforcer() {
+                idle.tick(e, count);
+            }
+            let moved = last != Some(count) && self.connected.load(Ordering::Acquire);
+            if moved && self.write(&Request::Activity { count }.encode()) {
+                last = Some(count);
+            }
+        }
+    }
+
+    /// Sends `request` if connected (no answer). What is lost while the arbiter is away
+    /// is rebuilt by the re-registration.
+    pub(crate) fn send(&self, request: &Request) -> bool {
+        self.is_connected() && self.write(&request.encode())
+    }
+
+    /// Tells the arbiter what a context took on `device` (a clean measurement): now if it
+    /// is connected, and at every connection from now on (a report lost while it was away,
+    /// or made before this client's connection was up, is not lost).
+    pub(crate) fn report_context(&self, device: DeviceId, bytes: u64) {
+        lock(&self.measured).insert(device, bytes);
+        self.send(&Request::ContextMeasured { device, bytes });
+    }
+
+    /// Sends `request`, waiting for the arbiter to be back if it is away. For messages
+    /// that state where things are (not changes), which may harmlessly arrive again.
+    pub(crate) fn send_until_delivered(&self, request: &Request) {
+        let frame = request.encode();
+        while !(self.is_connected() && self.write(&frame)) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn write(&self, frame: &[u8]) -> bool {
+        let mut writer = lock(&self.writer);
+        let written = writer.as_mut().is_some_and(|w| w.write_all(frame).is_ok());
+        if !written {
+            // Possibly half a frame went out: end the connection so that the reader
+            // reconnects and asks again what is pending, rather than go on garbled.
+            if let Some(w) = writer.take() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        written
+    }
+
+    /// Whether the arbiter answers now.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Whether bursts wait on `device` (so this process should keep no slack).
+    pub(crate) fn contended(&self, device: &DeviceId) -> bool {
+        lock(&self.contended).get(device).is_some_and(|until| Instant::now() < *until)
+    }
+
+    /// Asks for at least `bytes` (`preferred` if free) of burst memory and waits up to
+    /// `timeout` for the answer: the bytes granted, or why not. A `resume` (to swap back
+    /// in) waits at the arbiter without deadline.
+    pub(crate) fn acquire(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        preferred: u64,
+        held: u64,
+        timeout: Duration,
+        resume: bool,
+    ) -> Result<u64, NotGranted> {
+        self.ask(device, timeout, |seq| Request::Acquire { seq, device, bytes, preferred, held, resume })
+    }
+
+    /// Asks the arbiter to wake this parked process on `device` and waits up to `timeout`
+    /// for the answer: the burst bytes it holds again, or why not.
+    pub(crate) fn wake(&self, device: DeviceId, timeout: Duration) -> Result<u64, NotGranted> {
+        self.ask(device, timeout, |seq| Request::Wake { seq, device })
+    }
+
+    /// Sends the request `make(seq)` and waits up to `timeout` for its `Granted` or
+    /// `Denied`.
+    fn ask(
+        &self,
+        device: DeviceId,
+        timeout: Duration,
+        make: impl FnOnce(u64) -> Request,
+    ) -> Result<u64, NotGranted> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = make(seq).encode();
+        {
+            // Sent here only if connected; otherwise the reader thread sends it when it
+            // connects. The lock makes it one or the other, never both.
+            let mut waiting = lock(&self.waiting);
+            if self.connected.load(Ordering::Acquire) {
+                self.write(&frame);
+            }
+            waiting.insert(seq, Waiting { frame, device, reply: None, abandoned: false });
+        }
+        // The arbiter answers at its own deadline; allow a little more for the reply.
+        let deadline = Instant::now() + timeout + Duration::from_millis(500);
+        let mut waiting = lock(&self.waiting);
+        let reply = loop {
+            if let Some(reply) = waiting.get(&seq).and_then(|w| w.reply.clone()) {
+                break Some(reply);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break None;
+            }
+            waiting = self
+                .answered
+                .wait_timeout(waiting, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        };
+        match reply {
+            Some(_) => {
+                waiting.remove(&seq);
+            }
+            None => {
+                if let Some(w) = waiting.get_mut(&seq) {
+                    w.abandoned = true;
+                }
+            }
+        }
+        drop(waiting);
+        match reply {
+            Some(Reply::Granted { bytes, .. }) => Ok(bytes),
+            Some(Reply::Denied { reason, .. }) => Err(NotGranted::Denied(reason)),
+            _ => Err(NotGranted::NoAnswer { connected: self.is_connected() }),
+        }
+    }
+
+    /// Gives back `bytes` of burst memory (no answer).
+    pub(crate) fn release(&self, device: DeviceId, bytes: u64, held: u64) {
+        if self.connected.load(Ordering::Acquire) {
+            self.write(&Request::Release { device, bytes, held }.encode());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn writing_to_a_dead_arbiter_is_an_error_not_a_sigpipe() {
+        // Host programs often keep SIGPIPE's default action (end the process); the test
+        // runner ignores it, so restore the default around the write. std sends on Unix
+        // sockets with MSG_NOSIGNAL: the write fails with EPIPE and the process lives.
+        // SAFETY: changing a signal disposition has no preconditions.
+        let previous = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(theirs);
+        let result = (&ours).write_all(b"hello");
+        // SAFETY: as above, restoring what was there.
+        unsafe { libc::signal(libc::SIGPIPE, previous) };
+        assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EPIPE));
+    }
+}

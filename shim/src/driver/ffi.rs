@@ -1,0 +1,51 @@
+//! The boundary with the host program: status codes, panic containment, checked pointer
+//! access. Statuses stay plain integers: a real driver may return codes this build does
+//! not know, and those must pass through untouched.
+
+use std::ffi::{c_char, c_uint, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::driver::library::Lib;
+
+/// A `CUresult` or `nvmlReturn_t`, as an integer.
+pub type Status = c_uint;
+/// A device address.
+pub type CUdeviceptr = u64;
+
+pub(crate) const SUCCESS: Status = 0;
+pub(crate) const INVALID_VALUE: Status = 1;
+pub(crate) const OUT_OF_MEMORY: Status = 2;
+pub(crate) const NOT_INITIALIZED: Status = 3;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub(crate) const NOT_SUPPORTED: Status = 801;
+
+/// Runs a hook's body; a panic becomes the library's "unknown error" (999 in both CUDA
+/// and NVML) instead of unwinding into the host program.
+#[inline]
+pub(crate) fn guard(lib: Lib, body: impl FnOnce() -> Status) -> Status {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|_| lib.panicked())
+}
+
+/// Reads a value the caller passed by pointer, if the pointer is not null.
+pub(crate) fn read<T: Copy>(ptr: *const T) -> Option<T> {
+    // SAFETY: non-null pointers come from the caller under the API contract (a readable
+    // T); only plain-data mirrors whose every bit pattern is valid are read.
+    (!ptr.is_null()).then(|| unsafe { ptr.read_unaligned() })
+}
+
+/// Writes through an out-pointer the caller passed, if it is not null.
+pub(crate) fn write<T>(ptr: *mut T, value: T) {
+    if !ptr.is_null() {
+        // SAFETY: non-null, writable storage for T by the API contract.
+        unsafe { ptr.write_unaligned(value) };
+    }
+}
+
+/// A C string argument as UTF-8, if it is one.
+pub(crate) fn c_str<'a>(ptr: *const c_char) -> Option<&'a str> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-null and NUL-terminated by the API contract, alive for the call.
+    unsafe { CStr::from_ptr(ptr) }.to_str().ok()
+}

@@ -1,0 +1,71 @@
+//! NVML's view of the device inside the container: memory info reports the group's
+//! slice, so `nvidia-smi` and NVML-based tools show the limit as the device's size.
+//! Works in processes that never call CUDA (the slice is found by the device's UUID).
+
+use std::ffi::{c_char, c_void};
+
+use crate::driver::ffi::{read, write, Status, SUCCESS};
+use crate::driver::table::{call_real, parse_uuid};
+use crate::enforcer::enforcer_any;
+
+/// The group's (limit, held) on the NVML device, given its physical `total`: the slice
+/// `cuInit` set up, else one resolved here (of what the arbiter manages, if less).
+fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
+    let e = enforcer_any()?;
+    let mut name = [0 as c_char; 96];
+    if call_real!(nvmlDeviceGetUUID(device, name.as_mut_ptr(), name.len() as u32)) != SUCCESS {
+        return None;
+    }
+    let text = crate::driver::ffi::c_str(name.as_ptr())?;
+    let uuid = parse_uuid(text)?;
+    let slice = e.slice_for_nvml(&uuid, total).ok()?;
+    e.pools.reconcile(e, Some(slice.ledger), false);
+    Some((slice.limit, e.ledger.held(slice.ledger)))
+}
+
+/// `nvmlMemory_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Memory {
+    total: u64,
+    free: u64,
+    used: u64,
+}
+
+/// `nvmlMemory_v2_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MemoryV2 {
+    version: u32,
+    total: u64,
+    reserved: u64,
+    free: u64,
+    used: u64,
+}
+
+pub(crate) fn memory_info(device: *mut c_void, memory: *mut c_void) -> Status {
+    let status = call_real!(nvmlDeviceGetMemoryInfo(device, memory));
+    if status == SUCCESS {
+        let out = memory.cast::<Memory>();
+        if let Some(m) = read(out) {
+            if let Some((limit, held)) = slice_view(device, m.total) {
+                write(out, Memory { total: limit, free: limit.saturating_sub(held), used: held });
+            }
+        }
+    }
+    status
+}
+
+pub(crate) fn memory_info_v2(device: *mut c_void, memory: *mut c_void) -> Status {
+    let status = call_real!(nvmlDeviceGetMemoryInfo_v2(device, memory));
+    if status == SUCCESS {
+        let out = memory.cast::<MemoryV2>();
+        if let Some(m) = read(out) {
+            if let Some((limit, held)) = slice_view(device, m.total) {
+                let free = limit.saturating_sub(held);
+                write(out, MemoryV2 { total: limit, reserved: 0, free, used: held, ..m });
+            }
+        }
+    }
+    status
+}
