@@ -16,8 +16,18 @@ pub(crate) const SUCCESS: Status = 0;
 pub(crate) const INVALID_VALUE: Status = 1;
 pub(crate) const OUT_OF_MEMORY: Status = 2;
 pub(crate) const NOT_INITIALIZED: Status = 3;
-/// `CUDA_ERROR_NOT_SUPPORTED`.
+/// `CUDA_ERROR_NOT_SUPPORTED`: also what a hook answers when the real driver lacks the
+/// function.
 pub(crate) const NOT_SUPPORTED: Status = 801;
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture ended all the same, with no graph.
+pub(crate) const CAPTURE_INVALIDATED: Status = 901;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: as above.
+pub(crate) const CAPTURE_UNJOINED: Status = 904;
+/// `CUDA_ERROR_UNKNOWN` and `NVML_ERROR_UNKNOWN` alike: what a hook answers if the shim
+/// itself failed.
+pub(crate) const UNKNOWN: Status = 999;
+/// `NVML_ERROR_FUNCTION_NOT_FOUND`: a hook's answer when the real NVML lacks the function.
+pub(crate) const NVML_FUNCTION_NOT_FOUND: Status = 13;
 
 /// Runs a hook's body; a panic becomes the library's "unknown error" (999 in both CUDA
 /// and NVML) instead of unwinding into the host program.

@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::driver::ffi::Status;
+use crate::driver::ffi::{Status, NOT_SUPPORTED, NVML_FUNCTION_NOT_FOUND, UNKNOWN};
 
 /// The library a hooked symbol belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,21 +29,21 @@ impl Lib {
     /// What a hook answers when the real library lacks the function.
     pub(crate) fn missing(self) -> Status {
         match self {
-            Lib::Cuda => 801, // CUDA_ERROR_NOT_SUPPORTED
-            Lib::Nvml => 13,  // NVML_ERROR_FUNCTION_NOT_FOUND
+            Lib::Cuda => NOT_SUPPORTED,
+            Lib::Nvml => NVML_FUNCTION_NOT_FOUND,
         }
     }
 
-    /// What a hook answers if the shim itself failed (CUDA_ERROR_UNKNOWN, NVML_ERROR_UNKNOWN).
+    /// What a hook answers if the shim itself failed.
     pub(crate) fn panicked(self) -> Status {
-        999
+        UNKNOWN
     }
 }
 
 pub(crate) type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
 /// glibc's `dlsym` as `libgpufrac.so` found it (it exports `dlsym` itself, so a plain call
-/// would come back to it), handed over by [`crate::registry::procaddr::gpufrac_core_attach`].
+/// would come back to it), handed over by `gpufrac_core_attach` (the registry).
 static HANDED_DLSYM: AtomicUsize = AtomicUsize::new(0);
 
 pub(crate) fn set_real_dlsym(dlsym: DlsymFn) {

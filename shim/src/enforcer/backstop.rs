@@ -11,8 +11,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::enforcer::usage::usage;
 use crate::enforcer::Enforcer;
-use crate::hooks::context::usage;
 
 /// How often at most the shim looks at the device's count on a context or module load.
 pub(crate) const PERIOD: Duration = Duration::from_secs(2);

@@ -12,15 +12,19 @@ use gpufrac_common::config::Config;
 use gpufrac_common::protocol::{Reply, Request, VERSION};
 use gpufrac_common::ComputeSpec;
 
+pub(crate) use crate::books::contexts::{Contexts, Current, MAX_CONTEXTS};
 use crate::books::group_ledger::Ledger;
 use crate::books::records::{Context, Records};
 use crate::control::arbiter::{Client, Registration};
 use crate::driver::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
-pub(crate) use crate::hooks::context::{Contexts, Current, MAX_CONTEXTS};
 
 pub(crate) mod backstop;
+pub(crate) mod graphs;
 mod loans;
+pub(crate) mod pools;
+pub(crate) mod usage;
+pub(crate) mod vmm;
 
 /// The least time a guaranteed or granted allocation waits for its memory with an arbiter:
 /// the arbiter's default reclaim grace (5 s) and kill grace (10 s), and some to spare.
@@ -165,13 +169,13 @@ pub(crate) struct Enforcer {
     /// on pages apart (each page one more TLB entry to find again after the driver's
     /// system calls).
     pub contexts: Box<Contexts>,
-    pub vmm: Mutex<crate::hooks::memory::VmmBook>,
+    pub vmm: Mutex<crate::enforcer::vmm::VmmBook>,
     /// Stream-ordered memory pools and their allocations.
-    pub pools: crate::hooks::pools::PoolBook,
+    pub pools: crate::enforcer::pools::PoolBook,
     /// Memory the device showed and no hook charged.
     pub backstop: crate::enforcer::backstop::Backstop,
     /// CUDA graphs with allocation nodes, and their devices' graph pools.
-    pub graphs: crate::hooks::graphs::GraphBook,
+    pub graphs: crate::enforcer::graphs::GraphBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub arbiter: OnceLock<Arc<Client>>,
     /// Per device, the memory the arbiter manages, asked once by a process that reads

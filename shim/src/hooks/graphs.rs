@@ -9,144 +9,16 @@
 //! upload, launch (only for graphs with allocation nodes: other launches pay one atomic
 //! load), executable destruction and trim.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
-use crate::driver::ffi::{read, Status, OUT_OF_MEMORY, SUCCESS};
+use crate::control::give_back;
+use crate::driver::ffi::{read, Status, CAPTURE_INVALIDATED, CAPTURE_UNJOINED, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
+use crate::enforcer::graphs::allocation_bytes;
 use crate::enforcer::{enforcer, refused, Enforcer};
 
 type Ptr = *mut c_void;
-
-/// `CU_GRAPH_NODE_TYPE_MEM_ALLOC`.
-const NODE_MEM_ALLOC: c_uint = 10;
-/// `CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`.
-const ATTR_RESERVED_CURRENT: c_int = 2;
-
-/// `CUDA_MEM_ALLOC_NODE_PARAMS`: the pool's properties (88 bytes in every CUDA 11.4+
-/// header), the access descriptors, then the size and the address.
-#[repr(C)]
-struct AllocNodeParams {
-    pool_props: [u64; 11],
-    access_descs: *const c_void,
-    access_desc_count: usize,
-    bytesize: usize,
-    dptr: u64,
-}
-
-/// The executable graphs with allocation nodes, and what is charged for each device's
-/// graph pool.
-#[derive(Default)]
-pub(crate) struct GraphBook {
-    inner: Mutex<Graphs>,
-    /// Executable graphs with allocation nodes: a launch of any other graph looks no
-    /// further than this count while it is 0.
-    with_memory: AtomicUsize,
-}
-
-#[derive(Default)]
-struct Graphs {
-    /// executable graph → (CUDA ordinal, bytes its allocation nodes take)
-    execs: HashMap<u64, (usize, u64)>,
-    /// CUDA ordinal → bytes charged for its graph pool
-    charged: HashMap<usize, u64>,
-}
-
-/// What graph `graph`'s allocation nodes take together (0 for a graph without them, or
-/// when the driver cannot list them).
-fn allocation_bytes(graph: Ptr) -> u64 {
-    let mut count = 0usize;
-    if call_real!(cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)) != SUCCESS || count == 0 {
-        return 0;
-    }
-    let mut nodes = vec![std::ptr::null_mut(); count];
-    if call_real!(cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count)) != SUCCESS {
-        return 0;
-    }
-    nodes.truncate(count);
-    nodes
-        .into_iter()
-        .filter(|&node| {
-            let mut kind: c_uint = 0;
-            call_real!(cuGraphNodeGetType(node, &mut kind)) == SUCCESS && kind == NODE_MEM_ALLOC
-        })
-        .map(|node| {
-            // SAFETY: a plain C struct of integers and pointers, valid when zeroed.
-            let mut params: AllocNodeParams = unsafe { std::mem::zeroed() };
-            let ok =
-                call_real!(cuGraphMemAllocNodeGetParams(node, (&mut params as *mut AllocNodeParams).cast()));
-            if ok == SUCCESS {
-                params.bytesize as u64
-            } else {
-                0
-            }
-        })
-        .sum()
-}
-
-/// What device `ordinal`'s graph pool reserves now.
-fn reserved(ordinal: usize) -> Option<u64> {
-    let mut value = 0u64;
-    let status = call_real!(cuDeviceGetGraphMemAttribute(
-        ordinal as c_int,
-        ATTR_RESERVED_CURRENT,
-        (&mut value as *mut u64).cast()
-    ));
-    (status == SUCCESS).then_some(value)
-}
-
-impl GraphBook {
-    /// Brings the charge for device `ordinal`'s graph pool to what it reserves, and at
-    /// least the allocations of each live executable graph there. When `strict`, a charge
-    /// that does not fit is refused (nothing changes); otherwise the memory exists
-    /// already, and is charged past the limit (further allocations are refused).
-    fn settle(&self, e: &Enforcer, ordinal: usize, strict: bool) -> Status {
-        let Some(slice) = e.slice(ordinal) else { return SUCCESS };
-        let mut graphs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let largest =
-            graphs.execs.values().filter(|(o, _)| *o == ordinal).map(|&(_, b)| b).max().unwrap_or(0);
-        let need = reserved(ordinal).unwrap_or(0).max(largest);
-        let was = graphs.charged.get(&ordinal).copied().unwrap_or(0);
-        if need > was {
-            if e.charge(ordinal, need - was).is_err() {
-                if strict {
-                    return OUT_OF_MEMORY;
-                }
-                e.ledger.force_charge(slice.ledger, need - was);
-                tracing::warn!(
-                    ordinal,
-                    reserved = need,
-                    limit = slice.limit,
-                    "gpufrac: the graph memory pool grew past GPUFRAC_MEMORY_LIMIT at a launch: charged, further allocations are refused until it is trimmed"
-                );
-            }
-        } else if need < was {
-            e.release(slice.ledger, was - need);
-        }
-        graphs.charged.insert(ordinal, need);
-        SUCCESS
-    }
-
-    /// After a launch or upload of `exec`: its memory, if it has allocation nodes.
-    #[inline]
-    fn ran(&self, e: &Enforcer, exec: Ptr) {
-        if self.with_memory.load(Ordering::Relaxed) == 0 {
-            return;
-        }
-        self.ran_with_memory(e, exec);
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn ran_with_memory(&self, e: &Enforcer, exec: Ptr) {
-        let found = self.inner.lock().unwrap_or_else(|p| p.into_inner()).execs.get(&(exec as u64)).copied();
-        if let Some((ordinal, _)) = found {
-            self.settle(e, ordinal, false);
-        }
-    }
-}
 
 /// An instantiation: `real` instantiates `graph` into `*exec`.
 fn instantiate(exec: *mut Ptr, graph: Ptr, real: impl FnOnce() -> Status) -> Status {
@@ -268,25 +140,13 @@ pub(crate) fn mem_trim(dev: c_int) -> Status {
     status
 }
 
-/// Stream captures under way in this process (begun, not yet ended).
-static CAPTURES: AtomicUsize = AtomicUsize::new(0);
-
-/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: the
-/// capture ended all the same (with no graph).
-const CAPTURE_ENDED_BROKEN: [Status; 2] = [901, 904];
-
-/// Whether some stream of this process is being captured into a graph now.
-pub(crate) fn capture_under_way() -> bool {
-    CAPTURES.load(Ordering::Acquire) != 0
-}
-
 /// Counts a capture that `begin` started.
 fn begin_counted(begin: impl FnOnce() -> Status) -> Status {
     // Counted before the driver starts it: a give-back that looks meanwhile waits.
-    CAPTURES.fetch_add(1, Ordering::AcqRel);
+    give_back::capture_began();
     let status = begin();
     if status != SUCCESS {
-        capture_ended();
+        give_back::capture_ended();
     }
     status
 }
@@ -294,14 +154,10 @@ fn begin_counted(begin: impl FnOnce() -> Status) -> Status {
 /// Counts a capture that `end` ended (with a graph, or broken).
 fn end_counted(end: impl FnOnce() -> Status) -> Status {
     let status = end();
-    if status == SUCCESS || CAPTURE_ENDED_BROKEN.contains(&status) {
-        capture_ended();
+    if status == SUCCESS || status == CAPTURE_INVALIDATED || status == CAPTURE_UNJOINED {
+        give_back::capture_ended();
     }
     status
-}
-
-fn capture_ended() {
-    let _ = CAPTURES.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
 }
 
 /// `cuStreamBeginCapture` (CUDA 10.0, global mode).

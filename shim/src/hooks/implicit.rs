@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::books::records::{Context, Path, Record};
 use crate::driver::ffi::{read, Status, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
+use crate::enforcer::usage::{signed_delta, usage};
 use crate::enforcer::{enforcer, refused, Current, Enforcer};
-use crate::hooks::context::{signed_delta, usage};
 
 type Ptr = *mut c_void;
 

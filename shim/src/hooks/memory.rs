@@ -3,7 +3,6 @@
 //! fails, recorded per allocation, and given back exactly on free, async free, destroy or
 //! release.
 
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 
 use gpufrac_common::cuda_sizes::{
@@ -13,8 +12,8 @@ use gpufrac_common::cuda_sizes::{
 use crate::books::records::{Context, Path, Record};
 use crate::driver::ffi::{read, CUdeviceptr, Status, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
+use crate::enforcer::pools::{self, Target};
 use crate::enforcer::{enforcer, refused, Charge, Current, Enforcer};
-use crate::hooks::pools::{self, Target};
 
 type Ptr = *mut c_void;
 
@@ -604,29 +603,6 @@ pub(crate) fn mipmapped_array_destroy(handle: Ptr) -> Status {
     free(handle as u64, |e| &e.arrays, || call_real!(cuMipmappedArrayDestroy(handle)))
 }
 
-/// Physical allocations and their mappings: the memory is freed when the last handle
-/// reference is released and the last mapping unmapped, as in CUDA.
-#[derive(Default)]
-pub(crate) struct VmmBook {
-    /// handle → (references, mappings)
-    handles: HashMap<u64, (u32, u32)>,
-    /// mapped address → (handle, size)
-    mappings: BTreeMap<u64, (u64, u64)>,
-    /// Handles exported to a shareable handle (`cuMemExportToShareableHandle`).
-    exported: std::collections::HashSet<u64>,
-}
-
-impl VmmBook {
-    /// Forgets `handle` if nothing references or maps it any more.
-    fn unused(&mut self, handle: u64) -> bool {
-        if self.handles.get(&handle).is_some_and(|&(refs, maps)| refs == 0 && maps == 0) {
-            self.handles.remove(&handle);
-            return true;
-        }
-        false
-    }
-}
-
 /// Gives back the charge of physical allocation `handle`, which this process no longer
 /// references or maps, unless it was exported: another process may have imported it and
 /// keep the memory alive however long it likes, where no hook of this process sees it, so
@@ -653,7 +629,7 @@ pub(crate) fn mem_export(shareable: Ptr, handle: c_ulonglong, kind: c_int, flags
     status
 }
 
-fn book(e: &Enforcer) -> std::sync::MutexGuard<'_, VmmBook> {
+fn book(e: &Enforcer) -> std::sync::MutexGuard<'_, crate::enforcer::vmm::VmmBook> {
     e.vmm.lock().unwrap_or_else(|p| p.into_inner())
 }
 

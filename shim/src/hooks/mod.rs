@@ -9,6 +9,5 @@ pub(crate) mod implicit;
 pub(crate) mod init;
 pub(crate) mod memory;
 pub(crate) mod nvml;
-pub(crate) mod pools;
 pub(crate) mod processes;
 pub mod query;

@@ -18,7 +18,7 @@
 mod python;
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -172,7 +172,7 @@ fn wait_for_quiet() {
 /// Empties every pool this process keeps and gives what was freed back to the arbiter;
 /// returns the bytes the process held less afterwards.
 fn release(e: &'static Enforcer, why: Why) -> u64 {
-    if crate::hooks::graphs::capture_under_way() {
+    if capture_under_way() {
         // The arbiter asks again while it needs the memory; idle means no capture.
         tracing::debug!(why = why.as_str(), "gpufrac: give-back deferred: a stream capture is under way");
         return 0;
@@ -285,4 +285,25 @@ pub extern "C" fn gpufrac_on_give_back(
     } else {
         -1
     }
+}
+
+/// Stream captures under way in this process (begun, not yet ended), counted by the
+/// capture hooks: what frameworks keep is not given back meanwhile (a free from another
+/// thread would invalidate a global-mode capture).
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// A capture is about to begin (counted before the driver starts it, so that a give-back
+/// that looks meanwhile waits).
+pub(crate) fn capture_began() {
+    CAPTURES.fetch_add(1, Ordering::AcqRel);
+}
+
+/// A capture ended (with a graph, broken, or never begun).
+pub(crate) fn capture_ended() {
+    let _ = CAPTURES.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+}
+
+/// Whether some stream of this process is being captured into a graph now.
+fn capture_under_way() -> bool {
+    CAPTURES.load(Ordering::Acquire) != 0
 }
