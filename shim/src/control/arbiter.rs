@@ -14,46 +14,48 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpufrac_common::protocol::{read_frame, Denial, DeviceId, Reply, Request, MAX_FRAME};
+use gpufrac_common::protocol::{read_frame, DeviceId, Reply, Request, MAX_FRAME};
+
+pub(crate) use crate::enforcer::NotGranted;
 
 /// (held, granted, swapped out to host) of this process on a device, for re-registration.
 pub(crate) type UsageFn = Box<dyn Fn(&DeviceId) -> (u64, u64, u64) + Send + Sync>;
-/// Carries out a command the arbiter pushed (reclaim, swap out, resume).
-pub(crate) type PushFn = Box<dyn Fn(&Reply) + Send + Sync>;
+/// Where the client hands everything that is not the answer to a question it asked: one
+/// route, given at [`Client::connect`] (wired in `registry::init`), so that the client
+/// names nothing it serves.
+pub(crate) type RouteFn = Box<dyn Fn(Event<'_>) + Send + Sync>;
+
+/// What the client hands up its route.
+pub(crate) enum Event<'a> {
+    /// A message the arbiter pushed unasked: reclaim, swap out, resume, park, unparked,
+    /// a compute lease.
+    Pushed(&'a Reply),
+    /// The arbiter admitted this process parked on `device` (at a registration).
+    AdmittedParked(DeviceId),
+    /// Registered again with a restarted arbiter.
+    Reconnected,
+    /// The connection to the arbiter is lost.
+    Disconnected,
+    /// Once a second: how many launches, copies and sets passed the gate so far.
+    Tick { activity: u64 },
+}
 
 /// Longest a write to the arbiter may block before the connection is given up.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long after a reclaim request this process keeps no slack grant.
 const CONTENDED_FOR: Duration = Duration::from_secs(1);
 
-/// Why a burst was not granted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NotGranted {
-    /// The arbiter said no.
-    Denied(Denial),
-    /// No answer in time: the arbiter is away (`connected` false) or slow.
-    NoAnswer { connected: bool },
+/// The client, once `cuInit` connected it ([`install`]).
+static CLIENT: OnceLock<Arc<Client>> = OnceLock::new();
+
+/// Makes `client` the process's arbiter client, for [`client`].
+pub(crate) fn install(client: Arc<Client>) {
+    let _ = CLIENT.set(client);
 }
 
-impl std::fmt::Display for NotGranted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            NotGranted::Denied(Denial::Timeout) => {
-                "GPUFRAC_WAIT_TIMEOUT passed while the memory was lent to others"
-            }
-            NotGranted::Denied(Denial::OverLimit) => "the group's GPUFRAC_MEMORY_LIMIT is reached",
-            NotGranted::Denied(Denial::UnknownDevice) => "the arbiter does not know this device",
-            NotGranted::Denied(Denial::Deadlock) => {
-                "every borrower was waiting, each holding memory another needs, and this one had no unused loan to give back"
-            }
-            NotGranted::Denied(Denial::NeverFits) => "the burst is larger than the GPU could ever lend",
-            NotGranted::Denied(Denial::NotSwapped) => "a swap-in for more than this process has swapped out",
-            NotGranted::NoAnswer { connected: false } => {
-                "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT (it is unreachable)"
-            }
-            NotGranted::NoAnswer { connected: true } => "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT",
-        })
-    }
+/// The arbiter client, when the process registered with an arbiter at `cuInit`.
+pub(crate) fn client() -> Option<&'static Arc<Client>> {
+    CLIENT.get()
 }
 
 /// What a device's registration says; held and granted are read when (re)registering.
@@ -85,7 +87,7 @@ pub(crate) struct Client {
     /// Per device, the memory the arbiter manages (its first `Welcome`).
     managed: Mutex<HashMap<DeviceId, u64>>,
     usage: UsageFn,
-    pushed: PushFn,
+    route: RouteFn,
     /// Devices someone waits on, until when.
     contended: Mutex<HashMap<DeviceId, Instant>>,
     writer: Mutex<Option<UnixStream>>,
@@ -172,7 +174,7 @@ fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake>
                     );
                 }
                 if parked {
-                    crate::control::park::admitted_parked(device);
+                    (c.route)(Event::AdmittedParked(device));
                 }
                 // The arbiter believes what this process's entitlement allows (docs/security.md):
                 // say so at each registration, so that a cut request or limit is no mystery.
@@ -189,7 +191,7 @@ fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake>
             }
             Reply::Refused { reason, .. } => return Err(Handshake::Refused(reason)),
             // The arbiter may tell a registered device's lease before the last answer.
-            Reply::Lease { device, state } => crate::control::compute::told(device, state),
+            lease @ Reply::Lease { .. } => (c.route)(Event::Pushed(&lease)),
             other => return Err(Handshake::Unreachable(format!("unexpected {other:?}"))),
         }
     }
@@ -225,7 +227,7 @@ impl Client {
     /// Connects to the arbiter at `path` and says who the process is, to learn the
     /// memory it manages ([`Client::managed`]) before the process's slices are decided;
     /// [`Client::start`] registers them. An arbiter that cannot be reached is no error.
-    pub(crate) fn connect(path: &Path, hello: Request, usage: UsageFn, pushed: PushFn) -> Arc<Client> {
+    pub(crate) fn connect(path: &Path, hello: Request, usage: UsageFn, route: RouteFn) -> Arc<Client> {
         let client = Arc::new(Client {
             path: path.to_owned(),
             hello,
@@ -233,7 +235,7 @@ impl Client {
             greeted: Mutex::new(None),
             managed: Mutex::new(HashMap::new()),
             usage,
-            pushed,
+            route,
             contended: Mutex::new(HashMap::new()),
             writer: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
@@ -317,7 +319,7 @@ impl Client {
                 match handshake(&self) {
                     Ok(s) => {
                         tracing::info!(socket = %self.path.display(), "reconnected to the arbiter");
-                        crate::control::compute::rejoin();
+                        (self.route)(Event::Reconnected);
                         backoff = Duration::from_millis(50);
                         stream = Some(s);
                     }
@@ -384,15 +386,15 @@ impl Client {
                     }
                     Ok(command @ Reply::Reclaim { device }) => {
                         lock(&self.contended).insert(device, Instant::now() + CONTENDED_FOR);
-                        (self.pushed)(&command);
+                        (self.route)(Event::Pushed(&command));
                     }
                     Ok(
                         command @ (Reply::SwapOut { .. }
                         | Reply::Resume { .. }
                         | Reply::Park { .. }
                         | Reply::Unparked { .. }),
-                    ) => (self.pushed)(&command),
-                    Ok(Reply::Lease { device, state }) => crate::control::compute::told(device, state),
+                    ) => (self.route)(Event::Pushed(&command)),
+                    Ok(lease @ Reply::Lease { .. }) => (self.route)(Event::Pushed(&lease)),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");
@@ -402,7 +404,7 @@ impl Client {
             }
             self.connected.store(false, Ordering::Release);
             *lock(&self.writer) = None;
-            crate::control::compute::forget();
+            (self.route)(Event::Disconnected);
         }
     }
 
@@ -411,13 +413,10 @@ impl Client {
     /// frameworks keep (`GPUFRAC_GIVE_BACK_IDLE`).
     fn report_activity(self: Arc<Client>) {
         let mut last = None;
-        let mut idle = crate::control::give_back::IdleWatch::new();
         loop {
             std::thread::sleep(Duration::from_secs(1));
             let count = crate::control::gate::activity();
-            if let Some(e) = crate::enforcer::enforcer() {
-                idle.tick(e, count);
-            }
+            (self.route)(Event::Tick { activity: count });
             let moved = last != Some(count) && self.connected.load(Ordering::Acquire);
             if moved && self.write(&Request::Activity { count }.encode()) {
                 last = Some(count);

@@ -339,7 +339,7 @@ pub(crate) fn capturing(stream: *mut c_void) -> bool {
 pub(crate) fn backs(e: &Enforcer, ordinal: usize, charge: &Charge) -> bool {
     let swap = e.config.resolver == gpufrac_common::Resolver::Swap && charge.whole_burst;
     (swap || crate::control::park::parkable())
-        && e.arbiter.get().is_some()
+        && e.lender.get().is_some()
         && charge.bytes >= granularity(ordinal)
 }
 
@@ -470,7 +470,8 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
     } else {
         // Freed while in host RAM: the arbiter counts less host RAM. Not waited for: a
         // message lost now is corrected by the next one or the next registration.
-        if let (Some(client), Some(slice)) = (e.arbiter.get(), e.slice_by_ledger(b.device)) {
+        if let (Some(client), Some(slice)) = (crate::control::arbiter::client(), e.slice_by_ledger(b.device))
+        {
             client.send(&report(e, &slice, SwapDirection::In, 0, Duration::ZERO));
         }
         if !still_swapped {

@@ -23,7 +23,7 @@ macro_rules! hook_list {
         $callback! {
             implemented {
                 // Initialisation and entry points.
-                Cuda cuInit(flags: c_uint) => hooks::init::cu_init;
+                Cuda cuInit(flags: c_uint) => registry::init::cu_init;
                 Cuda cuGetProcAddress(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong)
                     => registry::procaddr::get_proc_address;
                 Cuda cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong, status: *mut c_int)

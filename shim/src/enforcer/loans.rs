@@ -4,11 +4,69 @@
 
 use std::sync::atomic::Ordering;
 
+use std::time::Duration;
+
 use gpufrac_common::protocol::Denial;
 
+use gpufrac_common::protocol::DeviceId;
+
 use super::{Charge, Enforcer, Pending, Slice};
-use crate::control::arbiter::NotGranted;
 use crate::driver::ffi::{Status, OUT_OF_MEMORY};
+
+/// The arbiter as the enforcer sees it: who lends burst memory and takes it back. The
+/// arbiter client (`control::arbiter`) is one, set at `cuInit` (`registry::init`), so
+/// that the enforcer below it names nothing of the layers above.
+pub(crate) trait Lender: Send + Sync {
+    /// Asks for `bytes` more on `device` (`preferred`: as much as is worth asking for),
+    /// this process holding `held`; waits up to `timeout` for the answer: the bytes lent.
+    fn acquire(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        preferred: u64,
+        held: u64,
+        timeout: Duration,
+    ) -> Result<u64, NotGranted>;
+    /// Returns `bytes` lent on `device`, this process holding `held` afterwards.
+    fn release(&self, device: DeviceId, bytes: u64, held: u64);
+    /// Whether the arbiter lately asked for memory back on `device` (keep no slack).
+    fn contended(&self, device: &DeviceId) -> bool;
+    /// Whether some of this process's burst memory is in host RAM: nothing new is lent
+    /// until it is back.
+    fn swapped_out(&self) -> bool;
+    /// Waits for the swap-in, as the process's launches do at the gate.
+    fn wait_swapped_in(&self) -> Result<(), Status>;
+}
+
+/// Why a burst was not granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotGranted {
+    /// The arbiter said no.
+    Denied(Denial),
+    /// No answer in time: the arbiter is away (`connected` false) or slow.
+    NoAnswer { connected: bool },
+}
+
+impl std::fmt::Display for NotGranted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NotGranted::Denied(Denial::Timeout) => {
+                "GPUFRAC_WAIT_TIMEOUT passed while the memory was lent to others"
+            }
+            NotGranted::Denied(Denial::OverLimit) => "the group's GPUFRAC_MEMORY_LIMIT is reached",
+            NotGranted::Denied(Denial::UnknownDevice) => "the arbiter does not know this device",
+            NotGranted::Denied(Denial::Deadlock) => {
+                "every borrower was waiting, each holding memory another needs, and this one had no unused loan to give back"
+            }
+            NotGranted::Denied(Denial::NeverFits) => "the burst is larger than the GPU could ever lend",
+            NotGranted::Denied(Denial::NotSwapped) => "a swap-in for more than this process has swapped out",
+            NotGranted::NoAnswer { connected: false } => {
+                "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT (it is unreachable)"
+            }
+            NotGranted::NoAnswer { connected: true } => "the arbiter did not answer within GPUFRAC_WAIT_TIMEOUT",
+        })
+    }
+}
 
 impl Enforcer {
     /// `charge` after its first try found the group full (`first`: the cap and the refusal).
@@ -32,7 +90,7 @@ impl Enforcer {
         let mut first = Some(first);
         let mut waited_for_swap_in = false;
         'charge: loop {
-            let arbiter = self.arbiter.get();
+            let arbiter = self.lender.get();
             let (cap, over) = match first.take() {
                 Some(first) => first,
                 None => {
@@ -79,10 +137,10 @@ impl Enforcer {
             // swap-in waits its turn, it does not count against GPUFRAC_WAIT_TIMEOUT.
             // (Once: a gate opened some other way, e.g. by a park given up, must not make
             // this a loop.)
-            if !waited_for_swap_in && crate::control::swap::swapped_out() {
+            if !waited_for_swap_in && client.swapped_out() {
                 waited_for_swap_in = true;
                 tracing::debug!(ordinal, bytes, "gpufrac: a burst waits for the process's swap-in");
-                crate::control::gate::wait_swapped_in()?;
+                client.wait_swapped_in()?;
                 continue 'charge;
             }
             let need = over.held.saturating_add(bytes).saturating_sub(cap);
@@ -94,7 +152,6 @@ impl Enforcer {
                 preferred,
                 self.ledger.held_by_me(dev),
                 self.config.wait_timeout,
-                false,
             ) {
                 Ok(granted) => self.ledger.add_granted(dev, granted),
                 Err(why @ (NotGranted::Denied(Denial::Timeout) | NotGranted::NoAnswer { .. }))
@@ -139,7 +196,7 @@ impl Enforcer {
 
     #[inline(never)]
     pub(super) fn release_to_arbiter(&self, device: usize) {
-        if let Some(client) = self.arbiter.get() {
+        if let Some(client) = self.lender.get() {
             let Some(slice) = self.slices().iter().find(|s| s.ledger == device).copied() else { return };
             let slack = if client.contended(&slice.uuid) { 0 } else { Self::chunk(&slice) };
             self.give_back(&slice, slack);
@@ -154,8 +211,8 @@ impl Enforcer {
 
     /// Returns this process's grant beyond what the group uses plus `slack`; returns what
     /// was given back.
-    pub(super) fn give_back(&self, slice: &Slice, slack: u64) -> u64 {
-        let Some(client) = self.arbiter.get() else { return 0 };
+    pub(crate) fn give_back(&self, slice: &Slice, slack: u64) -> u64 {
+        let Some(client) = self.lender.get() else { return 0 };
         let device = slice.ledger;
         let allowed = slice.request + self.ledger.group_granted(device);
         let in_use = self.ledger.held_fast(device) + self.pending[device].load(Ordering::Acquire);

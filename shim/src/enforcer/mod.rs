@@ -6,22 +6,20 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use std::sync::Arc;
-
 use gpufrac_common::config::Config;
-use gpufrac_common::protocol::{Reply, Request, VERSION};
+use gpufrac_common::protocol::{Request, VERSION};
 use gpufrac_common::ComputeSpec;
 
 pub(crate) use crate::books::contexts::{Contexts, Current, MAX_CONTEXTS};
 use crate::books::group_ledger::Ledger;
 use crate::books::records::{Context, Records};
-use crate::control::arbiter::{Client, Registration};
 use crate::driver::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
 
 pub(crate) mod backstop;
 pub(crate) mod graphs;
 mod loans;
+pub(crate) use loans::{Lender, NotGranted};
 pub(crate) mod pools;
 pub(crate) mod usage;
 pub(crate) mod vmm;
@@ -177,10 +175,7 @@ pub(crate) struct Enforcer {
     /// CUDA graphs with allocation nodes, and their devices' graph pools.
     pub graphs: crate::enforcer::graphs::GraphBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
-    pub arbiter: OnceLock<Arc<Client>>,
-    /// Per device, the memory the arbiter manages, asked once by a process that reads
-    /// NVML before (or without) `cuInit`.
-    managed_for_nvml: OnceLock<std::collections::HashMap<[u8; 16], u64>>,
+    pub lender: OnceLock<Box<dyn Lender>>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
     /// grant that arrives for them is not "unused" and is not given back on reclaim.
     pending: [AtomicU64; crate::books::group_ledger::MAX_DEVICES],
@@ -230,8 +225,7 @@ impl Enforcer {
             pools: Default::default(),
             backstop: Default::default(),
             graphs: Default::default(),
-            arbiter: OnceLock::new(),
-            managed_for_nvml: OnceLock::new(),
+            lender: OnceLock::new(),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
     }
@@ -277,8 +271,13 @@ impl Enforcer {
         Ok(Slice { ledger, request, limit, total, uuid: *uuid })
     }
 
-    /// Sets up every visible device (at `cuInit`); the error names the bad setting.
-    pub(crate) fn init_devices(&'static self) -> &'static Result<Vec<Slice>, String> {
+    /// Sets up every visible device (at `cuInit`), `connect` registering them with the
+    /// arbiter (and adjusting them to what it believes) before they are used; the error
+    /// names the bad setting.
+    pub(crate) fn init_devices(
+        &'static self,
+        connect: impl FnOnce(&'static Enforcer, &mut [Slice]) -> Result<(), String>,
+    ) -> &'static Result<Vec<Slice>, String> {
         self.devices.get_or_init(|| {
             let mut count = 0;
             let status = call_real!(cuDeviceGetCount(&mut count));
@@ -308,14 +307,14 @@ impl Enforcer {
                 })
                 .collect::<Result<Vec<Slice>, String>>()
                 .and_then(|mut slices| {
-                    self.connect_arbiter(&mut slices)?;
+                    connect(self, &mut slices)?;
                     Ok(slices)
                 })
         })
     }
 
     /// The `Hello` this process says to the arbiter.
-    fn hello(&self) -> Request {
+    pub(crate) fn hello(&self) -> Request {
         let group = self.config.group.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
         Request::Hello {
             version: VERSION,
@@ -334,127 +333,9 @@ impl Enforcer {
         }
     }
 
-    /// What the arbiter manages of device `uuid` when that is less than its `total`, for
-    /// NVML's view in a process that has not set its devices up at `cuInit` (asked once).
-    fn managed_for_nvml(&self, uuid: &[u8; 16], total: u64) -> Option<u64> {
-        let socket = self.config.arbiter_socket.as_ref()?;
-        let managed = self
-            .managed_for_nvml
-            .get_or_init(|| crate::control::arbiter::managed_sizes(socket, self.hello()));
-        managed.get(uuid).copied().filter(|&managed| managed < total)
-    }
-
-    /// The group's share of NVML's device `uuid` of `total` bytes: the slice set up at
-    /// `cuInit`, else one of what the arbiter manages of it (or of all of it).
-    pub(crate) fn slice_for_nvml(&self, uuid: &[u8; 16], total: u64) -> Result<Slice, String> {
-        if let Some(slice) = self.slice_by_uuid(uuid) {
-            return Ok(slice);
-        }
-        match self.managed_for_nvml(uuid, total) {
-            Some(managed) => self.slice_for(None, uuid, managed, true),
-            None => self.slice_for(None, uuid, total, false),
-        }
-    }
-
-    /// Registers with the arbiter, if one is configured; a refusal fails `cuInit`. The
-    /// slices take the request and limit the arbiter believes (what this process is
-    /// entitled to, when that is less than it declared): the process sees and keeps to
-    /// its entitlement, not to what its environment says. If the arbiter cannot be
-    /// reached at `cuInit`, or believes nothing (0 and 0), the declared slices stand (the
-    /// arbiter still refuses bursts past the entitlement).
-    fn connect_arbiter(&'static self, slices: &mut [Slice]) -> Result<(), String> {
-        let Some(socket) = &self.config.arbiter_socket else { return Ok(()) };
-        let hello = self.hello();
-        if self.config.park_after.is_some() {
-            // Before the handshake: an admission parked closes the gate at once.
-            crate::control::park::enable();
-        }
-        let ledger_of: Vec<([u8; 16], usize)> = slices.iter().map(|s| (s.uuid, s.ledger)).collect();
-        let usage = Box::new(move |device: &[u8; 16]| {
-            ledger_of.iter().find(|(u, _)| u == device).map_or((0, 0, 0), |&(_, dev)| {
-                // Host bytes first: it waits for a swap under way to finish.
-                let swapped = crate::control::swap::host_bytes(dev);
-                (self.ledger.held_by_me(dev), self.ledger.my_granted(dev), swapped)
-            })
-        });
-        let pushed = Box::new(move |command: &Reply| match command {
-            Reply::Reclaim { device } => {
-                if let Some(slice) = self.slice_by_uuid(device) {
-                    self.give_back(&slice, 0);
-                    // What the frameworks keep and do not use follows, from their pools.
-                    crate::control::give_back::ask(self, crate::control::give_back::Why::Asked);
-                }
-            }
-            Reply::SwapOut { device } => crate::control::swap::swap_out_requested(*device),
-            Reply::Resume { .. } => crate::control::swap::resume_offered(),
-            Reply::Park { device, checkpoint } => crate::control::swap::park_requested(*device, *checkpoint),
-            Reply::Unparked { device } => crate::control::swap::unpark_pushed(*device),
-            _ => {}
-        });
-        let client = Client::connect(socket, hello, usage, pushed);
-        // The group's fractions are of what the arbiter manages of each GPU, and its
-        // device is no larger (`gpufrac-arbiter --gpu-memory`).
-        for (ordinal, slice) in slices.iter_mut().enumerate() {
-            if let Some(managed) = client.managed(&slice.uuid).filter(|&managed| managed < slice.total) {
-                *slice = self.slice_for(Some(ordinal), &slice.uuid, managed, true)?;
-                tracing::info!(
-                    ordinal,
-                    request = slice.request,
-                    limit = slice.limit,
-                    managed,
-                    "device slice of the memory the arbiter manages"
-                );
-            }
-        }
-        let registrations = slices
-            .iter()
-            .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
-            .collect();
-        client.start(registrations)?;
-        if let Some(pid) = client.seen_pid() {
-            self.ledger.set_host_pid(pid);
-        }
-        for slice in slices.iter_mut() {
-            // Nothing believed at all (not entitled, or the arbiter could not decide yet):
-            // a slice of nothing would leave the process without memory for its whole
-            // life, so the declared one stands; the arbiter counts what it uses past its
-            // entitlement as outside gpufrac and lends it nothing. Only (0, 0) means that:
-            // a limit alone registers (0, limit) and is believed as (0, limit) or less.
-            // Declared (0, limit) and believed (0, 0), it keeps its view of the limit but
-            // has nothing it may use without a grant, and none comes (out-of-memory).
-            let believed = client.believed(&slice.uuid).filter(|&believed| believed != (0, 0));
-            if let Some((request, limit)) = believed {
-                let limit = limit.min(slice.limit);
-                let request = request.min(slice.request).min(limit);
-                if (request, limit) != (slice.request, slice.limit) {
-                    tracing::info!(request, limit, "device slice as the arbiter believes it");
-                }
-                (slice.request, slice.limit) = (request, limit);
-            }
-        }
-        for slice in slices.iter() {
-            // A context's size as the arbiter learnt it on this GPU: the first context's
-            // charge, where the group has measured none itself.
-            if let Some(bytes) = client.context_bytes(&slice.uuid) {
-                if self.ledger.context_bytes(slice.ledger).is_none() {
-                    self.ledger.set_context_bytes(slice.ledger, bytes);
-                }
-            }
-        }
-        let _ = self.arbiter.set(client.clone());
-        if self.config.compute.is_some() {
-            let devices: Vec<[u8; 16]> = slices.iter().map(|s| s.uuid).collect();
-            crate::control::compute::start(client.clone(), &devices)?;
-        }
-        if self.config.resolver == gpufrac_common::Resolver::Swap || crate::control::park::parkable() {
-            crate::control::swap::start(self, client)?;
-        }
-        Ok(())
-    }
-
     /// Bursts are asked for in chunks of a quarter of the burst range (at least 64 MiB),
     /// so a steady server rarely talks to the arbiter.
-    fn chunk(slice: &Slice) -> u64 {
+    pub(crate) fn chunk(slice: &Slice) -> u64 {
         ((slice.limit - slice.request) / 4).max(64 << 20)
     }
 
@@ -580,7 +461,7 @@ impl Enforcer {
     /// plus what it was granted.
     #[inline]
     fn cap(&self, slice: &Slice) -> u64 {
-        match self.arbiter.get() {
+        match self.lender.get() {
             Some(_) => slice.limit.min(slice.request + self.ledger.group_granted(slice.ledger)),
             None => slice.limit,
         }
@@ -608,7 +489,7 @@ impl Enforcer {
     #[inline(always)]
     pub(crate) fn release(&self, device: usize, bytes: u64) {
         self.ledger.release(device, bytes);
-        if self.arbiter.get().is_some() {
+        if self.lender.get().is_some() {
             self.release_to_arbiter(device);
         }
     }
@@ -622,7 +503,7 @@ impl Enforcer {
     #[inline]
     pub(crate) fn physical(&self, mut call: impl FnMut() -> Status) -> Status {
         let status = call();
-        if status != OUT_OF_MEMORY || self.arbiter.get().is_none() {
+        if status != OUT_OF_MEMORY || self.lender.get().is_none() {
             return status;
         }
         self.physical_retry(status, call)

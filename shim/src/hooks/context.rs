@@ -116,7 +116,7 @@ fn measured_serially(
                 e.ledger.set_context_bytes(dev, bytes);
                 // The arbiter learns the GPU's context size from it (believed once NVML
                 // shows this process using as much), for every group's first context.
-                if let Some(client) = e.arbiter.get() {
+                if let Some(client) = crate::control::arbiter::client() {
                     client.report_context(slice.uuid, bytes);
                 }
             }

@@ -80,7 +80,7 @@ fn stream_ordered(
         if let Some(ordinal) = e.sole_ordinal() {
             if let Some(charge) = e.charge_quick(ordinal, bytes) {
                 // Swap backs only bursts (`swap::backs`), and only with an arbiter.
-                if charge.above_request && e.arbiter.get().is_some() {
+                if charge.above_request && e.lender.get().is_some() {
                     return charged(e, ordinal, None, charge, path, stream, out, real);
                 }
                 let status = e.physical(&mut real);
@@ -136,7 +136,7 @@ fn charged(
     // one, not even asked.
     let swapped = matches!(path, Path::Linear | Path::Pooled)
         && !out.is_null()
-        && e.arbiter.get().is_some()
+        && e.lender.get().is_some()
         && crate::control::swap::backs(e, ordinal, &charge)
         && !stream.is_some_and(crate::control::swap::capturing);
     let Some(id) = id.or_else(|| e.current().map(|c| c.id)) else {
@@ -301,7 +301,7 @@ fn free_recorded(
 /// in a process with an arbiter (`swap::backs`), so without one there is nothing to ask.
 #[inline]
 fn swap_free(e: &Enforcer, dptr: CUdeviceptr, stream: Option<Ptr>) -> Option<Status> {
-    e.arbiter.get()?;
+    e.lender.get()?;
     crate::control::swap::free(e, dptr, stream)
 }
 
@@ -383,7 +383,7 @@ fn free_and_wait(stream: Ptr, freed: Status) -> Status {
 /// Whether swap may back allocations with the VMM API in this process.
 fn swapping(e: &Enforcer) -> bool {
     (e.config.resolver == gpufrac_common::Resolver::Swap || crate::control::park::parkable())
-        && e.arbiter.get().is_some()
+        && e.lender.get().is_some()
 }
 
 pub(crate) fn mem_alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: Ptr) -> Status {

@@ -6,7 +6,6 @@ pub(crate) mod context;
 pub(crate) mod device;
 pub(crate) mod graphs;
 pub(crate) mod implicit;
-pub(crate) mod init;
 pub(crate) mod memory;
 pub(crate) mod nvml;
 pub(crate) mod processes;

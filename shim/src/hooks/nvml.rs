@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_void};
 
 use crate::driver::ffi::{read, write, Status, SUCCESS};
 use crate::driver::table::{call_real, parse_uuid};
-use crate::enforcer::enforcer_any;
+use crate::enforcer::{enforcer_any, Enforcer, Slice};
 
 /// The group's (limit, held) on the NVML device, given its physical `total`: the slice
 /// `cuInit` set up, else one resolved here (of what the arbiter manages, if less).
@@ -18,9 +18,31 @@ fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
     }
     let text = crate::driver::ffi::c_str(name.as_ptr())?;
     let uuid = parse_uuid(text)?;
-    let slice = e.slice_for_nvml(&uuid, total).ok()?;
+    let slice = slice_for_nvml(e, &uuid, total).ok()?;
     e.pools.reconcile(e, Some(slice.ledger), false);
     Some((slice.limit, e.ledger.held(slice.ledger)))
+}
+
+/// The group's share of NVML's device `uuid` of `total` bytes: the slice set up at
+/// `cuInit`, else one of what the arbiter manages of it (or of all of it).
+fn slice_for_nvml(e: &Enforcer, uuid: &[u8; 16], total: u64) -> Result<Slice, String> {
+    if let Some(slice) = e.slice_by_uuid(uuid) {
+        return Ok(slice);
+    }
+    match managed_for_nvml(e, uuid, total) {
+        Some(managed) => e.slice_for(None, uuid, managed, true),
+        None => e.slice_for(None, uuid, total, false),
+    }
+}
+
+/// What the arbiter manages of device `uuid` when that is less than its `total`, for
+/// NVML's view in a process that has not set its devices up at `cuInit` (asked once).
+fn managed_for_nvml(e: &Enforcer, uuid: &[u8; 16], total: u64) -> Option<u64> {
+    static MANAGED: std::sync::OnceLock<std::collections::HashMap<[u8; 16], u64>> =
+        std::sync::OnceLock::new();
+    let socket = e.config.arbiter_socket.as_ref()?;
+    let managed = MANAGED.get_or_init(|| crate::control::arbiter::managed_sizes(socket, e.hello()));
+    managed.get(uuid).copied().filter(|&managed| managed < total)
 }
 
 /// `nvmlMemory_t`.

@@ -3,4 +3,5 @@
 //! the layers below are named together.
 
 pub(crate) mod exports;
+pub(crate) mod init;
 pub(crate) mod procaddr;
