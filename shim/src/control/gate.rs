@@ -12,9 +12,53 @@ use std::sync::atomic::{
     AtomicBool, AtomicU64, AtomicU8,
     Ordering::{Relaxed, SeqCst},
 };
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::driver::ffi::{Status, OUT_OF_MEMORY};
+
+/// The compute lease as the gate sees it, registered at start-up (`registry::init`) by
+/// the layer above: the gate calls up through it, never by name.
+pub(crate) struct Lease {
+    /// Waits for the group's lease for a call that starts work on `stream`: the stream's
+    /// slot among those the lease drains, and whether the call is counted inside it.
+    pub wait: fn(*mut std::ffi::c_void) -> (Option<usize>, bool),
+    /// A call on the stream in `slot` returned (its work is marked for the drain).
+    pub after_call: fn(usize),
+    /// A call counted inside the lease left it.
+    pub left: fn(),
+}
+
+/// What a closed gate's waiters ask of the layers above, registered at start-up.
+pub(crate) struct Holder {
+    /// Whether the process is parked: its wake, not a swap-in, opens the gate.
+    pub parked: fn() -> bool,
+    /// A call waits at the closed gate: the process wants its memory back.
+    pub wanted: fn(),
+}
+
+static LEASE: OnceLock<Lease> = OnceLock::new();
+static HOLDER: OnceLock<Holder> = OnceLock::new();
+
+/// Registers the compute lease (once; before calls are sent through it).
+pub(crate) fn register_lease(lease: Lease) {
+    let _ = LEASE.set(lease);
+}
+
+/// Registers who parks and swaps the process (once; before the gate is first closed).
+pub(crate) fn register_holder(holder: Holder) {
+    let _ = HOLDER.set(holder);
+}
+
+fn parked() -> bool {
+    HOLDER.get().is_some_and(|h| (h.parked)())
+}
+
+fn wanted() {
+    if let Some(h) = HOLDER.get() {
+        (h.wanted)();
+    }
+}
 
 /// Calls that entered (including ones that found the gate closed and stepped back).
 static ENTERED: AtomicU64 = AtomicU64::new(0);
@@ -74,11 +118,12 @@ fn leave(pass: u8) {
     if pass & 1 != 0 {
         LEFT.fetch_add(1, SeqCst);
     }
+    let Some(lease) = LEASE.get() else { return };
     if let Some(slot) = ((pass & !IN_LEASE) >> 1).checked_sub(1) {
-        crate::control::compute::after_call(usize::from(slot));
+        (lease.after_call)(usize::from(slot));
     }
     if pass & IN_LEASE != 0 {
-        crate::control::compute::left_lease();
+        (lease.left)();
     }
 }
 
@@ -125,8 +170,8 @@ pub(crate) fn enter_on(stream: impl FnOnce() -> *mut std::ffi::c_void) -> Result
 #[inline(never)]
 fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status> {
     loop {
-        let (slot, in_lease) =
-            if slow & LEASED != 0 { crate::control::compute::wait_for_lease(stream) } else { (None, false) };
+        let lease = LEASE.get().filter(|_| slow & LEASED != 0);
+        let (slot, in_lease) = lease.map_or((None, false), |lease| (lease.wait)(stream));
         // Slots are few (compute/streams.rs, `SLOT_COUNT`): 1 + slot fits in the six bits above bit 0.
         let marked = slot.map_or(0, |s| (s as u8 + 1) << 1) | if in_lease { IN_LEASE } else { 0 };
         if slow & TRACKED == 0 {
@@ -142,8 +187,8 @@ fn enter_slowly(slow: u8, stream: *mut std::ffi::c_void) -> Result<Pass, Status>
         LEFT.fetch_add(1, SeqCst);
         // Not inside the lease while it waits (its drain would wait for this call): the
         // lease is looked at again once the gate opens.
-        if in_lease {
-            crate::control::compute::left_lease();
+        if let Some(lease) = lease.filter(|_| in_lease) {
+            (lease.left)();
         }
         if !parking::wait_until(|| !CLOSED.load(SeqCst)) {
             return Err(OUT_OF_MEMORY);
@@ -163,7 +208,7 @@ pub(crate) fn close() {
 /// Opens the gate and wakes every waiting call, unless the process is parked (its wake
 /// opens it).
 pub(crate) fn open() {
-    if !crate::control::park::parked() {
+    if !parked() {
         parking::open(&CLOSED);
     }
 }
@@ -171,7 +216,7 @@ pub(crate) fn open() {
 /// Waits until the parked process is woken (asking for the wake); `Err` (out-of-memory)
 /// if the wake failed meanwhile.
 pub(crate) fn wait_awake() -> Result<(), Status> {
-    if parking::wait_until(|| !crate::control::park::parked()) {
+    if parking::wait_until(|| !parked()) {
         Ok(())
     } else {
         Err(OUT_OF_MEMORY)
@@ -230,7 +275,7 @@ mod parking {
     /// False if a wake failed meanwhile.
     pub(super) fn wait_until(done: impl Fn() -> bool) -> bool {
         let failed = super::FAILED_WAKES.load(SeqCst);
-        crate::control::swap::wanted();
+        super::wanted();
         let mut guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
         while !done() {
             if super::FAILED_WAKES.load(SeqCst) != failed {
@@ -242,7 +287,7 @@ mod parking {
                 // Still waiting: ask again (a wake is answered once; asking twice is
                 // harmless, a request lost on the way would otherwise leave it for ever).
                 drop(guard);
-                crate::control::swap::wanted();
+                super::wanted();
                 guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
             }
         }

@@ -53,6 +53,9 @@ pub(crate) fn cu_init(flags: c_uint) -> Status {
 /// arbiter still refuses bursts past the entitlement).
 fn connect(e: &'static Enforcer, slices: &mut [Slice]) -> Result<(), String> {
     let Some(socket) = &e.config.arbiter_socket else { return Ok(()) };
+    // The gate calls up only through what is registered with it.
+    gate::register_holder(gate::Holder { parked: park::parked, wanted: swap::wanted });
+    gate::register_lease(compute::at_the_gate());
     let hello = e.hello();
     if e.config.park_after.is_some() {
         // Before the handshake: an admission parked closes the gate at once.

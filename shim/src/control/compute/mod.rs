@@ -243,6 +243,11 @@ fn publish(leases: &Leases) {
     }
 }
 
+/// The lease as the gate calls it, registered at start-up (`registry::init`).
+pub(crate) fn at_the_gate() -> crate::control::gate::Lease {
+    crate::control::gate::Lease { wait: wait_for_lease, after_call, left: left_lease }
+}
+
 /// The slow path of a gated call in a leased process: returns once it may start its
 /// work on `stream` (at once on a stream being captured), with the bounded stream's slot
 /// if it has one (its mark is recorded after the call, [`after_call`]).

@@ -6,6 +6,7 @@ use super::*;
 #[test]
 fn a_leased_process_passes_only_while_it_holds_and_a_waiting_call_wants() {
     let _turn = crate::control::gate::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+    crate::control::gate::register_lease(super::at_the_gate());
     let device = [7; 16];
     {
         let mut leases = lock(&LEASES);
@@ -50,6 +51,7 @@ fn a_leased_process_passes_only_while_it_holds_and_a_waiting_call_wants() {
 #[test]
 fn a_call_waits_while_its_process_has_more_than_the_bound_in_flight_but_two_always_go() {
     let _turn = crate::control::gate::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+    crate::control::gate::register_lease(super::at_the_gate());
     let (a, b) = (&SLOTS[0], &SLOTS[1]);
     // Rings "made" (a dangling handle: nothing records with EVENT_RECORD unset).
     for slot in [a, b] {
