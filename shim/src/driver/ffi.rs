@@ -37,25 +37,35 @@ pub(crate) fn guard(lib: Lib, body: impl FnOnce() -> Status) -> Status {
 }
 
 /// Reads a value the caller passed by pointer, if the pointer is not null.
-pub(crate) fn read<T: Copy>(ptr: *const T) -> Option<T> {
-    // SAFETY: non-null pointers come from the caller under the API contract (a readable
-    // T); only plain-data mirrors whose every bit pattern is valid are read.
+///
+/// # Safety
+/// `ptr` is null or points to a readable `T` (unaligned is fine), and `T` is plain data
+/// whose every bit pattern is valid: the mirrors of the C API's structs and integers.
+pub(crate) unsafe fn read<T: Copy>(ptr: *const T) -> Option<T> {
+    // SAFETY: non-null here, readable by this function's contract.
     (!ptr.is_null()).then(|| unsafe { ptr.read_unaligned() })
 }
 
 /// Writes through an out-pointer the caller passed, if it is not null.
-pub(crate) fn write<T>(ptr: *mut T, value: T) {
+///
+/// # Safety
+/// `ptr` is null or points to storage writable for a `T` (unaligned is fine).
+pub(crate) unsafe fn write<T>(ptr: *mut T, value: T) {
     if !ptr.is_null() {
-        // SAFETY: non-null, writable storage for T by the API contract.
+        // SAFETY: non-null here, writable by this function's contract.
         unsafe { ptr.write_unaligned(value) };
     }
 }
 
 /// A C string argument as UTF-8, if it is one.
-pub(crate) fn c_str<'a>(ptr: *const c_char) -> Option<&'a str> {
+///
+/// # Safety
+/// `ptr` is null or a NUL-terminated string that stays alive and unchanged for `'a`
+/// (callers keep the result within the hook call that received the pointer).
+pub(crate) unsafe fn c_str<'a>(ptr: *const c_char) -> Option<&'a str> {
     if ptr.is_null() {
         return None;
     }
-    // SAFETY: non-null and NUL-terminated by the API contract, alive for the call.
+    // SAFETY: non-null here, NUL-terminated and alive for 'a by this function's contract.
     unsafe { CStr::from_ptr(ptr) }.to_str().ok()
 }

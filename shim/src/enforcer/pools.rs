@@ -169,7 +169,8 @@ impl PoolBook {
             self.with_pool(id, |pool| pool.pending += need);
         }
         let status = e.physical(real);
-        let addr = crate::driver::ffi::read(out).filter(|_| status == SUCCESS);
+        // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+        let addr = unsafe { crate::driver::ffi::read(out) }.filter(|_| status == SUCCESS);
         let Some(addr) = addr else {
             self.settle(id, cached, need);
             e.release(device, need);
@@ -216,7 +217,8 @@ impl PoolBook {
             // The freed block reaches the pool once its stream gets there (`free` waits
             // for that); then trimming gives its memory back.
             free(addr);
-            crate::driver::ffi::write(out, 0);
+            // SAFETY: `out` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { crate::driver::ffi::write(out, 0) };
             call_real!(cuMemPoolTrimTo(target.pool, 0));
             self.reconcile(e, Some(device), false);
             return OUT_OF_MEMORY;

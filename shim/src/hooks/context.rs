@@ -187,12 +187,14 @@ pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
         || {
             // A context on a GPU whose loans are being taken back waits for its memory.
             let status = e.physical(|| call_real!(cuDevicePrimaryCtxRetain(ctx, dev)));
-            (status, read(ctx).map_or(0, |c| c as u64))
+            // SAFETY: `ctx` is what the caller passed: null or a readable value of its type (the API's contract).
+            (status, unsafe { read(ctx) }.map_or(0, |c| c as u64))
         },
         || {
             // The primary context was inactive: this one retain is all it has.
             let _ = call_real!(cuDevicePrimaryCtxRelease_v2(dev));
-            write(ctx, std::ptr::null_mut());
+            // SAFETY: `ctx` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(ctx, std::ptr::null_mut()) };
         },
     )
 }
@@ -263,13 +265,16 @@ fn create_tracked(
             false,
             || {
                 let status = e.physical(&mut real);
-                (status, read(out).map_or(0, tracked))
+                // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+                (status, unsafe { read(out) }.map_or(0, tracked))
             },
             || {
-                if let Some(c) = read(out) {
+                // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+                if let Some(c) = unsafe { read(out) } {
                     destroy(c);
                 }
-                write(out, std::ptr::null_mut());
+                // SAFETY: `out` is the caller's out-pointer: null or writable for its type (the API's contract).
+                unsafe { write(out, std::ptr::null_mut()) };
             },
         ),
         _ => refused().unwrap_or_else(real),

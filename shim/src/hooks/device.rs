@@ -17,8 +17,10 @@ pub(crate) fn mem_get_info(free: *mut usize, total: *mut usize) -> Status {
             // What the pools gave back at a synchronize is free again.
             e.pools.reconcile(e, Some(slice.ledger), false);
             let held = e.ledger.held(slice.ledger);
-            write(total, slice.limit as usize);
-            write(free, slice.limit.saturating_sub(held) as usize);
+            // SAFETY: `total` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(total, slice.limit as usize) };
+            // SAFETY: `free` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(free, slice.limit.saturating_sub(held) as usize) };
         }
     }
     status
@@ -28,7 +30,8 @@ pub(crate) fn device_total_mem(bytes: *mut usize, dev: c_int) -> Status {
     let status = call_real!(cuDeviceTotalMem_v2(bytes, dev));
     if let (SUCCESS, Some(e)) = (status, enforcer()) {
         if let Some(slice) = usize::try_from(dev).ok().and_then(|d| e.slice(d)) {
-            write(bytes, slice.limit as usize);
+            // SAFETY: `bytes` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(bytes, slice.limit as usize) };
         }
     }
     status
@@ -40,8 +43,10 @@ pub(crate) fn mem_get_info_v1(free: *mut c_uint, total: *mut c_uint) -> Status {
     let (mut wide_free, mut wide_total) = (0usize, 0usize);
     let status = mem_get_info(&mut wide_free, &mut wide_total);
     if status == SUCCESS {
-        write(free, wide_free.min(c_uint::MAX as usize) as c_uint);
-        write(total, wide_total.min(c_uint::MAX as usize) as c_uint);
+        // SAFETY: `free` is the caller's out-pointer: null or writable for its type (the API's contract).
+        unsafe { write(free, wide_free.min(c_uint::MAX as usize) as c_uint) };
+        // SAFETY: `total` is the caller's out-pointer: null or writable for its type (the API's contract).
+        unsafe { write(total, wide_total.min(c_uint::MAX as usize) as c_uint) };
     }
     status
 }
@@ -51,7 +56,8 @@ pub(crate) fn device_total_mem_v1(bytes: *mut c_uint, dev: c_int) -> Status {
     let mut wide = 0usize;
     let status = device_total_mem(&mut wide, dev);
     if status == SUCCESS {
-        write(bytes, wide.min(c_uint::MAX as usize) as c_uint);
+        // SAFETY: `bytes` is the caller's out-pointer: null or writable for its type (the API's contract).
+        unsafe { write(bytes, wide.min(c_uint::MAX as usize) as c_uint) };
     }
     status
 }

@@ -24,7 +24,8 @@ type Ptr = *mut c_void;
 fn instantiate(exec: *mut Ptr, graph: Ptr, real: impl FnOnce() -> Status) -> Status {
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     let status = real();
-    let Some(handle) = read(exec).filter(|_| status == SUCCESS) else { return status };
+    // SAFETY: `exec` is what the caller passed: null or a readable value of its type (the API's contract).
+    let Some(handle) = unsafe { read(exec) }.filter(|_| status == SUCCESS) else { return status };
     let bytes = allocation_bytes(graph);
     if bytes == 0 {
         return status;

@@ -168,7 +168,8 @@ fn load(out: *mut Ptr, what: &str, real: impl FnMut() -> Status, unload: impl Fn
     let Some(cur) = e.current() else { return e.untracked(real) };
     let estimate = LAST_MODULE.load(Ordering::Relaxed);
     let undo = || {
-        if let Some(handle) = read(out) {
+        // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+        if let Some(handle) = unsafe { read(out) } {
             let _ = unload(handle);
         }
     };
@@ -179,7 +180,8 @@ fn load(out: *mut Ptr, what: &str, real: impl FnMut() -> Status, unload: impl Fn
     };
     LAST_MODULE.store(bytes, Ordering::Relaxed);
     let Some(slice) = e.slice(cur.ordinal) else { return SUCCESS };
-    match read(out) {
+    // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+    match unsafe { read(out) } {
         Some(handle) => {
             let record = Record {
                 bytes,

@@ -84,7 +84,8 @@ fn stream_ordered(
                     return charged(e, ordinal, None, charge, path, stream, out, real);
                 }
                 let status = e.physical(&mut real);
-                return settle(e, status, charge, read(out), path, Context::Unresolved);
+                // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+                return settle(e, status, charge, unsafe { read(out) }, path, Context::Unresolved);
             }
         }
     }
@@ -147,7 +148,8 @@ fn charged(
         return crate::control::swap::allocate(e, ordinal, e.contexts.handle(id), charge, out);
     }
     let status = e.physical(&mut real);
-    settle(e, status, charge, read(out), path, Context::Tracked(id))
+    // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+    settle(e, status, charge, unsafe { read(out) }, path, Context::Tracked(id))
 }
 
 /// Inlined whole into its exported hook, as `mem_free` is: each hot path is then one
@@ -175,7 +177,8 @@ pub(crate) fn mem_alloc_pitch(
         width as u64,
         height as u64,
         || call_real!(cuMemAllocPitch_v2(dptr, pitch, width, height, elem)),
-        || Some((read(dptr)?, read(pitch)? as u64)),
+        // SAFETY: `dptr` and `pitch` are what the caller passed: null or readable values of their types (the API's contract).
+        || Some((unsafe { read(dptr) }?, unsafe { read(pitch) }? as u64)),
         |p| call_real!(cuMemFree_v2(p)),
     )
 }
@@ -237,7 +240,8 @@ pub(crate) fn mem_alloc_v1(dptr: *mut c_uint, size: c_uint) -> Status {
         Err(status) => return status,
     };
     let status = e.physical(real);
-    settle(e, status, charge, read(dptr).map(u64::from), Path::Linear, Context::Tracked(id))
+    // SAFETY: `dptr` is what the caller passed: null or a readable value of its type (the API's contract).
+    settle(e, status, charge, unsafe { read(dptr) }.map(u64::from), Path::Linear, Context::Tracked(id))
 }
 
 pub(crate) fn mem_alloc_pitch_v1(
@@ -251,7 +255,8 @@ pub(crate) fn mem_alloc_pitch_v1(
         u64::from(width),
         u64::from(height),
         || call_real!(cuMemAllocPitch(dptr, pitch, width, height, elem)),
-        || Some((u64::from(read(dptr)?), u64::from(read(pitch)?))),
+        // SAFETY: `dptr` and `pitch` are what the caller passed: null or readable values of their types (the API's contract).
+        || Some((u64::from(unsafe { read(dptr) }?), u64::from(unsafe { read(pitch) }?))),
         // Only an address the 32-bit entry point gave, which fits in 32 bits.
         |p| call_real!(cuMemFree(p as c_uint)),
     )
@@ -477,7 +482,8 @@ fn free_async(dptr: CUdeviceptr, stream: Ptr, real: impl Fn() -> Status + Copy) 
 pub(crate) fn mem_pool_create(pool: *mut Ptr, props: *const c_void) -> Status {
     let status = call_real!(cuMemPoolCreate(pool, props));
     if let (SUCCESS, Some(e), Some(handle), Some(head)) =
-        (status, enforcer(), read(pool), read(props.cast::<PropHead>()))
+        // SAFETY: `pool` and `props` are what the caller passed: null or readable values of their types (the API's contract).
+        (status, enforcer(), unsafe { read(pool) }, unsafe { read(props.cast::<PropHead>()) })
     {
         // CU_MEM_LOCATION_TYPE_DEVICE: pools of host memory are not device memory.
         if head.location_type == 1 && head.location_id >= 0 {
@@ -523,7 +529,8 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
         Err(status) => return status,
     };
     let status = e.physical(real);
-    let handle = read(out).filter(|_| status == SUCCESS);
+    // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+    let handle = unsafe { read(out) }.filter(|_| status == SUCCESS);
     if let Some(h) = handle {
         let destroy = || {
             if mipmapped {
@@ -565,31 +572,36 @@ fn array(estimate: Option<u64>, out: *mut Ptr, mipmapped: bool, mut real: impl F
 }
 
 pub(crate) fn array_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<ArrayDescriptorV1>())
+    // SAFETY: `desc` is what the caller passed: null or a readable value of its type (the API's contract).
+    let estimate = unsafe { read(desc.cast::<ArrayDescriptorV1>()) }
         .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArrayCreate(out, desc)))
 }
 
 pub(crate) fn array_3d_create_v1(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<Array3DDescriptorV1>())
+    // SAFETY: `desc` is what the caller passed: null or a readable value of its type (the API's contract).
+    let estimate = unsafe { read(desc.cast::<Array3DDescriptorV1>()) }
         .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArray3DCreate(out, desc)))
 }
 
 pub(crate) fn array_create(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<ArrayDescriptor>())
+    // SAFETY: `desc` is what the caller passed: null or a readable value of its type (the API's contract).
+    let estimate = unsafe { read(desc.cast::<ArrayDescriptor>()) }
         .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArrayCreate_v2(out, desc)))
 }
 
 pub(crate) fn array_3d_create(out: *mut Ptr, desc: *const c_void) -> Status {
-    let estimate = read(desc.cast::<Array3DDescriptor>())
+    // SAFETY: `desc` is what the caller passed: null or a readable value of its type (the API's contract).
+    let estimate = unsafe { read(desc.cast::<Array3DDescriptor>()) }
         .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
     array(estimate, out, false, || call_real!(cuArray3DCreate_v2(out, desc)))
 }
 
 pub(crate) fn mipmapped_array_create(out: *mut Ptr, desc: *const c_void, levels: c_uint) -> Status {
-    let estimate = read(desc.cast::<Array3DDescriptor>()).and_then(|d| {
+    // SAFETY: `desc` is what the caller passed: null or a readable value of its type (the API's contract).
+    let estimate = unsafe { read(desc.cast::<Array3DDescriptor>()) }.and_then(|d| {
         mipmapped_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, levels)
     });
     array(estimate, out, true, || call_real!(cuMipmappedArrayCreate(out, desc, levels)))
@@ -655,7 +667,8 @@ pub(crate) fn mem_create(
         Ok(a) => a,
         Err(status) => return status,
     };
-    let Some(head) = read(prop.cast::<PropHead>()) else { return real() };
+    // SAFETY: `prop` is what the caller passed: null or a readable value of its type (the API's contract).
+    let Some(head) = (unsafe { read(prop.cast::<PropHead>()) }) else { return real() };
     if head.location_type != 1 || head.location_id < 0 {
         return real();
     }
@@ -664,10 +677,12 @@ pub(crate) fn mem_create(
         Err(status) => return status,
     };
     let status = e.physical(real);
-    if let (SUCCESS, Some(h)) = (status, read(handle)) {
+    // SAFETY: `handle` is what the caller passed: null or a readable value of its type (the API's contract).
+    if let (SUCCESS, Some(h)) = (status, unsafe { read(handle) }) {
         book(e).handles.insert(h, (1, 0));
     }
-    settle(e, status, charge, read(handle), Path::Physical, Context::Unbound)
+    // SAFETY: `handle` is what the caller passed: null or a readable value of its type (the API's contract).
+    settle(e, status, charge, unsafe { read(handle) }, Path::Physical, Context::Unbound)
 }
 
 pub(crate) fn mem_release(handle: c_ulonglong) -> Status {
@@ -688,7 +703,8 @@ pub(crate) fn mem_release(handle: c_ulonglong) -> Status {
 
 pub(crate) fn mem_retain_allocation_handle(handle: *mut c_ulonglong, addr: Ptr) -> Status {
     let status = call_real!(cuMemRetainAllocationHandle(handle, addr));
-    if let (Some(e), SUCCESS, Some(h)) = (enforcer(), status, read(handle)) {
+    // SAFETY: `handle` is what the caller passed: null or a readable value of its type (the API's contract).
+    if let (Some(e), SUCCESS, Some(h)) = (enforcer(), status, unsafe { read(handle) }) {
         if let Some(entry) = book(e).handles.get_mut(&h) {
             entry.0 += 1;
         }

@@ -16,7 +16,8 @@ fn slice_view(device: *mut c_void, total: u64) -> Option<(u64, u64)> {
     if call_real!(nvmlDeviceGetUUID(device, name.as_mut_ptr(), name.len() as u32)) != SUCCESS {
         return None;
     }
-    let text = crate::driver::ffi::c_str(name.as_ptr())?;
+    // SAFETY: `name.as_ptr()` is the caller's C string: null or NUL-terminated, alive for this call (the API's contract).
+    let text = unsafe { crate::driver::ffi::c_str(name.as_ptr()) }?;
     let uuid = parse_uuid(text)?;
     let slice = slice_for_nvml(e, &uuid, total).ok()?;
     e.pools.reconcile(e, Some(slice.ledger), false);
@@ -69,9 +70,11 @@ pub(crate) fn memory_info(device: *mut c_void, memory: *mut c_void) -> Status {
     let status = call_real!(nvmlDeviceGetMemoryInfo(device, memory));
     if status == SUCCESS {
         let out = memory.cast::<Memory>();
-        if let Some(m) = read(out) {
+        // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+        if let Some(m) = unsafe { read(out) } {
             if let Some((limit, held)) = slice_view(device, m.total) {
-                write(out, Memory { total: limit, free: limit.saturating_sub(held), used: held });
+                // SAFETY: `out` is the caller's out-pointer: null or writable for its type (the API's contract).
+                unsafe { write(out, Memory { total: limit, free: limit.saturating_sub(held), used: held }) };
             }
         }
     }
@@ -82,10 +85,12 @@ pub(crate) fn memory_info_v2(device: *mut c_void, memory: *mut c_void) -> Status
     let status = call_real!(nvmlDeviceGetMemoryInfo_v2(device, memory));
     if status == SUCCESS {
         let out = memory.cast::<MemoryV2>();
-        if let Some(m) = read(out) {
+        // SAFETY: `out` is what the caller passed: null or a readable value of its type (the API's contract).
+        if let Some(m) = unsafe { read(out) } {
             if let Some((limit, held)) = slice_view(device, m.total) {
                 let free = limit.saturating_sub(held);
-                write(out, MemoryV2 { total: limit, reserved: 0, free, used: held, ..m });
+                // SAFETY: `out` is the caller's out-pointer: null or writable for its type (the API's contract).
+                unsafe { write(out, MemoryV2 { total: limit, reserved: 0, free, used: held, ..m }) };
             }
         }
     }

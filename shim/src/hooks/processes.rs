@@ -147,8 +147,10 @@ fn everything<T: Entry>(
 
 /// Answers the caller's `count`/`out` with the entries of the group's processes only.
 fn answer<T: Entry>(count: *mut c_uint, out: *mut T, kept: &[T]) -> Status {
-    let room = read(count).unwrap_or(0) as usize;
-    write(count, kept.len() as c_uint);
+    // SAFETY: `count` is what the caller passed: null or a readable value of its type (the API's contract).
+    let room = unsafe { read(count) }.unwrap_or(0) as usize;
+    // SAFETY: `count` is the caller's out-pointer: null or writable for its type (the API's contract).
+    unsafe { write(count, kept.len() as c_uint) };
     if kept.len() > room {
         return INSUFFICIENT_SIZE;
     }
@@ -173,7 +175,8 @@ fn filtered<T: Entry>(
     mut real: impl FnMut(*mut c_uint, *mut T) -> Status,
 ) -> Status {
     let Some(pids) = visible() else { return real(count, out) };
-    let Some(room) = read(count) else { return real(count, out) };
+    // SAFETY: `count` is what the caller passed: null or a readable value of its type (the API's contract).
+    let Some(room) = (unsafe { read(count) }) else { return real(count, out) };
     let (status, all) = everything(room as usize, &mut real);
     if status != SUCCESS {
         return status;
@@ -212,7 +215,8 @@ pub(crate) fn utilization(device: Ptr, samples: Ptr, count: *mut c_uint, last_se
     let status = filtered(count, samples.cast::<UtilizationSample>(), |n, buffer: *mut UtilizationSample| {
         call_real!(nvmlDeviceGetProcessUtilization(device, buffer.cast(), n, last_seen))
     });
-    none_is_not_found(status, read(count))
+    // SAFETY: `count` is what the caller passed: null or a readable value of its type (the API's contract).
+    none_is_not_found(status, unsafe { read(count) })
 }
 
 /// A utilization answer of no sample, as NVML gives it.
@@ -229,11 +233,14 @@ fn none_is_not_found(status: Status, count: Option<c_uint>) -> Status {
 pub(crate) fn utilization_info(device: Ptr, info: Ptr) -> Status {
     let list = info.cast::<UtilizationList>();
     let real = |l: *mut UtilizationList| call_real!(nvmlDeviceGetProcessesUtilizationInfo(device, l.cast()));
-    let (Some(pids), Some(caller)) = (visible(), read(list)) else { return real(list) };
+    // SAFETY: `list` is what the caller passed: null or a readable value of its type (the API's contract).
+    let (Some(pids), Some(caller)) = (visible(), unsafe { read(list) }) else { return real(list) };
     let (status, all) = everything(caller.count as usize, |n, buffer| {
-        let mut mine = UtilizationList { count: read(n).unwrap_or(0), entries: buffer, ..caller };
+        // SAFETY: `n` is what the caller passed: null or a readable value of its type (the API's contract).
+        let mut mine = UtilizationList { count: unsafe { read(n) }.unwrap_or(0), entries: buffer, ..caller };
         let status = real(&mut mine);
-        write(n, mine.count);
+        // SAFETY: `n` is the caller's out-pointer: null or writable for its type (the API's contract).
+        unsafe { write(n, mine.count) };
         status
     });
     if status != SUCCESS {
@@ -242,7 +249,8 @@ pub(crate) fn utilization_info(device: Ptr, info: Ptr) -> Status {
     let kept = of_group(all, &pids);
     let mut count = caller.count;
     let status = answer(&mut count, caller.entries, &kept);
-    write(list, UtilizationList { count, ..caller });
+    // SAFETY: `list` is the caller's out-pointer: null or writable for its type (the API's contract).
+    unsafe { write(list, UtilizationList { count, ..caller }) };
     none_is_not_found(status, Some(count))
 }
 

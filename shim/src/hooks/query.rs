@@ -67,11 +67,15 @@ pub extern "C" fn gpufrac_device_count() -> c_int {
 }
 
 /// Fills `out` for CUDA device `device`; 0 on success, -1 otherwise.
+///
+/// # Safety
+/// `out` is null or points to a writable `GpufracDeviceInfo` (gpufrac.h).
 #[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn gpufrac_device_info(device: c_int, out: *mut GpufracDeviceInfo) -> c_int {
+pub unsafe extern "C" fn gpufrac_device_info(device: c_int, out: *mut GpufracDeviceInfo) -> c_int {
     safely(-1, || {
         let i = info(device)?;
-        (!out.is_null()).then(|| crate::driver::ffi::write(out, i)).map(|_| 0)
+        // SAFETY: `out` is the caller's out-pointer: null or writable for its type (the API's contract).
+        (!out.is_null()).then(|| unsafe { crate::driver::ffi::write(out, i) }).map(|_| 0)
     })
 }
 

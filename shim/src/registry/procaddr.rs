@@ -20,13 +20,15 @@ type Ptr = *mut c_void;
 /// After the driver answered a lookup: hand out the hook instead, if the symbol the
 /// driver resolved (by version and stream flavour) is hooked.
 fn substitute(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulonglong) {
-    let Some(name) = c_str(symbol) else { return };
+    // SAFETY: `symbol` is the caller's C string: null or NUL-terminated, alive for this call (the API's contract).
+    let Some(name) = (unsafe { c_str(symbol) }) else { return };
     if !enabled() {
         return;
     }
     if let ProcQuery::Found(exported) = resolve(name, version, flags) {
         if let Some(hook) = lookup(exported) {
-            write(pfn, hook);
+            // SAFETY: `pfn` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(pfn, hook) };
             return;
         }
     }
@@ -35,8 +37,12 @@ fn substitute(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulo
     if name.starts_with("cu")
         && crate::enforcer::enforcer_any().is_some_and(|e| e.config.park_after.is_some())
     {
-        if let Some(thunk) = crate::driver::ffi::read(pfn).and_then(crate::control::thunks::thunk_for) {
-            write(pfn, thunk);
+        // SAFETY: `pfn` is what the caller passed: null or a readable value of its type (the API's contract).
+        if let Some(thunk) =
+            unsafe { crate::driver::ffi::read(pfn) }.and_then(crate::control::thunks::thunk_for)
+        {
+            // SAFETY: `pfn` is the caller's out-pointer: null or writable for its type (the API's contract).
+            unsafe { write(pfn, thunk) };
         }
     }
 }
@@ -74,7 +80,8 @@ pub(crate) fn get_proc_address_v2(
 /// point, which fails closed). Never panics and allocates nothing.
 #[cfg_attr(not(test), no_mangle)]
 pub extern "C" fn gpufrac_core_lookup(name: *const c_char) -> Ptr {
-    let Some(name) = c_str(name) else { return std::ptr::null_mut() };
+    // SAFETY: `name` is the caller's C string: null or NUL-terminated, alive for this call (the API's contract).
+    let Some(name) = (unsafe { c_str(name) }) else { return std::ptr::null_mut() };
     match catch_unwind(|| if enabled() { lookup(name) } else { None }) {
         Ok(hook) => hook.unwrap_or(std::ptr::null_mut()),
         Err(_) => crate::driver::hook_list::LOOKUP_FAILED as Ptr,
