@@ -36,11 +36,11 @@ use std::time::{Duration, Instant};
 use gpufrac_common::protocol::{DeviceId, Reply};
 use tokio::sync::{mpsc, Notify};
 
-use super::document::{EventKind, EventLog};
+use super::document::{EventKind, EventLog, Status};
 use super::gpus::ProcessList;
 use super::metrics::{GpuLabel, Metrics};
-use super::policy::{uuid_string, ConnId, Policy};
-use crate::entitlement::identity::Pidfd;
+use super::policy::{uuid_string, ConnId, FollowUp, Policy};
+use crate::entitlement::identity::{self, Pidfd};
 use crate::entitlement::Entitlements;
 
 mod backstop;
@@ -64,7 +64,7 @@ pub use endings::{Signals, Terminator};
 pub use listener::serve;
 pub use parking::ParkWith;
 
-use bursts::Queued;
+use bursts::Queue;
 use connection::Who;
 use document::EVENTS_KEPT;
 use endings::Ending;
@@ -133,10 +133,11 @@ impl Default for Options {
     }
 }
 
-/// State shared by every connection. Each concern keeps its own part in its own file
-/// (the connection caps in `listener.rs`, the entitlement lookups in `peers.rs`, the log
-/// budgets in `logs.rs`); the table of open connections is reached through the small
-/// methods below.
+/// State shared by every connection. Each concern keeps its own part in a type of its own
+/// file (the connection caps in `listener.rs`, the entitlement lookups in `peers.rs`, the
+/// log budgets in `logs.rs`, the bursts queued in `bursts.rs`); the table of open
+/// connections is reached through the small methods below, and what must follow a change
+/// to the policy is done by [`Shared::follow_up`], the one place that does it.
 pub struct Shared {
     options: Options,
     terminator: Box<dyn Terminator>,
@@ -157,14 +158,13 @@ pub struct Shared {
     /// Open connections per UID, the pin reserve, the next connection's number.
     admissions: Admissions,
     /// The entitlement source, its verdicts, the lookups in flight.
-    lookups: Lookups,
+    lookups: Arc<Lookups>,
     /// Log lines about peers, rate-limited per UID.
     logs: Logs,
     /// The last events logged at INFO or WARN, for `gpufrac top`.
     events: Mutex<EventLog>,
-    /// Bursts queued and not answered yet, by connection and sequence number: what the
-    /// status lists as waiting (with what each needs).
-    queued: Mutex<HashMap<(ConnId, u64), Queued>>,
+    /// Bursts queued and not answered yet: what the status lists as waiting.
+    queued: Queue,
     /// The driver's checkpoint API, once loaded (`None`: not available; parks use the
     /// shim's swap).
     checkpoint_api: std::sync::OnceLock<Option<Arc<crate::checkpoint::CheckpointApi>>>,
@@ -223,14 +223,14 @@ impl Shared {
             conns: Mutex::new(HashMap::new()),
             writers: Mutex::new(HashMap::new()),
             admissions: Admissions::new(),
-            lookups: Lookups::new(entitlements),
+            lookups: Arc::new(Lookups::new(entitlements)),
             logs: Logs::new(),
             ending: Mutex::new(HashMap::new()),
             policy: Mutex::new(policy),
             metrics: Arc::new(Metrics::new()),
             labels: gpus.iter().map(|(id, _)| (*id, GpuLabel { gpu: uuid_string(id) })).collect(),
             events: Mutex::new(EventLog::new(EVENTS_KEPT)),
-            queued: Mutex::new(HashMap::new()),
+            queued: Queue::default(),
             checkpoint_api: std::sync::OnceLock::new(),
             leases_changed: Notify::new(),
             asked_to_give_back: Mutex::new(HashMap::new()),
@@ -288,8 +288,71 @@ impl Shared {
             let _ = tx.send(reply.encode());
         }
     }
+
+    /// The most host RAM the process on `conn` can really hold for swapped-out memory
+    /// (its resident and swapped host memory, read while its pidfd shows it alive, so the
+    /// file was its own): a report of more is not believed. Without a pidfd it cannot be
+    /// read safely: a process the arbiter cannot pin is believed to keep nothing there.
+    fn host_memory_cap(&self, conn: ConnId, pid: u32) -> u64 {
+        let Some(pidfd) = self.pidfd(conn) else { return 0 };
+        let held = identity::host_memory_of(pid);
+        match held {
+            Some(bytes) if pidfd.alive() => bytes,
+            _ => 0,
+        }
+    }
+
+    /// Does what must follow a change to the policy, under the lock the change was made
+    /// with (`policy`), in this order: answers to queued bursts, then to wakes, then lease
+    /// orders; holders asked to give back and the priority resolver, the swap resolver,
+    /// reclaim, a parking step; last the lease task woken. Every change goes through here:
+    /// what follows which is decided by the policy ([`FollowUp`]), never by the caller.
+    fn follow_up(self: &Arc<Self>, policy: &mut Policy, follow: FollowUp) {
+        let FollowUp { answers, wakes, leases, contended, swap, reclaim, park, wake_leases } = follow;
+        bursts::deliver(self, policy, answers);
+        parking::deliver_wakes(self, policy, wakes);
+        for (conn, device, state) in leases {
+            self.send(conn, &Reply::Lease { device, state });
+        }
+        if contended {
+            resolvers::ask_to_give_back(self, policy);
+            resolvers::resolve_priority(self, policy);
+        }
+        if swap {
+            resolvers::resolve_swap(self, policy);
+        }
+        if reclaim {
+            resolvers::reclaim_guarantees(self, policy);
+        }
+        if park {
+            parking::park_step(self, policy);
+        }
+        if wake_leases {
+            self.leases_changed.notify_one();
+        }
+    }
+
+    /// The status document, every process listed (what metrics are made from).
+    pub fn status(&self) -> Status {
+        document::status(self, &self.policy())
+    }
+
+    /// The status document served to `gpufrac status`: a bounded number of processes
+    /// listed (per GPU and in all), the rest counted, so that it stays under the CLI's
+    /// limit on a frame however many processes there are.
+    pub fn status_listed(&self) -> Status {
+        document::status_listed(self, &self.policy())
+    }
+
+    /// Loads the driver's checkpoint API now, failing if it is missing (`--park-with
+    /// checkpoint`).
+    pub fn require_checkpoint_api(&self) -> Result<(), String> {
+        parking::require_checkpoint_api(self)
+    }
 }
 
+/// What the rooms' unit tests call on the server state, as they called it when each room
+/// was a block of `impl Shared`.
 #[cfg(test)]
 impl Shared {
     /// Keeps an open connection as `accepted` does, its pidfd already taken; returns the
@@ -298,5 +361,43 @@ impl Shared {
         let close = self.open(conn);
         self.pin(conn, pidfd.map(Arc::new));
         close
+    }
+
+    fn admit(&self, who: Who, evict: Arc<Notify>) -> listener::Admission {
+        self.admissions.admit(who, evict, self.options.max_connections_per_uid)
+    }
+
+    fn identified(&self, who: Who) {
+        self.admissions.identified(who)
+    }
+
+    fn leave(&self, who: Who) {
+        self.admissions.leave(who)
+    }
+
+    fn evict_oldest(&self) -> bool {
+        self.admissions.evict_oldest()
+    }
+
+    async fn verdict(self: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
+        peers::verdict(self, who).await
+    }
+
+    fn signal(&self, conn: ConnId, pid: u32, signal: i32) {
+        endings::signal(self, conn, pid, signal)
+    }
+
+    fn end(
+        &self,
+        ending: &mut HashMap<ConnId, Ending>,
+        victim: &super::policy::Victim,
+        reason: &str,
+        now: Instant,
+    ) {
+        endings::end(self, ending, victim, reason, now)
+    }
+
+    fn ending(&self, now: Instant) -> MutexGuard<'_, HashMap<ConnId, Ending>> {
+        endings::ending(self, &self.policy(), now)
     }
 }

@@ -24,6 +24,7 @@ use super::document::{GpuStatus, ProcessStatus, Status};
 mod backstop;
 mod compute;
 mod contexts;
+mod follow_up;
 mod ledger;
 mod park;
 mod priority;
@@ -35,6 +36,7 @@ mod wait;
 
 pub use backstop::{EnforceLimits, Finding, DEFAULT_ENFORCE_GRACE};
 pub use compute::{LeaseOrder, PERIOD as LEASE_PERIOD};
+pub use follow_up::FollowUp;
 pub use park::{ParkOrder, WakeAnswer, WakeOutcome};
 pub use reclaim::{Reclaim, DEFAULT_RECLAIM_GRACE};
 

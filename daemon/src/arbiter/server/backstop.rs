@@ -5,56 +5,58 @@
 
 use std::time::Instant;
 
+use super::document::record;
+use super::endings::{end, ending};
 use super::{EventKind, Shared};
-use crate::arbiter::policy::{uuid_string, EnforceLimits, Finding};
+use crate::arbiter::policy::{uuid_string, EnforceLimits, Finding, Policy};
 
-impl Shared {
-    /// Acts on what the last comparison of the device's count with the shims' found.
-    pub(super) fn backstop(&self) {
-        let findings = self.policy().take_findings();
-        for finding in findings {
-            match finding {
-                Finding::Found { device, group, pids, conn, bytes, used, limit } => {
-                    let gpu = uuid_string(&device);
-                    let listed: Vec<String> =
-                        pids.iter().map(|(pid, used)| format!("{pid} ({used} bytes)")).collect();
-                    tracing::warn!(
-                        %gpu,
-                        %group,
-                        pids = %listed.join(", "),
-                        bytes,
-                        used,
-                        limit,
-                        enforce = ?self.options.enforce_limits,
-                        "group {group} holds {bytes} bytes beyond what its shims counted (the device shows {used} bytes used by PIDs {}, limit {limit}): charged to it",
-                        listed.join(", ")
-                    );
-                    // Named after its largest user.
-                    let pid = pids.iter().max_by_key(|(_, used)| *used).map_or(0, |(pid, _)| *pid);
-                    let detail = format!("held beyond its shims' count, by the device's (group using {used} bytes, limit {limit})");
-                    self.record(conn, pid, gpu, EventKind::Uncounted, bytes, detail);
-                }
-                Finding::Cleared { device, group } => {
-                    tracing::info!(gpu = %uuid_string(&device), %group, "group {group} no longer holds memory beyond what its shims counted: the charge is gone");
-                }
+/// Acts on what the last comparison of the device's count with the shims' found.
+pub(super) fn backstop(shared: &Shared, policy: &mut Policy) {
+    let findings = policy.take_findings();
+    for finding in findings {
+        match finding {
+            Finding::Found { device, group, pids, conn, bytes, used, limit } => {
+                let gpu = uuid_string(&device);
+                let listed: Vec<String> =
+                    pids.iter().map(|(pid, used)| format!("{pid} ({used} bytes)")).collect();
+                tracing::warn!(
+                    %gpu,
+                    %group,
+                    pids = %listed.join(", "),
+                    bytes,
+                    used,
+                    limit,
+                    enforce = ?shared.options.enforce_limits,
+                    "group {group} holds {bytes} bytes beyond what its shims counted (the device shows {used} bytes used by PIDs {}, limit {limit}): charged to it",
+                    listed.join(", ")
+                );
+                // Named after its largest user.
+                let pid = pids.iter().max_by_key(|(_, used)| *used).map_or(0, |(pid, _)| *pid);
+                let detail = format!(
+                    "held beyond its shims' count, by the device's (group using {used} bytes, limit {limit})"
+                );
+                record(shared, policy, conn, pid, gpu, EventKind::Uncounted, bytes, detail);
+            }
+            Finding::Cleared { device, group } => {
+                tracing::info!(gpu = %uuid_string(&device), %group, "group {group} no longer holds memory beyond what its shims counted: the charge is gone");
             }
         }
-        if self.options.enforce_limits != EnforceLimits::End {
-            return;
-        }
-        let now = Instant::now();
-        let mut ending = self.ending(now);
-        let spared: Vec<_> = ending.keys().copied().collect();
-        let victims = self.policy().over_limit_victims(now, self.options.enforce_grace, &spared);
-        let mut groups = std::collections::BTreeSet::new();
-        for (device, v) in victims {
-            tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "--enforce-limits end: ending a process of a group past its limit by the device's count");
-            let detail = format!("--enforce-limits end: {}", v.why);
-            self.record(v.conn, v.pid, uuid_string(&device), EventKind::Ended, v.bytes, detail);
-            self.end(&mut ending, &v, "over-limit", now);
-            // One group per GPU, however many processes it had.
-            groups.insert((device, v.group.clone()));
-        }
-        self.metrics.groups_ended_over_limit.inc_by(groups.len() as u64);
     }
+    if shared.options.enforce_limits != EnforceLimits::End {
+        return;
+    }
+    let now = Instant::now();
+    let mut ending = ending(shared, policy, now);
+    let spared: Vec<_> = ending.keys().copied().collect();
+    let victims = policy.over_limit_victims(now, shared.options.enforce_grace, &spared);
+    let mut groups = std::collections::BTreeSet::new();
+    for (device, v) in victims {
+        tracing::warn!(pid = v.pid, group = %v.group, bytes = v.bytes, why = %v.why, "--enforce-limits end: ending a process of a group past its limit by the device's count");
+        let detail = format!("--enforce-limits end: {}", v.why);
+        record(shared, policy, v.conn, v.pid, uuid_string(&device), EventKind::Ended, v.bytes, detail);
+        end(shared, &mut ending, &v, "over-limit", now);
+        // One group per GPU, however many processes it had.
+        groups.insert((device, v.group.clone()));
+    }
+    shared.metrics.groups_ended_over_limit.inc_by(groups.len() as u64);
 }

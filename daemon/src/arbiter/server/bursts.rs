@@ -1,18 +1,19 @@
-//! Bursts: answers to queued bursts (granted after a wait, denied), counted and logged,
-//! and what the server keeps of each burst still queued.
+//! Bursts: acquires, releases and swaps; answers to queued bursts (granted after a wait,
+//! denied), counted and logged; and what the server keeps of each burst still queued.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::protocol::{Denial, DeviceId, Reply, SwapDirection};
 
 use super::connection::Connection;
+use super::document::record;
 use super::frames::reply;
 use super::Shared;
 use crate::arbiter::document::EventKind;
 use crate::arbiter::metrics::Refusal;
-use crate::arbiter::policy::Outcome;
-use crate::arbiter::policy::{uuid_string, Answer, ConnId};
+use crate::arbiter::policy::{uuid_string, Answer, ConnId, Outcome, Policy};
 
 /// A burst that waited at least this long is logged at INFO (shorter waits at debug: a
 /// burst asks in chunks, and most chunks wait a little while bursts take turns).
@@ -27,56 +28,79 @@ pub(super) struct Queued {
     pub(super) since: Instant,
 }
 
-impl Shared {
-    /// Forgets the bursts `conn` had queued (it closed).
-    pub(super) fn forget_queued(&self, conn: ConnId) {
-        self.queued.lock().unwrap_or_else(|p| p.into_inner()).retain(|(c, _), _| *c != conn);
+/// The bursts queued and not answered yet, by connection and sequence number: what the
+/// status lists as waiting (with what each needs).
+#[derive(Default)]
+pub(super) struct Queue(Mutex<HashMap<(ConnId, u64), Queued>>);
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(ConnId, u64), Queued>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends the answers to queued bursts, counts and logs them.
-    pub(super) fn deliver(&self, answers: Vec<Answer>) {
-        for a in answers {
-            let asked = self.queued.lock().unwrap_or_else(|p| p.into_inner()).remove(&(a.conn, a.seq));
-            // Answers come from the ledger, so always for a GPU it manages.
-            let gpu = self.label(&a.device);
-            let uuid = uuid_string(&a.device);
-            let (pid, group) =
-                self.policy().peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
-            if let Some(gpu) = gpu {
-                self.metrics.wait_seconds.get_or_create(gpu).observe(a.waited.as_secs_f64());
+    /// Keeps a burst that went into the queue.
+    fn insert(&self, conn: ConnId, seq: u64, queued: Queued) {
+        self.lock().insert((conn, seq), queued);
+    }
+
+    /// The burst answered now, if it was kept.
+    fn take(&self, conn: ConnId, seq: u64) -> Option<Queued> {
+        self.lock().remove(&(conn, seq))
+    }
+
+    /// Forgets the bursts `conn` had queued (it closed).
+    pub(super) fn forget(&self, conn: ConnId) {
+        self.lock().retain(|(c, _), _| *c != conn);
+    }
+
+    /// What `f` makes of each burst kept, where it makes something.
+    pub(super) fn listed<T>(&self, f: impl FnMut(&Queued) -> Option<T>) -> Vec<T> {
+        self.lock().values().filter_map(f).collect()
+    }
+}
+
+/// Sends the answers to queued bursts, counts and logs them.
+pub(super) fn deliver(shared: &Shared, policy: &Policy, answers: Vec<Answer>) {
+    for a in answers {
+        let asked = shared.queued.take(a.conn, a.seq);
+        // Answers come from the ledger, so always for a GPU it manages.
+        let gpu = shared.label(&a.device);
+        let uuid = uuid_string(&a.device);
+        let (pid, group) = policy.peer(a.conn).map_or((0, String::new()), |p| (p.pid, p.group.clone()));
+        if let Some(gpu) = gpu {
+            shared.metrics.wait_seconds.get_or_create(gpu).observe(a.waited.as_secs_f64());
+        }
+        match a.result {
+            Ok(bytes) => {
+                if let Some(gpu) = gpu {
+                    shared.metrics.grants.get_or_create(gpu).inc();
+                    shared.metrics.granted_bytes.get_or_create(gpu).inc_by(bytes);
+                }
+                // Operators see bursts that waited long, not allocator traffic.
+                if a.waited >= LOGGED_WAIT {
+                    tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "a burst waited {} ms for its memory", a.waited.as_millis());
+                    let detail = format!("waited {} ms for its memory", a.waited.as_millis());
+                    record(shared, policy, a.conn, pid, uuid.clone(), EventKind::Waited, bytes, detail);
+                } else {
+                    tracing::debug!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
+                }
+                shared.send(a.conn, &Reply::Granted { seq: a.seq, bytes });
             }
-            match a.result {
-                Ok(bytes) => {
-                    if let Some(gpu) = gpu {
-                        self.metrics.grants.get_or_create(gpu).inc();
-                        self.metrics.granted_bytes.get_or_create(gpu).inc_by(bytes);
-                    }
-                    // Operators see bursts that waited long, not allocator traffic.
-                    if a.waited >= LOGGED_WAIT {
-                        tracing::info!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "a burst waited {} ms for its memory", a.waited.as_millis());
-                        let detail = format!("waited {} ms for its memory", a.waited.as_millis());
-                        self.record(a.conn, pid, uuid.clone(), EventKind::Waited, bytes, detail);
-                    } else {
-                        tracing::debug!(pid, %group, gpu = %uuid, bytes, waited_ms = a.waited.as_millis() as u64, "grant after wait");
-                    }
-                    self.send(a.conn, &Reply::Granted { seq: a.seq, bytes });
+            Err(reason) => {
+                if let (Denial::Timeout, Some(gpu)) = (reason, gpu) {
+                    shared.metrics.timeouts.get_or_create(gpu).inc();
                 }
-                Err(reason) => {
-                    if let (Denial::Timeout, Some(gpu)) = (reason, gpu) {
-                        self.metrics.timeouts.get_or_create(gpu).inc();
-                    }
-                    if reason == Denial::Deadlock {
-                        // Not an out-of-memory error yet: its shim gives back what it was
-                        // lent and does not use, and asks again.
-                        tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "a circle of waits broken: every borrower waited, this one is refused its burst");
-                    } else {
-                        tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
-                    }
-                    let detail = format!("{reason:?} after waiting {} ms", a.waited.as_millis());
-                    let bytes = asked.map_or(0, |q| q.bytes);
-                    self.record(a.conn, pid, uuid.clone(), EventKind::Denied, bytes, detail);
-                    self.send(a.conn, &Reply::Denied { seq: a.seq, reason });
+                if reason == Denial::Deadlock {
+                    // Not an out-of-memory error yet: its shim gives back what it was
+                    // lent and does not use, and asks again.
+                    tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "a circle of waits broken: every borrower waited, this one is refused its burst");
+                } else {
+                    tracing::info!(pid, %group, gpu = %uuid, waited_ms = a.waited.as_millis() as u64, ?reason, "burst denied");
                 }
+                let detail = format!("{reason:?} after waiting {} ms", a.waited.as_millis());
+                let bytes = asked.map_or(0, |q| q.bytes);
+                record(shared, policy, a.conn, pid, uuid.clone(), EventKind::Denied, bytes, detail);
+                shared.send(a.conn, &Reply::Denied { seq: a.seq, reason });
             }
         }
     }
@@ -87,6 +111,7 @@ impl Shared {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn on_acquire(
     shared: &Arc<Shared>,
+    policy: &mut Policy,
     c: &Connection,
     out: &mut Vec<u8>,
     seq: u64,
@@ -97,7 +122,8 @@ pub(super) fn on_acquire(
     resume: bool,
 ) {
     let (conn, pid) = (c.who.conn, c.who.pid);
-    let outcome = shared.policy().acquire(conn, device, seq, bytes, preferred, held, resume, Instant::now());
+    let now = Instant::now();
+    let (outcome, follow) = policy.on_acquire(conn, device, seq, bytes, preferred, held, resume, now);
     // No metric series for a device ID the arbiter does not manage.
     let gpu = shared.label(&device);
     match outcome {
@@ -112,41 +138,43 @@ pub(super) fn on_acquire(
             if let Some(gpu) = gpu {
                 shared.metrics.waits.get_or_create(gpu).inc();
             }
-            let queued = Queued { device, pid, bytes, resume, since: Instant::now() };
-            shared.queued.lock().unwrap_or_else(|p| p.into_inner()).insert((conn, seq), queued);
+            shared.queued.insert(conn, seq, Queued { device, pid, bytes, resume, since: now });
             tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst waits: memory is lent out");
             // A process whose burst memory is in host RAM gets nothing new until it is back:
             // its burst waits for its swap-in, which the swap resolver tells it to ask for.
-            if !resume && shared.policy().swapped_out(conn, &device) {
+            if !resume && policy.swapped_out(conn, &device) {
                 tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "burst held back until its process is swapped back in");
             }
-            let answers = shared.policy().settle(device, Instant::now());
-            shared.deliver(answers);
-            shared.ask_to_give_back();
-            shared.resolve_priority();
-            shared.resolve_swap();
         }
         Outcome::Denied(reason) => {
             shared.metrics.refusals.get_or_create(&Refusal { reason: format!("{reason:?}") }).inc();
             reply(out, &Reply::Denied { seq, reason });
         }
     }
+    // Queued: the queue settled at once, and the resolvers look.
+    shared.follow_up(policy, follow);
 }
 
-/// A `Release`: memory given back, which may answer bursts waiting for it.
-pub(super) fn on_release(shared: &Shared, c: &Connection, device: DeviceId, bytes: u64, held: u64) {
-    let conn = c.who.conn;
-    let answers = shared.policy().release(conn, device, bytes, held, Instant::now());
-    if !answers.is_empty() {
-        shared.deliver(answers);
-    }
+/// A `Release`: memory given back, which may answer bursts (and wakes) waiting for it
+/// (see [`Policy::on_release`] for what follows).
+pub(super) fn on_release(
+    shared: &Arc<Shared>,
+    policy: &mut Policy,
+    c: &Connection,
+    device: DeviceId,
+    bytes: u64,
+    held: u64,
+) {
+    let follow = policy.on_release(c.who.conn, device, bytes, held, Instant::now());
+    shared.follow_up(policy, follow);
 }
 
 /// A `Swapped`: the shim moved memory to host RAM or back; counted and logged only on a
 /// GPU the connection is registered on, its host memory believed up to what it can hold.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn on_swapped(
-    shared: &Shared,
+    shared: &Arc<Shared>,
+    policy: &mut Policy,
     c: &Connection,
     device: DeviceId,
     direction: SwapDirection,
@@ -159,21 +187,21 @@ pub(super) fn on_swapped(
     let (conn, pid, uid) = (c.who.conn, c.who.pid, c.who.uid);
     // Counted and logged only for a GPU this connection is registered on: any
     // other device ID would make a metric series per frame.
-    let member = shared.policy().is_member(conn, &device);
+    let member = policy.is_member(conn, &device);
     if let (true, Some(gpu)) = (member, shared.label(&device)) {
         let direction = direction.as_str();
         let took = Duration::from_micros(micros);
-        if shared.connection_line(uid).is_some() {
+        if shared.logs.connection_line(uid).is_some() {
             tracing::info!(pid, gpu = %gpu.gpu, bytes, host_bytes, granted, ms = took.as_millis() as u64, us = micros, "swapped {direction}");
         }
         if bytes > 0 {
             shared.metrics.count_swap(gpu, direction, bytes, took);
             let kind = if direction == "in" { EventKind::SwappedIn } else { EventKind::SwappedOut };
             let detail = format!("swapped {direction} in {} ms", took.as_millis());
-            shared.record(conn, pid, gpu.gpu.clone(), kind, bytes, detail);
+            record(shared, policy, conn, pid, gpu.gpu.clone(), kind, bytes, detail);
         }
     }
     let host_bytes = if host_bytes > 0 { host_bytes.min(shared.host_memory_cap(conn, pid)) } else { 0 };
-    let answers = shared.policy().swapped(conn, device, granted, host_bytes, held, Instant::now());
-    shared.deliver(answers);
+    let follow = policy.on_swapped(conn, device, granted, host_bytes, held, Instant::now());
+    shared.follow_up(policy, follow);
 }

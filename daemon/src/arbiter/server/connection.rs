@@ -34,7 +34,7 @@ pub(super) struct Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.shared.leave(self.who);
+        self.shared.admissions.leave(self.who);
     }
 }
 
@@ -54,6 +54,9 @@ pub(super) struct Connection {
     pub(super) capped_logged: bool,
     /// May see every tenant in `gpufrac status` (root or `--admin-group`).
     pub(super) admin: bool,
+    /// Its verdict was looked up again and answered: what it declared is believed again
+    /// at its registration.
+    pub(super) believe_again: bool,
 }
 
 /// Whether a connection goes on after a frame.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{ConnHandle, Shared};
 use crate::arbiter::metrics::Refusal;
-use crate::arbiter::policy::{ConnId, Victim};
+use crate::arbiter::policy::{ConnId, Policy, Victim};
 use crate::entitlement::identity::Pidfd;
 
 /// The two signals processes are ended with, as the `i32` a pidfd is sent.
@@ -40,75 +40,77 @@ pub(super) struct Ending {
     pub(super) killed: bool,
 }
 
-impl Shared {
-    /// Ends `victim`: SIGTERM now, SIGKILL after `--kill-grace` if it is still connected;
-    /// its memory comes back when its connection closes.
-    pub(super) fn end(
-        &self,
-        ending: &mut HashMap<ConnId, Ending>,
-        victim: &Victim,
-        reason: &str,
-        now: Instant,
-    ) {
-        self.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
-        self.signal(victim.conn, victim.pid, SIGTERM);
-        ending.insert(victim.conn, Ending { pid: victim.pid, since: now, killed: false });
-    }
+/// Ends `victim`: SIGTERM now, SIGKILL after `--kill-grace` if it is still connected;
+/// its memory comes back when its connection closes.
+pub(super) fn end(
+    shared: &Shared,
+    ending: &mut HashMap<ConnId, Ending>,
+    victim: &Victim,
+    reason: &str,
+    now: Instant,
+) {
+    shared.metrics.terminations.get_or_create(&Refusal { reason: reason.into() }).inc();
+    signal(shared, victim.conn, victim.pid, SIGTERM);
+    ending.insert(victim.conn, Ending { pid: victim.pid, since: now, killed: false });
+}
 
-    /// Signals the process that opened `conn`, through its pidfd only. Without a pidfd
-    /// nothing is sent (such a process is never chosen; this is a second guard). If that
-    /// process is gone while its connection lives on (it forked and exited, leaving the
-    /// connection to a child), its PID may be anyone's now: nothing is signalled, and the
-    /// connection is closed, which releases what it held in the ledger (what the child
-    /// still uses, NVML then shows as memory outside gpufrac, never lent).
-    pub(super) fn signal(&self, conn: ConnId, pid: u32, signal: i32) {
-        let Some(ConnHandle { pidfd, close }) = self.conn_handle(conn) else { return };
-        let Some(pidfd) = pidfd else {
+/// Signals the process that opened `conn`, through its pidfd only. Without a pidfd
+/// nothing is sent (such a process is never chosen; this is a second guard). If that
+/// process is gone while its connection lives on (it forked and exited, leaving the
+/// connection to a child), its PID may be anyone's now: nothing is signalled, and the
+/// connection is closed, which releases what it held in the ledger (what the child
+/// still uses, NVML then shows as memory outside gpufrac, never lent).
+pub(super) fn signal(shared: &Shared, conn: ConnId, pid: u32, signal: i32) {
+    let Some(ConnHandle { pidfd, close }) = shared.conn_handle(conn) else { return };
+    let Some(pidfd) = pidfd else {
+        tracing::warn!(
+            pid,
+            conn,
+            "not signalling PID {pid}: the arbiter has no pidfd for it (a PID alone may be reused)"
+        );
+        return;
+    };
+    match shared.terminator.signal(pid, &pidfd, signal) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ESRCH as i32) => {
+            tracing::warn!(pid, conn, "the process that connected as PID {pid} has exited but its connection is still open (held by a child?): not signalling PID {pid}, which may be reused; closing the connection");
+            close.notify_one();
+        }
+        Err(e) => tracing::warn!(pid, conn, "cannot signal PID {pid} through its pidfd: {e}"),
+    }
+}
+
+/// Connections being ended: those past the grace period get SIGKILL; those gone (no
+/// longer in `policy`) are forgotten. Returns the ones still under way.
+pub(super) fn ending<'a>(
+    shared: &'a Shared,
+    policy: &Policy,
+    now: Instant,
+) -> MutexGuard<'a, HashMap<ConnId, Ending>> {
+    let mut ending = shared.ending.lock().unwrap_or_else(|p| p.into_inner());
+    for (conn, e) in ending.iter_mut() {
+        let overdue = now.saturating_duration_since(e.since) >= shared.options.kill_grace;
+        if !overdue || policy.peer(*conn).is_none() {
+            continue;
+        }
+        if !e.killed {
+            tracing::warn!(pid = e.pid, "still running after --kill-grace: SIGKILL");
+            signal(shared, *conn, e.pid, SIGKILL);
+            (e.since, e.killed) = (now, true);
+        } else if let Some(handle) = shared.conn_handle(*conn) {
+            // Connected a grace after SIGKILL: the process that connected cannot be
+            // running (a zombie whose children hold its connection?). Its connection is
+            // closed; whatever memory is still in use NVML shows as outside gpufrac.
             tracing::warn!(
-                pid,
-                conn,
-                "not signalling PID {pid}: the arbiter has no pidfd for it (a PID alone may be reused)"
+                pid = e.pid,
+                "still connected a --kill-grace after SIGKILL: closing its connection"
             );
-            return;
-        };
-        match self.terminator.signal(pid, &pidfd, signal) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ESRCH as i32) => {
-                tracing::warn!(pid, conn, "the process that connected as PID {pid} has exited but its connection is still open (held by a child?): not signalling PID {pid}, which may be reused; closing the connection");
-                close.notify_one();
-            }
-            Err(e) => tracing::warn!(pid, conn, "cannot signal PID {pid} through its pidfd: {e}"),
+            handle.close.notify_one();
+            e.since = now + Duration::from_secs(3600);
         }
     }
-
-    /// Connections being ended: those past the grace period get SIGKILL; those gone are
-    /// forgotten. Returns the ones still under way.
-    pub(super) fn ending(&self, now: Instant) -> MutexGuard<'_, HashMap<ConnId, Ending>> {
-        let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
-        for (conn, e) in ending.iter_mut() {
-            let overdue = now.saturating_duration_since(e.since) >= self.options.kill_grace;
-            if !overdue || self.policy().peer(*conn).is_none() {
-                continue;
-            }
-            if !e.killed {
-                tracing::warn!(pid = e.pid, "still running after --kill-grace: SIGKILL");
-                self.signal(*conn, e.pid, SIGKILL);
-                (e.since, e.killed) = (now, true);
-            } else if let Some(handle) = self.conn_handle(*conn) {
-                // Connected a grace after SIGKILL: the process that connected cannot be
-                // running (a zombie whose children hold its connection?). Its connection is
-                // closed; whatever memory is still in use NVML shows as outside gpufrac.
-                tracing::warn!(
-                    pid = e.pid,
-                    "still connected a --kill-grace after SIGKILL: closing its connection"
-                );
-                handle.close.notify_one();
-                e.since = now + Duration::from_secs(3600);
-            }
-        }
-        ending.retain(|conn, _| self.policy().peer(*conn).is_some());
-        ending
-    }
+    ending.retain(|conn, _| policy.peer(*conn).is_some());
+    ending
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@ use tokio::sync::mpsc;
 
 use super::connection::Declared;
 use super::connection::{Connection, Flow};
+use super::document::document_for;
 use super::frames::reply;
+use super::parking::{load_checkpoint_api, parkable_hello};
 use super::peers::believe;
 use super::Shared;
 use crate::arbiter::policy::Peer;
@@ -48,7 +50,8 @@ fn check_pod(pod: &str) -> Result<(), String> {
 
 /// Applies a connection's first frame: `Status` is answered (the connection then
 /// closes), `Hello` checked, believed as far as its verdict allows and entered in the
-/// ledger; anything else closes the connection.
+/// ledger; anything else closes the connection. Takes the policy's lock once, after
+/// anything slow (loading the driver's checkpoint API).
 pub(super) fn on_greeting(
     shared: &Arc<Shared>,
     c: &mut Connection,
@@ -61,7 +64,7 @@ pub(super) fn on_greeting(
         Request::Status => {
             // Plain data built under the ledger's lock, serialized outside it; only
             // what this user may see.
-            let document = shared.document_for(c.who, c.admin);
+            let document = document_for(shared, &shared.policy(), c.who, c.admin);
             let json = serde_json::to_string(&document).map_err(|e| e.to_string())?;
             reply(out, &Reply::Status { json });
             Ok(Flow::Close)
@@ -81,15 +84,20 @@ pub(super) fn on_greeting(
             // shim allows is accepted.
             check_group(&group)?;
             check_pod(&pod)?;
+            if park_after_ms > 0 && version == VERSION {
+                // Outside the policy's lock: it may load the CUDA driver.
+                load_checkpoint_api(shared);
+            }
+            let mut policy = shared.policy();
             // What it manages of each GPU: the shim's fractions are of it.
-            let managed = shared.policy().totals();
+            let managed = policy.totals();
             reply(out, &Reply::Welcome { version: VERSION, pid, managed });
             if version != VERSION {
                 return Err(format!("protocol version {version}, this arbiter speaks {VERSION}"));
             }
             let wait_timeout = Duration::from_millis(wait_timeout_ms).min(MAX_WAIT);
             shared.add_writer(conn, tx.clone());
-            if shared.connection_line(uid).is_some() {
+            if shared.logs.connection_line(uid).is_some() {
                 tracing::info!(pid, uid, %group, %pod, %resolver, priority, "shim connected");
             }
             let now = Instant::now();
@@ -118,9 +126,8 @@ pub(super) fn on_greeting(
                 compute: believed.compute,
             };
             if park_after_ms > 0 {
-                shared.parkable_hello();
+                parkable_hello(shared, &mut policy);
             }
-            let mut policy = shared.policy();
             policy.hello(conn, peer);
             if !signalable {
                 // Shown in status: its bursts are refused (a loan must be takeable back).

@@ -28,7 +28,7 @@ struct UidConns {
 }
 
 /// Whether a new connection is served.
-enum Admission {
+pub(super) enum Admission {
     /// Under the cap.
     Served,
     /// At the cap: the oldest connection of its UID that has not said who it is is closed
@@ -60,12 +60,12 @@ impl Admissions {
     }
 }
 
-impl Shared {
-    /// Counts a new connection against its UID's cap.
-    fn admit(&self, who: Who, evict: Arc<Notify>) -> Admission {
-        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
+impl Admissions {
+    /// Counts a new connection against its UID's cap (`max` open at once).
+    pub(super) fn admit(&self, who: Who, evict: Arc<Notify>, max: usize) -> Admission {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
         let entry = uids.entry(who.uid).or_default();
-        let admission = if entry.open < self.options.max_connections_per_uid.max(1) {
+        let admission = if entry.open < max.max(1) {
             Admission::Served
         } else if let Some((oldest, notify)) = entry.pending.pop_front() {
             notify.notify_one();
@@ -83,7 +83,7 @@ impl Shared {
 
     /// A connection said who it is: no longer the first to make room.
     pub(super) fn identified(&self, who: Who) {
-        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = uids.get_mut(&who.uid) {
             entry.pending.retain(|(conn, _)| *conn != who.conn);
         }
@@ -91,7 +91,7 @@ impl Shared {
 
     /// A connection closed.
     pub(super) fn leave(&self, who: Who) {
-        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = uids.get_mut(&who.uid) {
             entry.pending.retain(|(conn, _)| *conn != who.conn);
             entry.open = entry.open.saturating_sub(1);
@@ -104,14 +104,13 @@ impl Shared {
     /// Gives the pin reserve up, so that a process can be pinned with its descriptors:
     /// whether there was one to give.
     pub(super) fn give_up_pin_reserve(&self) -> bool {
-        let reserve =
-            std::mem::take(&mut *self.admissions.pin_reserve.lock().unwrap_or_else(|p| p.into_inner()));
+        let reserve = std::mem::take(&mut *self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner()));
         !reserve.is_empty()
     }
 
     /// Opens the pin reserve again if it was given up (when descriptors allow).
     pub(super) fn refill_pin_reserve(&self) {
-        let mut reserve = self.admissions.pin_reserve.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reserve = self.pin_reserve.lock().unwrap_or_else(|p| p.into_inner());
         if reserve.is_empty() {
             *reserve = pin_reserve();
         }
@@ -120,7 +119,7 @@ impl Shared {
     /// Closes the oldest connection, of any UID, that has not said who it is (out of
     /// descriptors). Returns whether there was one.
     pub(super) fn evict_oldest(&self) -> bool {
-        let mut uids = self.admissions.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
         let oldest =
             uids.iter().filter_map(|(uid, e)| e.pending.front().map(|(conn, _)| (*conn, *uid))).min();
         let Some((_, uid)) = oldest else { return false };
@@ -143,7 +142,7 @@ pub async fn serve(
     // Before the first burst: a restarted arbiter must not lend memory that shims not yet
     // back still hold.
     let observer = shared.clone();
-    let _ = tokio::task::spawn_blocking(move || observer.observe_processes()).await;
+    let _ = tokio::task::spawn_blocking(move || processes::observe_processes(&observer)).await;
     let watcher = tokio::spawn(processes::watch_processes(shared.clone()));
     let leases = tokio::spawn(compute::run_leases(shared.clone()));
     let ticker = tokio::spawn(resolvers::expire_waiters(shared.clone()));
@@ -159,7 +158,7 @@ pub async fn serve(
                     if spare.is_none() {
                         spare = spare_descriptor();
                     }
-                    shared.refill_pin_reserve();
+                    shared.admissions.refill_pin_reserve();
                 }
                 Err(e) => {
                     let out_of_descriptors = matches!(
@@ -177,7 +176,7 @@ pub async fn serve(
                     if out_of_descriptors {
                         // Make room for later connections (the oldest connection that
                         // has not said who it is), and serve this one on the spare.
-                        let evicted = shared.evict_oldest();
+                        let evicted = shared.admissions.evict_oldest();
                         if spare.take().is_some() {
                             if let Ok((stream, _)) = listener.accept().await {
                                 accepted(stream, &shared);
@@ -230,17 +229,17 @@ pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
     let conn = shared.admissions.next_conn.fetch_add(1, Ordering::Relaxed);
     let who = Who { conn, pid, uid, gid };
     let evict = Arc::new(Notify::new());
-    match shared.admit(who, evict.clone()) {
+    match shared.admissions.admit(who, evict.clone(), shared.options.max_connections_per_uid) {
         Admission::Served => {}
         Admission::Evicting(oldest) => {
-            if let Some(suppressed) = shared.refusal_line(uid) {
+            if let Some(suppressed) = shared.logs.refusal_line(uid) {
                 tracing::warn!(pid, uid, conn, oldest, suppressed, "{} connections from this uid (--max-connections-per-uid): closing its oldest that has not said who it is", shared.options.max_connections_per_uid);
             }
         }
         Admission::Refused => {
             drop(stream);
             shared.metrics.refusals.get_or_create(&Refusal { reason: "connections-per-uid".into() }).inc();
-            shared.log_closing(
+            shared.logs.log_closing(
                 who,
                 &format!(
                     "{} connections from this uid already (--max-connections-per-uid)",

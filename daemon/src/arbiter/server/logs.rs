@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{Shared, Who};
+use super::Who;
 use crate::arbiter::ratelimit::{RateLimiter, Verdict};
 
 /// Lines about refusals and closings per UID and second.
@@ -32,11 +32,11 @@ impl Logs {
     }
 }
 
-impl Shared {
+impl Logs {
     /// Whether a line about a refusal or a closing for `uid` is written now: `Some` with
     /// how many were left out before it.
     pub(super) fn refusal_line(&self, uid: u32) -> Option<u64> {
-        let verdict = self.logs.refusals.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
+        let verdict = self.refusals.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
         match verdict {
             Verdict::Log { suppressed } => Some(suppressed),
             Verdict::Suppress => None,
@@ -46,8 +46,7 @@ impl Shared {
     /// Whether a line about a connection coming or going, a registration or a swap for
     /// `uid` is written now.
     pub(super) fn connection_line(&self, uid: u32) -> Option<u64> {
-        let verdict =
-            self.logs.connections.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
+        let verdict = self.connections.lock().unwrap_or_else(|p| p.into_inner()).check(uid, Instant::now());
         match verdict {
             Verdict::Log { suppressed } => Some(suppressed),
             Verdict::Suppress => None,
@@ -72,13 +71,13 @@ impl Shared {
     }
 
     /// Says how many lines were left out for each UID whose window ended.
-    pub(super) fn flush_logs(&self) {
+    pub(super) fn flush(&self) {
         let now = Instant::now();
-        let refusals = self.logs.refusals.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
+        let refusals = self.refusals.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
         for (uid, suppressed) in refusals {
             tracing::warn!(uid, suppressed, "{suppressed} lines about refused or closed connections of this uid left out (at most {REFUSAL_LINES_PER_SECOND} a second)");
         }
-        let connections = self.logs.connections.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
+        let connections = self.connections.lock().unwrap_or_else(|p| p.into_inner()).flush(now);
         for (uid, suppressed) in connections {
             tracing::info!(uid, suppressed, "{suppressed} lines about connections of this uid left out (at most {CONNECTION_LINES_PER_SECOND} a second)");
         }

@@ -11,7 +11,9 @@ use super::connection::Who;
 
 use super::connection::Connection;
 use super::Shared;
+#[cfg(test)]
 use crate::arbiter::policy::ConnId;
+use crate::arbiter::policy::Policy;
 use crate::entitlement::identity;
 use crate::entitlement::{believe_hello, Entitlements, Identity, NoPolicy};
 
@@ -57,159 +59,145 @@ impl Lookups {
     }
 }
 
-impl Shared {
-    /// Root, or a member of `--admin-group`: its primary group, or a supplementary one as
-    /// the kernel gives them for the socket (`SO_PEERGROUPS`, as they were at connect).
-    pub(super) fn is_admin(&self, who: Who, socket: std::os::fd::BorrowedFd<'_>) -> bool {
-        if who.uid == 0 {
-            return true;
-        }
-        let Some(admin) = self.options.admin_gid else { return false };
-        who.gid == admin || identity::peer_groups(socket).is_ok_and(|groups| groups.contains(&admin))
-    }
-
-    /// Takes the pidfd of the process that opened `who`'s connection (at `Hello`, not at
-    /// accept: a connection that never says who it is costs no second descriptor).
-    pub(super) fn take_pidfd(
-        &self,
-        who: Who,
-        socket: std::os::fd::BorrowedFd<'_>,
-        cred: Option<&identity::Cred>,
-    ) {
-        let pin = || match cred {
-            Some(cred) => identity::pidfd_of(socket, cred),
-            None => Err("no credentials for the socket".into()),
-        };
-        let mut pidfd = pin();
-        if pidfd.is_err() {
-            // Out of descriptors (`pidfd_open` and `/proc/<pid>/stat` need one each), most
-            // likely: give up the reserve, make room for later (the oldest connection that
-            // has not said who it is) and try once more. Any other failure fails again.
-            if self.give_up_pin_reserve() {
-                self.evict_oldest();
-                pidfd = pin();
-                self.refill_pin_reserve();
-            }
-        }
-        let pidfd = match pidfd {
-            Ok(fd) => Some(Arc::new(fd)),
-            Err(why) => {
-                if let Some(suppressed) = self.refusal_line(who.uid) {
-                    tracing::warn!(pid = who.pid, uid = who.uid, conn = who.conn, suppressed, "no pidfd for PID {} ({why}): this process will never be signalled, so it is lent no burst memory", who.pid);
-                }
-                None
-            }
-        };
-        self.pin(who.conn, pidfd);
-    }
-
-    /// The most host RAM the process on `conn` can really hold for swapped-out memory
-    /// (its resident and swapped host memory, read while its pidfd shows it alive, so the
-    /// file was its own): a report of more is not believed. Without a pidfd it cannot be
-    /// read safely: a process the arbiter cannot pin is believed to keep nothing there.
-    pub(super) fn host_memory_cap(&self, conn: ConnId, pid: u32) -> u64 {
-        let pidfd = self.pidfd(conn);
-        let Some(pidfd) = pidfd else { return 0 };
-        let held = identity::host_memory_of(pid);
-        match held {
-            Some(bytes) if pidfd.alive() => bytes,
-            _ => 0,
-        }
-    }
-
-    /// The verdict on `who`: from the cache, else from the source in a blocking task
-    /// within [`LOOKUP_TIMEOUT`]; without a source, `Unrestricted` at once. With a source:
-    /// a connection without a pidfd is not entitled (what /proc says about its PID may be
-    /// another process's), and a lookup that fails or times out is
-    /// [`Verdict::Unknown`](crate::entitlement::Verdict::Unknown), never cached. At most
-    /// [`MAX_LOOKUPS`] lookups run at once ([`MAX_LOOKUPS_PER_UID`] per UID); the others
-    /// wait for their turn within the same timeout.
-    pub(super) async fn verdict(self: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
-        use crate::entitlement::Verdict as V;
-        if !self.lookups.entitled {
-            return V::Unrestricted;
-        }
-        let pidfd = self.pidfd(who.conn);
-        let Some(pidfd) = pidfd else {
-            return V::NotEntitled {
-                why: "cannot pin the process that connected (no pidfd: it may have exited, its PID reused)"
-                    .into(),
-            };
-        };
-        let deadline = tokio::time::Instant::now() + LOOKUP_TIMEOUT;
-        let late = || V::Unknown { why: format!("entitlement lookup took more than {LOOKUP_TIMEOUT:?}") };
-        // One UID's connections cannot take every lookup slot, nor all of them the
-        // runtime's blocking threads: the permits go with the blocking task, so they are
-        // held for as long as it really runs, even past the timeout.
-        let per_uid = self.uid_lookups(who.uid);
-        let Ok(Ok(uid_permit)) = tokio::time::timeout_at(deadline, per_uid.clone().acquire_owned()).await
-        else {
-            self.forget_uid_lookups(who.uid, per_uid);
-            return late();
-        };
-        let global = tokio::time::timeout_at(deadline, self.lookups.slots.clone().acquire_owned()).await;
-        let Ok(Ok(permit)) = global else {
-            drop(uid_permit);
-            self.forget_uid_lookups(who.uid, per_uid);
-            return late();
-        };
-        let shared = self.clone();
-        let task = tokio::task::spawn_blocking(move || {
-            let _permits = (permit, uid_permit);
-            let started = identity::start_ticks(who.pid);
-            let cgroup = identity::cgroup_of(who.pid);
-            // What /proc said is the peer's only if the process that connected was still
-            // alive after the reads (its PID cannot have been reused meanwhile).
-            if !pidfd.alive() {
-                return V::NotEntitled { why: "the process that connected has exited".into() };
-            }
-            let key = started.map(|t| (who.pid, t));
-            if let Some(key) = key {
-                let cache = shared.lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some((_, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
-                    return v.clone();
-                }
-            }
-            let identity = Identity { pid: who.pid, uid: who.uid, gid: who.gid, cgroup };
-            let verdict = shared.lookups.entitlements.lookup(&identity);
-            // A failed lookup is no verdict: asked again next time.
-            if let Some(key) = key.filter(|_| !verdict.is_unknown()) {
-                let mut cache = shared.lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
-                if cache.len() >= MAX_VERDICTS {
-                    cache.retain(|_, (at, _)| at.elapsed() < VERDICT_TTL);
-                    if cache.len() >= MAX_VERDICTS {
-                        cache.clear();
-                    }
-                }
-                cache.insert(key, (Instant::now(), verdict.clone()));
-            }
-            verdict
-        });
-        let verdict = match tokio::time::timeout_at(deadline, task).await {
-            Ok(Ok(verdict)) => verdict,
-            Ok(Err(e)) => V::Unknown { why: format!("entitlement lookup failed: {e}") },
-            Err(_) => late(),
-        };
-        self.forget_uid_lookups(who.uid, per_uid);
-        verdict
-    }
-
+impl Lookups {
     /// The semaphore bounding `uid`'s lookups in flight.
     pub(super) fn uid_lookups(&self, uid: u32) -> Arc<tokio::sync::Semaphore> {
-        let mut map = self.lookups.per_uid.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.per_uid.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(uid).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS_PER_UID))).clone()
     }
 
     /// Drops `uid`'s semaphore when nothing else uses it (`mine` is the caller's handle; a
     /// waiter, or a lookup still running past its timeout, holds another).
-    fn forget_uid_lookups(&self, uid: u32, mine: Arc<tokio::sync::Semaphore>) {
-        let mut map = self.lookups.per_uid.lock().unwrap_or_else(|p| p.into_inner());
+    pub(super) fn forget_uid_lookups(&self, uid: u32, mine: Arc<tokio::sync::Semaphore>) {
+        let mut map = self.per_uid.lock().unwrap_or_else(|p| p.into_inner());
         let idle = mine.available_permits() == MAX_LOOKUPS_PER_UID;
         drop(mine);
         if idle && map.get(&uid).is_some_and(|s| Arc::strong_count(s) == 1) {
             map.remove(&uid);
         }
     }
+}
+
+/// Root, or a member of `--admin-group` (`admin_gid`): its primary group, or a
+/// supplementary one as the kernel gives them for the socket (`SO_PEERGROUPS`, as they were
+/// at connect).
+pub(super) fn is_admin(admin_gid: Option<u32>, who: Who, socket: std::os::fd::BorrowedFd<'_>) -> bool {
+    if who.uid == 0 {
+        return true;
+    }
+    let Some(admin) = admin_gid else { return false };
+    who.gid == admin || identity::peer_groups(socket).is_ok_and(|groups| groups.contains(&admin))
+}
+
+/// Takes the pidfd of the process that opened `who`'s connection (at `Hello`, not at
+/// accept: a connection that never says who it is costs no second descriptor).
+pub(super) fn take_pidfd(
+    shared: &Shared,
+    who: Who,
+    socket: std::os::fd::BorrowedFd<'_>,
+    cred: Option<&identity::Cred>,
+) {
+    let pin = || match cred {
+        Some(cred) => identity::pidfd_of(socket, cred),
+        None => Err("no credentials for the socket".into()),
+    };
+    let mut pidfd = pin();
+    if pidfd.is_err() {
+        // Out of descriptors (`pidfd_open` and `/proc/<pid>/stat` need one each), most
+        // likely: give up the reserve, make room for later (the oldest connection that
+        // has not said who it is) and try once more. Any other failure fails again.
+        if shared.admissions.give_up_pin_reserve() {
+            shared.admissions.evict_oldest();
+            pidfd = pin();
+            shared.admissions.refill_pin_reserve();
+        }
+    }
+    let pidfd = match pidfd {
+        Ok(fd) => Some(Arc::new(fd)),
+        Err(why) => {
+            if let Some(suppressed) = shared.logs.refusal_line(who.uid) {
+                tracing::warn!(pid = who.pid, uid = who.uid, conn = who.conn, suppressed, "no pidfd for PID {} ({why}): this process will never be signalled, so it is lent no burst memory", who.pid);
+            }
+            None
+        }
+    };
+    shared.pin(who.conn, pidfd);
+}
+
+/// The verdict on `who`: from the cache, else from the source in a blocking task
+/// within [`LOOKUP_TIMEOUT`]; without a source, `Unrestricted` at once. With a source:
+/// a connection without a pidfd is not entitled (what /proc says about its PID may be
+/// another process's), and a lookup that fails or times out is
+/// [`Verdict::Unknown`](crate::entitlement::Verdict::Unknown), never cached. At most
+/// [`MAX_LOOKUPS`] lookups run at once ([`MAX_LOOKUPS_PER_UID`] per UID); the others
+/// wait for their turn within the same timeout.
+pub(super) async fn verdict(shared: &Arc<Shared>, who: Who) -> crate::entitlement::Verdict {
+    use crate::entitlement::Verdict as V;
+    if !shared.lookups.entitled {
+        return V::Unrestricted;
+    }
+    let pidfd = shared.pidfd(who.conn);
+    let Some(pidfd) = pidfd else {
+        return V::NotEntitled {
+            why: "cannot pin the process that connected (no pidfd: it may have exited, its PID reused)"
+                .into(),
+        };
+    };
+    let deadline = tokio::time::Instant::now() + LOOKUP_TIMEOUT;
+    let late = || V::Unknown { why: format!("entitlement lookup took more than {LOOKUP_TIMEOUT:?}") };
+    // One UID's connections cannot take every lookup slot, nor all of them the
+    // runtime's blocking threads: the permits go with the blocking task, so they are
+    // held for as long as it really runs, even past the timeout.
+    let per_uid = shared.lookups.uid_lookups(who.uid);
+    let Ok(Ok(uid_permit)) = tokio::time::timeout_at(deadline, per_uid.clone().acquire_owned()).await else {
+        shared.lookups.forget_uid_lookups(who.uid, per_uid);
+        return late();
+    };
+    let global = tokio::time::timeout_at(deadline, shared.lookups.slots.clone().acquire_owned()).await;
+    let Ok(Ok(permit)) = global else {
+        drop(uid_permit);
+        shared.lookups.forget_uid_lookups(who.uid, per_uid);
+        return late();
+    };
+    let lookups = shared.lookups.clone();
+    let task = tokio::task::spawn_blocking(move || {
+        let _permits = (permit, uid_permit);
+        let started = identity::start_ticks(who.pid);
+        let cgroup = identity::cgroup_of(who.pid);
+        // What /proc said is the peer's only if the process that connected was still
+        // alive after the reads (its PID cannot have been reused meanwhile).
+        if !pidfd.alive() {
+            return V::NotEntitled { why: "the process that connected has exited".into() };
+        }
+        let key = started.map(|t| (who.pid, t));
+        if let Some(key) = key {
+            let cache = lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, v)) = cache.get(&key).filter(|(at, _)| at.elapsed() < VERDICT_TTL) {
+                return v.clone();
+            }
+        }
+        let identity = Identity { pid: who.pid, uid: who.uid, gid: who.gid, cgroup };
+        let verdict = lookups.entitlements.lookup(&identity);
+        // A failed lookup is no verdict: asked again next time.
+        if let Some(key) = key.filter(|_| !verdict.is_unknown()) {
+            let mut cache = lookups.verdicts.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() >= MAX_VERDICTS {
+                cache.retain(|_, (at, _)| at.elapsed() < VERDICT_TTL);
+                if cache.len() >= MAX_VERDICTS {
+                    cache.clear();
+                }
+            }
+            cache.insert(key, (Instant::now(), verdict.clone()));
+        }
+        verdict
+    });
+    let verdict = match tokio::time::timeout_at(deadline, task).await {
+        Ok(Ok(verdict)) => verdict,
+        Ok(Err(e)) => V::Unknown { why: format!("entitlement lookup failed: {e}") },
+        Err(_) => late(),
+    };
+    shared.lookups.forget_uid_lookups(who.uid, per_uid);
+    verdict
 }
 
 /// What the arbiter believes of `c`'s `Hello` under its verdict (logged when capped).
@@ -232,7 +220,7 @@ pub(super) fn believe(shared: &Shared, c: &Connection) -> crate::entitlement::Be
         compute,
     );
     if !believed.capped.is_empty() {
-        if let Some(suppressed) = shared.refusal_line(uid) {
+        if let Some(suppressed) = shared.logs.refusal_line(uid) {
             tracing::warn!(pid, uid, suppressed, entitlement = %believed.entitlement, "the shim declared more than its entitlement: {}", believed.capped.join(", "));
         }
     }
@@ -241,20 +229,24 @@ pub(super) fn believe(shared: &Shared, c: &Connection) -> crate::entitlement::Be
 
 /// A connection whose lookup failed ([`Verdict::Unknown`](crate::entitlement::Verdict::Unknown))
 /// and that has registered no GPU yet is looked up again before its registration; an
-/// answer now replaces what was believed of its `Hello` (its group, resolver, priority,
-/// compute share).
+/// answer now is applied to what it declared by [`believe_again`], under the registration's
+/// lock.
 pub(super) async fn look_up_again(shared: &Arc<Shared>, c: &mut Connection) {
     if c.registered || !c.verdict.as_ref().is_some_and(|v| v.is_unknown()) {
         return;
     }
-    let verdict = shared.verdict(c.who).await;
-    if verdict.is_unknown() {
-        c.verdict = Some(verdict);
+    let verdict = verdict(shared, c.who).await;
+    c.believe_again = !verdict.is_unknown();
+    c.verdict = Some(verdict);
+}
+
+/// After [`look_up_again`] had an answer: it replaces what was believed of the
+/// connection's `Hello` (its group, resolver, priority, compute share).
+pub(super) fn believe_again(shared: &Shared, policy: &mut Policy, c: &mut Connection) {
+    if !std::mem::take(&mut c.believe_again) {
         return;
     }
-    c.verdict = Some(verdict);
     let believed = believe(shared, c);
-    let mut policy = shared.policy();
     let Some(mut peer) = policy.peer(c.who.conn).cloned() else { return };
     peer.group = believed.group_key;
     peer.resolver = believed.resolver;

@@ -6,11 +6,13 @@ use std::sync::Arc;
 use gpufrac_common::protocol::{DeviceId, Reply};
 
 use super::connection::Connection;
+use super::document::record;
 use super::frames::reply;
+use super::peers::believe_again;
 use super::Shared;
 use crate::arbiter::document::EventKind;
 use crate::arbiter::metrics::Refusal;
-use crate::arbiter::policy::uuid_string;
+use crate::arbiter::policy::{uuid_string, Policy};
 use crate::entitlement::believe_register;
 
 /// A `Register`: the connection joins the GPU's ledger under its group, its request and
@@ -19,6 +21,7 @@ use crate::entitlement::believe_register;
 #[allow(clippy::too_many_arguments)]
 pub(super) fn on_register(
     shared: &Arc<Shared>,
+    policy: &mut Policy,
     c: &mut Connection,
     out: &mut Vec<u8>,
     device: DeviceId,
@@ -30,8 +33,10 @@ pub(super) fn on_register(
     swapped: u64,
 ) {
     let (conn, pid, uid) = (c.who.conn, c.who.pid, c.who.uid);
+    // A verdict looked up again just now replaces what was believed of its `Hello`.
+    believe_again(shared, policy, c);
     // Capped by the entitlement on the GPU's own size, not the one the shim reports.
-    let device_total = shared.policy().total(&device).unwrap_or(total);
+    let device_total = policy.total(&device).unwrap_or(total);
     let verdict = c.verdict.as_ref().unwrap_or(&crate::entitlement::Verdict::Unrestricted);
     let (declared_request, declared_limit) = (request, limit);
     let (request, limit, cut) = believe_register(verdict, &device, device_total, request, limit);
@@ -39,53 +44,43 @@ pub(super) fn on_register(
     let (request, limit) =
         if declared_limit < declared_request { (declared_request, declared_limit) } else { (request, limit) };
     if let Some(cut) = &cut {
-        shared.policy().note_capped(conn, cut);
+        policy.note_capped(conn, cut);
         if !c.capped_logged {
             c.capped_logged = true;
-            if let Some(suppressed) = shared.refusal_line(uid) {
+            if let Some(suppressed) = shared.logs.refusal_line(uid) {
                 tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "registration beyond the entitlement: {cut}");
             }
         }
     }
     // Swapped-out memory it says it keeps is in its own host memory, or nowhere.
     let swapped = if swapped > 0 { swapped.min(shared.host_memory_cap(conn, pid)) } else { 0 };
-    let result = shared.policy().register(conn, device, total, request, limit, held, granted, swapped);
+    let result = policy.on_register(conn, device, total, request, limit, held, granted, swapped);
     match result {
-        Ok(parked) => {
+        Ok((parked, follow)) => {
             c.registered = true;
-            if shared.connection_line(uid).is_some() {
+            if shared.logs.connection_line(uid).is_some() {
                 tracing::info!(pid, gpu = %uuid_string(&device), request, limit, held, granted, swapped, "registered");
             }
-            let (request, limit, context, small) = {
-                let policy = shared.policy();
-                let (request, limit) = policy.group_of(conn, &device).unwrap_or((request, limit));
-                (
-                    request,
-                    limit,
-                    policy.context_bytes(&device).unwrap_or(0),
-                    policy.small_request_warning(&device, request),
-                )
-            };
+            let (request, limit) = policy.group_of(conn, &device).unwrap_or((request, limit));
+            let context = policy.context_bytes(&device).unwrap_or(0);
+            let small = policy.small_request_warning(&device, request);
             if let Some(warning) = small {
-                if let Some(suppressed) = shared.refusal_line(uid) {
+                if let Some(suppressed) = shared.logs.refusal_line(uid) {
                     tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "{warning}");
                 }
             }
             reply(out, &Reply::Registered { device, request, limit, parked, context });
-            // Its request may be lent out: take it back now (or parked groups
-            // crowd it: park them).
-            shared.reclaim_guarantees();
-            shared.park_step();
-            // A group with a compute share joins the leases.
-            shared.leases_changed.notify_one();
+            // Its request may be lent out: take it back now (or parked groups crowd it:
+            // park them); a group with a compute share joins the leases.
+            shared.follow_up(policy, follow);
         }
         Err(reason) => {
             shared.metrics.refusals.get_or_create(&Refusal { reason: "admission".into() }).inc();
-            if let Some(suppressed) = shared.refusal_line(uid) {
+            if let Some(suppressed) = shared.logs.refusal_line(uid) {
                 tracing::warn!(pid, uid, suppressed, gpu = %uuid_string(&device), "registration refused: {reason}");
             }
             let detail = format!("registration refused: {reason}");
-            shared.record(conn, pid, uuid_string(&device), EventKind::Refused, request, detail);
+            record(shared, policy, conn, pid, uuid_string(&device), EventKind::Refused, request, detail);
             reply(out, &Reply::Refused { device, reason });
         }
     }

@@ -12,10 +12,12 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Notify};
 
 use super::bursts::{on_acquire, on_release, on_swapped};
+use super::compute::{on_lease_done, on_want};
 use super::connection::{Connection, Counted, Flow};
 use super::frames::{next_frame, reply};
 use super::hello::on_greeting;
-use super::peers::look_up_again;
+use super::parking::{on_parked, on_wake, on_woken};
+use super::peers::{is_admin, look_up_again, take_pidfd, verdict};
 use super::register::on_register;
 use super::Shared;
 use crate::arbiter::metrics::Refusal;
@@ -46,6 +48,7 @@ pub(super) async fn handle(
         hello: None,
         capped_logged: false,
         admin: false,
+        believe_again: false,
     };
     let mut buf = Vec::with_capacity(256);
     let mut out = Vec::with_capacity(256);
@@ -82,13 +85,13 @@ pub(super) async fn handle(
                     let socket = reader.as_ref().as_fd();
                     match request {
                         Request::Hello { .. } => {
-                            shared.take_pidfd(who, socket, cred.as_ref());
+                            take_pidfd(&shared, who, socket, cred.as_ref());
                             // What the client may have is known before its Hello is accepted.
                             if state.verdict.is_none() {
-                                state.verdict = Some(shared.verdict(who).await);
+                                state.verdict = Some(verdict(&shared, who).await);
                             }
                         }
-                        Request::Status => state.admin = shared.is_admin(who, socket),
+                        Request::Status => state.admin = is_admin(shared.options.admin_gid, who, socket),
                         _ => {}
                     }
                 } else if matches!(request, Request::Register { .. }) {
@@ -98,7 +101,7 @@ pub(super) async fn handle(
                 if state.registered {
                     deadline = None;
                 } else if state.greeted && !greeted {
-                    shared.identified(who);
+                    shared.admissions.identified(who);
                     deadline = Some(tokio::time::Instant::now() + shared.options.register_timeout);
                 }
                 if !out.is_empty() && writer.write_all(&out).await.is_err() {
@@ -119,25 +122,26 @@ pub(super) async fn handle(
     };
     if let Err(reason) = result {
         shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
-        shared.log_closing(who, &reason);
+        shared.logs.log_closing(who, &reason);
     }
     shared.forget(conn);
-    let had_peer = shared.policy().peer(conn).is_some();
-    let answers = shared.policy().disconnect(conn, Instant::now());
-    shared.forget_queued(conn);
-    if had_peer && shared.connection_line(who.uid).is_some() {
+    let mut policy = shared.policy();
+    let had_peer = policy.peer(conn).is_some();
+    let follow = policy.on_disconnect(conn, Instant::now());
+    shared.queued.forget(conn);
+    if had_peer && shared.logs.connection_line(who.uid).is_some() {
         tracing::info!(pid, uid = who.uid, conn, "process gone: released what it held");
     }
-    shared.deliver(answers);
-    // A lease it held goes on at once.
-    shared.leases_changed.notify_one();
-    // What it held may wake a parked group.
-    shared.park_step();
+    // What it held answers bursts and may wake a parked group; a lease it held goes on at
+    // once.
+    shared.follow_up(&mut policy, follow);
+    drop(policy);
     // The connection stops counting against its UID only now.
     drop(counted);
 }
 
-/// Applies one frame; direct replies go into `out`.
+/// Applies one frame under one lock of the policy (taken here, or in `on_greeting` for
+/// the first); direct replies go into `out`.
 pub(super) fn on_frame(
     shared: &Arc<Shared>,
     c: &mut Connection,
@@ -149,34 +153,38 @@ pub(super) fn on_frame(
         return on_greeting(shared, c, tx, request, out);
     }
     let (conn, pid) = (c.who.conn, c.who.pid);
+    let mut policy = shared.policy();
+    let policy = &mut *policy;
     match request {
         Request::Register { device, total, request, limit, held, granted, swapped } => {
-            on_register(shared, c, out, device, total, request, limit, held, granted, swapped)
+            on_register(shared, policy, c, out, device, total, request, limit, held, granted, swapped)
         }
         Request::Acquire { seq, device, bytes, preferred, held, resume } => {
-            on_acquire(shared, c, out, seq, device, bytes, preferred, held, resume)
+            on_acquire(shared, policy, c, out, seq, device, bytes, preferred, held, resume)
         }
-        Request::Activity { count } => shared.policy().activity(conn, count, Instant::now()),
-        Request::Release { device, bytes, held } => on_release(shared, c, device, bytes, held),
+        Request::Activity { count } => policy.activity(conn, count, Instant::now()),
+        Request::Release { device, bytes, held } => on_release(shared, policy, c, device, bytes, held),
         Request::Swapped { device, direction, bytes, granted, host_bytes, held, micros } => {
-            on_swapped(shared, c, device, direction, bytes, granted, host_bytes, held, micros)
+            on_swapped(shared, policy, c, device, direction, bytes, granted, host_bytes, held, micros)
         }
         Request::Parked { device, host_bytes, held, micros } => {
-            shared.on_parked((conn, pid), device, host_bytes, held, micros);
+            on_parked(shared, policy, (conn, pid), device, host_bytes, held, micros);
         }
         Request::Wake { seq, device } => {
-            if let Some(answer) = shared.on_wake((conn, pid), seq, device) {
+            if let Some(answer) = on_wake(shared, policy, (conn, pid), seq, device) {
                 reply(out, &answer);
             }
         }
-        Request::Woken { device, held, micros } => shared.on_woken((conn, pid), device, held, micros),
+        Request::Woken { device, held, micros } => {
+            on_woken(shared, policy, (conn, pid), device, held, micros)
+        }
         Request::ContextMeasured { device, bytes } => {
             tracing::debug!(pid, gpu = %uuid_string(&device), bytes, "a context measured");
-            shared.policy().context_measured(conn, &device, bytes);
+            policy.context_measured(conn, &device, bytes);
         }
-        Request::Want { device } => shared.on_want(conn, device),
+        Request::Want { device } => on_want(shared, policy, conn, device),
         Request::LeaseDone { device, lease, drain_us, more } => {
-            shared.on_lease_done(conn, device, lease, drain_us, more)
+            on_lease_done(shared, policy, conn, (device, lease, drain_us, more))
         }
         other => return Err(format!("unexpected {other:?} after Hello")),
     }
