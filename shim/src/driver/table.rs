@@ -52,6 +52,16 @@ macro_rules! with_unhooked {
     Cuda cuGraphNodeGetType(*mut c_void, *mut c_uint);
     Cuda cuGraphMemAllocNodeGetParams(*mut c_void, *mut c_void);
     Cuda cuDeviceGetGraphMemAttribute(c_int, c_int, *mut c_void);
+    Cuda cuCtxSetCurrent(*mut c_void);
+    Cuda cuStreamCreate(*mut *mut c_void, c_uint);
+    Cuda cuStreamQuery(*mut c_void);
+    Cuda cuStreamIsCapturing_ptsz(*mut c_void, *mut c_int);
+    Cuda cuThreadExchangeStreamCaptureMode(*mut c_uint);
+    Cuda cuEventCreate(*mut *mut c_void, c_uint);
+    Cuda cuEventRecord(*mut c_void, *mut c_void);
+    Cuda cuEventQuery(*mut c_void);
+    Cuda cuEventElapsedTime(*mut f32, *mut c_void, *mut c_void);
+    Cuda cuEventDestroy_v2(*mut c_void);
     Nvml nvmlInit_v2();
     Nvml nvmlDeviceGetHandleByUUID(*const c_char, *mut *mut c_void);
     Nvml nvmlDeviceGetUUID(*mut c_void, *mut c_char, c_uint);

@@ -37,10 +37,9 @@ fn substitute(symbol: *const c_char, pfn: *mut Ptr, version: c_int, flags: c_ulo
     if name.starts_with("cu")
         && crate::enforcer::enforcer_any().is_some_and(|e| e.config.park_after.is_some())
     {
-        // SAFETY: `pfn` is what the caller passed: null or a readable value of its type (the API's contract).
-        if let Some(thunk) =
-            unsafe { crate::driver::ffi::read(pfn) }.and_then(crate::control::thunks::thunk_for)
-        {
+        // SAFETY: `pfn` is the caller's out-pointer, which the driver just filled.
+        let real = unsafe { crate::driver::ffi::read(pfn) };
+        if let Some(thunk) = real.and_then(crate::control::thunks::thunk_for) {
             // SAFETY: `pfn` is the caller's out-pointer: null or writable for its type (the API's contract).
             unsafe { write(pfn, thunk) };
         }

@@ -38,7 +38,7 @@ use super::streams::{
 };
 use super::{lock, monotonic_ns};
 use crate::driver::ffi::{Status, SUCCESS};
-use crate::driver::library::{resolve, Lib};
+use crate::driver::table::{real_ptr, Real};
 
 /// `CU_STREAM_NON_BLOCKING`: the reference's stream never waits for the legacy stream.
 const STREAM_NON_BLOCKING: u32 = 1;
@@ -98,15 +98,15 @@ impl DeviceClock {
     /// Resolves the driver's functions (none missing, or every drain is the polled one).
     pub(super) fn new() -> DeviceClock {
         let names = [
-            "cuCtxSetCurrent",
-            "cuStreamCreate",
-            "cuEventCreate",
-            "cuEventRecord",
-            "cuEventQuery",
-            "cuEventElapsedTime",
-            "cuStreamQuery",
+            Real::cuCtxSetCurrent,
+            Real::cuStreamCreate,
+            Real::cuEventCreate,
+            Real::cuEventRecord,
+            Real::cuEventQuery,
+            Real::cuEventElapsedTime,
+            Real::cuStreamQuery,
         ];
-        let found = names.map(|name| resolve(Lib::Cuda, name));
+        let found = names.map(real_ptr);
         let driver = found.iter().all(|f| !f.is_null()).then(|| {
             // SAFETY: the real functions of these names, whose signatures these types are
             // (all non-null).

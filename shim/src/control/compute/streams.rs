@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use super::{lock, GATE_LOCK, GATE_OPENED, HELD};
 use crate::driver::ffi::{Status, SUCCESS};
-use crate::driver::library::{resolve, Lib};
+use crate::driver::table::{real_ptr, Real};
 
 /// Streams watched for the drain; more are not watched (their drain is not measured).
 const STREAM_SLOTS: usize = 8;
@@ -148,15 +148,15 @@ type EventDestroy = unsafe extern "C" fn(*mut c_void) -> Status;
 /// Resolves the real driver functions the marks and the capture checks use (at the
 /// lease's start, never on the launch path).
 pub(super) fn resolve_driver() {
-    IS_CAPTURING.store(resolve(Lib::Cuda, "cuStreamIsCapturing"), Relaxed);
-    IS_CAPTURING_PTSZ.store(resolve(Lib::Cuda, "cuStreamIsCapturing_ptsz"), Relaxed);
-    CTX_GET_CURRENT.store(resolve(Lib::Cuda, "cuCtxGetCurrent"), Relaxed);
-    EVENT_CREATE.store(resolve(Lib::Cuda, "cuEventCreate"), Relaxed);
+    IS_CAPTURING.store(real_ptr(Real::cuStreamIsCapturing), Relaxed);
+    IS_CAPTURING_PTSZ.store(real_ptr(Real::cuStreamIsCapturing_ptsz), Relaxed);
+    CTX_GET_CURRENT.store(real_ptr(Real::cuCtxGetCurrent), Relaxed);
+    EVENT_CREATE.store(real_ptr(Real::cuEventCreate), Relaxed);
     // Marks are recorded only where the lease thread can query and time them.
-    if !resolve(Lib::Cuda, "cuEventQuery").is_null() && !resolve(Lib::Cuda, "cuEventElapsedTime").is_null() {
-        EVENT_RECORD.store(resolve(Lib::Cuda, "cuEventRecord"), Relaxed);
+    if !real_ptr(Real::cuEventQuery).is_null() && !real_ptr(Real::cuEventElapsedTime).is_null() {
+        EVENT_RECORD.store(real_ptr(Real::cuEventRecord), Relaxed);
     }
-    EVENT_DESTROY.store(resolve(Lib::Cuda, "cuEventDestroy_v2"), Relaxed);
+    EVENT_DESTROY.store(real_ptr(Real::cuEventDestroy_v2), Relaxed);
     if THREAD_END_KEY.load(SeqCst) == u64::MAX {
         let mut key: libc::pthread_key_t = 0;
         // SAFETY: pthread_key_create with a live out-parameter and a destructor that only

@@ -14,7 +14,7 @@ use super::streams::{
 use super::{
     instant_ns, lock, publish, Local, AWAITING, CLIENT, HELD, IN_LEASE, LEASES, SYNCING, THREAD_WAKE, WANT,
 };
-use crate::driver::library::{resolve, Lib};
+use crate::driver::table::{real_ptr, Real};
 
 /// How often the lease thread looks at the streams while a lease runs or drains.
 const LOOK_EVERY: Duration = Duration::from_micros(250);
@@ -29,26 +29,25 @@ const CAPTURE_MODE_RELAXED: u32 = 2;
 
 /// The lease thread.
 pub(super) fn run() {
-    let relax = resolve(Lib::Cuda, "cuThreadExchangeStreamCaptureMode");
+    let relax = real_ptr(Real::cuThreadExchangeStreamCaptureMode);
     if !relax.is_null() {
         let mut mode = CAPTURE_MODE_RELAXED;
         // SAFETY: the real cuThreadExchangeStreamCaptureMode with a live in/out value; it
         // changes this thread's mode only.
         unsafe { std::mem::transmute::<*mut c_void, ExchangeCaptureMode>(relax)(&mut mode) };
     }
-    let query = resolve(Lib::Cuda, "cuStreamQuery");
+    let query = real_ptr(Real::cuStreamQuery);
     if query.is_null() {
         tracing::error!("compute shares: the driver has no cuStreamQuery; drains are not measured");
     }
     // SAFETY: the real functions of these names and signatures (or null, checked).
     let query: Option<StreamQuery> =
         (!query.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, StreamQuery>(query) });
-    let set_current = resolve(Lib::Cuda, "cuCtxSetCurrent");
+    let set_current = real_ptr(Real::cuCtxSetCurrent);
     // SAFETY: as above.
     let set_current: Option<CtxSetCurrent> = (!set_current.is_null())
         .then(|| unsafe { std::mem::transmute::<*mut c_void, CtxSetCurrent>(set_current) });
-    let (event_query, elapsed) =
-        (resolve(Lib::Cuda, "cuEventQuery"), resolve(Lib::Cuda, "cuEventElapsedTime"));
+    let (event_query, elapsed) = (real_ptr(Real::cuEventQuery), real_ptr(Real::cuEventElapsedTime));
     // SAFETY: the real functions of these names and signatures (both non-null).
     let marks = (!event_query.is_null() && !elapsed.is_null()).then(|| unsafe {
         Marks {
