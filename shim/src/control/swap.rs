@@ -326,13 +326,6 @@ fn granularity(ordinal: usize) -> u64 {
 
 /// Whether an allocation charged as `charge` is backed by the VMM API (swappable): the
 /// group uses swap, has an arbiter, and the allocation lies wholly above the request.
-/// Whether `stream` is being captured into a CUDA graph (a driver without the entry
-/// point, or an error, counts as no).
-pub(crate) fn capturing(stream: *mut c_void) -> bool {
-    let mut status: std::ffi::c_int = 0;
-    call_real!(cuStreamIsCapturing(stream, &mut status)) == SUCCESS && status != 0
-}
-
 /// Allocations smaller than the granularity stay plain: rounding them up would waste
 /// more than swapping them saves. In a parkable process every allocation is backed (a
 /// park moves them all), not only bursts.
@@ -446,7 +439,7 @@ pub(crate) fn free(e: &Enforcer, addr: CUdeviceptr, stream: Option<*mut c_void>)
     }
     let mut book = book();
     let b = book.backings.remove(&addr)?;
-    if let Some(stream) = stream.filter(|&s| !capturing(s)) {
+    if let Some(stream) = stream.filter(|&s| !crate::driver::table::stream_capturing(s)) {
         call_real!(cuStreamSynchronize(stream));
     }
     if b.handle != 0 {

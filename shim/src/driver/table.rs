@@ -152,4 +152,20 @@ macro_rules! call_real {
 }
 pub(crate) use call_real;
 
+/// Whether `stream` is being captured into a CUDA graph (the capture active or already
+/// invalidated: either way its calls only record). The per-thread default stream
+/// (`CU_STREAM_PER_THREAD`) is asked through the `_ptsz` entry point, as the driver does
+/// for its callers; a driver without the entry point, or an error, counts as no.
+pub(crate) fn stream_capturing(stream: *mut c_void) -> bool {
+    /// `CU_STREAM_PER_THREAD`.
+    const PER_THREAD: usize = 0x2;
+    let mut status: c_int = 0;
+    let asked = if stream as usize == PER_THREAD {
+        call_real!(cuStreamIsCapturing_ptsz(std::ptr::null_mut(), &mut status))
+    } else {
+        call_real!(cuStreamIsCapturing(stream, &mut status))
+    };
+    asked == crate::driver::ffi::SUCCESS && status != 0
+}
+
 pub(crate) use gpufrac_common::gpu_uuid::{format as uuid_string, parse as parse_uuid};

@@ -139,7 +139,7 @@ fn charged(
         && !out.is_null()
         && e.lender.get().is_some()
         && crate::control::swap::backs(e, ordinal, &charge)
-        && !stream.is_some_and(crate::control::swap::capturing);
+        && !stream.is_some_and(crate::driver::table::stream_capturing);
     let Some(id) = id.or_else(|| e.current().map(|c| c.id)) else {
         e.release(charge.device, charge.bytes);
         return e.untracked(real);
@@ -348,7 +348,7 @@ fn pooled(
     let Some(e) = enforcer() else { return refused().unwrap_or_else(real) };
     // Captured into a graph: the address of one of its allocation nodes, which takes
     // memory only when the graph runs, from the graph pool (charged there: `graphs`).
-    if crate::control::swap::capturing(stream) {
+    if crate::driver::table::stream_capturing(stream) {
         return real();
     }
     let _allocating = match crate::control::park::allocating() {

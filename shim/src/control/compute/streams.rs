@@ -64,8 +64,6 @@ thread_local! {
     static OWN_SLOT: Cell<usize> = const { Cell::new(0) };
 }
 /// Real driver functions, resolved at `start` (never on the launch path).
-static IS_CAPTURING: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-static IS_CAPTURING_PTSZ: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static CTX_GET_CURRENT: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static EVENT_CREATE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static EVENT_RECORD: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
@@ -134,7 +132,6 @@ impl Slot {
 
 pub(super) static SLOTS: [Slot; SLOT_COUNT] = [const { Slot::new() }; SLOT_COUNT];
 
-type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut u32) -> Status;
 type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> Status;
 pub(super) type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> Status;
 pub(super) type StreamQuery = unsafe extern "C" fn(*mut c_void) -> Status;
@@ -148,8 +145,6 @@ type EventDestroy = unsafe extern "C" fn(*mut c_void) -> Status;
 /// Resolves the real driver functions the marks and the capture checks use (at the
 /// lease's start, never on the launch path).
 pub(super) fn resolve_driver() {
-    IS_CAPTURING.store(real_ptr(Real::cuStreamIsCapturing), Relaxed);
-    IS_CAPTURING_PTSZ.store(real_ptr(Real::cuStreamIsCapturing_ptsz), Relaxed);
     CTX_GET_CURRENT.store(real_ptr(Real::cuCtxGetCurrent), Relaxed);
     EVENT_CREATE.store(real_ptr(Real::cuEventCreate), Relaxed);
     // Marks are recorded only where the lease thread can query and time them.
@@ -366,18 +361,7 @@ fn make_ring(index: usize, ctx: *mut c_void) {
 
 /// Whether `stream` is being captured into a graph (its calls only record).
 pub(super) fn capturing(stream: *mut c_void) -> bool {
-    let per_thread = stream as usize == PER_THREAD;
-    let f = if per_thread { IS_CAPTURING_PTSZ.load(Relaxed) } else { IS_CAPTURING.load(Relaxed) };
-    if f.is_null() {
-        return false;
-    }
-    let mut status = 0u32;
-    let handle = if per_thread { std::ptr::null_mut() } else { stream };
-    // SAFETY: the real cuStreamIsCapturing(_ptsz), given the caller's stream (which the
-    // caller's own call is about to use) and a live out-parameter.
-    let result = unsafe { std::mem::transmute::<*mut c_void, IsCapturing>(f)(handle, &mut status) };
-    // Active (1) or invalidated (2) both mean a capture owns the stream.
-    result == SUCCESS && status != 0
+    crate::driver::table::stream_capturing(stream)
 }
 
 /// Remembers `stream` for the drain (atomics only; a full array leaves it unwatched) and
