@@ -61,7 +61,7 @@ mod resolvers;
 mod session;
 pub use crate::arbiter::policy::EnforceLimits;
 pub use endings::{Signals, Terminator};
-pub use listener::serve;
+pub use listener::{serve, STOP_GRACE};
 pub use parking::ParkWith;
 
 use bursts::Queue;
@@ -170,6 +170,8 @@ pub struct Shared {
     checkpoint_api: std::sync::OnceLock<Option<Arc<crate::checkpoint::CheckpointApi>>>,
     /// Wakes the lease task (compute shares): a shim wanted, was done, came or went.
     leases_changed: Notify,
+    /// Set when `serve` stops: every connection ends after the frame in hand.
+    stopping: tokio::sync::watch::Sender<bool>,
     /// When each holder was last asked to give back on a GPU: asked at most once per
     /// `ASK_AGAIN_AFTER`.
     asked_to_give_back: Mutex<HashMap<(ConnId, DeviceId), Instant>>,
@@ -233,6 +235,7 @@ impl Shared {
             queued: Queue::default(),
             checkpoint_api: std::sync::OnceLock::new(),
             leases_changed: Notify::new(),
+            stopping: tokio::sync::watch::Sender::new(false),
             asked_to_give_back: Mutex::new(HashMap::new()),
         })
     }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 
 use super::connection::Counted;
 use super::{compute, processes, resolvers, session, Shared, Who};
@@ -133,7 +134,14 @@ impl Admissions {
     }
 }
 
-/// Serves shims and the CLI on `listener` until `shutdown` completes.
+/// How long `serve`, stopping, waits for its connections to end (each ends after the
+/// frame in hand and the answers already decided for it) before it drops those left.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Serves shims and the CLI on `listener` until `shutdown` completes; then stops accepting
+/// and the background tasks, tells every connection to end, and returns once they all
+/// have, or after [`STOP_GRACE`] (the rest are dropped), so that the caller removes the
+/// socket after the last answer.
 pub async fn serve(
     listener: UnixListener,
     shared: Arc<Shared>,
@@ -146,6 +154,7 @@ pub async fn serve(
     let watcher = tokio::spawn(processes::watch_processes(shared.clone()));
     let leases = tokio::spawn(compute::run_leases(shared.clone()));
     let ticker = tokio::spawn(resolvers::expire_waiters(shared.clone()));
+    let mut sessions = JoinSet::new();
     let accept = async {
         // Kept open to be given up when descriptors run out, so that one more connection
         // (the CLI's) can still be accepted.
@@ -154,7 +163,9 @@ pub async fn serve(
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => {
-                    accepted(stream, &shared);
+                    // Sessions that ended are let go of here.
+                    while sessions.try_join_next().is_some() {}
+                    accepted(stream, &shared, &mut sessions);
                     if spare.is_none() {
                         spare = spare_descriptor();
                     }
@@ -179,7 +190,7 @@ pub async fn serve(
                         let evicted = shared.admissions.evict_oldest();
                         if spare.take().is_some() {
                             if let Ok((stream, _)) = listener.accept().await {
-                                accepted(stream, &shared);
+                                accepted(stream, &shared, &mut sessions);
                             }
                             continue;
                         }
@@ -199,9 +210,26 @@ pub async fn serve(
         _ = accept => {}
         _ = shutdown => {}
     }
+    // Nothing new: no connection, no decision.
+    drop(listener);
     ticker.abort();
     watcher.abort();
     leases.abort();
+    stop(&shared, sessions).await;
+}
+
+/// Tells every session to end and waits for them, at most [`STOP_GRACE`]; drops the rest.
+async fn stop(shared: &Shared, mut sessions: JoinSet<()>) {
+    shared.stopping.send_replace(true);
+    let ended =
+        tokio::time::timeout(STOP_GRACE, async { while sessions.join_next().await.is_some() {} }).await;
+    if ended.is_err() {
+        tracing::warn!(
+            left = sessions.len(),
+            "connections still open {STOP_GRACE:?} after the stop: dropped"
+        );
+        sessions.shutdown().await;
+    }
 }
 
 /// A descriptor to give up when there are no more.
@@ -220,8 +248,9 @@ fn pin_reserve() -> Vec<std::fs::File> {
     }
 }
 
-/// Counts a new connection against its UID and serves it, or closes it at once.
-pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
+/// Counts a new connection against its UID and serves it (a session in `sessions`), or
+/// closes it at once.
+pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>, sessions: &mut JoinSet<()>) {
     // The peer's PID, UID and GID come from the kernel, never from a message; so does the
     // pidfd every signal to it goes through, taken at its `Hello`.
     let cred = identity::cred_of(stream.as_fd()).ok();
@@ -251,7 +280,7 @@ pub(super) fn accepted(stream: UnixStream, shared: &Arc<Shared>) {
     }
     let close = shared.open(conn);
     let counted = Counted { shared: shared.clone(), who };
-    tokio::spawn(session::handle(stream, counted, evict, close, cred));
+    sessions.spawn(session::handle(stream, counted, evict, close, cred));
 }
 
 #[cfg(test)]
@@ -287,5 +316,52 @@ mod tests {
         }
         assert!(shared.admissions.uids.lock().unwrap().is_empty(), "nothing kept for UIDs gone");
         assert!(!shared.evict_oldest());
+    }
+
+    #[test]
+    fn stopping_ends_the_connections_then_returns_within_the_grace() {
+        use gpufrac_common::protocol::{read_frame, Reply, Request, MAX_FRAME, VERSION};
+        use std::io::{Read, Write};
+
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("arbiter.sock");
+        let listener = {
+            let _runtime = runtime.enter();
+            UnixListener::bind(&path).unwrap()
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = runtime.spawn(serve(listener, Shared::new(&[([7; 16], 1 << 30)]), async {
+            let _ = stopped.await;
+        }));
+        // A shim that said Hello, connected when the arbiter stops.
+        let mut shim = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let hello = Request::Hello {
+            version: VERSION,
+            group: "g".into(),
+            pod: String::new(),
+            resolver: gpufrac_common::Resolver::Wait,
+            priority: 0,
+            wait_timeout_ms: 1000,
+            park_after_ms: 0,
+            compute_request_pm: 0,
+            compute_limit_pm: 0,
+        };
+        shim.write_all(&hello.encode()).unwrap();
+        let welcome = Reply::decode(&read_frame(&mut shim, MAX_FRAME).unwrap()).unwrap();
+        assert!(matches!(welcome, Reply::Welcome { .. }), "{welcome:?}");
+        let asked = Instant::now();
+        stop.send(()).unwrap();
+        // Its connection is closed by the arbiter (not left to the runtime's end), and
+        // `serve` returns once it is: well within the grace.
+        shim.set_read_timeout(Some(STOP_GRACE + Duration::from_secs(1))).unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(shim.read_to_end(&mut rest).unwrap(), 0, "closed, nothing more said");
+        runtime
+            .block_on(async { tokio::time::timeout(STOP_GRACE, server).await })
+            .expect("serve returns within the grace")
+            .unwrap();
+        assert!(asked.elapsed() < STOP_GRACE, "{:?}", asked.elapsed());
     }
 }

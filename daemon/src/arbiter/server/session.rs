@@ -25,7 +25,10 @@ use crate::arbiter::policy::uuid_string;
 use crate::entitlement::identity;
 
 /// Serves one connection until it closes, is closed (evicted, or its process gone), or
-/// misbehaves; then releases what it held.
+/// misbehaves; then releases what it held. When the server stops, it ends after the frame
+/// in hand and the answers already decided for it, and releases nothing: the arbiter
+/// decides nothing more, and one started again learns what each process holds when its
+/// shim registers again.
 pub(super) async fn handle(
     stream: UnixStream,
     counted: Counted,
@@ -54,8 +57,14 @@ pub(super) async fn handle(
     let mut out = Vec::with_capacity(256);
     // Until `Hello` or `Status`, then until a GPU is registered; then none.
     let mut deadline = Some(tokio::time::Instant::now() + shared.options.hello_timeout);
+    let mut stopping = shared.stopping.subscribe();
+    let mut stopped = false;
     let result: Result<(), String> = loop {
         tokio::select! {
+            _ = stop_asked(&mut stopping) => {
+                stopped = true;
+                break Ok(());
+            }
             _ = evict.notified() => {
                 break Err("too many connections: the oldest that had not said who it is".into());
             }
@@ -124,6 +133,16 @@ pub(super) async fn handle(
         shared.metrics.refusals.get_or_create(&Refusal { reason: "bad-frame".into() }).inc();
         shared.logs.log_closing(who, &reason);
     }
+    if stopped {
+        // Answers decided before the stop still go out.
+        while let Ok(frame) = rx.try_recv() {
+            if writer.write_all(&frame).await.is_err() {
+                break;
+            }
+        }
+        shared.forget(conn);
+        return;
+    }
     shared.forget(conn);
     let mut policy = shared.policy();
     let had_peer = policy.peer(conn).is_some();
@@ -138,6 +157,12 @@ pub(super) async fn handle(
     drop(policy);
     // The connection stops counting against its UID only now.
     drop(counted);
+}
+
+/// Returns once the server stops (the watched value's guard is let go of at once: it is
+/// not `Send`).
+async fn stop_asked(stopping: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|&stop| stop).await.map(|_| ());
 }
 
 /// Applies one frame under one lock of the policy (taken here, or in `on_greeting` for
