@@ -76,7 +76,8 @@ pub(crate) fn printable(text: &str) -> std::borrow::Cow<'_, str> {
 }
 
 impl Status {
-    /// The human-readable table of `gpufrac status`.
+    /// The human-readable table of `gpufrac status`: the host RAM swapped-out memory
+    /// takes, then each GPU (its line, its notes, its processes).
     pub fn table(&self) -> String {
         use std::fmt::Write;
         let mut out = String::new();
@@ -87,149 +88,169 @@ impl Status {
         let cap = if self.swap_limit == u64::MAX { "no limit".to_owned() } else { gib(self.swap_limit) };
         let _ = writeln!(out, "host RAM for swapped-out memory: {} of {cap}", gib(swapped));
         for g in &self.gpus {
-            let _ = writeln!(
-                out,
-                "GPU {}  memory {}  guaranteed {}  burst {}  free {}  waiting {}  swapped to host {}",
-                printable(&g.uuid),
-                gib(g.total),
-                gib(g.guaranteed),
-                gib(g.burst),
-                gib(g.free),
-                g.waiting,
-                gib(g.swapped)
-            );
-            if g.headroom > 0 {
-                let _ = writeln!(
-                    out,
-                    "  {} more on the GPU left to processes outside gpufrac (--gpu-memory)",
-                    gib(g.headroom)
-                );
-            }
-            if g.outside > 0 {
-                let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
-            }
-            if g.uncounted > 0 {
-                let _ = writeln!(
-                    out,
-                    "  {} held by groups beyond what their shims counted (charged to them, not lent)",
-                    gib(g.uncounted)
-                );
-            }
-            if g.compute_requested_pm > 0 {
-                let _ = writeln!(
-                    out,
-                    "  compute requested {} of the GPU's time, {}",
-                    share(g.compute_requested_pm),
-                    if g.compute_open { "open to one group now (no leases)" } else { "leased by turns" }
-                );
-            }
-            if g.parkable_requests > 0 {
-                let _ = writeln!(
-                    out,
-                    "  parkable requests {} ({} parked to host, {} wakes waiting for room)",
-                    gib(g.parkable_requests),
-                    gib(g.parked),
-                    g.waking
-                );
-            }
-            if g.reclaiming > 0 {
-                let _ = writeln!(
-                    out,
-                    "  {} of lent memory being taken back for the guarantees (nothing is lent meanwhile)",
-                    gib(g.reclaiming)
-                );
-            }
-            let repaid = g.repaid_given_back.saturating_add(g.repaid_swapped).saturating_add(g.repaid_ended);
-            if repaid > 0 {
-                let _ = writeln!(
-                    out,
-                    "  taken back for guarantees so far: {} given back, {} swapped to host, {} by ending holders",
-                    gib(g.repaid_given_back),
-                    gib(g.repaid_swapped),
-                    gib(g.repaid_ended)
-                );
-            }
-            let _ = writeln!(
-                out,
-                "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
-                "PID",
-                "GROUP",
-                "POD",
-                "REQUEST",
-                "LIMIT",
-                "HELD",
-                "PRIORITY",
-                "RESOLVER",
-                "STATE",
-                "HOST",
-                "WAITED",
-                "SWAPPED"
-            );
-            for p in &g.processes {
-                let _ = writeln!(
-                    out,
-                    "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
-                    p.pid,
-                    printable(&p.group),
-                    if p.pod.is_empty() { "-".into() } else { printable(&p.pod) },
-                    gib(p.request),
-                    gib(p.limit),
-                    gib(p.held),
-                    p.priority,
-                    printable(&p.resolver),
-                    printable(&p.state),
-                    gib(p.host_bytes.saturating_add(p.parked_bytes)),
-                    seconds(p.waited_ms),
-                    seconds(p.swapped_ms)
-                );
-                if p.compute_limit_pm > 0 {
-                    let _ = writeln!(
-                        out,
-                        "  {:>8}  compute: request {}, limit {}, held {} of the last second, planned {}, {}",
-                        "",
-                        share(p.compute_request_pm),
-                        share(p.compute_limit_pm),
-                        share(p.compute_held_pm),
-                        share(p.compute_allowance_pm),
-                        printable(&p.compute_state)
-                    );
-                }
-                if p.park_after_ms > 0 && (p.parks > 0 || p.wakes > 0) {
-                    let _ = writeln!(
-                        out,
-                        "  {:>8}  parkable after {}: parked {} times (last took {}), woken {} times (last took {})",
-                        "",
-                        seconds(p.park_after_ms),
-                        p.parks,
-                        seconds(p.last_park_ms),
-                        p.wakes,
-                        seconds(p.last_wake_ms)
-                    );
-                }
-                if p.uncounted > 0 {
-                    let _ = writeln!(
-                        out,
-                        "  {:>8}  uncounted: its group holds {} more than its shims counted (the device's count), charged to it",
-                        "",
-                        gib(p.uncounted)
-                    );
-                }
-                // What it declared beyond its entitlement: the mismatch, shown.
-                if !p.capped.is_empty() {
-                    let _ = writeln!(
-                        out,
-                        "  {:>8}  declared beyond its entitlement ({}): {}",
-                        "",
-                        printable(&p.entitlement),
-                        printable(&p.capped)
-                    );
-                }
-            }
-            if g.truncated > 0 {
-                let _ = writeln!(out, "  ... and {} more processes, not listed", g.truncated);
-            }
+            gpu_lines(&mut out, g);
+            process_lines(&mut out, g);
         }
         out
+    }
+}
+
+/// A GPU's line and its notes (headroom, memory outside gpufrac or uncounted, compute
+/// shares, parking, reclaim).
+fn gpu_lines(out: &mut String, g: &GpuStatus) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        out,
+        "GPU {}  memory {}  guaranteed {}  burst {}  free {}  waiting {}  swapped to host {}",
+        printable(&g.uuid),
+        gib(g.total),
+        gib(g.guaranteed),
+        gib(g.burst),
+        gib(g.free),
+        g.waiting,
+        gib(g.swapped)
+    );
+    if g.headroom > 0 {
+        let _ = writeln!(
+            out,
+            "  {} more on the GPU left to processes outside gpufrac (--gpu-memory)",
+            gib(g.headroom)
+        );
+    }
+    if g.outside > 0 {
+        let _ = writeln!(out, "  {} used by processes outside gpufrac (not lent)", gib(g.outside));
+    }
+    if g.uncounted > 0 {
+        let _ = writeln!(
+            out,
+            "  {} held by groups beyond what their shims counted (charged to them, not lent)",
+            gib(g.uncounted)
+        );
+    }
+    if g.compute_requested_pm > 0 {
+        let _ = writeln!(
+            out,
+            "  compute requested {} of the GPU's time, {}",
+            share(g.compute_requested_pm),
+            if g.compute_open { "open to one group now (no leases)" } else { "leased by turns" }
+        );
+    }
+    if g.parkable_requests > 0 {
+        let _ = writeln!(
+            out,
+            "  parkable requests {} ({} parked to host, {} wakes waiting for room)",
+            gib(g.parkable_requests),
+            gib(g.parked),
+            g.waking
+        );
+    }
+    if g.reclaiming > 0 {
+        let _ = writeln!(
+            out,
+            "  {} of lent memory being taken back for the guarantees (nothing is lent meanwhile)",
+            gib(g.reclaiming)
+        );
+    }
+    let repaid = g.repaid_given_back.saturating_add(g.repaid_swapped).saturating_add(g.repaid_ended);
+    if repaid > 0 {
+        let _ = writeln!(
+            out,
+            "  taken back for guarantees so far: {} given back, {} swapped to host, {} by ending holders",
+            gib(g.repaid_given_back),
+            gib(g.repaid_swapped),
+            gib(g.repaid_ended)
+        );
+    }
+}
+
+/// The table of a GPU's processes, each with its notes, and how many are not listed.
+fn process_lines(out: &mut String, g: &GpuStatus) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        out,
+        "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
+        "PID",
+        "GROUP",
+        "POD",
+        "REQUEST",
+        "LIMIT",
+        "HELD",
+        "PRIORITY",
+        "RESOLVER",
+        "STATE",
+        "HOST",
+        "WAITED",
+        "SWAPPED"
+    );
+    for p in &g.processes {
+        process_line(out, p);
+    }
+    if g.truncated > 0 {
+        let _ = writeln!(out, "  ... and {} more processes, not listed", g.truncated);
+    }
+}
+
+/// A process's line and its notes (compute share, parking, memory uncounted, what it
+/// declared beyond its entitlement).
+fn process_line(out: &mut String, p: &ProcessStatus) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        out,
+        "  {:>8}  {:<20} {:<24} {:>10} {:>10} {:>10} {:>8} {:<8} {:<8} {:>10} {:>9} {:>9}",
+        p.pid,
+        printable(&p.group),
+        if p.pod.is_empty() { "-".into() } else { printable(&p.pod) },
+        gib(p.request),
+        gib(p.limit),
+        gib(p.held),
+        p.priority,
+        printable(&p.resolver),
+        printable(&p.state),
+        gib(p.host_bytes.saturating_add(p.parked_bytes)),
+        seconds(p.waited_ms),
+        seconds(p.swapped_ms)
+    );
+    if p.compute_limit_pm > 0 {
+        let _ = writeln!(
+            out,
+            "  {:>8}  compute: request {}, limit {}, held {} of the last second, planned {}, {}",
+            "",
+            share(p.compute_request_pm),
+            share(p.compute_limit_pm),
+            share(p.compute_held_pm),
+            share(p.compute_allowance_pm),
+            printable(&p.compute_state)
+        );
+    }
+    if p.park_after_ms > 0 && (p.parks > 0 || p.wakes > 0) {
+        let _ = writeln!(
+            out,
+            "  {:>8}  parkable after {}: parked {} times (last took {}), woken {} times (last took {})",
+            "",
+            seconds(p.park_after_ms),
+            p.parks,
+            seconds(p.last_park_ms),
+            p.wakes,
+            seconds(p.last_wake_ms)
+        );
+    }
+    if p.uncounted > 0 {
+        let _ = writeln!(
+            out,
+            "  {:>8}  uncounted: its group holds {} more than its shims counted (the device's count), charged to it",
+            "",
+            gib(p.uncounted)
+        );
+    }
+    // What it declared beyond its entitlement: the mismatch, shown.
+    if !p.capped.is_empty() {
+        let _ = writeln!(
+            out,
+            "  {:>8}  declared beyond its entitlement ({}): {}",
+            "",
+            printable(&p.entitlement),
+            printable(&p.capped)
+        );
     }
 }
 

@@ -203,6 +203,11 @@ impl GpuView {
     }
 }
 
+/// A GPU's column: its number, or `-`.
+fn gpu_column(index: Option<usize>) -> String {
+    index.map_or("-".to_owned(), |i| (i + 1).to_string())
+}
+
 /// A process's compute share as `held/request` and its lease state; `-` without one.
 fn compute(p: &crate::status::ProcessStatus) -> String {
     if p.compute_limit_pm == 0 {
@@ -341,15 +346,50 @@ impl App {
         Action::Continue
     }
 
-    /// The frame to draw at `now_ms`.
+    /// The frame to draw at `now_ms`: the arbiter's GPUs, processes, waiting bursts and
+    /// last events, of the GPU chosen (or all).
     pub fn view(&self, now_ms: u64) -> View {
+        let mut view = self.frame();
+        let Some(document) = &self.document else {
+            view.state = match &self.error {
+                Some(e) => format!("arbiter unreachable: {e} (retrying every second)"),
+                None => "asking the arbiter...".to_owned(),
+            };
+            return view;
+        };
+        view.state = format!("updated {}", ago(self.fetched_ms, now_ms));
+        let gpus = &document.status.gpus;
+        view.gpus = gpus
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.wanted(Some(*i)))
+            .map(|(i, g)| GpuView::of(i + 1, g))
+            .collect();
+        view.processes.rows = self.process_rows(document);
+        let truncated: usize =
+            gpus.iter().enumerate().filter(|(i, _)| self.wanted(Some(*i))).map(|(_, g)| g.truncated).sum();
+        if truncated > 0 {
+            view.state.push_str(&format!("   ({truncated} more processes not listed)"));
+        }
+        view.queue.rows = self.queue_rows(document);
+        view.events.rows = self.event_rows(document, now_ms);
+        view
+    }
+
+    /// Whether the GPU at `index` is shown (all are, unless one is chosen).
+    fn wanted(&self, index: Option<usize>) -> bool {
+        self.gpu.is_none() || index == self.gpu
+    }
+
+    /// The frame without the arbiter's document: titles, help and the tables' headers.
+    fn frame(&self) -> View {
         let shown = match self.gpu {
             Some(i) => format!("GPU {} only", i + 1),
             None => "all GPUs".to_owned(),
         };
         let help = format!("q quit   s sort: {}   1-9 one GPU, 0/a all: {shown}", self.sort.label());
         let title = format!("gpufrac top   {}", self.socket);
-        let mut view = View {
+        View {
             title,
             help,
             sort: self.sort.label(),
@@ -388,27 +428,13 @@ impl App {
                 right: vec![true, false, true, true, false, true, false],
                 rows: Vec::new(),
             },
-        };
-        let Some(document) = &self.document else {
-            view.state = match &self.error {
-                Some(e) => format!("arbiter unreachable: {e} (retrying every second)"),
-                None => "asking the arbiter...".to_owned(),
-            };
-            return view;
-        };
-        view.state = format!("updated {}", ago(self.fetched_ms, now_ms));
+        }
+    }
+
+    /// The processes' rows, sorted as chosen.
+    fn process_rows(&self, document: &Document) -> Vec<Vec<String>> {
         let gpus = &document.status.gpus;
-        let number = |uuid: &str| gpus.iter().position(|g| g.uuid == uuid);
-        let wanted = |index: Option<usize>| self.gpu.is_none() || index == self.gpu;
-        let column = |index: Option<usize>| index.map_or("-".to_owned(), |i| (i + 1).to_string());
-
-        view.gpus = gpus
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| wanted(Some(*i)))
-            .map(|(i, g)| GpuView::of(i + 1, g))
-            .collect();
-
+        let wanted = |index: Option<usize>| self.wanted(index);
         let mut processes: Vec<(usize, &crate::status::ProcessStatus)> = gpus
             .iter()
             .enumerate()
@@ -424,7 +450,7 @@ impl App {
             };
             by.then(a.pid.cmp(&b.pid)).then(ga.cmp(gb))
         });
-        view.processes.rows = processes
+        processes
             .into_iter()
             .map(|(i, p)| {
                 vec![
@@ -444,18 +470,20 @@ impl App {
                     if p.uncounted > 0 { gib(p.uncounted) } else { "-".to_owned() },
                 ]
             })
-            .collect();
-        let truncated: usize =
-            gpus.iter().enumerate().filter(|(i, _)| wanted(Some(*i))).map(|(_, g)| g.truncated).sum();
-        if truncated > 0 {
-            view.state.push_str(&format!("   ({truncated} more processes not listed)"));
-        }
+            .collect()
+    }
 
+    /// The waiting bursts' rows, longest waiting first.
+    fn queue_rows(&self, document: &Document) -> Vec<Vec<String>> {
+        let gpus = &document.status.gpus;
+        let number = |uuid: &str| gpus.iter().position(|g| g.uuid == uuid);
+        let wanted = |index: Option<usize>| self.wanted(index);
+        let mut rows = Vec::new();
         if document.queue.is_empty() {
             // An arbiter from before the queue was served: its waiters, from their state.
             for (i, g) in gpus.iter().enumerate().filter(|(i, _)| wanted(Some(*i))) {
                 for p in g.processes.iter().filter(|p| p.state == "waiting") {
-                    view.queue.rows.push(vec![
+                    rows.push(vec![
                         (i + 1).to_string(),
                         p.pid.to_string(),
                         printable(&p.group).into_owned(),
@@ -471,32 +499,38 @@ impl App {
                 continue;
             }
             let needs = if q.resume { format!("{} (swap-in)", gib(q.bytes)) } else { gib(q.bytes) };
-            view.queue.rows.push(vec![
-                column(index),
+            rows.push(vec![
+                gpu_column(index),
                 q.pid.to_string(),
                 printable(&q.group).into_owned(),
                 needs,
                 seconds(q.waited_ms),
             ]);
         }
+        rows
+    }
 
+    /// The last events' rows, newest first.
+    fn event_rows(&self, document: &Document, now_ms: u64) -> Vec<Vec<String>> {
+        let number = |uuid: &str| document.status.gpus.iter().position(|g| g.uuid == uuid);
+        let mut rows = Vec::new();
         for e in document.events.iter().rev() {
             let index = if e.gpu.is_empty() { None } else { number(&e.gpu) };
             // An event about no one GPU shows whichever is chosen.
-            if !e.gpu.is_empty() && !wanted(index) {
+            if !e.gpu.is_empty() && !self.wanted(index) {
                 continue;
             }
-            view.events.rows.push(vec![
+            rows.push(vec![
                 ago(e.at_ms, now_ms),
                 e.kind.label().to_owned(),
-                column(index),
+                gpu_column(index),
                 e.pid.to_string(),
                 if e.group.is_empty() { "-".to_owned() } else { printable(&e.group).into_owned() },
                 if e.bytes == 0 { "-".to_owned() } else { gib(e.bytes) },
                 printable(&e.detail).into_owned(),
             ]);
         }
-        view
+        rows
     }
 }
 
