@@ -27,7 +27,13 @@
 //! says who a peer is and what it may have, `endings.rs` signals processes,
 //! `resolvers.rs` runs the resolvers on a tick, `processes.rs` watches NVML's process list
 //! (and `backstop.rs` acts on what it finds), `logs.rs` and `document.rs` say what
-//! happened. This file keeps the settings and the state they share.
+//! happened. Each of those is functions over the policy, or a type owning its part of the
+//! state; this file keeps the settings and the state they share, and the follow-up to a
+//! change ([`Shared::follow_up`]: what the policy's [`FollowUp`] says must happen). Each
+//! request takes the policy's lock once, in `session.rs` (`hello.rs` for the first frame),
+//! and passes it down; so do the ticker, the lease task, NVML's look and the checkpoint
+//! threads, each step. `listener::serve` stops by ending every connection after the frame
+//! in hand, waiting for them at most [`STOP_GRACE`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
