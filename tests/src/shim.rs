@@ -1,6 +1,6 @@
-//! The shim's settings on a test's [`Command`], one method per environment variable of
-//! `INTERFACE.md` ("The shim (`libgpufrac.so`), configured by environment"), so that a
-//! test says which settings it uses and nothing else:
+//! The shim's settings on a test's [`Command`], one method per environment variable the
+//! shim reads (docs/interface.md, "Read by the shim"), so that a test says which settings it uses
+//! and nothing else:
 //!
 //! ```no_run
 //! use gpufrac_e2e::{compile_c, Arbiter, ShimSettings, SimGpu};
