@@ -176,7 +176,7 @@ struct Member {
 
 /// How long a swap-in waits before it is answered `Timeout`. Every wait has a deadline,
 /// so that a queue always empties; a swapped-out process still waits for its memory as
-/// long as it takes: its shim (`come_back` in shim/src/swap.rs) asks again after any
+/// long as it takes: its shim (`come_back` in shim/src/control/swap.rs) asks again after any
 /// answer but a grant, and while connected waits this long plus half a second for one, so
 /// the arbiter's answer comes first and the next ask starts a fresh wait.
 const RESUME_WAIT: Duration = Duration::from_secs(3600);
