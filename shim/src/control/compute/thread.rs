@@ -87,97 +87,43 @@ pub(super) fn run() {
         });
         let now = Instant::now();
         let wanted = WANT.load(SeqCst);
-        let mut sends: Vec<Request> = Vec::new();
-        let mut changed = false;
-        let mut wake: Option<Instant> = None;
-        let mut soon = |at: Instant| wake = Some(wake.map_or(at, |w: Instant| w.min(at)));
+        let mut step = Step::default();
         for (device, local) in leases.devices.iter_mut() {
             let device = *device;
             match *local {
                 Local::Held { lease, until, calls, idle: was_idle } => {
-                    if now >= until {
-                        *local = Local::Draining { lease, ended: until };
-                        changed = true;
-                        soon(now);
-                        continue;
-                    }
-                    // Nothing to run: idle at the last look, and no call since.
-                    let count = crate::control::gate::activity();
-                    let quiet = HELD.load(SeqCst) == 0
-                        && SYNCING.load(SeqCst) == 0
-                        && IN_LEASE.load(SeqCst) == 0
-                        && AWAITING.load(SeqCst) == 0;
-                    if was_idle && count == calls && !wanted && quiet {
-                        sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
-                        clock.all_done();
-                        *local = Local::Wait { wanted: None };
-                        changed = true;
-                        continue;
-                    }
-                    *local = Local::Held { lease, until, calls: count, idle: idle() };
-                    soon((now + LOOK_EVERY).min(until));
+                    let held = Held { lease, until, calls, was_idle };
+                    look_held(&mut step, local, device, held, now, wanted, &mut clock, &idle);
                 }
                 Local::Draining { lease, ended } => {
-                    if !clock.began(device, lease) {
-                        clock.begin(device, lease);
-                        let (queued, cost_ns) = super::streams::in_flight_summary();
-                        drain_looks = DrainLooks {
-                            first_late: now.saturating_duration_since(ended),
-                            queued,
-                            cost_us: cost_ns / 1000,
-                            ..DrainLooks::default()
-                        };
-                    }
-                    let inside = IN_LEASE.load(SeqCst);
-                    if inside == 0 {
-                        clock.mark_tails();
-                    }
-                    let late = now.saturating_duration_since(ended);
-                    let (is_idle, settled) = (inside == 0 && idle(), inside == 0 && clock.settled());
-                    drain_looks.count(inside, is_idle, settled);
-                    if (is_idle && settled) || late >= DRAIN_AT_MOST {
-                        // Polling says when the drain is over; the device's clock says how
-                        // long it was (the polled figure adds this thread's lateness).
-                        let late = Instant::now().saturating_duration_since(ended);
-                        let drain = clock.end(device, lease, instant_ns(ended)).map_or(late, |d| d.min(late));
-                        let drain_us = (drain.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
-                        let more = WANT.swap(false, SeqCst);
-                        tracing::debug!(
-                            lease,
-                            drain_us,
-                            polled_us = late.as_micros() as u64,
-                            first_look_late_us = drain_looks.first_late.as_micros() as u64,
-                            queued_at_first_look = drain_looks.queued,
-                            call_cost_us = drain_looks.cost_us,
-                            looks = drain_looks.looks,
-                            inside = drain_looks.inside,
-                            busy = drain_looks.busy,
-                            unsettled = drain_looks.unsettled,
-                            "gpufrac: lease done"
-                        );
-                        sends.push(Request::LeaseDone { device, lease, drain_us, more });
-                        *local = Local::Wait { wanted: more.then_some(now) };
-                        changed = true;
-                    } else {
-                        soon(now + LOOK_EVERY);
-                    }
+                    look_draining(
+                        &mut step,
+                        local,
+                        device,
+                        (lease, ended),
+                        now,
+                        &mut clock,
+                        &mut drain_looks,
+                        &idle,
+                    );
                 }
                 Local::Wait { wanted: None } if wanted => {
                     WANT.store(false, SeqCst);
-                    sends.push(Request::Want { device });
+                    step.sends.push(Request::Want { device });
                     *local = Local::Wait { wanted: Some(now) };
                 }
                 Local::Wait { wanted: Some(since) } if wanted => {
                     if now.saturating_duration_since(since) >= WANT_AGAIN {
-                        sends.push(Request::Want { device });
+                        step.sends.push(Request::Want { device });
                         *local = Local::Wait { wanted: Some(now) };
                     } else {
-                        soon(since + WANT_AGAIN);
+                        step.soon(since + WANT_AGAIN);
                     }
                 }
                 Local::Free | Local::Open { .. } | Local::Wait { .. } => {}
             }
         }
+        let Step { sends, changed, wake } = step;
         if changed {
             publish(&leases);
         }
@@ -235,4 +181,125 @@ impl DrainLooks {
 /// the device from one timed by this thread; always zero in a release build.
 fn test_delay() -> Duration {
     crate::test_env_us("GPUFRAC_TEST_DRAIN_LOOK_DELAY_US")
+}
+
+/// What one pass over the devices' leases decided.
+#[derive(Default)]
+struct Step {
+    /// Messages for the arbiter, sent once the lock is let go.
+    sends: Vec<Request>,
+    /// A lease's state changed (published to the gate's readers).
+    changed: bool,
+    /// When to look again, at the latest.
+    wake: Option<Instant>,
+}
+
+impl Step {
+    fn soon(&mut self, at: Instant) {
+        self.wake = Some(self.wake.map_or(at, |w| w.min(at)));
+    }
+}
+
+/// A held lease as the last look left it.
+struct Held {
+    lease: u32,
+    until: Instant,
+    calls: u64,
+    was_idle: bool,
+}
+
+/// A look at a held lease: past its end it starts draining; given back early when the
+/// group has nothing to run (idle at the last look, no call since, nobody wanting it).
+#[allow(clippy::too_many_arguments)]
+fn look_held(
+    step: &mut Step,
+    local: &mut Local,
+    device: gpufrac_common::protocol::DeviceId,
+    held: Held,
+    now: Instant,
+    wanted: bool,
+    clock: &mut DeviceClock,
+    idle: &dyn Fn() -> bool,
+) {
+    let Held { lease, until, calls, was_idle } = held;
+    if now >= until {
+        *local = Local::Draining { lease, ended: until };
+        step.changed = true;
+        step.soon(now);
+        return;
+    }
+    // Nothing to run: idle at the last look, and no call since.
+    let count = crate::control::gate::activity();
+    let quiet = HELD.load(SeqCst) == 0
+        && SYNCING.load(SeqCst) == 0
+        && IN_LEASE.load(SeqCst) == 0
+        && AWAITING.load(SeqCst) == 0;
+    if was_idle && count == calls && !wanted && quiet {
+        step.sends.push(Request::LeaseDone { device, lease, drain_us: 0, more: false });
+        clock.all_done();
+        *local = Local::Wait { wanted: None };
+        step.changed = true;
+        return;
+    }
+    *local = Local::Held { lease, until, calls: count, idle: idle() };
+    step.soon((now + LOOK_EVERY).min(until));
+}
+
+/// A look at a draining lease (`ended` when it did): done once nothing is inside, the
+/// streams are idle and the device's clock settled, or after [`DRAIN_AT_MOST`]; then the
+/// arbiter hears how long the drain took.
+#[allow(clippy::too_many_arguments)]
+fn look_draining(
+    step: &mut Step,
+    local: &mut Local,
+    device: gpufrac_common::protocol::DeviceId,
+    (lease, ended): (u32, Instant),
+    now: Instant,
+    clock: &mut DeviceClock,
+    drain_looks: &mut DrainLooks,
+    idle: &dyn Fn() -> bool,
+) {
+    if !clock.began(device, lease) {
+        clock.begin(device, lease);
+        let (queued, cost_ns) = super::streams::in_flight_summary();
+        *drain_looks = DrainLooks {
+            first_late: now.saturating_duration_since(ended),
+            queued,
+            cost_us: cost_ns / 1000,
+            ..DrainLooks::default()
+        };
+    }
+    let inside = IN_LEASE.load(SeqCst);
+    if inside == 0 {
+        clock.mark_tails();
+    }
+    let late = now.saturating_duration_since(ended);
+    let (is_idle, settled) = (inside == 0 && idle(), inside == 0 && clock.settled());
+    drain_looks.count(inside, is_idle, settled);
+    if !((is_idle && settled) || late >= DRAIN_AT_MOST) {
+        step.soon(now + LOOK_EVERY);
+        return;
+    }
+    // Polling says when the drain is over; the device's clock says how long it was (the
+    // polled figure adds this thread's lateness).
+    let late = Instant::now().saturating_duration_since(ended);
+    let drain = clock.end(device, lease, instant_ns(ended)).map_or(late, |d| d.min(late));
+    let drain_us = (drain.as_micros() as u64).min(u64::from(MAX_DRAIN_US)) as u32;
+    let more = WANT.swap(false, SeqCst);
+    tracing::debug!(
+        lease,
+        drain_us,
+        polled_us = late.as_micros() as u64,
+        first_look_late_us = drain_looks.first_late.as_micros() as u64,
+        queued_at_first_look = drain_looks.queued,
+        call_cost_us = drain_looks.cost_us,
+        looks = drain_looks.looks,
+        inside = drain_looks.inside,
+        busy = drain_looks.busy,
+        unsettled = drain_looks.unsettled,
+        "gpufrac: lease done"
+    );
+    step.sends.push(Request::LeaseDone { device, lease, drain_us, more });
+    *local = Local::Wait { wanted: more.then_some(now) };
+    step.changed = true;
 }
