@@ -360,8 +360,8 @@ impl Shared {
     }
 }
 
-/// What the rooms' unit tests call on the server state, as they called it when each room
-/// was a block of `impl Shared`.
+/// What the rooms' unit tests call on the server state, as they called it when each room's
+/// functions were methods of it.
 #[cfg(test)]
 impl Shared {
     /// Keeps an open connection as `accepted` does, its pidfd already taken; returns the
