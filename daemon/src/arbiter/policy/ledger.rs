@@ -31,27 +31,7 @@ impl Policy {
             .gpus
             .get_mut(&device)
             .ok_or_else(|| format!("GPU {} is not managed by this arbiter", uuid_string(&device)))?;
-        if total != gpu.total {
-            tracing::warn!(gpu = %uuid_string(&device), shim = total, arbiter = gpu.total, "shim and NVML disagree on the GPU's memory");
-        }
-        if limit < request {
-            return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
-        }
-        if gpu.headroom > 0 && request > gpu.total {
-            // A shim that learnt the managed size refuses this itself; one that registers
-            // it anyway (it could not reach the arbiter at its start) is refused as a
-            // request larger than the GPU is.
-            return Err(format!(
-                "GPUFRAC_MEMORY_REQUEST ({}) is more than the {} gpufrac manages of GPU {} (gpufrac-arbiter --gpu-memory)",
-                gib(request),
-                gib(gpu.total),
-                uuid_string(&device)
-            ));
-        }
-        // Nothing is larger than the GPU: reports past it (from a shim that sees another
-        // total, or a broken one) cannot overflow the ledger's sums.
-        let (request, limit, held) = (request.min(gpu.total), limit.min(gpu.total), held.min(gpu.total));
-        let limit = limit.max(request);
+        let (request, limit, held) = checked_sizes(gpu, &device, total, request, limit, held)?;
         // What a re-registering process says it was lent is believed only up to what NVML
         // shows it uses on this GPU (once NVML has answered): a claim cannot skip admission
         // nor put in the ledger memory nobody holds.
@@ -60,135 +40,18 @@ impl Policy {
         // A process the arbiter cannot signal is lent nothing (see `acquire`), nor believed
         // to hold a loan or to keep swapped-out memory.
         let (granted, host_bytes) = if peer.signalable { (granted, host_bytes) } else { (0, 0) };
-        // What this very process already uses is not someone else's. A process coming
-        // back with burst memory after a restart holds it already: refusing it for memory
-        // outside gpufrac would free nothing (and that memory may be its peers coming back
-        // too); its request must still fit beside the other requests, or no guarantee could
-        // be kept.
-        // Within the headroom (`--gpu-memory`), it takes nothing from the managed memory.
-        let outside_others: u64 = gpu.beyond_headroom(
-            gpu.outside
-                .iter()
-                .filter(|&&(pid, _)| pid != peer.pid)
-                .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes)),
-        );
-        let outside_used = if granted == 0 { outside_others } else { 0 };
-        // Memory groups hold beyond what their shims charged (see [`super::backstop`])
-        // keeps a request out as memory outside gpufrac does.
-        let uncounted = if granted == 0 { gpu.uncounted() } else { 0 };
-        let outside = outside_used.saturating_add(uncounted);
-        let refuse = |gpu: &super::Gpu, request: u64| {
-            let mut used_outside = String::new();
-            if outside_used > 0 {
-                let past = if gpu.headroom > 0 { " past the headroom --gpu-memory leaves" } else { "" };
-                used_outside =
-                    format!(" and {} is used by processes outside gpufrac{past}", gib(outside_used));
-            }
-            if uncounted > 0 {
-                used_outside.push_str(&format!(" and {} is held uncounted by groups", gib(uncounted)));
-            }
-            format!(
-                "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
-                gib(request),
-                uuid_string(&device),
-                gib(gpu.guaranteed()),
-                gib(gpu.total),
-            )
-        };
+        let outside = Outside::for_peer(gpu, &peer, granted);
         let now = Instant::now();
-        let mut parked = false;
         Self::admit_compute(gpu, &device, &peer)?;
-        if let Some(group) = gpu.groups.get(&peer.group) {
-            if group.park_after.is_some() != peer.park_after.is_some() {
-                // Parking moves a whole group: a member that cannot be parked would keep it
-                // on the device (and one that can, in a group that cannot, never would be).
-                return Err(format!(
-                    "GPUFRAC_PARK_AFTER is {} for GPUFRAC_GROUP {:?} but {} for this process: a group's processes must all set it, or none",
-                    if group.park_after.is_some() { "set" } else { "unset" },
-                    crate::entitlement::shown_group(&peer.group),
-                    if peer.park_after.is_some() { "set" } else { "unset" },
-                ));
-            }
-        }
-        match gpu.groups.get(&peer.group) {
-            None => {
-                let park_after = peer.park_after;
-                if park_after.is_some() {
-                    let rule = (self.oversubscribe, self.swap_limit);
-                    // A process coming back with memory it holds (after a restart) is
-                    // resident, wherever it fits.
-                    parked = Self::admit_parkable(gpu, &device, request, outside, rule)? && held == 0;
-                } else {
-                    // Resident parkable groups do not keep a firm request out: they are
-                    // parked for it.
-                    let committed =
-                        gpu.guaranteed().saturating_sub(parkable_reserved(gpu)).saturating_add(outside);
-                    if request > 0 && committed.saturating_add(request) > gpu.total {
-                        return Err(refuse(gpu, request));
-                    }
-                }
-                gpu.groups.insert(
-                    peer.group.clone(),
-                    Group {
-                        request,
-                        limit,
-                        uid: peer.uid,
-                        members: BTreeMap::new(),
-                        last_ask: None,
-                        burst: Default::default(),
-                        park_after,
-                        park: if parked { super::park::GroupPark::Parked } else { Default::default() },
-                        active_since: now,
-                        parks: 0,
-                        wakes: 0,
-                        last_park: std::time::Duration::ZERO,
-                        last_wake: std::time::Duration::ZERO,
-                        compute: super::compute::GroupCompute { spec: peer.compute, ..Default::default() },
-                        uncounted: Default::default(),
-                    },
-                );
-            }
-            Some(group) if group.uid != peer.uid => {
-                // Its members share one ledger file, private to the user that made it: a
-                // member of another user would count apart from the group's limit. (Groups
-                // a client names are keyed by its UID, so this is a derived group.)
-                return Err(format!(
-                    "GPUFRAC_GROUP {:?} is used by processes of another user (uid {}): a group's processes must run as one user",
-                    crate::entitlement::shown_group(&peer.group),
-                    group.uid
-                ));
-            }
-            Some(group) if group.park == super::park::GroupPark::Parked => {
-                // A member joining a parked group is parked with it (nothing of it is on
-                // the device yet); its request cannot grow the group's.
-                parked = held == 0;
-            }
-            Some(group) => {
-                // The first member does not fix the group for the others: a larger request
-                // is guaranteed if its difference fits (admission as for a new group), a
-                // larger limit is taken. Never smaller: members still hold what they got.
-                if request > group.request {
-                    let others = gpu.guaranteed().saturating_sub(group.request);
-                    if others.saturating_add(outside).saturating_add(request) > gpu.total {
-                        return Err(refuse(gpu, request));
-                    }
-                }
-                if (group.request, group.limit) != (request, limit) {
-                    tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the larger of each");
-                }
-                let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
-                let limit = group.limit.max(limit);
-                // Loans already made stay within the burst range (limit - request).
-                group.request = group.request.max(request.min(limit.saturating_sub(group.granted())));
-                group.limit = limit.max(group.request);
-            }
-        }
+        let rule = (self.oversubscribe, self.swap_limit);
+        let parked = admit_group(gpu, &device, &peer, (request, limit, held), &outside, rule, now)?;
         // Lent memory the GPU has room for now (its own memory counted as outside until
         // it is registered is not someone else's).
         let available =
-            (gpu.total as i128 - gpu.guaranteed() as i128 - gpu.burst() as i128 - outside_others as i128)
+            (gpu.total as i128 - gpu.guaranteed() as i128 - gpu.burst() as i128 - outside.others as i128)
                 .max(0) as u64;
         let host_now = self.host_committed_except(&device, conn);
+        let swap_limit = self.swap_limit;
         let gpu = self.gpus.get_mut(&device).ok_or("GPU vanished")?;
         let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
         // What a re-registering process says it was lent cannot pass its group's limit nor
@@ -196,7 +59,7 @@ impl Policy {
         // and what the node's swap limit leaves.
         let granted = granted.min(group.room()).min(available);
         let reported = host_bytes.min(group.limit);
-        let host_bytes = reported.min(self.swap_limit.saturating_sub(host_now));
+        let host_bytes = reported.min(swap_limit.saturating_sub(host_now));
         let mut member = Member::new(held, granted, host_bytes, now);
         member.host_reported = reported;
         member.swaps = peer.resolver == gpufrac_common::Resolver::Swap && peer.signalable;
@@ -324,6 +187,194 @@ fn parkable_reserved(gpu: &super::Gpu) -> u64 {
         .filter(|g| g.park_after.is_some() && g.park != super::park::GroupPark::Parked)
         .map(|g| g.request)
         .fold(0u64, u64::saturating_add)
+}
+
+/// A registration's sizes, checked against the GPU and clamped to it: nothing is larger
+/// than the GPU, so reports past it (from a shim that sees another total, or a broken one)
+/// cannot overflow the ledger's sums.
+fn checked_sizes(
+    gpu: &super::Gpu,
+    device: &DeviceId,
+    total: u64,
+    request: u64,
+    limit: u64,
+    held: u64,
+) -> Result<(u64, u64, u64), String> {
+    if total != gpu.total {
+        tracing::warn!(gpu = %uuid_string(device), shim = total, arbiter = gpu.total, "shim and NVML disagree on the GPU's memory");
+    }
+    if limit < request {
+        return Err(format!("a limit ({}) below the request ({})", gib(limit), gib(request)));
+    }
+    if gpu.headroom > 0 && request > gpu.total {
+        // A shim that learnt the managed size refuses this itself; one that registers
+        // it anyway (it could not reach the arbiter at its start) is refused as a
+        // request larger than the GPU is.
+        return Err(format!(
+            "GPUFRAC_MEMORY_REQUEST ({}) is more than the {} gpufrac manages of GPU {} (gpufrac-arbiter --gpu-memory)",
+            gib(request),
+            gib(gpu.total),
+            uuid_string(device)
+        ));
+    }
+    let (request, limit, held) = (request.min(gpu.total), limit.min(gpu.total), held.min(gpu.total));
+    Ok((request, limit.max(request), held))
+}
+
+/// What keeps a registering process's request out besides the other groups' requests.
+struct Outside {
+    /// Memory used outside gpufrac by other processes, past the headroom.
+    others: u64,
+    /// What of it counts against this request (nothing for a process coming back with a
+    /// loan: refusing it would free nothing).
+    used: u64,
+    /// Memory groups hold beyond what their shims charged (see [`super::backstop`]).
+    uncounted: u64,
+}
+
+impl Outside {
+    fn for_peer(gpu: &super::Gpu, peer: &super::Peer, granted: u64) -> Outside {
+        // What this very process already uses is not someone else's. A process coming
+        // back with burst memory after a restart holds it already: refusing it for memory
+        // outside gpufrac would free nothing (and that memory may be its peers coming back
+        // too); its request must still fit beside the other requests, or no guarantee could
+        // be kept. Within the headroom (`--gpu-memory`), it takes nothing from the managed
+        // memory.
+        let others: u64 = gpu.beyond_headroom(
+            gpu.outside
+                .iter()
+                .filter(|&&(pid, _)| pid != peer.pid)
+                .fold(0u64, |sum, &(_, bytes)| sum.saturating_add(bytes)),
+        );
+        let used = if granted == 0 { others } else { 0 };
+        // Memory groups hold beyond what their shims charged keeps a request out as memory
+        // outside gpufrac does.
+        let uncounted = if granted == 0 { gpu.uncounted() } else { 0 };
+        Outside { others, used, uncounted }
+    }
+
+    /// All of it.
+    fn total(&self) -> u64 {
+        self.used.saturating_add(self.uncounted)
+    }
+
+    /// The refusal of `request` on `device`, naming what fills the GPU.
+    fn refusal(&self, gpu: &super::Gpu, device: &DeviceId, request: u64) -> String {
+        let mut used_outside = String::new();
+        if self.used > 0 {
+            let past = if gpu.headroom > 0 { " past the headroom --gpu-memory leaves" } else { "" };
+            used_outside = format!(" and {} is used by processes outside gpufrac{past}", gib(self.used));
+        }
+        if self.uncounted > 0 {
+            used_outside.push_str(&format!(" and {} is held uncounted by groups", gib(self.uncounted)));
+        }
+        format!(
+            "GPUFRAC_MEMORY_REQUEST ({}) does not fit on GPU {}: {} of {} is guaranteed to other groups{used_outside}",
+            gib(request),
+            uuid_string(device),
+            gib(gpu.guaranteed()),
+            gib(gpu.total),
+        )
+    }
+}
+
+/// Admits the peer's group on the GPU (a new group, a member joining one, or a member
+/// growing its request); `Ok(true)`: admitted parked.
+fn admit_group(
+    gpu: &mut super::Gpu,
+    device: &DeviceId,
+    peer: &super::Peer,
+    (request, limit, held): (u64, u64, u64),
+    outside: &Outside,
+    rule: (f64, u64),
+    now: Instant,
+) -> Result<bool, String> {
+    let mut parked = false;
+    if let Some(group) = gpu.groups.get(&peer.group) {
+        if group.park_after.is_some() != peer.park_after.is_some() {
+            // Parking moves a whole group: a member that cannot be parked would keep it
+            // on the device (and one that can, in a group that cannot, never would be).
+            return Err(format!(
+                "GPUFRAC_PARK_AFTER is {} for GPUFRAC_GROUP {:?} but {} for this process: a group's processes must all set it, or none",
+                if group.park_after.is_some() { "set" } else { "unset" },
+                crate::entitlement::shown_group(&peer.group),
+                if peer.park_after.is_some() { "set" } else { "unset" },
+            ));
+        }
+    }
+    match gpu.groups.get(&peer.group) {
+        None => {
+            let park_after = peer.park_after;
+            if park_after.is_some() {
+                // A process coming back with memory it holds (after a restart) is
+                // resident, wherever it fits.
+                parked = Policy::admit_parkable(gpu, device, request, outside.total(), rule)? && held == 0;
+            } else {
+                // Resident parkable groups do not keep a firm request out: they are
+                // parked for it.
+                let committed =
+                    gpu.guaranteed().saturating_sub(parkable_reserved(gpu)).saturating_add(outside.total());
+                if request > 0 && committed.saturating_add(request) > gpu.total {
+                    return Err(outside.refusal(gpu, device, request));
+                }
+            }
+            gpu.groups.insert(
+                peer.group.clone(),
+                Group {
+                    request,
+                    limit,
+                    uid: peer.uid,
+                    members: BTreeMap::new(),
+                    last_ask: None,
+                    burst: Default::default(),
+                    park_after,
+                    park: if parked { super::park::GroupPark::Parked } else { Default::default() },
+                    active_since: now,
+                    parks: 0,
+                    wakes: 0,
+                    last_park: std::time::Duration::ZERO,
+                    last_wake: std::time::Duration::ZERO,
+                    compute: super::compute::GroupCompute { spec: peer.compute, ..Default::default() },
+                    uncounted: Default::default(),
+                },
+            );
+        }
+        Some(group) if group.uid != peer.uid => {
+            // Its members share one ledger file, private to the user that made it: a
+            // member of another user would count apart from the group's limit. (Groups
+            // a client names are keyed by its UID, so this is a derived group.)
+            return Err(format!(
+                "GPUFRAC_GROUP {:?} is used by processes of another user (uid {}): a group's processes must run as one user",
+                crate::entitlement::shown_group(&peer.group),
+                group.uid
+            ));
+        }
+        Some(group) if group.park == super::park::GroupPark::Parked => {
+            // A member joining a parked group is parked with it (nothing of it is on
+            // the device yet); its request cannot grow the group's.
+            parked = held == 0;
+        }
+        Some(group) => {
+            // The first member does not fix the group for the others: a larger request
+            // is guaranteed if its difference fits (admission as for a new group), a
+            // larger limit is taken. Never smaller: members still hold what they got.
+            if request > group.request {
+                let others = gpu.guaranteed().saturating_sub(group.request);
+                if others.saturating_add(outside.total()).saturating_add(request) > gpu.total {
+                    return Err(outside.refusal(gpu, device, request));
+                }
+            }
+            if (group.request, group.limit) != (request, limit) {
+                tracing::warn!(group = %peer.group, "a member's request/limit differ from the group's; the group keeps the larger of each");
+            }
+            let group = gpu.groups.get_mut(&peer.group).ok_or("group vanished")?;
+            let limit = group.limit.max(limit);
+            // Loans already made stay within the burst range (limit - request).
+            group.request = group.request.max(request.min(limit.saturating_sub(group.granted())));
+            group.limit = limit.max(group.request);
+        }
+    }
+    Ok(parked)
 }
 
 #[cfg(test)]
