@@ -60,11 +60,11 @@ pub(super) async fn handle(
     let mut stopping = shared.stopping.subscribe();
     let mut stopped = false;
     let result: Result<(), String> = loop {
+        // Biased, frames first: a frame already read when the stop comes is answered
+        // before the connection ends (a peer that never stops talking is cut off at the
+        // server's grace).
         tokio::select! {
-            _ = stop_asked(&mut stopping) => {
-                stopped = true;
-                break Ok(());
-            }
+            biased;
             _ = evict.notified() => {
                 break Err("too many connections: the oldest that had not said who it is".into());
             }
@@ -126,6 +126,10 @@ pub(super) async fn handle(
                 if writer.write_all(&frame).await.is_err() {
                     break Ok(());
                 }
+            }
+            _ = stop_asked(&mut stopping) => {
+                stopped = true;
+                break Ok(());
             }
         }
     };
