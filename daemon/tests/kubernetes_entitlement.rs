@@ -33,7 +33,7 @@ use gpufrac_daemon::entitlement::kubernetes::api::{
 };
 use gpufrac_daemon::entitlement::kubernetes::{KubernetesEntitlements, KubernetesError, KubernetesOptions};
 use gpufrac_daemon::entitlement::{
-    Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict,
+    Amount, Cgroup, ContainerRef, DeviceCaps, Entitlement, Entitlements, Identity, Verdict,
 };
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt as _, Full, StreamBody};
@@ -549,7 +549,7 @@ fn shares_are_a_fraction_of_the_right_gpu_and_the_rest_comes_from_the_pod() {
     let k8s = cluster.entitlements();
 
     let e = entitled(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
-    assert_eq!(e.devices, Some(vec![uuid(GPU_A)]));
+    assert_eq!(gpus(&e), Some(vec![uuid(GPU_A)]));
     assert_eq!(e.max_request, Amount::Fraction(0.25));
     assert_eq!(e.max_limit, Amount::Fraction(0.5)); // gpufrac.io/gpu-fraction-limit
     assert_eq!(e.max_priority, 1000); // spec.priority
@@ -563,12 +563,35 @@ fn shares_are_a_fraction_of_the_right_gpu_and_the_rest_comes_from_the_pod() {
     // in its env: neither counts. No annotations: limit = request, wait, spec.priority 0.
     // Upper-case IDs from a cgroup are the same IDs.
     let e = entitled(k8s.lookup(&process(&DIRECT_UID.to_uppercase(), &WORKER_ID.to_uppercase())));
-    assert_eq!(e.devices, Some(vec![uuid(GPU_B)]));
+    assert_eq!(gpus(&e), Some(vec![uuid(GPU_B)]));
     assert_eq!(e.max_request, Amount::Fraction(0.5));
     assert_eq!(e.max_limit, Amount::Fraction(0.5));
     assert_eq!(e.max_priority, 0);
     assert_eq!(e.resolver, Some(Resolver::Wait));
     assert_eq!(e.group.as_deref(), Some(format!("k8s-{DIRECT_UID}-worker").as_str()));
+}
+
+/// The GPUs an entitlement names, without what it may have on each.
+fn gpus(e: &Entitlement) -> Option<Vec<[u8; 16]>> {
+    e.devices.as_ref().map(|devices| devices.keys().copied().collect())
+}
+
+#[test]
+fn shares_on_two_gpus_are_a_fraction_of_each() {
+    let cluster = Cluster::with_fixtures();
+    // The kubelet lists the container's shares of one resource together, whatever the GPU.
+    {
+        let mut pods = cluster.kubelet.pods.lock().expect("lock");
+        let direct = pods.iter_mut().find(|p| p.name == "batch-embed-0").expect("the direct pod");
+        let ids = &mut direct.containers[0].devices[0].device_ids;
+        ids.extend((0..75).map(|n| format!("{GPU_A}::{n}")));
+    }
+    let k8s = cluster.entitlements();
+    let e = entitled(k8s.lookup(&process(DIRECT_UID, WORKER_ID)));
+    let caps = |f| DeviceCaps { max_request: Amount::Fraction(f), max_limit: Amount::Fraction(f) };
+    let want = [(uuid(GPU_A), caps(0.75)), (uuid(GPU_B), caps(0.5))];
+    assert_eq!(e.devices, Some(want.into_iter().collect()), "each GPU its own shares");
+    assert_eq!(e.group.as_deref(), Some(format!("k8s-{DIRECT_UID}-worker").as_str()), "one group");
 }
 
 #[test]
@@ -1027,7 +1050,7 @@ fn a_dra_claim_gives_its_request_limit_resolver_and_priority() {
     for container in [SERVER_ID, METRICS_ID] {
         let e = entitled(k8s.lookup(&process(INFERENCE_UID, container)));
         assert_eq!(e.source, "DRA claim inference/llm-gpu");
-        assert_eq!(e.devices, Some(vec![uuid(GPU_A)]));
+        assert_eq!(gpus(&e), Some(vec![uuid(GPU_A)]));
         assert_eq!(e.max_request, Amount::Bytes(20 * GIB));
         assert_eq!(e.max_limit, Amount::Bytes(40 * GIB));
         assert_eq!(e.resolver, Some(Resolver::Swap));
@@ -1065,7 +1088,7 @@ fn a_dra_claim_without_a_priority_gets_the_pods() {
     assert_eq!(e.max_compute, Some(compute(0, 1000)));
     let e = entitled(k8s.lookup(&process(DIRECT_UID, WORKER_ID)));
     assert_eq!(e.max_priority, 0);
-    assert_eq!(e.devices, Some(vec![uuid(GPU_B)]));
+    assert_eq!(gpus(&e), Some(vec![uuid(GPU_B)]));
 }
 
 #[test]
@@ -1112,7 +1135,7 @@ fn a_claim_of_another_namespace_is_not_the_pods() {
 }
 
 #[test]
-fn claims_of_several_gpus_are_refused_naming_them() {
+fn a_claim_of_two_gpus_entitles_each_and_two_claims_are_refused() {
     let cluster = Cluster::with_fixtures();
     let (k8s, path) = dra(
         &cluster,
@@ -1121,15 +1144,30 @@ fn claims_of_several_gpus_are_refused_naming_them() {
             "two-gpus",
             CLAIM_UID,
             &[INFERENCE_UID],
-            vec![device("gpu-0", GPU_A, GIB, GIB), device("gpu-1", GPU_B, GIB, GIB)],
+            vec![device("gpu-0", GPU_A, 2 * GIB, 4 * GIB), device("gpu-1", GPU_B, GIB, 3 * GIB)],
         )]),
     );
-    let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
-    assert_eq!(
-        why,
-        "a process may use one gpufrac GPU; pod inference/vllm-small-6d8f7c9b54-x7k2p holds claim two-gpus \
-         (2 GPUs: gpu-0, gpu-1)"
-    );
+    let e = entitled(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    let caps =
+        |request, limit| DeviceCaps { max_request: Amount::Bytes(request), max_limit: Amount::Bytes(limit) };
+    let want = [(uuid(GPU_A), caps(2 * GIB, 4 * GIB)), (uuid(GPU_B), caps(GIB, 3 * GIB))];
+    assert_eq!(e.devices, Some(want.into_iter().collect()), "each GPU what the claim holds of it");
+    assert_eq!((e.max_request, e.max_limit), (Amount::Bytes(2 * GIB), Amount::Bytes(4 * GIB)));
+    assert_eq!(e.group.as_deref(), Some(format!("dra-{CLAIM_UID}").as_str()), "one group for both");
+    // A checkpoint whose devices disagree is not believed (the plugin refuses such a claim).
+    let mut other = device("gpu-1", GPU_B, GIB, 3 * GIB);
+    other.resolver = Some(Resolver::Swap);
+    checkpoint(vec![claim(
+        "inference",
+        "two-gpus",
+        CLAIM_UID,
+        &[INFERENCE_UID],
+        vec![device("gpu-0", GPU_A, GIB, GIB), other],
+    )])
+    .store(&path)
+    .expect("store");
+    let why = unknown(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
+    assert!(why.contains("device gpu-1: its resolver differs from that of gpu-0"), "{why}");
     checkpoint(vec![
         claim("inference", "a", CLAIM_UID, &[INFERENCE_UID], vec![device("gpu-0", GPU_A, GIB, GIB)]),
         claim(
@@ -1143,7 +1181,11 @@ fn claims_of_several_gpus_are_refused_naming_them() {
     .store(&path)
     .expect("store");
     let why = refused(k8s.lookup(&process(INFERENCE_UID, SERVER_ID)));
-    assert!(why.ends_with("holds claims a, b"), "{why}");
+    assert_eq!(
+        why,
+        "a process may use one gpufrac claim (ask for several GPUs in one claim: count: N); pod \
+         inference/vllm-small-6d8f7c9b54-x7k2p holds claims a, b"
+    );
 }
 
 #[test]

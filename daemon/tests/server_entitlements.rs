@@ -6,6 +6,7 @@
 //! entitled gets no guarantee and no burst; a GPU outside the entitlement gets nothing; a
 //! lookup that fails is no verdict: never cached, asked again before a registration.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -15,7 +16,7 @@ use std::time::Duration;
 use gpufrac_common::protocol::{read_frame, Denial, Reply, Request, MAX_FRAME, VERSION};
 use gpufrac_common::{ComputeShare, ComputeSpec, Resolver};
 use gpufrac_daemon::arbiter::server::{serve, Options, Shared, Signals};
-use gpufrac_daemon::entitlement::{Amount, Entitlement, Entitlements, Identity, Verdict};
+use gpufrac_daemon::entitlement::{Amount, DeviceCaps, Entitlement, Entitlements, Identity, Verdict};
 use gpufrac_daemon::status::Status;
 
 const GIB: u64 = 1 << 30;
@@ -165,7 +166,10 @@ impl Client {
 fn kubernetes_like() -> Verdict {
     Verdict::Entitled(Entitlement {
         source: "kubelet: ns/pod container c".into(),
-        devices: Some(vec![GPU]),
+        devices: Some(BTreeMap::from([(
+            GPU,
+            DeviceCaps { max_request: Amount::Fraction(0.25), max_limit: Amount::Fraction(0.5) },
+        )])),
         max_request: Amount::Fraction(0.25),
         max_limit: Amount::Fraction(0.5),
         max_priority: 3,

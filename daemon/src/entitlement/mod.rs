@@ -11,6 +11,8 @@ pub mod kubernetes;
 pub mod identity;
 pub mod policy;
 
+use std::collections::BTreeMap;
+
 use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::resolver::Resolver;
 use gpufrac_common::size::SizeSpec;
@@ -100,11 +102,13 @@ pub struct Entitlement {
     /// Where this came from, for logs and status: `kubelet: ns/pod container c`,
     /// `policy /etc/gpufrac/policy.json: uid 1000`.
     pub source: String,
-    /// The GPUs (by UUID) it may register on; `None`: any.
-    pub devices: Option<Vec<[u8; 16]>>,
-    /// Most request it is guaranteed per device.
+    /// The GPUs (by UUID) it may register on, each with the most it may have there (a
+    /// tensor-parallel pod holds a fraction of each of several GPUs, not always the same);
+    /// `None`: any GPU, up to `max_request` and `max_limit`.
+    pub devices: Option<BTreeMap<[u8; 16], DeviceCaps>>,
+    /// Most request it is guaranteed per device (with `devices`: the most on any of them).
     pub max_request: Amount,
-    /// Most it may hold per device (its burst ceiling).
+    /// Most it may hold per device, its burst ceiling (with `devices`: the most on any).
     pub max_limit: Amount,
     /// Highest priority it is believed about.
     pub max_priority: i32,
@@ -118,6 +122,15 @@ pub struct Entitlement {
     /// vouched, any limit). `None`: the source says nothing of compute (the policy file
     /// without compute fields), the declared share is believed.
     pub max_compute: Option<ComputeSpec>,
+}
+
+/// What a process may have on one GPU it is entitled to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceCaps {
+    /// Most request it is guaranteed there.
+    pub max_request: Amount,
+    /// Most it may hold there.
+    pub max_limit: Amount,
 }
 
 /// What a source vouches for when it gives a process no compute share: no guarantee (a
@@ -351,10 +364,14 @@ pub fn believe_register(
             (0, 0, cut.then(|| "request and limit -> 0 (entitlement unknown: the lookup failed)".to_owned()))
         }
         Verdict::Entitled(e) => {
-            if e.devices.as_ref().is_some_and(|list| !list.contains(device)) {
-                return (0, 0, Some("request and limit -> 0 (not entitled to this GPU)".into()));
-            }
-            let (max_request, max_limit) = (e.max_request.bytes(total), e.max_limit.bytes(total));
+            let caps = match &e.devices {
+                None => DeviceCaps { max_request: e.max_request, max_limit: e.max_limit },
+                Some(devices) => match devices.get(device) {
+                    Some(caps) => *caps,
+                    None => return (0, 0, Some("request and limit -> 0 (not entitled to this GPU)".into())),
+                },
+            };
+            let (max_request, max_limit) = (caps.max_request.bytes(total), caps.max_limit.bytes(total));
             let limit_cut = limit.min(max_limit);
             let request_cut = request.min(max_request).min(limit_cut);
             let mut cut = Vec::new();
@@ -380,7 +397,10 @@ mod tests {
     fn entitled(group: Option<&str>) -> Verdict {
         Verdict::Entitled(Entitlement {
             source: "test".into(),
-            devices: Some(vec![[1; 16]]),
+            devices: Some(BTreeMap::from([(
+                [1; 16],
+                DeviceCaps { max_request: Amount::Fraction(0.25), max_limit: Amount::Bytes(8) },
+            )])),
             max_request: Amount::Fraction(0.25),
             max_limit: Amount::Bytes(8),
             max_priority: 5,
@@ -521,6 +541,23 @@ mod tests {
         assert!(cut.is_some());
         assert_eq!(believe_register(&entitled(None), &[1; 16], 64, 4, 6), (4, 6, None));
         assert_eq!(believe_register(&entitled(None), &[2; 16], 64, 4, 6).0, 0, "not its GPU");
+    }
+
+    #[test]
+    fn a_fraction_of_several_gpus_is_each_gpus_own() {
+        let Verdict::Entitled(mut e) = entitled(None) else { unreachable!() };
+        e.devices = Some(BTreeMap::from([
+            ([1; 16], DeviceCaps { max_request: Amount::Bytes(16), max_limit: Amount::Bytes(32) }),
+            ([2; 16], DeviceCaps { max_request: Amount::Bytes(4), max_limit: Amount::Bytes(8) }),
+        ]));
+        let (e, declared) = (Verdict::Entitled(e), (16, 32));
+        assert_eq!(believe_register(&e, &[1; 16], 64, declared.0, declared.1), (16, 32, None));
+        let (r, l, cut) = believe_register(&e, &[2; 16], 64, declared.0, declared.1);
+        assert_eq!((r, l), (4, 8), "the second GPU's own fraction, not the first's");
+        assert_eq!(cut.as_deref(), Some("request 16 -> 4, limit 32 -> 8"));
+        let (r, l, cut) = believe_register(&e, &[3; 16], 64, declared.0, declared.1);
+        assert_eq!((r, l), (0, 0));
+        assert!(cut.is_some_and(|c| c.contains("not entitled to this GPU")));
     }
 
     #[test]

@@ -4,14 +4,15 @@
 //! a pod.
 //!
 //! For a pod (found by UID in the store of this node's pods): the checkpoint's claims whose
-//! `podUids` hold the pod's UID and whose namespace is the pod's. Exactly one device among
-//! them is the entitlement: that GPU only, the claim's request and limit in bytes, its
-//! resolver, its priority (default the pod's `spec.priority`), its compute share as
-//! prepared ([`PreparedDevice::compute`]; none prepared: no compute request, any limit),
-//! and the claim's group ([`gpufrac_common::dra::group_name`]: every process using the
-//! claim shares its memory).
-//! None is a refusal; several (two claims, or a claim of two GPUs) are refused too, naming
-//! them: a process uses one GPU.
+//! `podUids` hold the pod's UID and whose namespace is the pod's. Exactly one claim among
+//! them is the entitlement: its GPUs only, on each the request and limit in bytes the
+//! claim holds there (a tensor-parallel claim holds a fraction of each of several GPUs),
+//! its resolver, its priority (default the pod's `spec.priority`), its compute share as
+//! prepared ([`PreparedDevice::compute`](gpufrac_common::dra::PreparedDevice::compute);
+//! none prepared: no compute request, any limit), and the claim's group
+//! ([`gpufrac_common::dra::group_name`]: every process using the claim shares its memory).
+//! None is a refusal; two claims are refused too, naming them: a process is one group, and
+//! a claim is one group.
 //!
 //! The checkpoint is re-read when its inode, size, mtime or ctime change (a `stat` per
 //! lookup; the plugin replaces it by renaming). It must be a regular file owned by root and
@@ -19,14 +20,15 @@
 //! that cannot be read or parsed, gives [`Verdict::Unknown`](super::Verdict::Unknown) with
 //! the reason. A missing file is an empty checkpoint (nothing prepared yet).
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use gpufrac_common::dra::{group_name, Checkpoint, PreparedClaim, PreparedDevice};
+use gpufrac_common::dra::{group_name, Checkpoint, PreparedClaim};
 
 use super::pods::PodRecord;
-use super::{Amount, Entitlement, NO_COMPUTE_REQUEST};
+use super::{Amount, DeviceCaps, Entitlement, NO_COMPUTE_REQUEST};
 
 /// What identifies one version of the checkpoint file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,51 +140,75 @@ pub fn decide(pod: &PodRecord, checkpoint: &Checkpoint) -> Result<Entitlement, D
     let at = format!("pod {}/{}", pod.namespace, pod.name);
     let claims: Vec<&PreparedClaim> =
         checkpoint.claims_of_pod(&pod.uid).filter(|claim| claim.namespace == pod.namespace).collect();
-    let devices: Vec<(&PreparedClaim, &PreparedDevice)> =
-        claims.iter().flat_map(|claim| claim.devices.iter().map(move |device| (*claim, device))).collect();
-    let (claim, device) = match devices.as_slice() {
+    let claim = match claims.as_slice() {
         [] => return Err(DraRefusal::No(format!("no gpufrac claim prepared on this node for {at}"))),
         [one] => *one,
         _ => {
-            let named: Vec<String> = claims
-                .iter()
-                .map(|claim| match claim.devices.len() {
-                    1 => claim.name.clone(),
-                    n => {
-                        let names: Vec<&str> = claim.devices.iter().map(|d| d.device.as_str()).collect();
-                        format!("{} ({n} GPUs: {})", claim.name, names.join(", "))
-                    }
-                })
-                .collect();
-            let claims_word = if claims.len() == 1 { "claim" } else { "claims" };
+            // One process is one group: two claims would be two groups, two memories.
+            let named: Vec<&str> = claims.iter().map(|claim| claim.name.as_str()).collect();
             return Err(DraRefusal::No(format!(
-                "a process may use one gpufrac GPU; {at} holds {claims_word} {}",
+                "a process may use one gpufrac claim (ask for several GPUs in one claim: count: N); \
+                 {at} holds claims {}",
                 named.join(", ")
             )));
         }
     };
-    let which = format!("DRA claim {}/{} device {}", claim.namespace, claim.name, device.device);
-    let Some(uuid) = gpufrac_common::gpu_uuid::parse(&device.gpu_uuid) else {
-        return Err(DraRefusal::Invalid(format!(
-            "{which}: GPU UUID {:?} is not a GPU UUID",
-            super::cut(&device.gpu_uuid)
-        )));
+    let Some(first) = claim.devices.first() else {
+        return Err(DraRefusal::No(format!("DRA claim {}/{} holds no GPU", claim.namespace, claim.name)));
     };
-    if device.limit_bytes < device.request_bytes {
-        return Err(DraRefusal::Invalid(format!(
-            "{which}: limit {} bytes is below the request, {} bytes",
-            device.limit_bytes, device.request_bytes
-        )));
+    let mut devices = BTreeMap::new();
+    // The largest of each: what the processes may declare on any of the claim's GPUs.
+    let (mut max_request, mut max_limit) = (0, 0);
+    let compute = first.compute();
+    for device in &claim.devices {
+        let which = format!("DRA claim {}/{} device {}", claim.namespace, claim.name, device.device);
+        let Some(uuid) = gpufrac_common::gpu_uuid::parse(&device.gpu_uuid) else {
+            return Err(DraRefusal::Invalid(format!(
+                "{which}: GPU UUID {:?} is not a GPU UUID",
+                super::cut(&device.gpu_uuid)
+            )));
+        };
+        if device.limit_bytes < device.request_bytes {
+            return Err(DraRefusal::Invalid(format!(
+                "{which}: limit {} bytes is below the request, {} bytes",
+                device.limit_bytes, device.request_bytes
+            )));
+        }
+        // Checked when the checkpoint was read; a device that is not a share is not believed.
+        device.compute().map_err(|e| DraRefusal::Invalid(format!("{which}: {e}")))?;
+        // The plugin prepares a claim only when these agree (the process has one of each).
+        let differs = [
+            ("resolver", device.resolver != first.resolver),
+            ("priority", device.priority != first.priority),
+            ("compute share", device.compute() != compute),
+        ];
+        if let Some((field, _)) = differs.iter().find(|(_, differs)| *differs) {
+            return Err(DraRefusal::Invalid(format!(
+                "{which}: its {field} differs from that of {} in the same claim",
+                first.device
+            )));
+        }
+        let caps = DeviceCaps {
+            max_request: Amount::Bytes(device.request_bytes),
+            max_limit: Amount::Bytes(device.limit_bytes),
+        };
+        if devices.insert(uuid, caps).is_some() {
+            return Err(DraRefusal::Invalid(format!(
+                "{which}: GPU {} appears twice in the claim",
+                device.gpu_uuid
+            )));
+        }
+        max_request = max_request.max(device.request_bytes);
+        max_limit = max_limit.max(device.limit_bytes);
     }
-    // Checked when the checkpoint was read; a device that is not a share is not believed.
-    let compute = device.compute().map_err(|e| DraRefusal::Invalid(format!("{which}: {e}")))?;
+    let compute = compute.map_err(|e| DraRefusal::Invalid(format!("DRA claim {}: {e}", claim.name)))?;
     Ok(Entitlement {
         source: format!("DRA claim {}/{}", claim.namespace, claim.name),
-        devices: Some(vec![uuid]),
-        max_request: Amount::Bytes(device.request_bytes),
-        max_limit: Amount::Bytes(device.limit_bytes),
-        max_priority: device.priority.unwrap_or(pod.priority),
-        resolver: device.resolver,
+        devices: Some(devices),
+        max_request: Amount::Bytes(max_request),
+        max_limit: Amount::Bytes(max_limit),
+        max_priority: first.priority.unwrap_or(pod.priority),
+        resolver: first.resolver,
         group: Some(group_name(&claim.uid)),
         max_compute: Some(compute.unwrap_or(NO_COMPUTE_REQUEST)),
     })

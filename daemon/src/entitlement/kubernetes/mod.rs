@@ -22,9 +22,11 @@
 //!      (the kubelet reports it within about a second), so the store is watched for a
 //!      newer status until the lookup's deadline before the container is refused.
 //!      *Request:* the container's share IDs from the kubelet's PodResources API
-//!      ([`podresources`]; `<GPU UUID>::<n>`, all on one GPU) → `shares / shares_per_gpu`
-//!      of that GPU, and only that GPU. *Limit:* the pod's `gpufrac.io/gpu-fraction-limit`
-//!      (never below the request; default the request); *resolver:* `gpufrac.io/resolver`
+//!      ([`podresources`]; `<GPU UUID>::<n>`) → on each GPU they lie on,
+//!      `its shares / shares_per_gpu` of that GPU, and only those GPUs (shares on several
+//!      GPUs: a fraction of each, as tensor-parallel servers ask). *Limit:* the pod's
+//!      `gpufrac.io/gpu-fraction-limit` on each GPU (never below that GPU's request;
+//!      default the request); *resolver:* `gpufrac.io/resolver`
 //!      (default `wait`); *compute share:* `gpufrac.io/compute-fraction` (the most
 //!      compute request believed; absent: 0%, no guarantee) and
 //!      `gpufrac.io/compute-fraction-limit` (the most compute limit believed; absent:
@@ -36,11 +38,11 @@
 //!      refuses the entitlement, naming it.
 //!    - **DRA claims** ([`KubernetesOptions::dra_checkpoint`]; [`dra`]): the claims the DRA
 //!      kubelet plugin prepared for the pod, as its checkpoint records them, whatever the
-//!      container (only containers given the claim see its GPU). Exactly one GPU among
-//!      the pod's claims of its namespace: that GPU, the claim's request and limit in
-//!      bytes, its resolver, its priority (default `spec.priority`), its compute share as
-//!      prepared (none: no compute request), group `dra-<claim uid>`. None, or several,
-//!      is a refusal naming them.
+//!      container (only containers given the claim see its GPUs). Exactly one claim among
+//!      the pod's claims of its namespace: its GPUs, on each the request and limit in
+//!      bytes the claim holds there, its resolver, its priority (default `spec.priority`),
+//!      its compute share as prepared (none: no compute request), group
+//!      `dra-<claim uid>`. None, or several claims, is a refusal naming them.
 //!
 //! The store is the cache of pods: a changed pod is seen once the watch delivers it, and
 //! the API server is never asked per lookup. The kubelet's answer about a pod's shares is
@@ -78,7 +80,10 @@ use std::time::{Duration, Instant};
 use gpufrac_common::compute::ComputeSpec;
 use gpufrac_common::resolver::Resolver;
 
-use super::{Amount, Cgroup, ContainerRef, Entitlement, Entitlements, Identity, Verdict, NO_COMPUTE_REQUEST};
+use super::{
+    Amount, Cgroup, ContainerRef, DeviceCaps, Entitlement, Entitlements, Identity, Verdict,
+    NO_COMPUTE_REQUEST,
+};
 
 pub mod dra;
 pub mod podresources;
@@ -569,9 +574,8 @@ fn decide(
     let Some(ids) = devices.containers.get(container) else {
         return Err(format!("container {container} of {at} was allocated no {RESOURCE} shares"));
     };
-    let (uuid, shares) = shares_of(ids, shares_per_gpu)
+    let gpus = shares_of(ids, shares_per_gpu)
         .map_err(|why| format!("container {container} of {at}: kubelet PodResources: {why}"))?;
-    let request = f64::from(shares) / f64::from(shares_per_gpu);
 
     // The annotations are checked whichever container asks: a bad one is the pod's mistake.
     let limit = match pod.annotations.get(FRACTION_LIMIT) {
@@ -598,16 +602,32 @@ fn decide(
     // with gpufrac.io/gpu directly) gets its request as its limit, `wait`, and no compute
     // request.
     let target = pod.annotations.get(CONTAINER).or_else(|| pod.containers.first());
-    let (limit, resolver, compute) = match target == Some(container) {
-        // The webhook raises a limit below the whole shares granted to them (0.333 → 0.34).
-        true => (limit.unwrap_or(request).max(request), resolver, compute),
-        false => (request, Resolver::Wait, NO_COMPUTE_REQUEST),
+    let targeted = target == Some(container);
+    let (resolver, compute) = match targeted {
+        true => (resolver, compute),
+        false => (Resolver::Wait, NO_COMPUTE_REQUEST),
     };
+    // Each GPU its own fraction: the scheduler may have placed more shares on one.
+    let (mut max_request, mut max_limit) = (0.0_f64, 0.0_f64);
+    let devices: BTreeMap<[u8; 16], DeviceCaps> = gpus
+        .into_iter()
+        .map(|(uuid, shares)| {
+            let request = f64::from(shares) / f64::from(shares_per_gpu);
+            let limit = match targeted {
+                // The webhook raises a limit below the whole shares granted (0.333 → 0.34).
+                true => limit.unwrap_or(request).max(request),
+                false => request,
+            };
+            max_request = max_request.max(request);
+            max_limit = max_limit.max(limit);
+            (uuid, DeviceCaps { max_request: Amount::Fraction(request), max_limit: Amount::Fraction(limit) })
+        })
+        .collect();
     Ok(Entitlement {
         source: format!("kubelet: {}/{} container {container}", pod.namespace, pod.name),
-        devices: Some(vec![uuid]),
-        max_request: Amount::Fraction(request),
-        max_limit: Amount::Fraction(limit),
+        devices: Some(devices),
+        max_request: Amount::Fraction(max_request),
+        max_limit: Amount::Fraction(max_limit),
         max_priority: pod.priority,
         resolver: Some(resolver),
         group: Some(group_name(&pod.uid, container)),
@@ -615,9 +635,9 @@ fn decide(
     })
 }
 
-/// The GPU and the number of shares in a container's device IDs (`<GPU UUID>::<n>`), which
-/// must all be on one GPU.
-pub fn shares_of(ids: &[String], shares_per_gpu: u32) -> Result<([u8; 16], u32), String> {
+/// The GPUs and the number of shares on each in a container's device IDs
+/// (`<GPU UUID>::<n>`).
+pub fn shares_of(ids: &[String], shares_per_gpu: u32) -> Result<BTreeMap<[u8; 16], u32>, String> {
     let mut gpus: BTreeMap<[u8; 16], BTreeSet<u32>> = BTreeMap::new();
     for id in ids {
         let parsed = id.rsplit_once("::").and_then(|(uuid, n)| {
@@ -633,22 +653,13 @@ pub fn shares_of(ids: &[String], shares_per_gpu: u32) -> Result<([u8; 16], u32),
         };
         gpus.entry(uuid).or_default().insert(n);
     }
-    let mut iter = gpus.iter();
-    match (iter.next(), iter.next()) {
-        (Some((uuid, shares)), None) => {
-            let count = u32::try_from(shares.len()).unwrap_or(u32::MAX);
-            Ok((*uuid, count))
-        }
-        (None, _) => Err("no device IDs".into()),
-        (Some(_), Some(_)) => {
-            let names: Vec<String> = gpus.keys().map(gpufrac_common::gpu_uuid::format).collect();
-            Err(format!(
-                "shares on {} GPUs ({}): gpufrac gives a container a fraction of one GPU",
-                names.len(),
-                names.join(", ")
-            ))
-        }
+    if gpus.is_empty() {
+        return Err("no device IDs".into());
     }
+    Ok(gpus
+        .into_iter()
+        .map(|(uuid, shares)| (uuid, u32::try_from(shares.len()).unwrap_or(u32::MAX)))
+        .collect())
 }
 
 /// A plain decimal `0 < f <= 1` (`0.5`, `.25`, `1`), as the webhook accepts.

@@ -56,7 +56,8 @@ fn shares_become_a_fraction_of_their_gpu() {
     assert_eq!(e.max_limit, Amount::Fraction(0.5));
     assert_eq!(e.resolver, Some(Resolver::Swap));
     assert_eq!(e.max_priority, 7);
-    assert_eq!(e.devices, gpufrac_common::gpu_uuid::parse(GPU).map(|u| vec![u]));
+    let caps = DeviceCaps { max_request: Amount::Fraction(0.25), max_limit: Amount::Fraction(0.5) };
+    assert_eq!(e.devices, gpufrac_common::gpu_uuid::parse(GPU).map(|u| BTreeMap::from([(u, caps)])));
     assert_eq!(e.group.as_deref(), Some("k8s-0f3c2a4e-1111-2222-3333-444455556666-main"));
     assert_eq!(e.source, "kubelet: ns/p container main");
     // The other container with shares: its request, no burst, wait.
@@ -134,9 +135,6 @@ fn refusals_name_the_cause() {
     assert!(why.contains("runs on node n1"), "{why}");
     let why = no(decide_for(&entry(&[], &["GPU-x::1"]), "aa11", None, 100));
     assert!(why.contains("device ID \"GPU-x::1\""), "{why}");
-    let other = "GPU-516d6770-7500-0000-0000-000000000004::1";
-    let why = no(decide_for(&entry(&[], &[refs[0], other]), "aa11", None, 100));
-    assert!(why.contains("shares on 2 GPUs"), "{why}");
     let mut e = entry(&[], &refs);
     e.devices.as_mut().map(|d| d.containers.remove("main"));
     let why = no(decide_for(&e, "aa11", None, 100));
@@ -150,12 +148,34 @@ fn refusals_name_the_cause() {
 }
 
 #[test]
+fn shares_on_several_gpus_are_each_gpus_own_fraction() {
+    const OTHER: &str = "GPU-516d6770-7500-0000-0000-000000000004";
+    let mut ids = ids(75);
+    ids.extend((0..50).map(|i| format!("{OTHER}::{i}")));
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let e = decide_for(&entry(&[(FRACTION_LIMIT, "0.6")], &refs), "aa11", None, 100).expect("entitled");
+    let uuid = |text: &str| gpufrac_common::gpu_uuid::parse(text).expect("a UUID");
+    let caps = |request, limit| DeviceCaps {
+        max_request: Amount::Fraction(request),
+        max_limit: Amount::Fraction(limit),
+    };
+    assert_eq!(
+        e.devices,
+        Some(BTreeMap::from([(uuid(GPU), caps(0.75, 0.75)), (uuid(OTHER), caps(0.5, 0.6))])),
+        "each GPU its own shares, the limit never below them"
+    );
+    assert_eq!((e.max_request, e.max_limit), (Amount::Fraction(0.75), Amount::Fraction(0.75)));
+    assert_eq!(e.group.as_deref(), Some("k8s-0f3c2a4e-1111-2222-3333-444455556666-main"), "one group");
+}
+
+#[test]
 fn share_ids_are_checked() {
-    assert_eq!(shares_of(&ids(3), 100).map(|(_, n)| n), Ok(3));
+    let one = |ids: &[String]| shares_of(ids, 100).map(|gpus| gpus.into_values().collect::<Vec<_>>());
+    assert_eq!(one(&ids(3)), Ok(vec![3]));
     // Duplicates count once.
     let mut dup = ids(3);
     dup.push(dup[0].clone());
-    assert_eq!(shares_of(&dup, 100).map(|(_, n)| n), Ok(3));
+    assert_eq!(one(&dup), Ok(vec![3]));
     assert!(shares_of(&[format!("{GPU}::100")], 100).is_err());
     assert!(shares_of(&[format!("{GPU}:1")], 100).is_err());
     assert!(shares_of(&[], 100).is_err());
