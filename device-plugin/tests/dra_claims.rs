@@ -563,3 +563,117 @@ fn shares_are_devices_with_the_gpus_attributes() {
     assert!(share.get("allowMultipleAllocations").is_none(), "a share goes to one claim");
     assert!(share["capacity"].get("compute").is_none(), "no compute capacity without consumable capacity");
 }
+
+/// A tensor-parallel claim: request `gpu` with `count: 2`, allocated `memory` on each of
+/// `devices` (or one request per device, `gpu-a` and `gpu-b`, when `requests` is 2).
+fn two_gpus_claim(devices: &[(&str, &str)], requests: usize, configs: Value) -> ResourceClaim {
+    let names = ["gpu-a", "gpu-b"];
+    let results: Vec<Value> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, (device, memory))| {
+            let request = if requests == 1 { "gpu" } else { names[i] };
+            json!({"request": request, "driver": "gpu.gpufrac.io", "pool": NODE, "device": device,
+                   "consumedCapacity": {"memory": memory}, "shareID": format!("8b0e2f14-7c53-4a8e-9d1f-2e6b3c4d5a6{i}")})
+        })
+        .collect();
+    let exactly = |name: &str, count: usize| {
+        json!({"name": name, "exactly": {"deviceClassName": "gpu.gpufrac.io", "allocationMode": "ExactCount",
+               "count": count, "capacity": {"requests": {"memory": "8Gi"}}}})
+    };
+    let requests =
+        if requests == 1 { vec![exactly("gpu", 2)] } else { vec![exactly("gpu-a", 1), exactly("gpu-b", 1)] };
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "tp", "namespace": "inference", "uid": "3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13"},
+        "spec": {"devices": {
+            "requests": requests,
+            "constraints": [{"matchAttribute": "gpu.gpufrac.io/nvlinkDomain"}, {"distinctAttribute": "gpu.gpufrac.io/uuid"}]
+        }},
+        "status": {"allocation": {"devices": {"results": results, "config": configs}}}
+    }))
+    .expect("a resource.k8s.io/v1 ResourceClaim")
+}
+
+#[test]
+fn a_claim_of_two_gpus_holds_a_fraction_of_each_and_its_spec_shows_both() {
+    let limit =
+        from_claim(json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "0.5",
+                                  "resolver": "swap", "computeLimit": "50%"}));
+    let claim = two_gpus_claim(&[("gpu-1", "8Gi"), ("gpu-0", "12Gi")], 1, limit);
+    let prepared = fraction(&claim, NODE, &gpus(), Sharing::Capacity).expect("prepared");
+    let got: Vec<(&str, u64, u64)> =
+        prepared.devices.iter().map(|d| (d.device.as_str(), d.request_bytes, d.limit_bytes)).collect();
+    // Each GPU its own: half of 40 GiB, half of 80 GiB.
+    assert_eq!(got, [("gpu-1", 8 * GIB, 20 * GIB), ("gpu-0", 12 * GIB, 40 * GIB)]);
+    let claim_entry = PreparedClaim {
+        namespace: "inference".into(),
+        name: "tp".into(),
+        uid: "3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13".into(),
+        pod_uids: Vec::new(),
+        devices: prepared.devices,
+    };
+    let config = CdiConfig {
+        dir: "/var/run/cdi".into(),
+        shim_dir: "/opt/gpufrac/lib".into(),
+        arbiter_socket: "/run/gpufrac/arbiter.sock".into(),
+        nvidia_cdi: false,
+    };
+    let spec = cdi::spec(&config, &claim_entry, 0);
+    let devices = spec["devices"].as_array().expect("devices");
+    assert_eq!(devices.len(), 2, "one CDI device per GPU");
+    assert_eq!(devices[0]["containerEdits"], devices[1]["containerEdits"], "the claim's edits on each");
+    let env: Vec<&str> = devices[0]["containerEdits"]["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for want in [
+        "NVIDIA_VISIBLE_DEVICES=GPU-0aaaaaaa-0000-0000-0000-000000000000,GPU-1aaaaaaa-0000-0000-0000-000000000000",
+        // The largest of each: the arbiter cuts each GPU to its own.
+        "GPUFRAC_MEMORY_REQUEST=12884901888",
+        "GPUFRAC_MEMORY_LIMIT=42949672960",
+        "GPUFRAC_RESOLVER=swap",
+        "GPUFRAC_GROUP=dra-3d5c1b0e-8f2a-4c6d-9e1b-7a2f4c8d0e13",
+        "GPUFRAC_COMPUTE_LIMIT=50%",
+    ] {
+        assert!(env.contains(&want), "{want} in {env:?}");
+    }
+    assert_eq!(env.iter().filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES=")).count(), 1, "{env:?}");
+}
+
+#[test]
+fn a_claim_of_two_gpus_that_cannot_be_one_process_is_refused() {
+    // Two requests configured apart: one resolver per process.
+    let configs = json!([
+        {"source": "FromClaim", "requests": ["gpu-a"], "opaque": config(json!({
+            "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "resolver": "swap"}))},
+    ]);
+    let e = fraction(
+        &two_gpus_claim(&[("gpu-0", "8Gi"), ("gpu-1", "8Gi")], 2, configs),
+        NODE,
+        &gpus(),
+        Sharing::Capacity,
+    )
+    .unwrap_err();
+    assert!(matches!(e, ClaimError::Differs { field: "resolver", .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "claim inference/tp: gpu-0 and gpu-1 differ in resolver: a process holds one resolver on every GPU \
+         of its claim; configure the claim's requests alike"
+    );
+    // 48 GiB on the 80 GiB GPU: the 40 GiB one cannot take the request the shim declares.
+    let e = fraction(
+        &two_gpus_claim(&[("gpu-0", "48Gi"), ("gpu-1", "8Gi")], 1, json!([])),
+        NODE,
+        &gpus(),
+        Sharing::Capacity,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "claim inference/tp: the request on gpu-0 (48.00 GiB) is more than gpu-1 has (40.00 GiB): a claim of \
+         several GPUs needs each GPU to hold its largest request"
+    );
+}

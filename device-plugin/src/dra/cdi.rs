@@ -1,15 +1,17 @@
 //! The CDI spec of a prepared claim: one file per claim in the CDI folder, kind
-//! `gpufrac.io/claim`, one device per GPU, whose container edits preload the shim, give it
-//! the claim's fraction (and `GPUFRAC_PARK_AFTER` when the claim may be parked,
-//! `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` when it has a compute share) and the
-//! arbiter's socket, and make the GPU visible. The container
-//! runtime applies it to every container of the pod that uses the claim.
+//! `gpufrac.io/claim`, one device per GPU, each carrying the claim's container edits, which
+//! preload the shim, give it the claim's fraction (and `GPUFRAC_PARK_AFTER` when the claim
+//! may be parked, `GPUFRAC_COMPUTE_REQUEST` and `GPUFRAC_COMPUTE_LIMIT` when it has a
+//! compute share) and the arbiter's socket, and make the claim's GPUs visible. The
+//! container runtime applies it to every container of the pod that uses the claim.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use gpufrac_common::dra::{group_name, PreparedClaim};
 use serde_json::{json, Value};
+
+use super::gpus::parse_device_name;
 
 /// The CDI kind of gpufrac's claim devices.
 pub const KIND: &str = "gpufrac.io/claim";
@@ -60,7 +62,6 @@ pub fn spec_path(dir: &Path, claim_uid: &str) -> PathBuf {
 /// configuration names none (the pod's).
 pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Value {
     let socket_dir = config.arbiter_socket.parent().unwrap_or(Path::new("/"));
-    let shim = config.shim_dir.join("libgpufrac.so");
     let mount = |path: &Path, access: &str| {
         json!({
             "hostPath": path.display().to_string(),
@@ -68,40 +69,57 @@ pub fn spec(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Val
             "options": [access, "nosuid", "nodev", "rbind"],
         })
     };
+    let edits = json!({
+        "env": env(config, claim, pod_priority),
+        "mounts": [mount(&config.shim_dir, "ro"), mount(socket_dir, "rw")],
+    });
+    // Every device carries the claim's edits: a container given any of them sees all the
+    // claim's GPUs, as its one group.
     let devices: Vec<Value> = claim
         .devices
         .iter()
-        .map(|device| {
-            let mut env = vec![
-                format!("LD_PRELOAD={}", shim.display()),
-                format!("NVIDIA_VISIBLE_DEVICES={}", device.gpu_uuid),
-                format!("GPUFRAC_MEMORY_REQUEST={}", device.request_bytes),
-                format!("GPUFRAC_MEMORY_LIMIT={}", device.limit_bytes),
-                format!("GPUFRAC_PRIORITY={}", device.priority.unwrap_or(pod_priority)),
-                format!("GPUFRAC_ARBITER_SOCKET={}", config.arbiter_socket.display()),
-                format!("GPUFRAC_GROUP={}", group_name(&claim.uid)),
-                format!("GPUFRAC_RESOLVER={}", device.resolver.unwrap_or_default()),
-            ];
-            if let Some(park_after) = &device.park_after {
-                env.push(format!("GPUFRAC_PARK_AFTER={park_after}"));
-            }
-            // Checked when the claim was prepared and when the checkpoint is read.
-            if let Ok(Some(compute)) = device.compute() {
-                env.push(format!("GPUFRAC_COMPUTE_REQUEST={}", compute.request));
-                env.push(format!("GPUFRAC_COMPUTE_LIMIT={}", compute.limit));
-            }
-            json!({
-                "name": device_name(&claim.uid, &device.device),
-                "containerEdits": {
-                    "env": env,
-                    "mounts": [mount(&config.shim_dir, "ro"), mount(socket_dir, "rw")],
-                },
-            })
-        })
+        .map(|device| json!({"name": device_name(&claim.uid, &device.device), "containerEdits": edits}))
         .collect();
     let mut spec = json!({"kind": KIND, "devices": devices});
     spec["cdiVersion"] = json!(minimum_version(&spec));
     spec
+}
+
+/// The env of the claim's containers. The shim applies one request and limit to every GPU
+/// it sees, so a claim of several GPUs declares the largest of each; the arbiter holds
+/// each GPU to what the claim holds of it. The rest is the same on every device (the
+/// plugin prepares no claim whose devices disagree).
+fn env(config: &CdiConfig, claim: &PreparedClaim, pod_priority: i32) -> Vec<String> {
+    let Some(first) = claim.devices.first() else { return Vec::new() };
+    let mut gpus: Vec<(Option<u32>, &str)> = claim
+        .devices
+        .iter()
+        .map(|d| (parse_device_name(&d.device).map(|(index, _)| index), d.gpu_uuid.as_str()))
+        .collect();
+    // In NVML's order, as the device plugin lists them.
+    gpus.sort();
+    let visible: Vec<&str> = gpus.into_iter().map(|(_, uuid)| uuid).collect();
+    let request = claim.devices.iter().map(|d| d.request_bytes).max().unwrap_or(0);
+    let limit = claim.devices.iter().map(|d| d.limit_bytes).max().unwrap_or(0);
+    let mut env = vec![
+        format!("LD_PRELOAD={}", config.shim_dir.join("libgpufrac.so").display()),
+        format!("NVIDIA_VISIBLE_DEVICES={}", visible.join(",")),
+        format!("GPUFRAC_MEMORY_REQUEST={request}"),
+        format!("GPUFRAC_MEMORY_LIMIT={limit}"),
+        format!("GPUFRAC_PRIORITY={}", first.priority.unwrap_or(pod_priority)),
+        format!("GPUFRAC_ARBITER_SOCKET={}", config.arbiter_socket.display()),
+        format!("GPUFRAC_GROUP={}", group_name(&claim.uid)),
+        format!("GPUFRAC_RESOLVER={}", first.resolver.unwrap_or_default()),
+    ];
+    if let Some(park_after) = &first.park_after {
+        env.push(format!("GPUFRAC_PARK_AFTER={park_after}"));
+    }
+    // Checked when the claim was prepared and when the checkpoint is read.
+    if let Ok(Some(compute)) = first.compute() {
+        env.push(format!("GPUFRAC_COMPUTE_REQUEST={}", compute.request));
+        env.push(format!("GPUFRAC_COMPUTE_LIMIT={}", compute.limit));
+    }
+    env
 }
 
 /// The smallest CDI version that has every feature `spec` uses, by the rules of the CDI

@@ -3,8 +3,10 @@
 //! the device; limit, resolver, priority and `parkAfter` come from its opaque
 //! configuration. Its compute share: the request is the `compute` capacity it consumed (per
 //! mille of the GPU's time, placed by the scheduler), else the configuration's
-//! `computeRequest` (which the scheduler does not see); the limit is `computeLimit`. Pure
-//! logic over the API's own types, tested from real claims' JSON.
+//! `computeRequest` (which the scheduler does not see); the limit is `computeLimit`. A claim
+//! of several GPUs (`count: N`, or N requests: a tensor-parallel server) holds a fraction
+//! of each, with one resolver, priority, `parkAfter` and compute share for all. Pure logic
+//! over the API's own types, tested from real claims' JSON.
 
 use gpufrac_common::compute::{ComputeShare, ComputeSpec};
 use gpufrac_common::dra::PreparedDevice;
@@ -63,6 +65,40 @@ pub enum ClaimError {
         claim: String,
         /// What is wrong.
         reason: String,
+    },
+    /// The claim's GPUs would need different settings: a process holds one resolver, one
+    /// priority, one `parkAfter` and one compute share on all its GPUs.
+    #[error(
+        "claim {claim}: {first} and {other} differ in {field}: a process holds one {field} on every GPU \
+         of its claim; configure the claim's requests alike"
+    )]
+    Differs {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// The field (`resolver`, `priority`, `parkAfter`, `compute share`).
+        field: &'static str,
+        /// The first device.
+        first: String,
+        /// The device that differs from it.
+        other: String,
+    },
+    /// A GPU of the claim is smaller than the request the claim holds on another: the
+    /// shim declares the largest request on every GPU of the claim.
+    #[error(
+        "claim {claim}: the request on {largest} ({request}) is more than {smallest} has ({memory}): \
+         a claim of several GPUs needs each GPU to hold its largest request"
+    )]
+    SmallGpu {
+        /// The claim (`namespace/name`).
+        claim: String,
+        /// The device with the largest request.
+        largest: String,
+        /// That request.
+        request: String,
+        /// The smallest GPU of the claim.
+        smallest: String,
+        /// Its memory.
+        memory: String,
     },
     /// The merged compute configuration is not a share (`computeLimit` below
     /// `computeRequest` or 0), or `computeRequest` disagrees with the `compute` capacity
@@ -234,7 +270,46 @@ pub fn fraction(
     if devices.is_empty() {
         return Err(ClaimError::NoDevice(name));
     }
+    several_gpus(&name, &devices, gpus)?;
     Ok(ClaimFraction { pods: reserved_pods(claim), devices })
+}
+
+/// Checks a claim of several GPUs can be one process's: its processes declare one
+/// resolver, priority, `parkAfter` and compute share, and the largest request and limit,
+/// on every GPU (the arbiter cuts each GPU to what the claim holds of it), so the settings
+/// must agree and every GPU must hold the largest request.
+fn several_gpus(claim: &str, devices: &[PreparedDevice], gpus: &[GpuInfo]) -> Result<(), ClaimError> {
+    let [first, rest @ ..] = devices else { return Ok(()) };
+    for device in rest {
+        let differs = [
+            ("resolver", device.resolver != first.resolver),
+            ("priority", device.priority != first.priority),
+            ("parkAfter", device.park_after != first.park_after),
+            ("compute share", device.compute() != first.compute()),
+        ];
+        if let Some((field, _)) = differs.into_iter().find(|(_, differs)| *differs) {
+            return Err(ClaimError::Differs {
+                claim: claim.to_owned(),
+                field,
+                first: first.device.clone(),
+                other: device.device.clone(),
+            });
+        }
+    }
+    let memory_of =
+        |device: &PreparedDevice| gpus.iter().find(|g| g.uuid == device.gpu_uuid).map_or(0, |g| g.memory);
+    let largest = devices.iter().max_by_key(|d| d.request_bytes).unwrap_or(first);
+    let smallest = devices.iter().min_by_key(|d| memory_of(d)).unwrap_or(first);
+    if largest.request_bytes > memory_of(smallest) {
+        return Err(ClaimError::SmallGpu {
+            claim: claim.to_owned(),
+            largest: largest.device.clone(),
+            request: format_size(largest.request_bytes),
+            smallest: smallest.device.clone(),
+            memory: format_size(memory_of(smallest)),
+        });
+    }
+    Ok(())
 }
 
 /// The pods `claim` is reserved for (`status.reservedFor`), by UID and name.
