@@ -1,6 +1,7 @@
 //! The device plugin against a kubelet stand-in built from the official proto, over real
-//! unix sockets, on simgpu: registration, the device list, preferred allocation packing,
-//! Allocate's answer and refusals, health change on an injected XID, re-registration
+//! unix sockets, on simgpu: registration, the device list, preferred allocation packing
+//! (and splitting more than one GPU's worth evenly over GPUs), Allocate's answer (shares on
+//! two GPUs: both GPUs, each at its own fraction) and refusals, health change on an injected XID, re-registration
 //! after a kubelet restart, clean exit on SIGTERM.
 
 use std::path::{Path, PathBuf};
@@ -153,10 +154,33 @@ async fn the_plugin_serves_the_kubelet() {
     assert!(c.envs["GPUFRAC_GROUP"].starts_with("gpufrac-"));
     assert!(c.mounts.iter().any(|m| m.host_path == "/opt/gpufrac/lib" && m.read_only));
     assert!(c.mounts.iter().any(|m| m.host_path == "/run/gpufrac" && !m.read_only));
+    // More than one GPU's worth (the webhook's num-devices: 2 × 0.6 = 12 of 10 per GPU):
+    // split evenly, 6 on each GPU.
+    let mut both: Vec<String> = (3..10).map(|n| id(&gpu0, n)).collect();
+    both.extend((0..10).map(|n| id(&gpu1, n)));
+    let r = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: both,
+                must_include_device_i_ds: vec![],
+                allocation_size: 12,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let chosen = &r.container_responses[0].device_i_ds;
+    let on = |gpu: &str| chosen.iter().filter(|d| d.starts_with(gpu)).count();
+    assert_eq!((on(&gpu0), on(&gpu1)), (6, 6), "{chosen:?}");
+    // Allocate: shares on two GPUs give both GPUs, each at its own fraction (the arbiter
+    // reads each GPU's share count from the kubelet; the shim declares the largest).
+    let mut two: Vec<String> = (0..6).map(|n| id(&gpu0, n)).collect();
+    two.extend((0..4).map(|n| id(&gpu1, n)));
+    let r = client.allocate(alloc(two)).await.unwrap().into_inner();
+    let c = &r.container_responses[0];
+    assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], format!("{gpu0},{gpu1}"), "both GPUs, in NVML's order");
+    assert_eq!(c.envs["GPUFRAC_MEMORY_REQUEST"], "0.6", "the largest of 0.6 and 0.4");
     // Refusals, with clear messages.
-    let err = client.allocate(alloc(vec![id(&gpu0, 0), id(&gpu1, 0)])).await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    assert!(err.message().contains("2 GPUs"), "{}", err.message());
     let err = client.allocate(alloc(vec!["GPU-nope::1".into()])).await.unwrap_err();
     assert!(err.message().contains("GPU-nope::1"), "{}", err.message());
     let err = client.allocate(alloc(vec![])).await.unwrap_err();

@@ -1478,3 +1478,87 @@ fn the_answer_is_an_admission_review_the_api_server_reads() {
     let bad = webhook::try_review(&no_user).expect_err("not a review");
     assert!(bad.to_string().contains("userInfo"), "{bad}");
 }
+
+#[test]
+fn a_fraction_of_each_of_several_gpus_is_asked_as_that_many_gpus_worth_of_shares() {
+    // 0.75 of each of 2 GPUs: 150 shares, which the device plugin splits 75 + 75.
+    let review_json = create(pod(
+        json!({"gpufrac.io/gpu-fraction": "0.75", "gpufrac.io/gpu-fraction-num-devices": "2"}),
+        json!([container("server")]),
+    ));
+    let answer = review(&review_json);
+    let pod = patched(&review_json, &answer);
+    let resources = &pod["spec"]["containers"][0]["resources"];
+    assert_eq!(resources["limits"]["gpufrac.io/gpu"], "150", "{pod}");
+    assert_eq!(resources["requests"]["gpufrac.io/gpu"], "150", "{pod}");
+    // The limit stays a fraction of each GPU.
+    let env = env_of(&pod["spec"]["containers"][0]);
+    assert_eq!(env_value(&env, "GPUFRAC_MEMORY_LIMIT"), Some("0.75"));
+    // 3 × 0.7 = 210 shares: more than 2 GPUs hold.
+    let three =
+        create(pod_with(&[("gpufrac.io/gpu-fraction", "0.7"), ("gpufrac.io/gpu-fraction-num-devices", "3")]));
+    let pod = patched(&three, &review(&three));
+    assert_eq!(pod["spec"]["containers"][0]["resources"]["limits"]["gpufrac.io/gpu"], "210");
+}
+
+fn pod_with(annotations: &[(&str, &str)]) -> Value {
+    let annotations: serde_json::Map<String, Value> =
+        annotations.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect();
+    pod(Value::Object(annotations), json!([container("server")]))
+}
+
+#[test]
+fn a_fraction_across_gpus_the_device_plugin_cannot_place_is_refused_pointing_to_dra() {
+    let message = refusal(&review(&create(pod_with(&[
+        ("gpufrac.io/gpu-fraction", "0.25"),
+        ("gpufrac.io/gpu-fraction-num-devices", "2"),
+    ]))));
+    assert_eq!(
+        message,
+        "gpufrac.io/gpu-fraction-num-devices=\"2\" with gpufrac.io/gpu-fraction=\"0.25\": the device plugin sees \
+         only a count of shares (50), which one GPU can hold; ask for more than 0.5 of each GPU, or use a DRA \
+         claim with count: 2 (docs/kubernetes.md#fractions-across-gpus-tensor-parallel)"
+    );
+    // Exactly half of each: 100 shares fit one GPU.
+    let message = refusal(&review(&create(pod_with(&[
+        ("gpufrac.io/gpu-fraction", "0.5"),
+        ("gpufrac.io/gpu-fraction-num-devices", "2"),
+    ]))));
+    assert!(message.contains("(100), which one GPU can hold"), "{message}");
+    let message = refusal(&review(&create(pod_with(&[
+        ("gpufrac.io/gpu-fraction", "0.6"),
+        ("gpufrac.io/gpu-fraction-num-devices", "3"),
+    ]))));
+    assert!(
+        message.contains("(180), which 2 GPUs can hold; ask for more than 0.66 of each GPU"),
+        "{message}"
+    );
+    // Not a count of GPUs.
+    for bad in ["0", "17", "two", "1.5", "-2", ""] {
+        let message = refusal(&review(&create(pod_with(&[
+            ("gpufrac.io/gpu-fraction", "0.75"),
+            ("gpufrac.io/gpu-fraction-num-devices", bad),
+        ]))));
+        assert_eq!(
+            message,
+            format!(
+                "gpufrac.io/gpu-fraction-num-devices=\"{bad}\": expected a whole number of GPUs from 1 to 16"
+            )
+        );
+    }
+    // Without the fraction it would do nothing.
+    let message = refusal(&review(&create(pod_with(&[("gpufrac.io/gpu-fraction-num-devices", "2")]))));
+    assert!(
+        message.starts_with(
+            "gpufrac.io/gpu-fraction is missing: the pod sets gpufrac.io/gpu-fraction-num-devices"
+        ),
+        "{message}"
+    );
+    // One GPU is today's pod.
+    let one = create(pod_with(&[
+        ("gpufrac.io/gpu-fraction", "0.25"),
+        ("gpufrac.io/gpu-fraction-num-devices", "1"),
+    ]));
+    let pod = patched(&one, &review(&one));
+    assert_eq!(pod["spec"]["containers"][0]["resources"]["limits"]["gpufrac.io/gpu"], "25");
+}

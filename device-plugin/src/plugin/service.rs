@@ -96,15 +96,19 @@ impl DevicePlugin for Plugin {
             .container_requests
             .iter()
             .map(|c| {
-                allocation::allocate(&c.devices_ids, &known, &self.config).map_err(|e| {
+                let answer = allocation::allocate(&c.devices_ids, &known, &self.config).map_err(|e| {
                     tracing::warn!("refused an allocation: {e}");
                     Status::invalid_argument(e.to_string())
-                })
+                })?;
+                // Each GPU's own share count: what the arbiter will hold it to there.
+                let counts = allocation::shares_per_gpu(&c.devices_ids, &known, self.config.shares_per_gpu)
+                    .unwrap_or_default();
+                for (gpu, shares) in counts {
+                    tracing::info!(%gpu, shares, of = self.config.shares_per_gpu, "allocated");
+                }
+                Ok(answer)
             })
             .collect::<Result<Vec<_>, Status>>()?;
-        for r in &responses {
-            tracing::info!(gpu = %r.envs["NVIDIA_VISIBLE_DEVICES"], request = %r.envs["GPUFRAC_MEMORY_REQUEST"], "allocated");
-        }
         Ok(Response::new(AllocateResponse { container_responses: responses }))
     }
 

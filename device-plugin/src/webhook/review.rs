@@ -39,6 +39,11 @@
 //!   annotation (default the request) but never below `shares / 100`, so the shim's
 //!   `limit >= request` holds (`0.333` → 34 shares, limit `0.34`). Rounding up is
 //!   reported as an AdmissionReview warning.
+//! - `gpufrac.io/gpu-fraction-num-devices: "N"` (1 to 16) asks the fraction on each of N
+//!   GPUs: `gpufrac.io/gpu` is N times the shares, which the device plugin's preferred
+//!   allocation splits evenly over N GPUs. It sees only the count, so N GPUs are certain
+//!   only when N - 1 GPUs cannot hold it (`shares × N > 100 × (N - 1)`, more than 0.5 of
+//!   each of 2 GPUs); a smaller fraction is refused, pointing to a DRA claim.
 //! - The pod's author sets none of gpufrac's variables (`owned.rs`): in the chosen
 //!   container, an author-written `GPUFRAC_MEMORY_LIMIT`, `GPUFRAC_RESOLVER`,
 //!   `GPUFRAC_PRIORITY`, `GPUFRAC_POD` or (with their annotations) `GPUFRAC_PARK_AFTER`,
@@ -61,7 +66,12 @@ use serde_json::{json, Map, Value};
 
 use super::owned::{env_from_problems, strip_env, Role};
 use super::patch::{container_patch, ContainerGrant, PodName, TakenOver, RESOURCE};
-use super::settings::{cut, shown, shown_json, Fraction, Settings, CONTAINER};
+use super::settings::{
+    cut, shown, shown_json, Fraction, Settings, CONTAINER, FRACTION, NUM_DEVICES, SHARES_PER_GPU,
+};
+
+/// Where a refusal of `gpufrac.io/gpu-fraction-num-devices` sends the user.
+const DRA_DOC: &str = "docs/kubernetes.md#fractions-across-gpus-tensor-parallel";
 
 /// The only AdmissionReview version served.
 pub const API_VERSION: &str = "admission.k8s.io/v1";
@@ -255,6 +265,25 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
 
     let shares = settings.request.shares();
     let granted = Fraction::from_shares(shares);
+    // The device plugin sees only a count of shares: N GPUs' fractions are asked as N
+    // times the shares, which it splits evenly over the fewest GPUs that hold them. That is
+    // N GPUs only when one GPU fewer cannot hold them all.
+    let devices = settings.devices;
+    if devices > 1 && shares * devices <= SHARES_PER_GPU * (devices - 1) {
+        return Decision::Refuse(format!(
+            "{NUM_DEVICES}=\"{devices}\" with {FRACTION}={:?}: the device plugin sees only a count of \
+             shares ({}), which {} can hold; ask for more than {} of each GPU, or use a DRA claim with \
+             count: {devices} ({DRA_DOC})",
+            cut(&settings.request.to_string()),
+            shares * devices,
+            match devices - 1 {
+                1 => "one GPU".to_owned(),
+                n => format!("{n} GPUs"),
+            },
+            Fraction::from_shares(SHARES_PER_GPU * (devices - 1) / devices)
+                .map_or_else(|| "0".to_owned(), |f| f.to_string()),
+        ));
+    }
     let mut warnings: Vec<String> = Vec::new();
     if granted.as_ref() != Some(&settings.request) {
         warnings.push(format!(
@@ -311,7 +340,7 @@ fn decide(request: &AdmissionRequest<DynamicObject>) -> Decision {
 
     let grant = ContainerGrant {
         index,
-        shares,
+        shares: shares * devices,
         memory_limit: memory_limit.to_string(),
         resolver: settings.resolver.as_str(),
         priority,

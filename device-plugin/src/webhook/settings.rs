@@ -27,6 +27,12 @@ pub(crate) const COMPUTE: &str = "gpufrac.io/compute-fraction";
 /// syntax.
 pub(crate) const COMPUTE_LIMIT: &str = "gpufrac.io/compute-fraction-limit";
 
+/// The fraction on each of N GPUs (tensor parallel; Run:ai's name for it): `N` GPUs'
+/// worth of shares are asked, which the device plugin splits evenly over N GPUs.
+pub(crate) const NUM_DEVICES: &str = "gpufrac.io/gpu-fraction-num-devices";
+/// The most GPUs one pod's container may hold a fraction of.
+pub(crate) const MAX_DEVICES: u32 = 16;
+
 /// Shares per whole GPU: a fraction `f` asks for `ceil(f × 100)` shares.
 pub(crate) const SHARES_PER_GPU: u32 = 100;
 
@@ -163,6 +169,9 @@ pub(crate) struct Settings {
     /// `gpufrac.io/compute-fraction` and `gpufrac.io/compute-fraction-limit`, checked with
     /// the shim's own parser (and together: limit > 0 and >= request).
     pub(crate) compute: Compute,
+    /// `gpufrac.io/gpu-fraction-num-devices`: on how many GPUs the fraction is held (1 to
+    /// [`MAX_DEVICES`]), 1 when unset.
+    pub(crate) devices: u32,
 }
 
 /// A pod's compute annotations, each as the shim's variable will hold it: the share
@@ -233,10 +242,11 @@ impl Settings {
         let park_after_text = get(PARK_AFTER);
         let compute_text = get(COMPUTE);
         let compute_limit_text = get(COMPUTE_LIMIT);
+        let devices_text = get(NUM_DEVICES);
 
         let Some(request_text) = request_text else {
             let companions: Vec<&str> =
-                [FRACTION_LIMIT, RESOLVER, CONTAINER, PARK_AFTER, COMPUTE, COMPUTE_LIMIT]
+                [FRACTION_LIMIT, RESOLVER, CONTAINER, PARK_AFTER, COMPUTE, COMPUTE_LIMIT, NUM_DEVICES]
                     .into_iter()
                     .filter(|k| annotations.contains_key(*k))
                     .collect();
@@ -319,9 +329,27 @@ impl Settings {
             },
         };
         let compute = Compute::read(compute_text.as_deref(), compute_limit_text.as_deref(), &mut problems);
+        let devices = match devices_text {
+            None => 1,
+            Some(text) => {
+                let trimmed = text.trim();
+                let plain =
+                    !trimmed.is_empty() && trimmed.len() <= 3 && trimmed.bytes().all(|b| b.is_ascii_digit());
+                match trimmed.parse::<u32>().ok().filter(|n| plain && (1..=MAX_DEVICES).contains(n)) {
+                    Some(n) => n,
+                    None => {
+                        problems.push(format!(
+                            "{NUM_DEVICES}={}: expected a whole number of GPUs from 1 to {MAX_DEVICES}",
+                            shown(&text)
+                        ));
+                        1
+                    }
+                }
+            }
+        };
         match (request, resolver) {
             (Some(request), Some(resolver)) if problems.is_empty() => {
-                Ok(Some(Settings { request, limit, resolver, container, park_after, compute }))
+                Ok(Some(Settings { request, limit, resolver, container, park_after, compute, devices }))
             }
             _ => Err(problems.join("; ")),
         }
