@@ -328,6 +328,15 @@ pub fn sent_slices(api: &ApiServer) -> Vec<Value> {
 /// Waits until the arbiter lists the process `pid` on GPU 0 (`what` names it in the
 /// failure) and returns it as listed.
 pub fn registered_process(arbiter: &Arbiter, what: &str, pid: u32) -> ProcessStatus {
-    let seen = wait_for(arbiter, what, |s| s.gpus[0].processes.iter().any(|p| p.pid == pid));
-    seen.gpus[0].processes.iter().find(|p| p.pid == pid).cloned().expect("the process just seen")
+    registered_process_on(arbiter, 0, what, pid)
+}
+
+/// Waits until the arbiter lists the process `pid` on its GPU of index `gpu` (`what` names
+/// it in the failure) and returns it as listed there.
+pub fn registered_process_on(arbiter: &Arbiter, gpu: usize, what: &str, pid: u32) -> ProcessStatus {
+    let on = |s: &gpufrac_daemon::status::Status| {
+        s.gpus.get(gpu).and_then(|g| g.processes.iter().find(|p| p.pid == pid).cloned())
+    };
+    let seen = wait_for(arbiter, what, |s| on(s).is_some());
+    on(&seen).expect("the process just seen")
 }

@@ -21,6 +21,10 @@
 //!   cgroup that declares more than its claim is held to the claim (request, limit, group),
 //!   read from the plugin's checkpoint and the pods the arbiter watches; once the claim is
 //!   unprepared, the pod's new process gets no guarantee and no burst.
+//! - Fractions across GPUs: a claim of two devices (`count: 2`, a tensor-parallel server),
+//!   validated against the 1.34 and 1.37 schemas, is prepared by the kubelet as one CDI
+//!   device per GPU, each resolvable and each making both GPUs visible; the pod's process
+//!   is entitled on both GPUs, each to what the claim holds of it.
 //! - Without consumable capacity (`--shares`): each GPU is published as share devices, and a
 //!   claim's shares on one GPU add up to its request.
 
@@ -30,10 +34,11 @@ use gpufrac_device_plugin::dra::api::registration::registration_client::Registra
 use gpufrac_device_plugin::dra::api::registration::{InfoRequest, RegistrationStatus};
 use gpufrac_device_plugin::dra::api::{v1, v1beta1};
 use gpufrac_e2e::dra_node::{
-    allocated_claim_json, as_sent, cdi_env, consumed_result, read_json, registered_process, sent_slices,
-    stop_cleanly, wait_until, DraNode, DRIVER, SHARE_ID, WAIT,
+    allocated_claim_json, as_sent, cdi_env, consumed_result, read_json, registered_process,
+    registered_process_on, sent_slices, stop_cleanly, wait_until, DraNode, DRIVER, SHARE_ID, WAIT,
 };
 use gpufrac_e2e::kube_standins::channel;
+use gpufrac_e2e::kube_standins::ClaimName;
 use gpufrac_e2e::pod_cgroup::PodCgroup;
 use gpufrac_e2e::{artifact, kubernetes_validate, skip_on_real_gpu, Arbiter, ChildProcess, SimGpu};
 use serde_json::{json, Value};
@@ -400,5 +405,85 @@ async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
     assert!(registered.request == 0, "no claim, no guarantee: {registered:?}\n{}", arbiter.log_text());
     late.kill();
     let _ = late.wait(WAIT);
+    plugin.kill();
+}
+
+const TP_CLAIM_UID: &str = "0f3c2a9e-2222-4222-8333-444455556666";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_of_two_gpus_entitles_the_pod_on_both() {
+    skip_on_real_gpu!(SIMULATED);
+    let Some(cgroup) = PodCgroup::make_or_skip(POD_UID) else { return };
+    let node = node().await;
+    node.put_pod("llm-0", POD_UID);
+    // What a tensor-parallel server asks: 2 GPUs, each a different one, each its own memory
+    // (the scheduler gave 3 GiB of the 16 GiB GPU and 1 GiB of the 8 GiB one).
+    let spec = json!({
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": 2,
+                      "capacity": {"requests": {"memory": "1Gi"}}}}],
+        "constraints": [{"requests": ["gpu"], "distinctAttribute": "gpu.gpufrac.io/uuid"}],
+        "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "0.25"}}}]
+    });
+    let parameters = json!({"apiVersion": "gpufrac.io/v1", "kind": "GpuFractionConfig", "limit": "0.25"});
+    let results =
+        vec![consumed_result(NODE, "gpu", "gpu-0", "3Gi"), consumed_result(NODE, "gpu", "gpu-1", "1Gi")];
+    let claim = allocated_claim_json(
+        NODE,
+        "tp-gpus",
+        TP_CLAIM_UID,
+        spec,
+        results,
+        &parameters,
+        &[("llm-0", POD_UID)],
+    );
+    kubernetes_validate::validate_objects(std::slice::from_ref(&claim), &["1.34", "1.37"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    node.put_claim(claim);
+    let arbiter = node.entitling_arbiter();
+    let mut plugin = node.start_plugin(&[]).await;
+    node.kubelet.register().await;
+
+    let answer = node.kubelet.start_pod(POD_UID, &ClaimName::new("inference", "tp-gpus", TP_CLAIM_UID)).await;
+    assert_eq!(answer.error, "", "{}", plugin.diagnostics());
+    let devices: Vec<&str> = answer.devices.iter().map(|d| d.device_name.as_str()).collect();
+    assert_eq!(devices, ["gpu-0", "gpu-1"], "one device per GPU");
+    for device in &answer.devices {
+        for id in &device.cdi_device_ids {
+            let (kind, name) = id.split_once('=').expect("kind=name");
+            let spec = read_json(&node.spec_path(TP_CLAIM_UID));
+            assert!(
+                spec["kind"] == kind
+                    && spec["devices"].as_array().is_some_and(|d| d.iter().any(|d| d["name"] == name)),
+                "{id} resolves in {spec}"
+            );
+        }
+    }
+    let spec = read_json(&node.spec_path(TP_CLAIM_UID));
+    let env = cdi_env(&spec);
+    let uuids = [simgpu_state::device_uuid(0), simgpu_state::device_uuid(1)];
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], uuids.join(","), "both GPUs, in NVML's order");
+    assert_eq!(env["GPUFRAC_MEMORY_REQUEST"], (3 * GIB).to_string(), "the largest request");
+    assert_eq!(env["GPUFRAC_MEMORY_LIMIT"], (4 * GIB).to_string(), "the largest limit: 0.25 of 16 GiB");
+    assert_eq!(env["GPUFRAC_GROUP"], format!("dra-{TP_CLAIM_UID}"));
+
+    // The pod's process sees both GPUs and registers on each: the arbiter holds each GPU
+    // to the claim's fraction of it, in the claim's one group.
+    let mut cmd = node.container(&env);
+    cgroup.enter(&mut cmd);
+    let mut container = ChildProcess::spawn(&mut cmd);
+    let _ = container.ready();
+    for (gpu, request, limit) in [(0, 3 * GIB, 4 * GIB), (1, GIB, 2 * GIB)] {
+        let process = registered_process_on(&arbiter, gpu, "the pod's process registered", container.pid());
+        assert_eq!(
+            (process.request, process.limit),
+            (request, limit),
+            "GPU {gpu}: {process:?}\n{}",
+            arbiter.log_text()
+        );
+        assert_eq!(process.group, format!("dra-{TP_CLAIM_UID}"), "{process:?}");
+    }
+    container.kill();
+    let _ = container.wait(WAIT);
     plugin.kill();
 }

@@ -31,6 +31,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use base64::Engine as _;
 use gpufrac_e2e::kubernetes_validate;
 use serde_json::{json, Value};
 
@@ -41,8 +42,14 @@ const KUBERNETES_VERSIONS: &[&str] = &["1.30", "1.34", "1.37"];
 
 /// The manifests every installation starts from (the namespace, shared with the DRA
 /// install, has a folder of its own: see `kustomize.rs`).
-const EXPECTED: &[&str] =
-    &["namespace/namespace.yaml", "rbac.yaml", "daemonset.yaml", "webhook.yaml", "inference-deployment.yaml"];
+const EXPECTED: &[&str] = &[
+    "namespace/namespace.yaml",
+    "rbac.yaml",
+    "daemonset.yaml",
+    "webhook.yaml",
+    "inference-deployment.yaml",
+    "tensor-parallel-deployment.yaml",
+];
 
 fn kubernetes_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/kubernetes")
@@ -261,6 +268,38 @@ fn the_inference_example_asks_for_a_fraction() {
         "- name: server",
     ] {
         assert!(text.contains(needed), "inference-deployment.yaml lacks {needed:?}");
+    }
+}
+
+/// The tensor-parallel example through the webhook, as the API server sends its pod: 2 ×
+/// 0.75 is 150 shares, which the device plugin splits over two GPUs.
+#[test]
+fn the_tensor_parallel_example_asks_for_two_gpus_worth_of_shares() {
+    let docs = documents("tensor-parallel-deployment.yaml");
+    let deployment = resource(&docs, "Deployment", "llm-tp-server");
+    let template = &deployment["spec"]["template"];
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": "llm-tp-server-0", "namespace": "inference",
+                                  "annotations": template["metadata"]["annotations"]},
+                     "spec": template["spec"]});
+    let review = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "2a1b9c3d-0000-4000-8000-000000000001",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "name": "llm-tp-server-0", "namespace": "inference", "operation": "CREATE",
+        "userInfo": {"username": "admin"}, "object": pod, "dryRun": false}});
+    let answer = gpufrac_device_plugin::webhook::review(&review);
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(answer["response"]["patch"].as_str().expect("a patch"))
+        .expect("base64");
+    let patch: Value = serde_json::from_slice(&patch).expect("a JSON Patch");
+    let value = |path: &str| {
+        patch.as_array().into_iter().flatten().find(|op| op["path"] == path).map(|op| op["value"].clone())
+    };
+    for list in ["limits", "requests"] {
+        let path = format!("/spec/containers/0/resources/{list}/gpufrac.io~1gpu");
+        assert_eq!(value(&path), Some(json!("150")), "{path} in {patch}");
     }
 }
 
@@ -665,6 +704,7 @@ const DRA_EXPECTED: &[&str] = &[
     "rbac-dra.yaml",
     "daemonset-dra.yaml",
     "inference-claim.yaml",
+    "tensor-parallel-claim.yaml",
     "config-validation.yaml",
 ];
 
