@@ -149,7 +149,15 @@ impl Policy {
             }
         }
         gpu.repaid.given_back = gpu.repaid.given_back.saturating_add(given.min(owed));
-        Self::drain(device, gpu, now)
+        // Its burst over here may be over on its other GPUs too: their queues may move.
+        let freed = self.share_bursts(now);
+        let mut answers = Vec::new();
+        for device in std::iter::once(device).chain(freed.into_iter().filter(|&d| d != device)) {
+            if let Some(gpu) = self.gpus.get_mut(&device) {
+                answers.extend(Self::drain(device, gpu, now));
+            }
+        }
+        answers
     }
 
     /// A connection closed (the process exited or was killed): everything it held or
@@ -157,7 +165,7 @@ impl Policy {
     pub fn disconnect(&mut self, conn: ConnId, now: Instant) -> Vec<Answer> {
         self.peers.remove(&conn);
         let mut grants = Vec::new();
-        for (&device, gpu) in self.gpus.iter_mut() {
+        for gpu in self.gpus.values_mut() {
             gpu.queue.retain(|w| w.conn != conn);
             gpu.wakers.retain(|w| w.conn != conn);
             let owed = gpu.open_debt();
@@ -172,6 +180,9 @@ impl Policy {
                 }
             }
             gpu.groups.retain(|_, g| !g.members.is_empty());
+        }
+        self.share_bursts(now);
+        for (&device, gpu) in self.gpus.iter_mut() {
             grants.extend(Self::drain(device, gpu, now));
             // Wakes that now fit are served at the arbiter's next look (`drain_all_wakes`).
         }

@@ -327,6 +327,10 @@ struct Gpu {
     /// The order of asks and bursts on it, for telling bursts under way from resting loans
     /// ([`wait`]).
     bursts: wait::BurstClock,
+    /// Groups registered here whose burst is under way on another GPU (a tensor-parallel
+    /// server's workers, one per GPU): here too their burst counts as under way
+    /// ([`Policy::share_bursts`]).
+    elsewhere: std::collections::BTreeSet<String>,
     /// Since when guarantees have been owed memory that is lent out (restarted when the
     /// debt grows: a new guarantee gets a grace of its own).
     short_since: Option<Instant>,
@@ -494,6 +498,7 @@ impl Policy {
                         observed: false,
                         reconnecting_until: now + RECONNECT_GRACE,
                         bursts: Default::default(),
+                        elsewhere: Default::default(),
                         short_since: None,
                         short_last: 0,
                         repaid: Repaid::default(),

@@ -29,12 +29,16 @@ impl Gpu {
             let room = g.room();
             let whole = room.min(self.lendable().saturating_sub(g.granted()));
             // What bursts under way that do not wait may still claim (those that wait are
-            // checked below with the waiters ahead).
+            // checked below with the waiters ahead), here or, for a group bursting on
+            // another of its GPUs, all it may claim here.
             let claimed: u64 = self
                 .groups
                 .iter()
                 .filter(|(name, o)| {
-                    *name != &w.group && o.granted() > 0 && self.under_way(name, now) && !self.waits(name)
+                    *name != &w.group
+                        && (o.granted() > 0 || self.elsewhere.contains(name.as_str()))
+                        && self.under_way(name, now)
+                        && !self.waits(name)
                 })
                 .map(|(_, o)| o.range().min(self.lendable()).saturating_sub(o.granted()))
                 .sum();

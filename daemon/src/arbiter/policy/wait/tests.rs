@@ -614,3 +614,55 @@ fn a_circle_of_waits_is_broken_by_the_borrower_with_an_unused_loan() {
         "b waits its turn"
     );
 }
+
+/// Two tensor-parallel servers, each a group with one worker on each of two GPUs: 4 GiB
+/// guaranteed and up to 10 GiB on each, 8 GiB unreserved on each, so that one step of
+/// 6 GiB per worker fits at a time.
+fn two_tensor_parallel_pairs() -> (Policy, DeviceId) {
+    const OTHER: DeviceId = [8; 16];
+    let mut p = Policy::new(&[(GPU, 16 * GIB), (OTHER, 16 * GIB)]);
+    for (conn, group, device) in [(1, "a", GPU), (2, "a", OTHER), (3, "b", GPU), (4, "b", OTHER)] {
+        p.hello(conn, Peer { pid: 100 + conn as u32, ..peer(group, 1000) });
+        p.register(conn, device, 16 * GIB, 4 * GIB, 10 * GIB, 0, 0, 0).unwrap();
+    }
+    (p, OTHER)
+}
+
+#[test]
+fn a_group_on_two_gpus_bursts_on_both_before_another_starts_on_either() {
+    let now = Instant::now();
+    let (mut p, other) = two_tensor_parallel_pairs();
+    // a's worker on the first GPU starts a step; b's worker on the second asks at the
+    // same moment. Lent there, b would hold what a's other worker needs while a holds
+    // what b's other worker needs: neither step could finish.
+    assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
+    assert_eq!(p.acquire(4, other, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
+    // a's other worker is served, ahead of b's: its group's step is under way.
+    let answers = p.acquire_answers(2, other, 1, 6 * GIB, now);
+    let served: Vec<_> = answers.iter().map(|a| (a.conn, a.result)).collect();
+    assert_eq!(served, vec![(2, Ok(6 * GIB))]);
+    assert!(p.acquire_answers(3, GPU, 1, 6 * GIB, now).is_empty(), "b's worker waits on the first GPU too");
+    // a's step ends on the first GPU: b's worker there still waits, a's burst is under
+    // way on the other GPU and b's step needs both.
+    let later = now + Duration::from_millis(5);
+    assert!(p.release(1, GPU, 6 * GIB, 4 * GIB, later).is_empty());
+    // a's step ends on the second GPU too: b is served on both.
+    let mut answers = p.release(2, other, 6 * GIB, 4 * GIB, later);
+    answers.extend(p.expire(later));
+    let served: Vec<_> = answers.iter().map(|a| (a.conn, a.result)).collect();
+    assert_eq!(served.len(), 2, "{served:?}");
+    assert!(served.contains(&(3, Ok(6 * GIB))) && served.contains(&(4, Ok(6 * GIB))), "{served:?}");
+}
+
+#[test]
+fn groups_on_one_gpu_each_are_not_held_by_bursts_elsewhere() {
+    let now = Instant::now();
+    const OTHER: DeviceId = [8; 16];
+    let mut p = Policy::new(&[(GPU, 16 * GIB), (OTHER, 16 * GIB)]);
+    for (conn, group, device) in [(1, "a", GPU), (2, "b", OTHER)] {
+        p.hello(conn, peer(group, 1000));
+        p.register(conn, device, 16 * GIB, 4 * GIB, 10 * GIB, 0, 0, 0).unwrap();
+    }
+    assert_eq!(p.acquire(1, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
+    assert_eq!(p.acquire(2, OTHER, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Granted(6 * GIB));
+}
