@@ -318,7 +318,53 @@ impl Policy {
                 }
             }
         }
+        self.park_on_every_gpu(&mut orders, &counts, now);
         orders
+    }
+
+    /// A group parked on one GPU is parked on each of its other GPUs too, where it is
+    /// resident and waits for nothing there: a tensor-parallel server whose workers see
+    /// one GPU each, parked on one GPU only, would keep its other workers' memory and serve
+    /// nothing. (Workers that see every GPU are members on each, and all of them get the
+    /// first GPU's orders already.)
+    fn park_on_every_gpu(
+        &mut self,
+        orders: &mut Vec<ParkOrder>,
+        counts: &std::collections::HashMap<ConnId, usize>,
+        now: Instant,
+    ) {
+        let mut chosen: Vec<(DeviceId, String, &'static str)> =
+            orders.iter().map(|o| (o.device, o.group.clone(), o.why)).collect();
+        chosen.dedup();
+        for (device, name, why) in chosen {
+            for (&other, gpu) in self.gpus.iter_mut().filter(|(d, _)| **d != device) {
+                let busy =
+                    gpu.queue.iter().any(|w| w.group == name) || gpu.wakers.iter().any(|w| w.group == name);
+                let Some(g) = gpu.groups.get_mut(&name) else { continue };
+                if busy
+                    || g.park != GroupPark::Resident
+                    || !g.members.values().all(|m| m.park == MemberPark::Resident)
+                {
+                    continue;
+                }
+                let bytes = g.footprint();
+                g.park = GroupPark::Parking { since: now };
+                for (&conn, m) in g.members.iter_mut() {
+                    m.park = MemberPark::Parking;
+                    m.checkpointed = self.checkpoint && counts.get(&conn) == Some(&1);
+                    let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
+                    orders.push(ParkOrder {
+                        conn,
+                        device: other,
+                        pid,
+                        group: name.clone(),
+                        bytes,
+                        checkpoint: m.checkpointed,
+                        why,
+                    });
+                }
+            }
+        }
     }
 
     /// Whether `conn` is being parked on `device` by the arbiter's checkpoint (its shim
@@ -517,6 +563,32 @@ mod tests {
         assert_eq!((m1.parks, m1.parked_bytes), (1, GIB));
         let m4 = s.processes.iter().find(|x| x.group == "m4").unwrap();
         assert_eq!(m4.wakes, 1);
+    }
+
+    #[test]
+    fn a_group_on_two_gpus_is_parked_on_both() {
+        let now = Instant::now();
+        const OTHER: DeviceId = [8; 16];
+        let mut p = Policy::new(&[(GPU, 4 * GIB), (OTHER, 4 * GIB)]);
+        p.set_oversubscribe(3.0);
+        // A tensor-parallel model, one worker on each GPU, and three one-GPU models on
+        // the first: the fourth is admitted parked.
+        for (conn, group, device) in
+            [(1, "tp", GPU), (2, "tp", OTHER), (3, "m3", GPU), (4, "m4", GPU), (5, "m5", GPU)]
+        {
+            p.hello(conn, Peer { pid: 100 + conn as u32, ..parkable(group) });
+            p.register(conn, device, 4 * GIB, MODEL, MODEL, 0, 0, 0).unwrap();
+        }
+        assert_eq!(state(&p, 5), "parked");
+        idle_since(&mut p, now, Duration::from_secs(5));
+        for conn in [3, 4] {
+            p.peers.get_mut(&conn).unwrap().last_active = now;
+        }
+        // m5 is called: the idle tensor-parallel model is parked for it, on both GPUs.
+        assert_eq!(p.wake(5, GPU, 7, now), WakeOutcome::Queued);
+        let mut orders: Vec<_> = p.plan_parks(now).iter().map(|o| (o.conn, o.device, o.why)).collect();
+        orders.sort();
+        assert_eq!(orders, vec![(1, GPU, "for a wake"), (2, OTHER, "for a wake")]);
     }
 
     #[test]
