@@ -156,6 +156,8 @@ procs! {
     "cuMemRetainAllocationHandle": [11000 => "cuMemRetainAllocationHandle"];
     "cuMemExportToShareableHandle": [10020 => "cuMemExportToShareableHandle"];
     "cuMemImportFromShareableHandle": [10020 => "cuMemImportFromShareableHandle"];
+    // Legacy IPC: memory another process may map and keep alive.
+    "cuIpcGetMemHandle": [4010 => "cuIpcGetMemHandle"];
     // Green contexts take device memory as contexts do (CUDA 12.4).
     "cuGreenCtxCreate": [12040 => "cuGreenCtxCreate"];
     "cuGreenCtxDestroy": [12040 => "cuGreenCtxDestroy"];

@@ -373,7 +373,22 @@ typedef struct CUdevResource_st {
 CUDA_MIN_ASSERT(sizeof(CUdevResource) == 144);
 CUDA_MIN_ASSERT(offsetof(CUdevResource, sm) == 96);
 
+/* Legacy IPC of cuMemAlloc memory and peer access (tests/c/ipc_share.c). */
+typedef struct CUipcMemHandle_st {
+    char reserved[64];
+} CUipcMemHandle;
+CUDA_MIN_ASSERT(sizeof(CUipcMemHandle) == 64);
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+
 #define CUDA_SHARE_FUNCTIONS(X)                                                               \
+    X(cuIpcGetMemHandle, cuIpcGetMemHandle, (CUipcMemHandle *pHandle, CUdeviceptr dptr))      \
+    X(cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2,                                              \
+      (CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags))                        \
+    X(cuIpcCloseMemHandle, cuIpcCloseMemHandle, (CUdeviceptr dptr))                           \
+    X(cuDeviceCanAccessPeer, cuDeviceCanAccessPeer,                                           \
+      (int *canAccessPeer, CUdevice dev, CUdevice peerDev))                                   \
+    X(cuCtxEnablePeerAccess, cuCtxEnablePeerAccess, (CUcontext peerContext, unsigned int Flags)) \
+    X(cuCtxDisablePeerAccess, cuCtxDisablePeerAccess, (CUcontext peerContext))                \
     X(cuMemExportToShareableHandle, cuMemExportToShareableHandle,                             \
       (void *shareableHandle, CUmemGenericAllocationHandle handle,                            \
        CUmemAllocationHandleType handleType, unsigned long long flags))                       \

@@ -350,7 +350,11 @@ fn checkpoint() -> CuResult {
     let d = driver()?;
     // Memory shared with other processes cannot be taken away from them; NVIDIA's
     // cuda-checkpoint does not support IPC memory either. Refused before anything moves.
-    if REGISTRY.read().physical.values().any(|p| p.shared.is_some()) {
+    let shared = {
+        let reg = REGISTRY.read();
+        reg.physical.values().any(|p| p.shared.is_some()) || crate::ipc::shares_memory(&reg)
+    };
+    if shared {
         return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
     }
     match save(d) {

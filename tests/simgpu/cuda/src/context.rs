@@ -202,6 +202,7 @@ fn destroy(ctx: &Arc<Context>) {
     CONTEXTS.lock().remove(&ctx.handle);
     stream::forget_streams_of(ctx.handle);
     crate::memory::free_all_of_context(ctx.handle);
+    crate::ipc::context_destroyed(ctx.handle);
     crate::module::context_destroyed(ctx.handle);
     with_stack(|stack| stack.retain(|&h| h != ctx.handle));
     if let Ok(d) = driver() {

@@ -6,9 +6,10 @@ use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_ushort, c_void};
 
 use cudarc::driver::sys::{
     CUarray, CUcheckpointCheckpointArgs, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
-    CUcheckpointUnlockArgs, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUkernel, CUlaunchConfig,
-    CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule, CUprocessState,
-    CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY_MEMORY_REQUIREMENTS,
+    CUcheckpointUnlockArgs, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUipcMemHandle, CUkernel,
+    CUlaunchConfig, CUlibrary, CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUmodule,
+    CUprocessState, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
+    CUDA_ARRAY_MEMORY_REQUIREMENTS,
 };
 use cudarc::driver::sys::{CUdevResource, CUdevResourceDesc, CUgreenCtx};
 use cudarc::driver::sys::{
@@ -22,8 +23,8 @@ use crate::ffi::{read_str, CUresult};
 use crate::stream::CaptureOuts;
 use crate::stream::DefaultStream::{Legacy, PerThread};
 use crate::{
-    array, checkpoint, context, driver, export_tables, graph, green, memory, module, pool, procaddr, stream,
-    vmm,
+    array, checkpoint, context, driver, export_tables, graph, green, ipc, memory, module, pool, procaddr,
+    stream, vmm,
 };
 
 macro_rules! exports {
@@ -246,6 +247,15 @@ exports! {
         => vmm::export_to_shareable_handle(out, h, kind, flags);
     cuMemImportFromShareableHandle(h: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint)
         => vmm::import_from_shareable_handle(h, os_handle, kind);
+    cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: CUdeviceptr) => ipc::get_mem_handle(handle, dptr);
+    cuIpcOpenMemHandle_v2(dptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint)
+        => ipc::open_mem_handle(dptr, handle, flags);
+    cuIpcOpenMemHandle(dptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint)
+        => ipc::open_mem_handle(dptr, handle, flags);
+    cuIpcCloseMemHandle(dptr: CUdeviceptr) => ipc::close_mem_handle(dptr);
+    cuDeviceCanAccessPeer(can: *mut c_int, dev: CUdevice, peer: CUdevice) => ipc::device_can_access_peer(can, dev, peer);
+    cuCtxEnablePeerAccess(peer: CUcontext, flags: c_uint) => ipc::ctx_enable_peer_access(peer, flags);
+    cuCtxDisablePeerAccess(peer: CUcontext) => ipc::ctx_disable_peer_access(peer);
 
     // Copies and sets.
     cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) => copy::sync(Op::Unified { dst, src, n }, Legacy);
@@ -412,9 +422,7 @@ unsupported! {
     cuMemHostRegister_v2, cuMemHostUnregister, cuMemHostGetDevicePointer_v2, cuMemcpy2D_v2, cuMemcpy2DAsync_v2,
     cuMemcpy3D_v2, cuMemcpy3DAsync_v2, cuMemcpyPeer, cuMemcpyPeerAsync, cuMemPrefetchAsync, cuMemAdvise,
     cuFuncSetAttribute, cuFuncSetCacheConfig, cuOccupancyMaxActiveBlocksPerMultiprocessor,
-    cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy, cuIpcGetMemHandle,
-    cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle,
-    cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuCtxDisablePeerAccess,
+    cuTexObjectCreate, cuTexObjectDestroy, cuSurfObjectCreate, cuSurfObjectDestroy,
     cuLaunchHostFunc, cuStreamAddCallback,
     cuLinkCreate_v2, cuLinkAddData_v2, cuLinkComplete, cuLinkDestroy,
     cuMemsetD2D8_v2, cuDeviceGetLuid,

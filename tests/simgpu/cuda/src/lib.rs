@@ -19,6 +19,7 @@ mod exports;
 mod ffi;
 mod graph;
 mod green;
+mod ipc;
 mod memory;
 mod module;
 mod pool;

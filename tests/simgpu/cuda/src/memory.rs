@@ -34,6 +34,9 @@ pub(crate) enum Kind {
     /// Made by a graph's allocation node, backed by the graph memory pool; its address
     /// range belongs to the graph and outlives the allocation (see `graph`).
     Graph,
+    /// Another process's memory opened with `cuIpcOpenMemHandle` (see `ipc`): freed only
+    /// by `cuIpcCloseMemHandle`, charged to whoever the machine says holds it.
+    Ipc,
 }
 
 /// One linear allocation: its own anonymous mapping.
@@ -92,6 +95,10 @@ pub(crate) struct Registry {
     pub next_handle: u64,
     /// Ranges freed and kept for reuse (see [`Spare`]).
     pub spare: Spare,
+    /// Allocations whose IPC handle was taken, by address (`ipc`).
+    pub ipc_exported: HashMap<u64, crate::ipc::Exported>,
+    /// IPC handles opened, by the address they were mapped at (`ipc`).
+    pub ipc_opened: HashMap<u64, crate::ipc::Opened>,
 }
 
 /// Freed linear ranges kept mapped for the next allocation of the same length, as a real
@@ -302,6 +309,10 @@ pub(crate) fn allocate_in(size: u64, charge: u64, kind: Kind, window: Window) ->
 /// to its pool). The caller holds the registry for writing.
 pub(crate) fn release_allocation(reg: &mut Registry, addr: u64) -> Option<Allocation> {
     let a = reg.allocs.remove(&addr)?;
+    // Memory an IPC handle shares: the machine says whether it is freed or passes on.
+    if crate::ipc::release_shared(reg, addr, a.size) {
+        return Some(a);
+    }
     if a.kind != Kind::Graph {
         reg.spare.keep(addr, a.size);
     }
@@ -416,7 +427,7 @@ pub(crate) fn mem_alloc_managed(out: *mut CUdeviceptr, size: usize, flags: c_uin
 }
 
 /// Waits for the work of the allocation's context: `cuMemFree` is a synchronizing call.
-fn drain_context(ctx: usize) {
+pub(crate) fn drain_context(ctx: usize) {
     if let Ok(c) = context::lookup(ctx) {
         let _ = c.null_stream.synchronize();
         for s in crate::stream::streams_of(ctx) {
@@ -434,14 +445,15 @@ pub(crate) fn mem_free(ptr: CUdeviceptr) -> CuResult {
     let ctx = {
         let reg = REGISTRY.read();
         match reg.allocs.get(&ptr) {
-            Some(a) if a.kind != Kind::Host && !a.freeing => a.ctx,
+            // Opened IPC memory is let go of with `cuIpcCloseMemHandle`.
+            Some(a) if !matches!(a.kind, Kind::Host | Kind::Ipc) && !a.freeing => a.ctx,
             _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
         }
     };
     drain_context(ctx);
     let mut reg = REGISTRY.write();
     match reg.allocs.get(&ptr) {
-        Some(a) if a.kind != Kind::Host && !a.freeing => {
+        Some(a) if !matches!(a.kind, Kind::Host | Kind::Ipc) && !a.freeing => {
             release_allocation(&mut reg, ptr);
             Ok(())
         }

@@ -105,6 +105,12 @@ static SIMGPU_PROCS: &[(&str, &[Version])] = &[
     ("cuDevResourceGenerateDesc", &[(12040, "cuDevResourceGenerateDesc", None)]),
     ("cuCtxFromGreenCtx", &[(12040, "cuCtxFromGreenCtx", None)]),
     ("cuGreenCtxStreamCreate", &[(12040, "cuGreenCtxStreamCreate", None)]),
+    // IPC and peer access; cuIpcGetMemHandle is in the shared table (the shim hooks it).
+    ("cuIpcOpenMemHandle", &[(4010, "cuIpcOpenMemHandle", None), (11000, "cuIpcOpenMemHandle_v2", None)]),
+    ("cuIpcCloseMemHandle", &[(4010, "cuIpcCloseMemHandle", None)]),
+    ("cuDeviceCanAccessPeer", &[(4000, "cuDeviceCanAccessPeer", None)]),
+    ("cuCtxEnablePeerAccess", &[(4000, "cuCtxEnablePeerAccess", None)]),
+    ("cuCtxDisablePeerAccess", &[(4000, "cuCtxDisablePeerAccess", None)]),
 ];
 
 /// Resolves `name` in [`SIMGPU_PROCS`] as `cuGetProcAddress` does: the newest version
