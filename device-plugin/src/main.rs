@@ -81,6 +81,10 @@ enum Command {
         #[arg(long, value_name = "DURATION", default_value = "10m",
               value_parser = |v: &str| gpufrac_common::size::parse_duration("--stale-claims-every", v))]
         stale_claims_every: std::time::Duration,
+        /// Where the host's /sys is found below: each GPU's PCIe root and NUMA node are read
+        /// from <DIR>/sys (tests give a fake tree).
+        #[arg(long, value_name = "DIR", default_value = "/", hide = true)]
+        sysfs_root: PathBuf,
     },
     /// Serve the admission webhook (HTTPS: POST /mutate for pods, POST /validate for DRA claims).
     Webhook {
@@ -118,6 +122,7 @@ fn run(cli: Cli) -> Result<()> {
             shares,
             nvidia_cdi,
             stale_claims_every,
+            sysfs_root,
         }) => {
             check_node_name(&node_name)?;
             if stale_claims_every.is_zero() {
@@ -143,7 +148,11 @@ fn run(cli: Cli) -> Result<()> {
                     plugins_registry.display()
                 );
             }
-            let gpus = dra::gpus::discover().map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
+            if !sysfs_root.is_dir() {
+                bail!("--sysfs-root {} is not a folder (it holds the host's sys/)", sysfs_root.display());
+            }
+            let gpus =
+                dra::gpus::discover(&sysfs_root).map_err(|e| anyhow::anyhow!("finding the GPUs: {e}"))?;
             if gpus.is_empty() {
                 bail!("NVML reports no GPU on this node");
             }

@@ -30,6 +30,7 @@ fn gpus() -> Vec<GpuInfo> {
             driver_version: "570.124.06".into(),
             cuda_version: (12, 8),
             pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + index),
+            topology: Default::default(),
         })
         .collect()
 }

@@ -481,6 +481,15 @@ impl SimGpu {
         self
     }
 
+    /// Sets which devices are NVLinked (`SIMGPU_NVLINK`, pairs such as `"0-1,2-3"`), as
+    /// simgpu's NVML reports them. Not applied on a real GPU, whose links are what they are.
+    pub fn with_nvlink(mut self, pairs: &str) -> SimGpu {
+        if let Machine::Simulated(sim) = self.machine {
+            self.machine = Machine::Simulated(sim.with_nvlink(pairs));
+        }
+        self
+    }
+
     /// Whether this is the machine's real GPU ([`real_gpu`]) rather than simgpu.
     pub fn is_real(&self) -> bool {
         matches!(self.machine, Machine::Real(_))

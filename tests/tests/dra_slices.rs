@@ -13,8 +13,11 @@
 //! - A GPU with a critical XID stays in the slice, tainted `gpu.gpufrac.io/unhealthy`
 //!   (`NoExecute`), in slices the 1.34 and 1.37 schemas accept; with `DRADeviceTaints` off
 //!   it leaves the slice instead, and the plugin says why.
+//! - Each GPU's place is in its attributes (the standard `resource.kubernetes.io/pcieRoot`
+//!   and `numaNode` from sysfs, `nvlinkPeers` and `nvlinkDomain` from NVML), in slices the
+//!   schemas accept; a bad `SIMGPU_NVLINK` or `--sysfs-root` stops the plugin, named.
 
-use gpufrac_e2e::dra_node::{sent_slices, stop_cleanly, wait_until, DraNode};
+use gpufrac_e2e::dra_node::{sent_slices, stop_cleanly, wait_until, DraNode, WAIT};
 use gpufrac_e2e::kube_standins::{Gate, SLICES};
 use gpufrac_e2e::{kubernetes_validate, skip_on_real_gpu, ChildProcess, SimGpu};
 use serde_json::{json, Value};
@@ -27,7 +30,12 @@ const SIMULATED: &str = "injects XIDs into simgpu and counts its devices";
 /// A node of two simulated GPUs whose API server has the `disabled` gates off, and a Node
 /// object with the kubelet's own condition, which the plugin's must leave alone.
 async fn node(disabled: &[Gate]) -> DraNode {
-    let node = DraNode::new(NODE, SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB")).await;
+    node_of(SimGpu::new("16GiB,8GiB").with_context_overhead("64MiB"), disabled).await
+}
+
+/// [`node`] with the GPUs `gpu`.
+async fn node_of(gpu: SimGpu, disabled: &[Gate]) -> DraNode {
+    let node = DraNode::new(NODE, gpu).await;
     for gate in disabled {
         node.api.disable_gate(*gate);
     }
@@ -263,4 +271,98 @@ async fn without_device_taints_an_unhealthy_gpu_leaves_the_slice() {
     assert_eq!(devices_of(&node).len(), 1);
     assert_eq!(plugin.stderr_text().matches(said).count(), 1, "{}", plugin.diagnostics());
     plugin.kill();
+}
+
+/// Puts the GPU `bus` (simgpu's bus number) in the fake sysfs under `root` as the kernel
+/// does: below its root complex `complex` behind a bridge, linked relatively from
+/// `sys/bus/pci/devices`, with its `numa_node`.
+fn fake_sysfs_gpu(root: &std::path::Path, complex: &str, bus: u32, numa: &str) {
+    let bdf = format!("0000:{bus:02x}:00.0");
+    let device = root.join("sys/devices").join(complex).join("0000:00:03.1").join(&bdf);
+    std::fs::create_dir_all(&device).unwrap();
+    std::fs::write(device.join("numa_node"), format!("{numa}\n")).unwrap();
+    let links = root.join("sys/bus/pci/devices");
+    std::fs::create_dir_all(&links).unwrap();
+    std::os::unix::fs::symlink(format!("../../../devices/{complex}/0000:00:03.1/{bdf}"), links.join(&bdf))
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_says_where_each_gpu_sits() {
+    skip_on_real_gpu!("sets simgpu's NVLink pairs and reads a fake sysfs for simgpu's bus IDs");
+    // Four GPUs NVLinked in pairs, two under each of two PCIe roots; GPU 3 has no NUMA
+    // affinity.
+    let gpu = SimGpu::new("8GiB,8GiB,8GiB,8GiB").with_context_overhead("64MiB").with_nvlink("0-1,2-3");
+    let node = node_of(gpu, &[]).await;
+    let sysfs = node.gpu.lib_dir().join("sysfs");
+    for (index, complex, numa) in
+        [(0, "pci0000:00", "0"), (1, "pci0000:00", "0"), (2, "pci0000:80", "1"), (3, "pci0000:80", "-1")]
+    {
+        fake_sysfs_gpu(&sysfs, complex, 0x10 + index, numa);
+    }
+    let mut plugin = start_settled(&node, &["--sysfs-root", sysfs.to_str().unwrap()]).await;
+    let devices = devices_of(&node);
+    assert_eq!(devices.len(), 4);
+    let attribute = |gpu: usize, name: &str| devices[gpu]["attributes"].get(name).cloned();
+    for (gpu, root, numa, peers, domain) in [
+        (0, "pci0000:00", Some(0), "1", 0),
+        (1, "pci0000:00", Some(0), "0", 0),
+        (2, "pci0000:80", Some(1), "3", 2),
+        (3, "pci0000:80", None, "2", 2),
+    ] {
+        let attributes = &devices[gpu]["attributes"];
+        assert_eq!(
+            attribute(gpu, "resource.kubernetes.io/pcieRoot"),
+            Some(json!({"string": root})),
+            "{attributes}"
+        );
+        assert_eq!(
+            attribute(gpu, "resource.kubernetes.io/numaNode"),
+            numa.map(|n| json!({"int": n})),
+            "{attributes}"
+        );
+        assert_eq!(attribute(gpu, "nvlinkPeers"), Some(json!({"string": peers})), "{attributes}");
+        assert_eq!(attribute(gpu, "nvlinkDomain"), Some(json!({"int": domain})), "{attributes}");
+    }
+    let sent = sent_slices(&node.api);
+    kubernetes_validate::validate_objects(&sent, &["1.34", "1.37"]).unwrap_or_else(|e| panic!("{e}"));
+    plugin.kill();
+
+    // Without NVLink, and with a sysfs that lacks the GPUs: no such attribute at all.
+    let plain = node_of(SimGpu::new("8GiB,8GiB").with_context_overhead("64MiB"), &[]).await;
+    let empty = plain.gpu.lib_dir().join("empty-sysfs");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut plugin = start_settled(&plain, &["--sysfs-root", empty.to_str().unwrap()]).await;
+    for device in devices_of(&plain) {
+        let attributes = device["attributes"].as_object().unwrap();
+        for name in [
+            "resource.kubernetes.io/pcieRoot",
+            "resource.kubernetes.io/numaNode",
+            "nvlinkPeers",
+            "nvlinkDomain",
+        ] {
+            assert!(!attributes.contains_key(name), "{name}: {attributes:?}");
+        }
+    }
+    plugin.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_nvlink_setting_or_sysfs_root_stops_the_plugin_named() {
+    skip_on_real_gpu!("SIMGPU_NVLINK is simgpu's setting");
+    let node = node_of(SimGpu::new("8GiB,8GiB").with_nvlink("0-2"), &[]).await;
+    let mut plugin = node.spawn_plugin(&[]);
+    assert!(!plugin.wait(WAIT).success());
+    let said = plugin.diagnostics();
+    assert!(
+        said.contains("simgpu: invalid SIMGPU_NVLINK=\"0-2\": device 2 in \"0-2\" does not exist"),
+        "{said}"
+    );
+    assert!(said.contains("finding the GPUs"), "{said}");
+
+    let node = node_of(SimGpu::new("8GiB"), &[]).await;
+    let mut plugin = node.spawn_plugin(&["--sysfs-root", "/no/such/root"]);
+    assert!(!plugin.wait(WAIT).success());
+    let said = plugin.diagnostics();
+    assert!(said.contains("--sysfs-root /no/such/root is not a folder"), "{said}");
 }

@@ -3,6 +3,8 @@
 //!
 //! - `api`: the generated kubelet APIs (DRA `v1` and `v1beta1`, plugin registration `v1`);
 //! - `gpus`: the node's GPUs as NVML describes them;
+//! - `topology`: where each GPU sits (PCIe root, NUMA node, NVLink), for claims that
+//!   constrain their GPUs;
 //! - `slices`: the ResourceSlice that advertises them, each GPU one device whose `memory`
 //!   and `compute` capacities many claims share, and its publisher;
 //! - `config`: a claim's opaque `gpufrac.io/v1` configuration, validated;
@@ -41,6 +43,7 @@ pub mod quantity;
 pub mod runner;
 pub mod service;
 pub mod slices;
+pub mod topology;
 
 pub use gpufrac_common::dra::DRIVER;
 

@@ -93,17 +93,48 @@ fn version(major: i32, minor: i32) -> DeviceAttribute {
     DeviceAttribute { version: Some(format!("{major}.{minor}.0")), ..Default::default() }
 }
 
+/// Kubernetes' standard attribute of a device's PCIe root complex (`pci<domain>:<bus>`).
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// Kubernetes' standard attribute of a device's NUMA node (an int; left out without one).
+pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
+/// The indexes of the GPUs a GPU has NVLink to (`"1"`, `"0,2"`).
+pub const NVLINK_PEERS: &str = "nvlinkPeers";
+/// The GPU's NVLink domain: GPUs with the same value are NVLinked pairwise.
+pub const NVLINK_DOMAIN: &str = "nvlinkDomain";
+/// The longest string attribute value `resource.k8s.io/v1` allows.
+const MAX_STRING_ATTRIBUTE: usize = 64;
+
+fn int(value: u32) -> DeviceAttribute {
+    DeviceAttribute { int: Some(value.into()), ..Default::default() }
+}
+
 /// The GPU's attributes, which every one of its devices carries.
 fn attributes(gpu: &GpuInfo) -> BTreeMap<String, DeviceAttribute> {
-    BTreeMap::from([
+    let mut attributes = BTreeMap::from([
         ("uuid".to_owned(), string(&gpu.uuid)),
         ("productName".to_owned(), string(&gpu.product_name)),
-        ("index".to_owned(), DeviceAttribute { int: Some(gpu.index.into()), ..Default::default() }),
+        ("index".to_owned(), int(gpu.index)),
         ("computeCapability".to_owned(), version(gpu.compute_capability.0, gpu.compute_capability.1)),
         ("driverVersion".to_owned(), string(&gpu.driver_version)),
         ("cudaVersion".to_owned(), version(gpu.cuda_version.0, gpu.cuda_version.1)),
         ("pciBusID".to_owned(), string(&gpu.pci_bus_id)),
-    ])
+    ]);
+    let place = &gpu.topology;
+    if let Some(root) = &place.pcie_root {
+        attributes.insert(PCIE_ROOT.to_owned(), string(root));
+    }
+    if let Some(node) = place.numa_node {
+        attributes.insert(NUMA_NODE.to_owned(), int(node));
+    }
+    let peers = place.nvlink_peers.iter().flatten().map(u32::to_string).collect::<Vec<_>>().join(",");
+    // Past the API's limit (dozens of peers) the list is left out; the domain still says.
+    if !peers.is_empty() && peers.len() <= MAX_STRING_ATTRIBUTE {
+        attributes.insert(NVLINK_PEERS.to_owned(), string(&peers));
+    }
+    if let Some(domain) = place.nvlink_domain {
+        attributes.insert(NVLINK_DOMAIN.to_owned(), int(domain));
+    }
+    attributes
 }
 
 /// The slice's device for `gpu` under [`Sharing::Capacity`].
@@ -149,10 +180,7 @@ pub fn share_devices(gpu: &GpuInfo, shares: u32) -> Vec<Device> {
     (0..shares)
         .map(|share| {
             let mut attributes = attributes(gpu);
-            attributes.insert(
-                "share".to_owned(),
-                DeviceAttribute { int: Some(share.into()), ..Default::default() },
-            );
+            attributes.insert("share".to_owned(), int(share));
             Device {
                 name: share_name(gpu.index, share),
                 attributes: Some(attributes),
@@ -573,6 +601,7 @@ impl Publisher {
 
 #[cfg(test)]
 mod tests {
+    use super::super::gpus::Topology;
     use super::*;
 
     fn gpu(index: u32, uuid: &str) -> GpuInfo {
@@ -585,6 +614,33 @@ mod tests {
             driver_version: "580.0".into(),
             cuda_version: (13, 0),
             pci_bus_id: "0000:01:00.0".into(),
+            topology: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_gpus_place_is_in_its_attributes_when_known() {
+        let mut placed = gpu(1, "GPU-b");
+        placed.topology = Topology {
+            pcie_root: Some("pci0000:64".into()),
+            numa_node: Some(1),
+            nvlink_peers: Some(vec![0, 2]),
+            nvlink_domain: Some(0),
+        };
+        let known = attributes(&placed);
+        assert_eq!(known[PCIE_ROOT].string.as_deref(), Some("pci0000:64"));
+        assert_eq!(known[NUMA_NODE].int, Some(1));
+        assert_eq!(known[NVLINK_PEERS].string.as_deref(), Some("0,2"));
+        assert_eq!(known[NVLINK_DOMAIN].int, Some(0));
+        // Shares carry them too, so that a claim of shares can be constrained the same way.
+        let shares = share_devices(&placed, 2);
+        assert!(shares.iter().all(|d| d.attributes.as_ref().unwrap()[NVLINK_DOMAIN].int == Some(0)));
+        // Unknown, or no NVLink: left out, never an empty or made-up value.
+        let mut bare = gpu(0, "GPU-a");
+        bare.topology.nvlink_peers = Some(vec![]);
+        let unknown = attributes(&bare);
+        for name in [PCIE_ROOT, NUMA_NODE, NVLINK_PEERS, NVLINK_DOMAIN] {
+            assert!(!unknown.contains_key(name), "{name}");
         }
     }
 

@@ -8,7 +8,8 @@
 //! time-slicing, `simgpu_state::sched`), and injected XID errors as events. The getters
 //! monitoring tools call on every refresh (temperature, power, clocks, graphics processes, ...) are in
 //! `monitor`: plausible values of an H100, or `NVML_ERROR_NOT_SUPPORTED` for what a real
-//! H100 on Linux lacks or simgpu does not simulate. Other functions are not exported.
+//! H100 on Linux lacks or simgpu does not simulate. Peer-to-peer status reports NVLink
+//! between the pairs of `SIMGPU_NVLINK`. Other functions are not exported.
 //!
 //! Device `i` looks the same here as through `libsimgpu_cuda.so`: the UUID of
 //! `simgpu_state::device_uuid`, the name `simgpu_state::DEVICE_NAME`, PCI bus `0x10 + i`.
@@ -27,6 +28,15 @@ use nvml_wrapper_sys::bindings::{
     nvmlProcessUtilizationSample_t, nvmlProcessesUtilizationInfo_t, nvmlReturn_t, nvmlUtilization_t,
 };
 use nvml_wrapper_sys::bindings::{
+    nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_ATOMICS as P2P_ATOMICS,
+    nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_NVLINK as P2P_NVLINK,
+    nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_PROP as P2P_PROP,
+    nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_READ as P2P_READ,
+    nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_WRITE as P2P_WRITE, nvmlGpuP2PCapsIndex_t,
+    nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_NOT_SUPPORTED as P2P_NOT_SUPPORTED,
+    nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_OK as P2P_OK, nvmlGpuP2PStatus_t,
+};
+use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as ARGUMENT_VERSION_MISMATCH,
     nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED as DRIVER_NOT_LOADED,
     nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE as INSUFFICIENT_SIZE,
@@ -37,6 +47,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_SUCCESS as SUCCESS,
 };
 use parking_lot::Mutex;
+use simgpu_state::nvlink::{nvlink_from_env, NvLinks};
 use simgpu_state::{
     device_uuid, pci_bus_id, Machine, ProcessSlot, ProcessUsage, StateError, DEVICE_NAME, MAX_DEVICES,
 };
@@ -154,6 +165,8 @@ static SIM: OnceLock<Sim> = OnceLock::new();
 static OPENING: Mutex<()> = Mutex::new(());
 /// How many `nvmlInit` calls are not matched by an `nvmlShutdown` yet.
 static INIT_REFS: Mutex<u32> = Mutex::new(0);
+/// The NVLinked pairs of devices (`SIMGPU_NVLINK`), read by `nvmlInit`.
+static NVLINK: Mutex<NvLinks> = Mutex::new(NvLinks::none());
 
 /// Opens the machine of `SIMGPU_STATE` / `SIMGPU_DEVICES` once.
 fn sim() -> Result<&'static Sim, StateError> {
@@ -177,6 +190,11 @@ fn sim() -> Result<&'static Sim, StateError> {
 fn init() -> NvmlResult {
     let mut refs = INIT_REFS.lock();
     let sim = sim().map_err(|e| {
+        eprintln!("{e}");
+        DRIVER_NOT_LOADED
+    })?;
+    // Checked against the machine's devices at each init, as a bad SIMGPU_DEVICES is.
+    *NVLINK.lock() = nvlink_from_env(device_count(sim.machine)).map_err(|e| {
         eprintln!("{e}");
         DRIVER_NOT_LOADED
     })?;
@@ -344,6 +362,29 @@ fn memory_info_v2(device: nvmlDevice_t, out: *mut nvmlMemory_v2_t) -> NvmlResult
 /// NVML's list protocol: `*count` says how many entries `infos` has room for; on return it
 /// holds how many processes there are, and a list that does not fit is
 /// `NVML_ERROR_INSUFFICIENT_SIZE` (the way to ask for the count alone).
+/// `nvmlDeviceGetP2PStatus` between devices `a` and `b` for the capability `index`, as a
+/// machine whose GPUs share one PCIe root and are NVLinked where `SIMGPU_NVLINK` says:
+/// reads, writes and the `PROP` index over PCIe between any two GPUs; NVLink and atomics
+/// (which PCIe peers do not have between GPUs) only between linked ones.
+fn p2p_status(
+    a: nvmlDevice_t,
+    b: nvmlDevice_t,
+    index: nvmlGpuP2PCapsIndex_t,
+) -> NvmlResult<nvmlGpuP2PStatus_t> {
+    let (a, b) = (device_index(a)?.0, device_index(b)?.0);
+    // NVML documents no answer for a device with itself; this one refuses it.
+    if a == b {
+        return Err(INVALID_ARGUMENT);
+    }
+    let linked = NVLINK.lock().linked(a, b);
+    match index {
+        P2P_READ | P2P_WRITE | P2P_PROP => Ok(P2P_OK),
+        P2P_NVLINK | P2P_ATOMICS if linked => Ok(P2P_OK),
+        P2P_NVLINK | P2P_ATOMICS => Ok(P2P_NOT_SUPPORTED),
+        _ => Err(INVALID_ARGUMENT),
+    }
+}
+
 fn processes<T>(
     device: nvmlDevice_t,
     count: *mut c_uint,
@@ -718,6 +759,17 @@ nvml_exports! {
     /// As `nvmlDeviceGetPciInfo_v2`.
     fn nvmlDeviceGetPciInfo(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) {
         write_out(pci.cast::<PciInfoV1>(), pci_info_v1(device_index(device)?.0))
+    }
+    /// The peer-to-peer status of `device1` and `device2` for `p2pIndex` (see
+    /// `p2p_status`); `NVML_ERROR_INVALID_ARGUMENT` for a bad handle or index, the same
+    /// device twice, or `p2pStatus` null.
+    fn nvmlDeviceGetP2PStatus(
+        device1: nvmlDevice_t,
+        device2: nvmlDevice_t,
+        p2pIndex: nvmlGpuP2PCapsIndex_t,
+        p2pStatus: *mut nvmlGpuP2PStatus_t,
+    ) {
+        write_out(p2pStatus, p2p_status(device1, device2, p2pIndex)?)
     }
     /// Device memory: total, free and used (by every live process on the machine).
     fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory_out: *mut nvmlMemory_t) {

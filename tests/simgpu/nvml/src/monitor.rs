@@ -497,8 +497,9 @@ not_supported! {
     nvmlDeviceGetInforomConfigurationChecksum, nvmlDeviceValidateInforom, nvmlDeviceGetGspFirmwareMode,
     nvmlDeviceGetGspFirmwareVersion, nvmlDeviceGetModuleId, nvmlDeviceGetPciInfoExt, nvmlDeviceGetIrqNum,
     nvmlDeviceGetBusType, nvmlDeviceGetPcieLinkMaxSpeed, nvmlDeviceGetHandleBySerial, nvmlDeviceGetAttributes_v2,
-    // Topology, NVLink and fabric: simgpu's devices are not linked.
-    nvmlDeviceGetTopologyCommonAncestor, nvmlDeviceGetTopologyNearestGpus, nvmlDeviceGetP2PStatus,
+    // Topology, NVLink and fabric beyond peer-to-peer status (`nvmlDeviceGetP2PStatus`,
+    // in the crate's root, answers NVLink from SIMGPU_NVLINK).
+    nvmlDeviceGetTopologyCommonAncestor, nvmlDeviceGetTopologyNearestGpus,
     nvmlDeviceGetCpuAffinity, nvmlDeviceGetCpuAffinityWithinScope, nvmlDeviceGetMemoryAffinity,
     nvmlDeviceGetNvLinkState, nvmlDeviceGetNvLinkVersion, nvmlDeviceGetNvLinkCapability,
     nvmlDeviceGetNvLinkRemotePciInfo_v2, nvmlDeviceGetNvLinkErrorCounter, nvmlDeviceGetNvLinkUtilizationCounter,

@@ -24,6 +24,7 @@ pub struct SimGpuDir {
     dir: PathBuf,
     devices: String,
     context_overhead: Option<String>,
+    nvlink: Option<String>,
 }
 
 impl SimGpuDir {
@@ -46,12 +47,18 @@ impl SimGpuDir {
         for (link, target) in LINKS {
             std::os::unix::fs::symlink(lib_dir.join(target), dir.join(link))?;
         }
-        Ok(SimGpuDir { dir, devices: devices.to_owned(), context_overhead: None })
+        Ok(SimGpuDir { dir, devices: devices.to_owned(), context_overhead: None, nvlink: None })
     }
 
     /// Sets `SIMGPU_CONTEXT_OVERHEAD` for the programs.
     pub fn with_context_overhead(mut self, size: &str) -> SimGpuDir {
         self.context_overhead = Some(size.to_owned());
+        self
+    }
+
+    /// Sets `SIMGPU_NVLINK` for the programs: the NVLinked pairs (`0-1,2-3`).
+    pub fn with_nvlink(mut self, pairs: &str) -> SimGpuDir {
+        self.nvlink = Some(pairs.to_owned());
         self
     }
 
@@ -78,6 +85,11 @@ impl SimGpuDir {
         match &self.context_overhead {
             Some(size) => cmd.env("SIMGPU_CONTEXT_OVERHEAD", size),
             None => cmd.env_remove("SIMGPU_CONTEXT_OVERHEAD"),
+        };
+        // Removed otherwise, so that the machine is what the test made, not the caller's.
+        match &self.nvlink {
+            Some(pairs) => cmd.env("SIMGPU_NVLINK", pairs),
+            None => cmd.env_remove("SIMGPU_NVLINK"),
         };
     }
 }

@@ -14,10 +14,12 @@
 //! It also holds each device's time-slice scheduler ([`sched`]): which process's kernels
 //! may run now, who waits, how much device time each process has had, and how long each
 //! has had kernels pending (running or sliced out), sampled for NVML's per-process
-//! utilization ([`Machine::process_utilization`]).
+//! utilization ([`Machine::process_utilization`]). Which devices are NVLinked is read
+//! per process from `SIMGPU_NVLINK` ([`nvlink`]).
 #![deny(missing_docs)]
 
 pub mod env;
+pub mod nvlink;
 pub mod objects;
 pub mod sched;
 
