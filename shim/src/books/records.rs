@@ -31,6 +31,9 @@ pub enum Path {
     Physical = 7,
     /// A module's or library's code and globals (`cuModuleLoad*`, `cuLibraryLoad*`).
     Module = 8,
+    /// `cuMemAlloc` or pitched memory whose IPC handle was taken (`cuIpcGetMemHandle`):
+    /// another process may keep it alive after its free, so its charge outlives the free.
+    Shared = 9,
 }
 
 impl Path {
@@ -45,6 +48,7 @@ impl Path {
             6 => Path::Mipmapped,
             7 => Path::Physical,
             8 => Path::Module,
+            9 => Path::Shared,
             _ => return None,
         })
     }

@@ -117,6 +117,7 @@ macro_rules! hook_list {
                 Cuda cuMemRetainAllocationHandle(handle: *mut Handle, addr: Ptr) => hooks::memory::mem_retain_allocation_handle;
                 Cuda cuMemExportToShareableHandle(shareable: Ptr, handle: Handle, kind: c_int, flags: c_ulonglong)
                     => hooks::memory::mem_export;
+                Cuda cuIpcGetMemHandle(handle: Ptr, dptr: CUdeviceptr) => hooks::memory::ipc_get_mem_handle;
                 // The pre-3.2 entry points the real driver still exports (32-bit addresses
                 // and sizes), reached by dlsym or a cuGetProcAddress for an old version.
                 Cuda cuMemAlloc(dptr: *mut c_uint, size: c_uint) => hooks::memory::mem_alloc_v1;

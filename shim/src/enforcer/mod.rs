@@ -12,7 +12,7 @@ use gpufrac_common::ComputeSpec;
 
 pub(crate) use crate::books::contexts::{Contexts, Current, MAX_CONTEXTS};
 use crate::books::group_ledger::Ledger;
-use crate::books::records::{Context, Records};
+use crate::books::records::{Context, Path, Records};
 use crate::driver::ffi::{Status, OUT_OF_MEMORY, SUCCESS};
 use crate::driver::table::call_real;
 
@@ -560,7 +560,10 @@ impl Enforcer {
             self.release(slice.ledger, charged);
         }
         for (_, r) in self.pointers.drain_where(|r| r.context == Context::Tracked(id)) {
-            self.release(r.device, r.bytes);
+            // Memory an IPC handle shares may outlive its context in an importer.
+            if r.path != Path::Shared {
+                self.release(r.device, r.bytes);
+            }
         }
         for (_, r) in self.arrays.drain_where(|r| r.context == Context::Tracked(id)) {
             self.release(r.device, r.bytes);

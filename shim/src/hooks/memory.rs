@@ -294,7 +294,10 @@ fn free_recorded(
     let status = real();
     if let Some(r) = record {
         if status == SUCCESS {
-            e.release(r.device, r.bytes);
+            // Memory an IPC handle shares may live on in its importers: see `ipc_get_mem_handle`.
+            if r.path != Path::Shared {
+                e.release(r.device, r.bytes);
+            }
         } else {
             table.insert(key, r);
         }
@@ -630,6 +633,32 @@ fn physical_gone(e: &Enforcer, handle: u64, exported: bool) {
     } else {
         e.release(r.device, r.bytes);
     }
+}
+
+/// `cuIpcGetMemHandle`: another process may now open the allocation, and the driver
+/// keeps the memory for as long as any importer has it open, after this process frees it
+/// (the documentation calls that order undefined; simgpu models the driver keeping it, as
+/// it keeps every shared memory descriptor), where no hook of this process sees it. So,
+/// as exported VMM memory, it stays charged to this group until the process ends: a loop
+/// of taking a handle, an import elsewhere and a free fills the exporter's limit, never
+/// more. Importers take no memory by opening it and are charged nothing: counted once,
+/// on the GPU that holds it.
+pub(crate) fn ipc_get_mem_handle(handle: Ptr, dptr: CUdeviceptr) -> Status {
+    let status = call_real!(cuIpcGetMemHandle(handle, dptr));
+    if let (Some(e), SUCCESS) = (enforcer(), status) {
+        // The driver takes only the base of a cuMemAlloc allocation, which is its key.
+        if let Some(mut r) = e.pointers.remove(dptr) {
+            if r.path != Path::Shared {
+                tracing::debug!(
+                    bytes = r.bytes,
+                    "an IPC handle was taken: the allocation stays charged after its free"
+                );
+            }
+            r.path = Path::Shared;
+            e.pointers.insert(dptr, r);
+        }
+    }
+    status
 }
 
 /// `cuMemExportToShareableHandle`: the allocation may now outlive this process's handles.
