@@ -19,7 +19,8 @@
 //! and the arbiter with `--kubernetes --dra-checkpoint` in the plugin's folder, mounted
 //! read-only; a node runs it or the device plugin's DaemonSet, never both; its RBAC is what
 //! the plugin and the arbiter need; the claim example asks for memory with gpufrac's
-//! `GpuFractionConfig`; and every flag is one the built binaries list in `--help`. The
+//! `GpuFractionConfig`, and constrains its devices only by attributes the plugin publishes;
+//! and every flag is one the built binaries list in `--help`. The
 //! claims' admission check calls the webhook's Service at `/validate` for the kinds and
 //! versions the webhook reads, and every example claim, template and class passes it.
 //!
@@ -773,6 +774,85 @@ fn every_dra_manifest_is_valid_kubernetes() {
     // Why they are a list of their own: before 1.34 there is no resource.k8s.io/v1.
     let class = dra_dir().join("deviceclass.yaml");
     assert!(validate(&[class], "1.33").is_err(), "a resource.k8s.io/v1 DeviceClass passed for 1.33");
+}
+
+/// Every attribute name the kubelet plugin can publish for a GPU (one whose place is all
+/// known), qualified with the driver's domain as claims name them.
+fn published_attributes() -> Vec<String> {
+    use gpufrac_device_plugin::dra::gpus::{GpuInfo, Topology};
+    use gpufrac_device_plugin::dra::slices::{device, share_devices};
+    let gpu = GpuInfo {
+        index: 0,
+        uuid: "GPU-0".into(),
+        product_name: "NVIDIA H100 80GB HBM3".into(),
+        memory: 80 << 30,
+        compute_capability: (9, 0),
+        driver_version: "570.124.06".into(),
+        cuda_version: (12, 8),
+        pci_bus_id: "00000000:18:00.0".into(),
+        topology: Topology {
+            pcie_root: Some("pci0000:17".into()),
+            numa_node: Some(0),
+            nvlink_peers: Some(vec![1]),
+            nvlink_domain: Some(0),
+        },
+    };
+    let mut devices = share_devices(&gpu, 2);
+    devices.push(device(&gpu));
+    let mut names: Vec<String> = devices
+        .iter()
+        .flat_map(|d| d.attributes.iter().flat_map(|a| a.keys()))
+        // Unqualified names are in the driver's domain.
+        .map(|name| if name.contains('/') { name.clone() } else { format!("{DRIVER}/{name}") })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The example claims constrain their devices by attributes the plugin publishes (a
+/// misspelt one matches no device, and the claim is never allocated); the tensor-parallel
+/// example's NVLink template keeps its two halves on two GPUs of one NVLink domain.
+#[test]
+fn dra_example_claims_constrain_attributes_the_plugin_publishes() {
+    let published = published_attributes();
+    for name in
+        ["gpu.gpufrac.io/nvlinkDomain", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"]
+    {
+        assert!(published.iter().any(|p| p == name), "{name} not in {published:?}");
+    }
+    let mut constrained = 0;
+    for file in yaml_files(&dra_dir()) {
+        for doc in kubernetes_validate::yaml_documents(&file) {
+            let spec = match doc["kind"].as_str() {
+                Some("ResourceClaimTemplate") => &doc["spec"]["spec"],
+                Some("ResourceClaim") => &doc["spec"],
+                _ => continue,
+            };
+            for constraint in spec["devices"]["constraints"].as_array().into_iter().flatten() {
+                for key in ["matchAttribute", "distinctAttribute"] {
+                    if let Some(name) = constraint[key].as_str() {
+                        constrained += 1;
+                        assert!(
+                            published.iter().any(|p| p == name),
+                            "{}: {key} {name} is not an attribute the plugin publishes ({published:?})",
+                            file.display()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(constrained >= 3, "only {constrained} constraints found in the DRA examples");
+    let docs = dra_documents("tensor-parallel-claim.yaml");
+    let nvlink = resource(&docs, "ResourceClaimTemplate", "tp-gpus-nvlink");
+    let constraints = &nvlink["spec"]["spec"]["devices"]["constraints"];
+    assert_eq!(
+        constraints,
+        &json!([{"requests": ["gpu"], "distinctAttribute": "gpu.gpufrac.io/uuid"},
+                {"requests": ["gpu"], "matchAttribute": "gpu.gpufrac.io/nvlinkDomain"}]),
+    );
+    assert_eq!(nvlink["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"], 2);
 }
 
 #[test]
