@@ -323,7 +323,7 @@ impl Policy {
     }
 
     /// A group parked on one GPU is parked on each of its other GPUs too, where it is
-    /// resident and waits for nothing there: a tensor-parallel server whose workers see
+    /// parkable, resident and waits for nothing there: a tensor-parallel server whose workers see
     /// one GPU each, parked on one GPU only, would keep its other workers' memory and serve
     /// nothing. (Workers that see every GPU are members on each, and all of them get the
     /// first GPU's orders already.)
@@ -342,6 +342,7 @@ impl Policy {
                     gpu.queue.iter().any(|w| w.group == name) || gpu.wakers.iter().any(|w| w.group == name);
                 let Some(g) = gpu.groups.get_mut(&name) else { continue };
                 if busy
+                    || g.park_after.is_none()
                     || g.park != GroupPark::Resident
                     || !g.members.values().all(|m| m.park == MemberPark::Resident)
                 {

@@ -125,7 +125,40 @@ impl Policy {
                 picked.extend(set.into_iter().map(|conn| (device, conn)));
             }
         }
+        self.swap_with_their_groups(&mut picked, host, swap_limit);
         picked.into_iter().filter_map(|(device, conn)| self.start_swap_out(device, conn, now)).collect()
+    }
+
+    /// A group on several GPUs is swapped out as one: its workers step together, so with
+    /// one of them in host RAM the others' bursts sit idle on their GPUs. Its members
+    /// holding burst memory on its other GPUs are added to `picked` (resident, using swap,
+    /// on a GPU with no swap-out under way, within `swap_limit` beside `host`).
+    fn swap_with_their_groups(&self, picked: &mut Vec<(DeviceId, ConnId)>, mut host: u64, swap_limit: u64) {
+        let groups: Vec<(DeviceId, String)> = picked
+            .iter()
+            .filter_map(|&(device, conn)| Some((device, self.peers.get(&conn)?.group.clone())))
+            .collect();
+        for (device, name) in groups {
+            for (&other, gpu) in self.gpus.iter().filter(|(d, _)| **d != device) {
+                if gpu.members().any(|(_, _, m)| m.residency == Residency::SwappingOut) {
+                    continue;
+                }
+                let Some(g) = gpu.groups.get(&name) else { continue };
+                for (&conn, m) in &g.members {
+                    let swaps = self.peers.get(&conn).is_some_and(|p| p.resolver == Resolver::Swap);
+                    if !swaps
+                        || m.granted == 0
+                        || m.residency != Residency::Resident
+                        || picked.contains(&(other, conn))
+                        || host.saturating_add(m.granted) > swap_limit
+                    {
+                        continue;
+                    }
+                    host += m.granted;
+                    picked.push((other, conn));
+                }
+            }
+        }
     }
 
     /// A process reports where its burst memory is after a swap (out or in) or a free

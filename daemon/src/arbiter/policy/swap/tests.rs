@@ -554,3 +554,46 @@ fn a_group_waiting_for_its_swap_in_does_not_keep_a_swap_burst_from_being_served(
         p.swap_victims(at(20_000), Duration::from_secs(10), 64 * GIB).iter().map(|v| v.conn).collect();
     assert_eq!(victims, [3, 1], "load2 (not waiting) first, then load0");
 }
+
+#[test]
+fn a_group_on_two_gpus_is_swapped_out_on_both() {
+    let now = Instant::now();
+    const OTHER: DeviceId = [8; 16];
+    let mut p = Policy::new(&[(GPU, 16 * GIB), (OTHER, 16 * GIB)]);
+    // A tensor-parallel server (one worker per GPU) and a one-GPU server, all using swap.
+    for (conn, group, device) in [(1, "tp", GPU), (2, "tp", OTHER), (3, "solo", GPU)] {
+        p.hello(conn, Peer { pid: 100 + conn as u32, resolver: Resolver::Swap, ..peer(group, 60_000) });
+        p.register(conn, device, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+    }
+    // The server's step took 8 GiB on each GPU, long ago; it is idle since.
+    let long_ago = now - Duration::from_secs(60);
+    assert_eq!(p.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, long_ago), Outcome::Granted(8 * GIB));
+    assert_eq!(p.acquire(2, OTHER, 1, 8 * GIB, 8 * GIB, 0, false, long_ago), Outcome::Granted(8 * GIB));
+    for conn in [1, 2] {
+        p.peers.get_mut(&conn).unwrap().last_active = long_ago;
+    }
+    // The other server's burst on the first GPU needs the server's memory there: the
+    // server goes to host RAM on both GPUs, as one.
+    assert_eq!(p.acquire(3, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
+    let mut v: Vec<_> = p
+        .swap_victims(now, Duration::from_secs(10), u64::MAX)
+        .iter()
+        .map(|v| (v.conn, v.device, v.bytes))
+        .collect();
+    v.sort();
+    assert_eq!(v, vec![(1, GPU, 8 * GIB), (2, OTHER, 8 * GIB)]);
+    // Within the host-RAM cap only: room for one worker's burst swaps out that one alone.
+    let mut p2 = Policy::new(&[(GPU, 16 * GIB), (OTHER, 16 * GIB)]);
+    for (conn, group, device) in [(1, "tp", GPU), (2, "tp", OTHER), (3, "solo", GPU)] {
+        p2.hello(conn, Peer { pid: 100 + conn as u32, resolver: Resolver::Swap, ..peer(group, 60_000) });
+        p2.register(conn, device, 16 * GIB, 2 * GIB, 12 * GIB, 0, 0, 0).unwrap();
+    }
+    assert_eq!(p2.acquire(1, GPU, 1, 8 * GIB, 8 * GIB, 0, false, long_ago), Outcome::Granted(8 * GIB));
+    assert_eq!(p2.acquire(2, OTHER, 1, 8 * GIB, 8 * GIB, 0, false, long_ago), Outcome::Granted(8 * GIB));
+    for conn in [1, 2] {
+        p2.peers.get_mut(&conn).unwrap().last_active = long_ago;
+    }
+    assert_eq!(p2.acquire(3, GPU, 1, 6 * GIB, 6 * GIB, 0, false, now), Outcome::Queued);
+    let v = p2.swap_victims(now, Duration::from_secs(10), 10 * GIB);
+    assert_eq!(v.iter().map(|v| (v.conn, v.device)).collect::<Vec<_>>(), vec![(1, GPU)]);
+}
