@@ -86,6 +86,9 @@ pub struct Config {
     /// request, the process gives back what its frameworks keep and do not use
     /// (`GPUFRAC_GIVE_BACK_IDLE`); `None`: only when the arbiter asks.
     pub give_back_idle: Option<Duration>,
+    /// Where the request is reserved (`GPUFRAC_RESERVE`): on every visible device at
+    /// `cuInit`, or on each device at the process's first context there.
+    pub reserve: Reserve,
     /// The group's share of each GPU's time (`GPUFRAC_COMPUTE_REQUEST`,
     /// `GPUFRAC_COMPUTE_LIMIT`); `None`: no compute control, the GPU's own time-slicing.
     pub compute: Option<ComputeSpec>,
@@ -97,6 +100,17 @@ pub struct Config {
     pub pod: Option<String>,
     /// Log filter, `RUST_LOG` syntax.
     pub log: String,
+}
+
+/// Where a process's request is reserved (`GPUFRAC_RESERVE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reserve {
+    /// On every device the process sees, at `cuInit` (`visible`, the default).
+    #[default]
+    Visible,
+    /// On a device at the process's first context there (`first-use`): a device it never
+    /// uses reserves nothing, as a tensor-parallel worker that sees every GPU and uses one.
+    FirstUse,
 }
 
 impl ConfigError {
@@ -181,6 +195,14 @@ impl Config {
             },
             None => Some(DEFAULT_GIVE_BACK_IDLE),
         };
+        let reserve = match get("GPUFRAC_RESERVE") {
+            Some(text) => match text.trim() {
+                "visible" => Reserve::Visible,
+                "first-use" => Reserve::FirstUse,
+                _ => return Err(invalid("GPUFRAC_RESERVE", &text, "expected visible or first-use")),
+            },
+            None => Reserve::Visible,
+        };
         let group = match get("GPUFRAC_GROUP") {
             Some(text) => {
                 let ok = !text.is_empty()
@@ -257,6 +279,7 @@ impl Config {
             wait_timeout,
             park_after,
             give_back_idle,
+            reserve,
             compute,
             group,
             arbiter_socket,
@@ -453,6 +476,23 @@ mod tests {
         assert_eq!(c.park_after, Some(Duration::from_secs(300)));
         let err = read(&[("GPUFRAC_MEMORY_REQUEST", "1GiB"), ("GPUFRAC_PARK_AFTER", "idle")]).unwrap_err();
         assert!(err.to_string().starts_with("invalid GPUFRAC_PARK_AFTER=\"idle\""), "{err}");
+    }
+
+    #[test]
+    fn the_request_is_reserved_on_every_visible_device_unless_first_use_is_asked() {
+        let with = |value: Option<&str>| {
+            let mut vars = vec![("GPUFRAC_MEMORY_REQUEST", "1GiB")];
+            vars.extend(value.map(|v| ("GPUFRAC_RESERVE", v)));
+            read(&vars)
+        };
+        assert_eq!(with(None).unwrap().unwrap().reserve, Reserve::Visible);
+        assert_eq!(with(Some("visible")).unwrap().unwrap().reserve, Reserve::Visible);
+        assert_eq!(with(Some("first-use")).unwrap().unwrap().reserve, Reserve::FirstUse);
+        let err = with(Some("lazy")).unwrap_err().to_string();
+        assert!(
+            err.contains("GPUFRAC_RESERVE") && err.contains("lazy") && err.contains("first-use"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -17,7 +17,21 @@ const GIB: u64 = 1 << 30;
 /// 10 GiB on each GPU. (Groups share a ledger by name across the machine: each test
 /// names its own.)
 fn worker(gpu: &SimGpu, arbiter: &Arbiter, group: &str, rank: u32, socket: &Path, args: &[&str]) -> Child {
+    worker_with(gpu, arbiter, group, rank, socket, args, &[])
+}
+
+/// [`worker`] with more environment.
+fn worker_with(
+    gpu: &SimGpu,
+    arbiter: &Arbiter,
+    group: &str,
+    rank: u32,
+    socket: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let mut cmd: Command = gpu.shimmed(artifact("tp_worker"));
+    cmd.envs(env.iter().copied());
     cmd.memory_request("4GiB")
         .memory_limit("10GiB")
         .resolver("wait")
@@ -123,5 +137,51 @@ fn two_tensor_parallel_pairs_colliding_on_both_gpus_take_turns_round_after_round
             let out = finished(w, &format!("round {round} {who}"));
             assert_eq!(done_line(&out), "DONE steps=5 ok=5 oom=0", "round {round} {who}:\n{out}");
         }
+    }
+}
+
+#[test]
+fn under_first_use_a_group_reserves_its_request_only_on_the_gpus_it_uses() {
+    skip_on_real_gpu!(WHY);
+    let gpu = SimGpu::new("16GiB,16GiB");
+    let arbiter = Arbiter::start(&gpu);
+    let socket = gpu.lib_dir().join("solo.sock");
+    // Two one-worker groups that see both GPUs and each use one (the pair's link only
+    // keeps them in step): reserved at first use, each group's 4 GiB is on its own GPU
+    // alone; reserved on every visible device (the default), each would hold 4 GiB of
+    // both.
+    let steps = ["--burst", "1GiB", "--steps", "20", "--hold-ms", "50"];
+    let first_use = [("GPUFRAC_RESERVE", "first-use")];
+    let w0 = worker_with(&gpu, &arbiter, "tp-first-use-0", 0, &socket, &steps, &first_use);
+    let w1 = worker_with(&gpu, &arbiter, "tp-first-use-1", 1, &socket, &steps, &first_use);
+    let started = std::time::Instant::now();
+    let requests = loop {
+        let seen = status(&arbiter);
+        let request = |gpu: usize, group: &str| {
+            seen.gpus
+                .get(gpu)
+                .and_then(|g| g.processes.iter().find(|p| p.group.ends_with(group)).map(|p| p.request))
+        };
+        let requests = [
+            request(0, "tp-first-use-0"),
+            request(0, "tp-first-use-1"),
+            request(1, "tp-first-use-0"),
+            request(1, "tp-first-use-1"),
+        ];
+        if requests == [Some(4 * GIB), Some(0), Some(0), Some(4 * GIB)]
+            || started.elapsed() > std::time::Duration::from_secs(20)
+        {
+            break requests;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(
+        requests,
+        [Some(4 * GIB), Some(0), Some(0), Some(4 * GIB)],
+        "(GPU 0: group 0, group 1; GPU 1: ...)"
+    );
+    for (rank, w) in [w0, w1].into_iter().enumerate() {
+        let out = finished(w, &format!("rank {rank}"));
+        assert_eq!(done_line(&out), "DONE steps=20 ok=20 oom=0", "rank {rank}:\n{out}");
     }
 }

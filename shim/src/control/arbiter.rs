@@ -42,6 +42,12 @@ pub(crate) enum Event<'a> {
 
 /// Longest a write to the arbiter may block before the connection is given up.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a device registered again waits for the client to be connected (then, with
+/// the arbiter away, the request stands until the registration after the reconnection).
+const CONNECTED_WAIT: Duration = Duration::from_secs(2);
+/// Longest a device registered again waits for the arbiter's answer (then the request
+/// stands, as with an arbiter away).
+const REGISTER_AGAIN_WAIT: Duration = Duration::from_secs(10);
 /// How long after a reclaim request this process keeps no slack grant.
 const CONTENDED_FOR: Duration = Duration::from_secs(1);
 
@@ -75,13 +81,24 @@ struct Waiting {
     abandoned: bool,
 }
 
+/// The arbiter's answer to a device registered again: the request and limit it
+/// believes, or why it refused.
+type RegisteredAgain = Result<(u64, u64), String>;
+
 /// The connection to the arbiter.
 pub(crate) struct Client {
     path: PathBuf,
     hello: Request,
-    /// Set once, after the first `Welcome` (fractions are of the memory it says the
-    /// arbiter manages) or without one.
-    registrations: OnceLock<Vec<Registration>>,
+    /// Set at [`Client::start`], after the first `Welcome` (fractions are of the memory
+    /// it says the arbiter manages) or without one; a device registered again
+    /// ([`Client::register_again`]) is updated here, for the registrations after a
+    /// reconnection.
+    registrations: Mutex<Vec<Registration>>,
+    /// Devices registered again since the start, and the arbiter's answer once it came:
+    /// the request and limit it believes, or why it refused.
+    registered_again: Mutex<HashMap<DeviceId, Option<RegisteredAgain>>>,
+    /// Signalled when an answer to a device registered again arrives.
+    registered_again_answered: Condvar,
     /// The connection greeted at the start, until the registrations go on it.
     greeted: Mutex<Option<UnixStream>>,
     /// Per device, the memory the arbiter manages (its first `Welcome`).
@@ -142,8 +159,8 @@ fn greet(c: &Client) -> Result<UnixStream, Handshake> {
 /// Registers every device on a greeted connection; the answers come back synchronously.
 fn register(c: &Client, mut stream: UnixStream) -> Result<UnixStream, Handshake> {
     let io = |e: std::io::Error| Handshake::Unreachable(e.to_string());
-    let registrations = c.registrations.get().map_or(&[][..], Vec::as_slice);
-    for r in registrations {
+    let registrations = lock(&c.registrations).clone();
+    for r in &registrations {
         let (held, granted, swapped) = (c.usage)(&r.device);
         let frame = Request::Register {
             device: r.device,
@@ -231,7 +248,9 @@ impl Client {
         let client = Arc::new(Client {
             path: path.to_owned(),
             hello,
-            registrations: OnceLock::new(),
+            registrations: Mutex::new(Vec::new()),
+            registered_again: Mutex::new(HashMap::new()),
+            registered_again_answered: Condvar::new(),
             greeted: Mutex::new(None),
             managed: Mutex::new(HashMap::new()),
             usage,
@@ -267,7 +286,7 @@ impl Client {
     pub(crate) fn start(self: &Arc<Client>, registrations: Vec<Registration>) -> Result<(), String> {
         let path = &self.path;
         let client = self.clone();
-        let _ = client.registrations.set(registrations);
+        *lock(&client.registrations) = registrations;
         let greeted = lock(&client.greeted).take();
         let first = match greeted.map(|stream| register(&client, stream)) {
             None => None,
@@ -291,6 +310,72 @@ impl Client {
             .spawn(move || reporter.report_activity())
             .map_err(|e| format!("gpufrac: cannot start the activity thread: {e}"))?;
         Ok(())
+    }
+
+    /// Registers `registration`'s device again, with a larger request (the process's
+    /// first context there under `GPUFRAC_RESERVE=first-use`): the request and limit the
+    /// arbiter believes, or why it refused. With the arbiter away, the request stands (the
+    /// registration after the reconnection carries it, and may still be refused then).
+    pub(crate) fn register_again(&self, registration: Registration) -> RegisteredAgain {
+        let device = registration.device;
+        {
+            let mut registrations = lock(&self.registrations);
+            match registrations.iter_mut().find(|r| r.device == device) {
+                Some(r) => *r = registration,
+                None => registrations.push(registration),
+            }
+        }
+        lock(&self.registered_again).insert(device, None);
+        let (held, granted, swapped) = (self.usage)(&device);
+        let frame = Request::Register {
+            device,
+            total: registration.total,
+            request: registration.request,
+            limit: registration.limit,
+            held,
+            granted,
+            swapped,
+        }
+        .encode();
+        // The client's thread takes the connection over just after `cuInit`, which a first
+        // context may follow at once: it is waited for, briefly.
+        let connecting = Instant::now() + CONNECTED_WAIT;
+        while !self.connected.load(Ordering::Acquire) && Instant::now() < connecting {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !self.write(&frame) {
+            lock(&self.registered_again).remove(&device);
+            return Ok((registration.request, registration.limit));
+        }
+        let deadline = Instant::now() + REGISTER_AGAIN_WAIT;
+        let mut answers = lock(&self.registered_again);
+        loop {
+            if let Some(Some(answer)) = answers.get(&device) {
+                let answer = answer.clone();
+                answers.remove(&device);
+                return answer;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                answers.remove(&device);
+                return Ok((registration.request, registration.limit));
+            }
+            answers = self
+                .registered_again_answered
+                .wait_timeout(answers, left)
+                .map(|(a, _)| a)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// The arbiter's answer to a device registered again, for the thread waiting for it.
+    fn answer_registration(&self, device: DeviceId, answer: RegisteredAgain) {
+        let mut answers = lock(&self.registered_again);
+        if let Some(slot) = answers.get_mut(&device) {
+            *slot = Some(answer);
+            drop(answers);
+            self.registered_again_answered.notify_all();
+        }
     }
 
     /// This process's PID as the arbiter sees it (the host's, in a container), once the
@@ -395,6 +480,11 @@ impl Client {
                         | Reply::Unparked { .. }),
                     ) => (self.route)(Event::Pushed(&command)),
                     Ok(lease @ Reply::Lease { .. }) => (self.route)(Event::Pushed(&lease)),
+                    Ok(Reply::Registered { device, request, limit, .. }) => {
+                        lock(&self.believed).insert(device, (request, limit));
+                        self.answer_registration(device, Ok((request, limit)));
+                    }
+                    Ok(Reply::Refused { device, reason }) => self.answer_registration(device, Err(reason)),
                     Ok(other) => tracing::debug!("arbiter says {other:?}"),
                     Err(e) => {
                         tracing::warn!("bad frame from the arbiter: {e}");

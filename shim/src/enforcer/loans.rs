@@ -36,6 +36,10 @@ pub(crate) trait Lender: Send + Sync {
     fn swapped_out(&self) -> bool;
     /// Waits for the swap-in, as the process's launches do at the gate.
     fn wait_swapped_in(&self) -> Result<(), Status>;
+    /// Reserves `request` on `device` (of `total` bytes, up to `limit`), registered until
+    /// now with none (`GPUFRAC_RESERVE=first-use`): the request the arbiter believes, or
+    /// why it refused it.
+    fn reserve(&self, device: DeviceId, total: u64, request: u64, limit: u64) -> Result<u64, String>;
 }
 
 /// Why a burst was not granted.

@@ -176,6 +176,13 @@ pub(crate) struct Enforcer {
     pub graphs: crate::enforcer::graphs::GraphBook,
     /// The arbiter, when `GPUFRAC_ARBITER_SOCKET` is set (connected at `cuInit`).
     pub lender: OnceLock<Box<dyn Lender>>,
+    /// `GPUFRAC_RESERVE=first-use`: each slice's request is what [`Enforcer::reserved`]
+    /// says, raised to it at the device's first context.
+    first_use: bool,
+    /// Per CUDA ordinal, the request reserved so far (first-use only).
+    reserved: [AtomicU64; crate::books::group_ledger::MAX_DEVICES],
+    /// Serialises reservations at first use.
+    reserving: Mutex<()>,
     /// Per ledger device: bytes that threads are asking the arbiter for right now. A
     /// grant that arrives for them is not "unused" and is not given back on reclaim.
     pending: [AtomicU64; crate::books::group_ledger::MAX_DEVICES],
@@ -212,6 +219,7 @@ impl Enforcer {
             })?,
             None => Ledger::private(),
         };
+        let first_use = config.reserve == gpufrac_common::config::Reserve::FirstUse;
         Ok(Enforcer {
             config,
             ledger,
@@ -226,6 +234,9 @@ impl Enforcer {
             backstop: Default::default(),
             graphs: Default::default(),
             lender: OnceLock::new(),
+            first_use,
+            reserved: std::array::from_fn(|_| AtomicU64::new(0)),
+            reserving: Mutex::new(()),
             pending: std::array::from_fn(|_| AtomicU64::new(0)),
         })
     }
@@ -339,13 +350,63 @@ impl Enforcer {
         ((slice.limit - slice.request) / 4).max(64 << 20)
     }
 
-    /// The slice of CUDA device `ordinal`.
+    /// The slice of CUDA device `ordinal`, with the request reserved there so far.
     #[inline]
     pub(crate) fn slice(&self, ordinal: usize) -> Option<Slice> {
         match self.devices.get() {
-            Some(Ok(slices)) => slices.get(ordinal).copied(),
+            Some(Ok(slices)) => {
+                let mut slice = *slices.get(ordinal)?;
+                if self.first_use {
+                    slice.request = self.reserved[ordinal].load(Ordering::Acquire);
+                }
+                Some(slice)
+            }
             _ => None,
         }
+    }
+
+    /// Whether the request is reserved at each device's first use (`GPUFRAC_RESERVE`).
+    pub(crate) fn reserves_on_first_use(&self) -> bool {
+        self.first_use
+    }
+
+    /// With `GPUFRAC_RESERVE=first-use`, reserves the group's request on CUDA device
+    /// `ordinal` at the process's first context there (with an arbiter, by registering it
+    /// again with the request; `cuInit` registered it with none). Out-of-memory if the
+    /// arbiter refuses it: the request does not fit beside the other guarantees.
+    pub(crate) fn reserve_on_first_use(&self, ordinal: usize) -> Result<(), Status> {
+        let Some(target) = self.slices().get(ordinal).map(|s| s.request) else { return Ok(()) };
+        if !self.first_use || self.reserved[ordinal].load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        self.reserved_slow(ordinal, target)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn reserved_slow(&self, ordinal: usize, target: u64) -> Result<(), Status> {
+        let _one_at_a_time = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
+        if self.reserved[ordinal].load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        let Some(slice) = self.slices().get(ordinal).copied() else { return Ok(()) };
+        let reserved = match self.lender.get() {
+            Some(lender) => match lender.reserve(slice.uuid, slice.total, target, slice.limit) {
+                Ok(believed) => believed.min(target),
+                Err(reason) => {
+                    tracing::warn!(
+                        ordinal,
+                        request = target,
+                        "gpufrac: out of memory: GPUFRAC_MEMORY_REQUEST could not be reserved on device {ordinal} at its first use (GPUFRAC_RESERVE=first-use): {reason}"
+                    );
+                    return Err(OUT_OF_MEMORY);
+                }
+            },
+            None => target,
+        };
+        tracing::info!(ordinal, request = reserved, "request reserved at the device's first use");
+        self.reserved[ordinal].store(reserved, Ordering::Release);
+        Ok(())
     }
 
     /// The CUDA ordinal of this process's one device, when it has exactly one: every
@@ -538,12 +599,12 @@ impl Enforcer {
 
     /// The slice of the device with `uuid`.
     pub(crate) fn slice_by_uuid(&self, uuid: &[u8; 16]) -> Option<Slice> {
-        self.slices().iter().find(|s| &s.uuid == uuid).copied()
+        self.slice(self.slices().iter().position(|s| &s.uuid == uuid)?)
     }
 
     /// The slice of the ledger's device `device`.
     pub(crate) fn slice_by_ledger(&self, device: usize) -> Option<Slice> {
-        self.slices().iter().find(|s| s.ledger == device).copied()
+        self.slice(self.slices().iter().position(|s| s.ledger == device)?)
     }
 
     fn slices(&self) -> &[Slice] {

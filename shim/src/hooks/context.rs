@@ -180,6 +180,10 @@ pub(crate) fn primary_retain(ctx: *mut Ptr, dev: c_int) -> Status {
     if dev < 0 || primary_active(dev) {
         return call_real!(cuDevicePrimaryCtxRetain(ctx, dev));
     }
+    // The device's first context: the request is reserved now under first-use.
+    if let Err(status) = e.reserve_on_first_use(dev as usize) {
+        return status;
+    }
     measured(
         e,
         dev as usize,
@@ -258,6 +262,9 @@ fn create_tracked(
         Ok(a) => a,
         Err(status) => return status,
     };
+    if let Some(Err(status)) = enforcer().filter(|_| dev >= 0).map(|e| e.reserve_on_first_use(dev as usize)) {
+        return status;
+    }
     match enforcer() {
         Some(e) if dev >= 0 => measured(
             e,

@@ -84,9 +84,17 @@ fn connect(e: &'static Enforcer, slices: &mut [Slice]) -> Result<(), String> {
             );
         }
     }
+    // GPUFRAC_RESERVE=first-use: nothing is reserved until the process's first context on
+    // a device (`Enforcer::reserve_on_first_use`).
+    let first_use = e.reserves_on_first_use();
     let registrations = slices
         .iter()
-        .map(|s| Registration { device: s.uuid, total: s.total, request: s.request, limit: s.limit })
+        .map(|s| Registration {
+            device: s.uuid,
+            total: s.total,
+            request: if first_use { 0 } else { s.request },
+            limit: s.limit,
+        })
         .collect();
     client.start(registrations)?;
     if let Some(pid) = client.seen_pid() {
@@ -103,7 +111,9 @@ fn connect(e: &'static Enforcer, slices: &mut [Slice]) -> Result<(), String> {
         let believed = client.believed(&slice.uuid).filter(|&believed| believed != (0, 0));
         if let Some((request, limit)) = believed {
             let limit = limit.min(slice.limit);
-            let request = request.min(slice.request).min(limit);
+            // Reserved at first use, the request is believed then.
+            let request =
+                if first_use { slice.request.min(limit) } else { request.min(slice.request).min(limit) };
             if (request, limit) != (slice.request, slice.limit) {
                 tracing::info!(request, limit, "device slice as the arbiter believes it");
             }
@@ -112,7 +122,7 @@ fn connect(e: &'static Enforcer, slices: &mut [Slice]) -> Result<(), String> {
     }
     for slice in slices.iter() {
         // A context's size as the arbiter learnt it on this GPU: the first context's
-        // charge, where the group has measured none ite.
+        // charge, where the group has measured none itself.
         if let Some(bytes) = client.context_bytes(&slice.uuid) {
             if e.ledger.context_bytes(slice.ledger).is_none() {
                 e.ledger.set_context_bytes(slice.ledger, bytes);
@@ -188,5 +198,9 @@ impl Lender for Loans {
 
     fn wait_swapped_in(&self) -> Result<(), Status> {
         gate::wait_swapped_in()
+    }
+
+    fn reserve(&self, device: DeviceId, total: u64, request: u64, limit: u64) -> Result<u64, String> {
+        self.0.register_again(Registration { device, total, request, limit }).map(|(request, _)| request)
     }
 }
