@@ -409,13 +409,16 @@ async fn the_arbiter_entitles_a_pods_process_to_its_prepared_claim() {
 }
 
 const TP_CLAIM_UID: &str = "0f3c2a9e-2222-4222-8333-444455556666";
+/// The tensor-parallel pod: a pod of its own (tests run at once, and a pod's cgroup is
+/// removed when its test ends).
+const TP_POD_UID: &str = "7a1b2c3d-0000-4000-8000-000000000002";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_of_two_gpus_entitles_the_pod_on_both() {
     skip_on_real_gpu!(SIMULATED);
-    let Some(cgroup) = PodCgroup::make_or_skip(POD_UID) else { return };
+    let Some(cgroup) = PodCgroup::make_or_skip(TP_POD_UID) else { return };
     let node = node().await;
-    node.put_pod("llm-0", POD_UID);
+    node.put_pod("tp-0", TP_POD_UID);
     // What a tensor-parallel server asks: 2 GPUs, each a different one, each its own memory
     // (the scheduler gave 3 GiB of the 16 GiB GPU and 1 GiB of the 8 GiB one).
     let spec = json!({
@@ -435,7 +438,7 @@ async fn a_claim_of_two_gpus_entitles_the_pod_on_both() {
         spec,
         results,
         &parameters,
-        &[("llm-0", POD_UID)],
+        &[("tp-0", TP_POD_UID)],
     );
     kubernetes_validate::validate_objects(std::slice::from_ref(&claim), &["1.34", "1.37"])
         .unwrap_or_else(|e| panic!("{e}"));
@@ -444,7 +447,7 @@ async fn a_claim_of_two_gpus_entitles_the_pod_on_both() {
     let mut plugin = node.start_plugin(&[]).await;
     node.kubelet.register().await;
 
-    let answer = node.kubelet.start_pod(POD_UID, &ClaimName::new("inference", "tp-gpus", TP_CLAIM_UID)).await;
+    let answer = node.kubelet.start_pod(TP_POD_UID, &ClaimName::new("inference", "tp-gpus", TP_CLAIM_UID)).await;
     assert_eq!(answer.error, "", "{}", plugin.diagnostics());
     let devices: Vec<&str> = answer.devices.iter().map(|d| d.device_name.as_str()).collect();
     assert_eq!(devices, ["gpu-0", "gpu-1"], "one device per GPU");
