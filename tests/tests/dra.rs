@@ -447,7 +447,8 @@ async fn a_claim_of_two_gpus_entitles_the_pod_on_both() {
     let mut plugin = node.start_plugin(&[]).await;
     node.kubelet.register().await;
 
-    let answer = node.kubelet.start_pod(TP_POD_UID, &ClaimName::new("inference", "tp-gpus", TP_CLAIM_UID)).await;
+    let answer =
+        node.kubelet.start_pod(TP_POD_UID, &ClaimName::new("inference", "tp-gpus", TP_CLAIM_UID)).await;
     assert_eq!(answer.error, "", "{}", plugin.diagnostics());
     let devices: Vec<&str> = answer.devices.iter().map(|d| d.device_name.as_str()).collect();
     assert_eq!(devices, ["gpu-0", "gpu-1"], "one device per GPU");

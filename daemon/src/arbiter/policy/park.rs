@@ -297,21 +297,8 @@ impl Policy {
                 };
                 let Some(g) = gpu.groups.get_mut(&name) else { continue };
                 let bytes = g.footprint();
-                g.park = GroupPark::Parking { since: now };
-                for (&conn, m) in g.members.iter_mut() {
-                    m.park = MemberPark::Parking;
-                    m.checkpointed = self.checkpoint && counts.get(&conn) == Some(&1);
-                    let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
-                    orders.push(ParkOrder {
-                        conn,
-                        device,
-                        pid,
-                        group: name.clone(),
-                        bytes,
-                        checkpoint: m.checkpointed,
-                        why,
-                    });
-                }
+                let parking = Parking { device, name: &name, why, now, checkpoint: self.checkpoint };
+                orders.extend(parking.start(g, &counts, &self.peers));
                 (for_wake, crowded) = (for_wake - bytes as i128, crowded - bytes as i128);
                 if for_wake <= 0 && crowded <= 0 {
                     break;
@@ -348,22 +335,8 @@ impl Policy {
                 {
                     continue;
                 }
-                let bytes = g.footprint();
-                g.park = GroupPark::Parking { since: now };
-                for (&conn, m) in g.members.iter_mut() {
-                    m.park = MemberPark::Parking;
-                    m.checkpointed = self.checkpoint && counts.get(&conn) == Some(&1);
-                    let pid = self.peers.get(&conn).map_or(0, |p| p.pid);
-                    orders.push(ParkOrder {
-                        conn,
-                        device: other,
-                        pid,
-                        group: name.clone(),
-                        bytes,
-                        checkpoint: m.checkpointed,
-                        why,
-                    });
-                }
+                let parking = Parking { device: other, name: &name, why, now, checkpoint: self.checkpoint };
+                orders.extend(parking.start(g, counts, &self.peers));
             }
         }
     }
@@ -447,6 +420,46 @@ impl Policy {
 
 /// What member `conn` of `g` borrowed when it was parked is lent to it again, within what
 /// the group may still borrow (its request or limit may have changed meanwhile).
+/// A park the arbiter orders: of group `name` on `device`.
+struct Parking<'a> {
+    device: DeviceId,
+    name: &'a str,
+    why: &'static str,
+    now: Instant,
+    /// The driver's checkpoint API is there to park processes on one GPU.
+    checkpoint: bool,
+}
+
+impl Parking<'_> {
+    /// Marks group `g` and its members parking; one order per member (by the checkpoint
+    /// where its process is on this GPU alone, `on_gpus` counting each one's GPUs).
+    fn start(
+        &self,
+        g: &mut Group,
+        on_gpus: &std::collections::HashMap<ConnId, usize>,
+        peers: &std::collections::HashMap<ConnId, super::Peer>,
+    ) -> Vec<ParkOrder> {
+        let bytes = g.footprint();
+        g.park = GroupPark::Parking { since: self.now };
+        g.members
+            .iter_mut()
+            .map(|(&conn, m)| {
+                m.park = MemberPark::Parking;
+                m.checkpointed = self.checkpoint && on_gpus.get(&conn) == Some(&1);
+                ParkOrder {
+                    conn,
+                    device: self.device,
+                    pid: peers.get(&conn).map_or(0, |p| p.pid),
+                    group: self.name.to_owned(),
+                    bytes,
+                    checkpoint: m.checkpointed,
+                    why: self.why,
+                }
+            })
+            .collect()
+    }
+}
+
 pub(super) fn lend_again(g: &mut Group, conn: ConnId) {
     let room = g.room();
     if let Some(m) = g.members.get_mut(&conn) {
