@@ -318,13 +318,36 @@ impl Client {
     /// registration after the reconnection carries it, and may still be refused then).
     pub(crate) fn register_again(&self, registration: Registration) -> RegisteredAgain {
         let device = registration.device;
-        {
+        let before = {
             let mut registrations = lock(&self.registrations);
             match registrations.iter_mut().find(|r| r.device == device) {
-                Some(r) => *r = registration,
-                None => registrations.push(registration),
+                Some(r) => Some(std::mem::replace(r, registration)),
+                None => {
+                    registrations.push(registration);
+                    None
+                }
+            }
+        };
+        let answer = self.ask_registration(registration);
+        if answer.is_err() {
+            // Refused: the registrations after a reconnection keep what was believed
+            // before, not a request the arbiter turned down.
+            let mut registrations = lock(&self.registrations);
+            match before {
+                Some(before) => {
+                    if let Some(r) = registrations.iter_mut().find(|r| r.device == device) {
+                        *r = before;
+                    }
+                }
+                None => registrations.retain(|r| r.device != device),
             }
         }
+        answer
+    }
+
+    /// Sends `registration` on the connection and waits for the arbiter's answer.
+    fn ask_registration(&self, registration: Registration) -> RegisteredAgain {
+        let device = registration.device;
         lock(&self.registered_again).insert(device, None);
         let (held, granted, swapped) = (self.usage)(&device);
         let frame = Request::Register {
