@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use gpufrac_e2e::busy::BusyLoops;
-use gpufrac_e2e::{artifact, skip_on_real_gpu, status, Arbiter, ShimSettings, SimGpu};
+use gpufrac_e2e::{artifact, skip_on_real_gpu, status, Arbiter, ChildProcess, ShimSettings, SimGpu};
 
 const WHY: &str = "two simulated GPUs of a chosen size";
 const GIB: u64 = 1 << 30;
@@ -184,4 +184,41 @@ fn under_first_use_a_group_reserves_its_request_only_on_the_gpus_it_uses() {
         let out = finished(w, &format!("rank {rank}"));
         assert_eq!(done_line(&out), "DONE steps=20 ok=20 oom=0", "rank {rank}:\n{out}");
     }
+}
+
+#[test]
+fn under_first_use_a_request_that_does_not_fit_fails_the_first_context_there() {
+    skip_on_real_gpu!(WHY);
+    let gpu = SimGpu::new("16GiB,16GiB");
+    let arbiter = Arbiter::start(&gpu);
+    // A process that reserves 13 GiB on every visible GPU (the default), and holds 1 GiB.
+    let mut holder = gpu.shimmed(env!("CARGO_BIN_EXE_simgpu_probe"));
+    holder
+        .memory_request("13GiB")
+        .group("tp-holder")
+        .arbiter_socket(arbiter.socket())
+        .args(["hold", "1073741824"]);
+    let mut holder = ChildProcess::spawn(&mut holder);
+    let _ = holder.ready();
+    // A worker reserving 4 GiB at first use starts (cuInit reserves nothing), and its
+    // first context, on GPU 1, fails: 4 GiB do not fit beside the 13 GiB guaranteed there.
+    let socket = gpu.lib_dir().join("late.sock");
+    let first_use = [("GPUFRAC_RESERVE", "first-use")];
+    let late = worker_with(&gpu, &arbiter, "tp-late", 1, &socket, &["--steps", "1"], &first_use);
+    let out = late.wait_with_output().expect("wait for tp_worker");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("FAILED context CUDA_ERROR_OUT_OF_MEMORY"), "{stderr}");
+    assert!(
+        stderr.contains("GPUFRAC_MEMORY_REQUEST") && stderr.contains("GPUFRAC_RESERVE"),
+        "named: {stderr}"
+    );
+    // Nothing of its request is reserved on either GPU.
+    let seen = status(&arbiter);
+    assert!(
+        seen.gpus.iter().flat_map(|g| &g.processes).all(|p| !p.group.ends_with("tp-late") || p.request == 0),
+        "{seen:?}"
+    );
+    holder.close_stdin();
+    holder.finish();
 }
